@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The main job from the README: sets up .venv if needed, then runs the trainer on its built-in
+# default (a small model on CPU with gloo ranks). Extra arguments go to xorl-train.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+. "$root/scripts/setup_env.sh"
+cd "$root"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+nproc_per_node="${NPROC_PER_NODE:-2}"
+exec torchrun --standalone --nproc_per_node="$nproc_per_node" -m xorl.cli.train "$@"

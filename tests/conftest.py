@@ -1,0 +1,32 @@
+"""Shared pytest set-up: the `gpu` marker skips without CUDA; `gloo_world(n)` reuses N-rank worlds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from xorl.testing.multirank import GlooWorld
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def gloo_world():
+    """Factory: ``gloo_world(4)`` returns a started 4-rank world shared by the whole session."""
+    worlds: dict[int, GlooWorld] = {}
+
+    def get(world_size: int) -> GlooWorld:
+        if world_size not in worlds:
+            worlds[world_size] = GlooWorld(world_size)
+        return worlds[world_size].start()
+
+    yield get
+    for world in worlds.values():
+        world.close()

@@ -1,0 +1,3 @@
+"""xorl: the parallel layer (ParallelState, parallel modules, models) and the trainer."""
+
+__version__ = "0.1.0"

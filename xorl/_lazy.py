@@ -1,0 +1,24 @@
+"""Lazy attribute loading for package namespaces.
+
+Why: each public name lives in a small module of its own; importing the package must stay cheap
+(no Triton or torch.distributed import until a name is used) and one op's missing optional
+dependency must not break the others.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+
+def lazy_getattr(package: str, exports: dict[str, str]):
+    """Return a module-level ``__getattr__`` that imports ``exports[name]`` on first use."""
+
+    def __getattr__(name: str) -> Any:
+        module = exports.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(module, package), name)
+        return value
+
+    return __getattr__

@@ -1,0 +1,14 @@
+"""Drop-in nn.Module replacements that wrap the xorl_kernels ops with the parallel layer."""
+
+from xorl._lazy import lazy_getattr
+
+_EXPORTS = {
+    "RingAttention": ".ring_attention",
+    "UlyssesAttention": ".ulysses_attention",
+    "ContextParallelAttention": ".context_parallel_attention",
+    "MoE": ".moe",
+    "ColumnParallelLinear": ".tensor_parallel",
+    "RowParallelLinear": ".tensor_parallel",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__ = lazy_getattr(__name__, _EXPORTS)
