@@ -8,6 +8,7 @@ dependency must not break the others.
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any
 
 
@@ -19,6 +20,9 @@ def lazy_getattr(package: str, exports: dict[str, str]):
         if module is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         value = getattr(importlib.import_module(module, package), name)
+        # Why cache: importing ``package.grouped_gemm`` binds the *submodule* onto the package under
+        # the same name as the public function; rebinding the function keeps ``package.name`` right.
+        setattr(sys.modules[package], name, value)
         return value
 
     return __getattr__

@@ -1,0 +1,140 @@
+"""Grouped GEMM for MoE experts: ``y[rows of g] = x[rows of g] @ w[g]``, differentiable in x and w.
+
+Public entry point ``grouped_gemm(x, w, group_sizes)``:
+
+- ``x`` [M, K]: token rows sorted by group (expert); ``w`` [G, K, N] ("in, out" layout);
+  ``group_sizes`` [G] int32/int64 on the same device as x, ``group_sizes[g]`` rows belong to g.
+- returns ``y`` [M, N] in x's dtype (bf16 / fp16 / fp32; products accumulate in fp32).
+- backward: ``dx[rows of g] = dy[rows of g] @ w[g]^T`` and ``dw[g] = x_g^T @ dy_g`` (exactly zero
+  for a group with no rows).
+
+Dispatch: CUDA tensors -> Triton kernels (grouped_gemm_triton.py); CPU tensors -> the plain-torch
+reference (grouped_gemm_reference.py). ``XORL_FORCE_REFERENCE=1`` forces the reference;
+``backend="triton"`` forces Triton (on CPU this needs ``TRITON_INTERPRET=1`` set before triton is
+imported; the tests run that way).
+
+Validation of ``group_sizes`` values (no negative size, ``sum == M``) happens wherever it costs no
+device sync: always when group_sizes is on the CPU. On the GPU the kernels read the sizes on the
+device and never sync, so the values are trusted there: sizes are clamped at 0 and rows past M
+are never touched (no out-of-bounds access), but a sum smaller than M leaves the trailing rows
+of ``y`` unwritten. Set ``XORL_CHECK_GROUP_SIZES=1`` to check them on the GPU too (one sync per
+call; for debugging).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .grouped_gemm_reference import check_group_sizes_values, grouped_gemm_reference
+
+_BACKENDS = ("auto", "triton", "reference")
+_TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_REFERENCE_DTYPES = (*_TRITON_DTYPES, torch.float64)
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "0").lower() not in ("", "0", "false", "no")
+
+
+def _check_inputs(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> None:
+    """Shape / dtype / device checks that need no device sync."""
+    for name, t in (("x", x), ("w", w), ("group_sizes", group_sizes)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"grouped_gemm: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if x.dim() != 2:
+        raise ValueError(
+            f"grouped_gemm: x must be 2-D [tokens, in_features], got shape {tuple(x.shape)}; "
+            "flatten the leading dimensions first (x.reshape(-1, x.shape[-1]))"
+        )
+    if w.dim() != 3:
+        raise ValueError(
+            f"grouped_gemm: w must be 3-D [groups, in_features, out_features], got shape {tuple(w.shape)}"
+        )
+    if group_sizes.dim() != 1:
+        raise ValueError(f"grouped_gemm: group_sizes must be 1-D [groups], got shape {tuple(group_sizes.shape)}")
+    if group_sizes.dtype not in (torch.int32, torch.int64):
+        raise TypeError(
+            f"grouped_gemm: group_sizes must be int32 or int64 (rows per group), got {group_sizes.dtype}; "
+            "convert with group_sizes.to(torch.int32)"
+        )
+    num_groups, in_features, _ = w.shape
+    if num_groups == 0:
+        raise ValueError("grouped_gemm: w has 0 groups; there must be at least one group")
+    if group_sizes.shape[0] != num_groups:
+        raise ValueError(
+            f"grouped_gemm: group_sizes has {group_sizes.shape[0]} entries but w has {num_groups} groups "
+            f"(w.shape = {tuple(w.shape)}); pass one size per group"
+        )
+    if x.shape[1] != in_features:
+        raise ValueError(
+            f"grouped_gemm: x has {x.shape[1]} features but w expects {in_features} "
+            f"(x.shape = {tuple(x.shape)}, w.shape = {tuple(w.shape)}); w must be [groups, in, out]"
+        )
+    if x.dtype != w.dtype:
+        raise TypeError(f"grouped_gemm: x is {x.dtype} but w is {w.dtype}; cast both to the same dtype")
+    if x.dtype not in _REFERENCE_DTYPES:
+        raise TypeError(f"grouped_gemm: dtype {x.dtype} is not supported; use bfloat16, float16 or float32")
+    if x.device != w.device or group_sizes.device != x.device:
+        raise ValueError(
+            f"grouped_gemm: x ({x.device}), w ({w.device}) and group_sizes ({group_sizes.device}) must be "
+            "on the same device (keep group_sizes on the GPU: the kernels read it there without a sync)"
+        )
+
+
+def _resolve_backend(backend: str, x: torch.Tensor) -> str:
+    if backend not in _BACKENDS:
+        raise ValueError(f"grouped_gemm: backend must be one of {_BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        if _env_flag("XORL_FORCE_REFERENCE") or not x.is_cuda or x.dtype not in _TRITON_DTYPES:
+            return "reference"
+        return "triton"
+    if backend == "triton":
+        if x.dtype not in _TRITON_DTYPES:
+            raise TypeError(f"grouped_gemm: the Triton backend supports bf16/fp16/fp32, got {x.dtype}")
+        if not x.is_cuda and not _env_flag("TRITON_INTERPRET"):
+            raise RuntimeError(
+                "grouped_gemm: backend='triton' on CPU tensors needs the Triton interpreter; set "
+                "TRITON_INTERPRET=1 before triton is imported, or use backend='reference'"
+            )
+    return backend
+
+
+class _GroupedGemmTriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+        from .grouped_gemm_triton import grouped_gemm_forward
+
+        ctx.save_for_backward(x, w, group_sizes)
+        return grouped_gemm_forward(x, w, group_sizes)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        from .grouped_gemm_triton import grouped_gemm_forward, grouped_gemm_weight_grad
+
+        x, w, group_sizes = ctx.saved_tensors
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            # dx_g = dy_g @ w[g]^T: the forward kernel on a transposed (strided, uncopied) view of w.
+            dx = grouped_gemm_forward(dy, w.transpose(1, 2), group_sizes)
+        if ctx.needs_input_grad[1]:
+            dw = grouped_gemm_weight_grad(x, dy, group_sizes, out_dtype=w.dtype)
+        return dx, dw, None
+
+
+def grouped_gemm(
+    x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor, *, backend: str = "auto"
+) -> torch.Tensor:
+    """``y[rows of g] = x[rows of g] @ w[g]`` for x [M, K] sorted by group, w [G, K, N] -> y [M, N].
+
+    ``group_sizes`` [G] (int32/int64, same device as x) gives the rows per group and must sum to
+    M. ``backend``: "auto" (CUDA -> Triton, CPU -> reference), "triton" or "reference".
+    """
+    _check_inputs(x, w, group_sizes)
+    chosen = _resolve_backend(backend, x)
+    if chosen == "reference":
+        return grouped_gemm_reference(x, w, group_sizes)
+    if group_sizes.device.type == "cpu" or _env_flag("XORL_CHECK_GROUP_SIZES"):
+        check_group_sizes_values(group_sizes, x.shape[0])
+    return _GroupedGemmTriton.apply(x, w, group_sizes)

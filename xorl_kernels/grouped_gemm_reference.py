@@ -1,0 +1,50 @@
+"""Plain-torch grouped GEMM: the reference every kernel is checked against, and the CPU path.
+
+``y[rows of g] = x[rows of g] @ w[g]`` with x's rows sorted by group and ``group_sizes[g]`` rows
+in group g. A per-group Python loop: it reads ``group_sizes`` on the host (a sync on GPU), which
+is fine for CPU and debugging and is exactly why the GPU path uses the Triton kernels instead.
+Autograd flows through it, so it also gives reference gradients (a group with no rows gets an
+exact zero weight gradient because its slice is empty).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def check_group_sizes_values(group_sizes: torch.Tensor, num_rows: int) -> list[int]:
+    """Read ``group_sizes`` on the host and check it: no negative size, sum equal to ``num_rows``.
+
+    Returns the sizes as Python ints. Costs a device sync when ``group_sizes`` lives on a GPU.
+    """
+    sizes = [int(s) for s in group_sizes.tolist()]
+    negative = [g for g, s in enumerate(sizes) if s < 0]
+    if negative:
+        raise ValueError(
+            f"group_sizes must be >= 0, but group(s) {negative[:8]} have sizes "
+            f"{[sizes[g] for g in negative[:8]]}; pass the number of rows of x that belong to each group"
+        )
+    total = sum(sizes)
+    if total != num_rows:
+        raise ValueError(
+            f"sum(group_sizes) = {total} but x has {num_rows} rows; every row of x must belong to "
+            "exactly one group (pad x or add the missing rows to a group)"
+        )
+    return sizes
+
+
+def grouped_gemm_reference(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+    """``y[rows of g] = x[rows of g] @ w[g]``; x [M, K], w [G, K, N], group_sizes [G] -> y [M, N].
+
+    Products are computed in float32 (float64 stays float64) and cast back to x's dtype, matching
+    the kernels' fp32 accumulation. Differentiable with respect to x and w.
+    """
+    sizes = check_group_sizes_values(group_sizes, x.shape[0])
+    compute_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    pieces = []
+    start = 0
+    for g, rows in enumerate(sizes):
+        x_g = x[start : start + rows].to(compute_dtype)
+        pieces.append(x_g @ w[g].to(compute_dtype))
+        start += rows
+    return torch.cat(pieces, dim=0).to(x.dtype)
