@@ -1,0 +1,217 @@
+"""``xorl.nn.MoE``: a drop-in mixture-of-experts block (router + dispatch + grouped experts + combine).
+
+State-dict names follow the xorl / HF Qwen3-MoE block so checkpoints load unchanged:
+
+    gate.weight              [E, hidden]                    (router)
+    experts.gate_proj        [E, hidden, moe_intermediate]  ([groups, in, out])
+    experts.up_proj          [E, hidden, moe_intermediate]
+    experts.down_proj        [E, moe_intermediate, hidden]
+    shared_expert.{gate,up,down}_proj.weight, shared_expert_gate.weight   (optional, Qwen2-MoE)
+    gate.e_score_correction_bias                            (only with expert_bias=True)
+
+With an EP group of size ep the module holds only this rank's E/ep experts; loading a state dict
+with the full [E, ...] expert tensors slices out the local experts automatically.
+
+``forward(hidden_states [..., hidden]) -> [..., hidden]`` (the same tensor shape, like
+``transformers``' ``Qwen3MoeSparseMoeBlock``). The auxiliary losses of the last forward are kept on
+the module (read them after forward, before the next one):
+
+* ``moe.last_aux_loss``: ``aux_loss_coef * load_balancing + z_loss_coef * z_loss``, a differentiable
+  scalar to add to the training loss (``collect_aux_loss(model)`` sums it over all MoE blocks);
+* ``moe.last_stats``: detached ``{"load_balancing_loss", "z_loss", "tokens_per_expert"}`` (tokens_per_expert
+  is the [E] load of this rank's tokens). Nothing here syncs with the host.
+
+Under EP the losses use this rank's tokens only (the "micro-batch local" variant).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from xorl.nn.expert_parallel import expert_parallel_moe
+from xorl.nn.moe_experts import GroupedExperts
+from xorl.nn.router import Router, check_router_args
+
+_EXPERT_PARAMS = ("gate_proj", "up_proj", "down_proj")
+
+
+class SharedExpertMLP(nn.Module):
+    """Dense SwiGLU MLP with the HF names (gate_proj / up_proj / down_proj Linear layers)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, device=None, dtype=None):
+        super().__init__()
+        kw = {"bias": False, "device": device, "dtype": dtype}
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, **kw)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoE(nn.Module):
+    """Top-k routed SwiGLU experts, optionally expert-parallel over ``ep_group``.
+
+    Args:
+        hidden_size, num_experts, top_k, moe_intermediate_size: the layer's shapes.
+        norm_topk_prob: renormalise the top-k weights (Qwen3-MoE: true).
+        score_func: "softmax" or "sigmoid" router scores (fp32).
+        expert_bias, bias_update_rate: auxiliary-loss-free balancing (see ``Router.update_bias``).
+        shared_expert_intermediate_size: > 0 adds a Qwen2-MoE shared expert with a sigmoid gate.
+        aux_loss_coef, z_loss_coef: weights of the two losses in ``last_aux_loss``.
+        ep_group: expert-parallel process group (None: all experts local).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        moe_intermediate_size: int,
+        *,
+        norm_topk_prob: bool = True,
+        score_func: str = "softmax",
+        expert_bias: bool = False,
+        bias_update_rate: float = 1e-3,
+        shared_expert_intermediate_size: int = 0,
+        aux_loss_coef: float = 1e-3,
+        z_loss_coef: float = 0.0,
+        ep_group: dist.ProcessGroup | None = None,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        check_router_args(num_experts, top_k, score_func)
+        self.ep_group = ep_group
+        self.ep_size = 1 if ep_group is None else dist.get_world_size(ep_group)
+        self.ep_rank = 0 if ep_group is None else dist.get_rank(ep_group)
+        if num_experts % self.ep_size:
+            raise ValueError(
+                f"num_experts={num_experts} is not divisible by the expert-parallel size {self.ep_size}: "
+                "set expert_parallel_size to a divisor of num_experts"
+            )
+        self.hidden_size = hidden_size
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts // self.ep_size
+        self.top_k = top_k
+        self.moe_intermediate_size = moe_intermediate_size
+        self.aux_loss_coef = aux_loss_coef
+        self.z_loss_coef = z_loss_coef
+        self.gate = Router(
+            hidden_size,
+            num_experts,
+            top_k,
+            score_func=score_func,
+            norm_topk_prob=norm_topk_prob,
+            expert_bias=expert_bias,
+            bias_update_rate=bias_update_rate,
+            device=device,
+            dtype=dtype,
+        )
+        self.experts = GroupedExperts(
+            self.num_local_experts, hidden_size, moe_intermediate_size, device=device, dtype=dtype
+        )
+        if shared_expert_intermediate_size > 0:
+            self.shared_expert = SharedExpertMLP(hidden_size, shared_expert_intermediate_size, device, dtype)
+            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False, device=device, dtype=dtype)
+        else:
+            self.shared_expert = None
+            self.shared_expert_gate = None
+        self.last_aux_loss: torch.Tensor | None = None
+        self.last_stats: dict[str, torch.Tensor] = {}
+        self._register_load_state_dict_pre_hook(self._slice_full_experts)
+
+    @property
+    def local_expert_range(self) -> tuple[int, int]:
+        """[first, last) global ids of the experts this rank holds."""
+        first = self.ep_rank * self.num_local_experts
+        return first, first + self.num_local_experts
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if hidden_states.shape[-1] != self.hidden_size:
+            raise ValueError(
+                f"hidden_states last dim must be {self.hidden_size}, got {tuple(hidden_states.shape)}"
+            )
+        x = hidden_states.reshape(-1, self.hidden_size)
+        routed = self.gate(x)
+        out = expert_parallel_moe(
+            x,
+            routed.expert_ids,
+            routed.weights,
+            self.experts,
+            self.num_experts,
+            self.ep_group if self.ep_size > 1 else None,
+        )
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x) * torch.sigmoid(self.shared_expert_gate(x))
+            out = out + shared
+        self.last_aux_loss = (
+            self.aux_loss_coef * routed.load_balancing_loss + self.z_loss_coef * routed.z_loss
+        )
+        self.last_stats = {
+            "load_balancing_loss": routed.load_balancing_loss.detach(),
+            "z_loss": routed.z_loss.detach(),
+            "tokens_per_expert": routed.tokens_per_expert,
+        }
+        return out.view(hidden_states.shape)
+
+    # -- loading --------------------------------------------------------------------------------
+    def _slice_full_experts(self, state_dict, prefix, *args, **kwargs):
+        """Accept full [E, ...] expert tensors under EP by keeping this rank's slice."""
+        first, last = self.local_expert_range
+        for name in _EXPERT_PARAMS:
+            key = f"{prefix}experts.{name}"
+            value = state_dict.get(key)
+            if value is not None and value.shape[0] == self.num_experts != self.num_local_experts:
+                state_dict[key] = value[first:last]
+
+    @torch.no_grad()
+    def load_experts(self, gate_proj: torch.Tensor, up_proj: torch.Tensor, down_proj: torch.Tensor) -> None:
+        """Copy full ([E, in, out]) or local ([E/ep, in, out]) expert weights."""
+        first, last = self.local_expert_range
+        for name, full in zip(_EXPERT_PARAMS, (gate_proj, up_proj, down_proj)):
+            param = getattr(self.experts, name)
+            src = full[first:last] if full.shape[0] == self.num_experts else full
+            if src.shape != param.shape:
+                raise ValueError(
+                    f"experts.{name}: expected {tuple(param.shape)} (or the full "
+                    f"[{self.num_experts}, ...] tensor), got {tuple(full.shape)}"
+                )
+            param.copy_(src)
+
+    @classmethod
+    def from_block(cls, block: nn.Module, *, ep_group=None, **overrides) -> MoE:
+        """Build an MoE from an xorl or ``transformers`` Qwen3-MoE / Qwen2-MoE sparse block, copying
+        its weights (only this rank's experts under EP). Router settings (top_k, norm_topk_prob)
+        are read from the block; pass them as keyword overrides if the block does not carry them."""
+        from xorl.nn.moe_convert import describe_block
+
+        spec = describe_block(block)
+        spec.update(overrides)
+        weights = spec.pop("_weights")
+        ref = weights["gate_proj"]
+        moe = cls(ep_group=ep_group, device=ref.device, dtype=ref.dtype, **spec)
+        with torch.no_grad():
+            moe.gate.weight.copy_(weights["gate"])
+            moe.load_experts(weights["gate_proj"], weights["up_proj"], weights["down_proj"])
+            if moe.shared_expert is not None:
+                moe.shared_expert.load_state_dict(weights["shared_expert"])
+                moe.shared_expert_gate.weight.copy_(weights["shared_expert_gate"])
+            if moe.gate.e_score_correction_bias is not None and "e_score_correction_bias" in weights:
+                moe.gate.e_score_correction_bias.copy_(weights["e_score_correction_bias"])
+        return moe
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, local={self.local_expert_range}, top_k={self.top_k}, "
+            f"ep_size={self.ep_size}, aux_loss_coef={self.aux_loss_coef}, z_loss_coef={self.z_loss_coef}"
+        )
+
+
+def collect_aux_loss(model: nn.Module) -> torch.Tensor | None:
+    """Sum of ``last_aux_loss`` over every MoE block of ``model`` (None if it has none)."""
+    losses = [m.last_aux_loss for m in model.modules() if isinstance(m, MoE) and m.last_aux_loss is not None]
+    return torch.stack(losses).sum() if losses else None

@@ -1,0 +1,86 @@
+"""Read the shapes, router settings and weights of an existing sparse-MoE block, whatever its layout.
+
+Supported layouts (the expert weights are returned as [E, in, out], the xorl layout):
+
+* xorl Qwen3-MoE reference block: ``experts.gate_proj`` / ``up_proj`` [E, hidden, I],
+  ``experts.down_proj`` [E, I, hidden]; ``gate`` a Linear or router with ``weight`` [E, hidden].
+* ``transformers`` >= 5 (Qwen3MoeSparseMoeBlock, Qwen2MoeSparseMoeBlock): ``experts.gate_up_proj``
+  [E, 2I, hidden] (gate rows first, then up; [out, in]) and ``experts.down_proj`` [E, hidden, I].
+* ``transformers`` 4.x: ``experts`` a ModuleList of MLPs with Linear ``gate_proj`` / ``up_proj`` /
+  ``down_proj`` ([out, in] weights).
+
+Router settings are looked up on the block, its ``gate`` and its ``config`` (``top_k`` or
+``num_experts_per_tok``; ``norm_topk_prob``); a Qwen2-MoE shared expert is picked up when present.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+_MISSING = object()
+
+
+def _lookup(block: nn.Module, names: tuple[str, ...]):
+    for owner in (block, getattr(block, "gate", None), getattr(block, "config", None)):
+        if owner is None:
+            continue
+        for name in names:
+            value = getattr(owner, name, _MISSING)
+            if value is not _MISSING and not isinstance(value, (nn.Module, torch.Tensor)):
+                return value
+    return _MISSING
+
+
+def _expert_weights(experts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if isinstance(experts, nn.ModuleList):  # transformers 4.x: one MLP per expert, Linear [out, in]
+        stack = lambda name: torch.stack([getattr(e, name).weight.detach().t() for e in experts])
+        return stack("gate_proj"), stack("up_proj"), stack("down_proj")
+    if hasattr(experts, "gate_up_proj"):  # transformers 5: fused [E, 2I, hidden] and [E, hidden, I]
+        gate_up = experts.gate_up_proj.detach()
+        inter = gate_up.shape[1] // 2
+        gate = gate_up[:, :inter].transpose(1, 2)
+        up = gate_up[:, inter:].transpose(1, 2)
+        return gate, up, experts.down_proj.detach().transpose(1, 2)
+    if all(hasattr(experts, n) for n in ("gate_proj", "up_proj", "down_proj")):  # xorl layout
+        return experts.gate_proj.detach(), experts.up_proj.detach(), experts.down_proj.detach()
+    raise TypeError(
+        f"unrecognised experts module {type(experts).__name__}: expected stacked gate_proj/up_proj/down_proj "
+        "(xorl), gate_up_proj/down_proj (transformers 5) or a ModuleList of MLPs (transformers 4)"
+    )
+
+
+def describe_block(block: nn.Module) -> dict:
+    """MoE constructor keyword arguments for ``block`` plus ``_weights`` (the tensors to copy)."""
+    if not hasattr(block, "gate") or not hasattr(block, "experts"):
+        raise TypeError(f"{type(block).__name__} is not a sparse-MoE block (needs .gate and .experts)")
+    gate, up, down = _expert_weights(block.experts)
+    router_weight = block.gate.weight.detach()
+    num_experts, hidden_size, inter = gate.shape
+    if router_weight.shape != (num_experts, hidden_size):
+        raise ValueError(
+            f"gate.weight is {tuple(router_weight.shape)}, expected ({num_experts}, {hidden_size})"
+        )
+    spec: dict = {"hidden_size": hidden_size, "num_experts": num_experts, "moe_intermediate_size": inter}
+    top_k = _lookup(block, ("top_k", "num_experts_per_tok"))
+    if top_k is not _MISSING:
+        spec["top_k"] = int(top_k)
+    norm = _lookup(block, ("norm_topk_prob",))
+    if norm is not _MISSING:
+        spec["norm_topk_prob"] = bool(norm)
+    weights = {"gate": router_weight, "gate_proj": gate, "up_proj": up, "down_proj": down}
+    bias = getattr(block.gate, "e_score_correction_bias", None)
+    if isinstance(bias, torch.Tensor):
+        weights["e_score_correction_bias"] = bias.detach()
+        spec["expert_bias"] = True
+    shared = getattr(block, "shared_expert", None)
+    if shared is not None:
+        spec["shared_expert_intermediate_size"] = shared.gate_proj.weight.shape[0]
+        weights["shared_expert"] = {k: v.detach() for k, v in shared.state_dict().items()}
+        weights["shared_expert_gate"] = block.shared_expert_gate.weight.detach()
+    spec["_weights"] = weights
+    if "top_k" not in spec:
+        raise ValueError(
+            f"could not find top_k on {type(block).__name__}; pass MoE.from_block(block, top_k=...)"
+        )
+    return spec

@@ -1,0 +1,64 @@
+"""The experts of an MoE layer as three stacked weights and three grouped GEMMs.
+
+Parameter names and layouts are those of the xorl Qwen3-MoE reference block ([groups, in, out]):
+``gate_proj``, ``up_proj`` [E, hidden, moe_intermediate] and ``down_proj`` [E, moe_intermediate,
+hidden], so a state dict loads unchanged. Under expert parallelism the module holds only this
+rank's ``E / ep_size`` experts (the stacked dim 0 is the local expert index).
+
+Why a module of its own: FSDP2 (``fully_shard`` over the ep_fsdp mesh) gathers parameters in the
+pre-forward hook of the module it wraps, so the expert weights must be used inside this module's
+forward and nowhere else.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from xorl_kernels.grouped_gemm import grouped_gemm
+
+
+def swiglu_experts(x_sorted, gate_proj, up_proj, down_proj, tokens_per_expert):
+    """down(silu(x @ gate) * (x @ up)) per expert over rows sorted by expert."""
+    gate = grouped_gemm(x_sorted, gate_proj, tokens_per_expert)
+    up = grouped_gemm(x_sorted, up_proj, tokens_per_expert)
+    return grouped_gemm(F.silu(gate) * up, down_proj, tokens_per_expert)
+
+
+class GroupedExperts(nn.Module):
+    """``num_experts`` SwiGLU experts evaluated with ``xorl_kernels.grouped_gemm``."""
+
+    def __init__(
+        self, num_experts: int, hidden_size: int, moe_intermediate_size: int, device=None, dtype=None
+    ):
+        super().__init__()
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.moe_intermediate_size = moe_intermediate_size
+        shape_in = (num_experts, hidden_size, moe_intermediate_size)
+        self.gate_proj = nn.Parameter(torch.empty(shape_in, device=device, dtype=dtype))
+        self.up_proj = nn.Parameter(torch.empty(shape_in, device=device, dtype=dtype))
+        self.down_proj = nn.Parameter(
+            torch.empty(num_experts, moe_intermediate_size, hidden_size, device=device, dtype=dtype)
+        )
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for p in (self.gate_proj, self.up_proj, self.down_proj):
+            nn.init.normal_(p, std=std)
+
+    def forward(self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """x_sorted [N, hidden] grouped by local expert, tokens_per_expert [num_experts] -> [N, hidden]."""
+        if tokens_per_expert.shape != (self.num_experts,):
+            raise ValueError(
+                f"tokens_per_expert must be [{self.num_experts}] (one count per local expert), "
+                f"got {tuple(tokens_per_expert.shape)}"
+            )
+        return swiglu_experts(x_sorted, self.gate_proj, self.up_proj, self.down_proj, tokens_per_expert)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
+            f"moe_intermediate_size={self.moe_intermediate_size}"
+        )

@@ -1,0 +1,165 @@
+"""Top-k token router for mixture-of-experts layers.
+
+Scores are computed in fp32 (softmax as in Qwen/Mixtral, or sigmoid as in DeepSeek-V3), the top-k
+experts are picked per token, and the top-k weights are optionally renormalised to sum to one.
+Two auxiliary losses are computed on every forward and returned unscaled:
+
+* load balancing (Switch Transformer, Megatron convention)::
+
+      lb = E * sum_e f_e * P_e,   f_e = (#slots routed to e) / (T * K),  P_e = mean_t p[t, e]
+
+  where p are the normalised router probabilities (softmax, or sigmoid scores divided by their
+  sum). It equals 1 under perfectly uniform routing. ``transformers``' ``load_balancing_loss_func``
+  returns ``K`` times this value (it divides the counts by T, not T * K).
+* router z-loss (ST-MoE): ``z = mean_t logsumexp_e(logits[t])^2``.
+
+The auxiliary-loss-free balancing of DeepSeek-V3 is an option (``expert_bias=True``): a bias per
+expert is added to the scores for *selection only* (the weights stay the unbiased scores); the
+load seen since the last update is accumulated in forward, and :meth:`Router.update_bias` (call it
+after each optimiser step) moves the bias by ``bias_update_rate * sign(mean_load - load_e)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+SCORE_FUNCS = ("softmax", "sigmoid")
+
+
+@dataclass
+class RouterOutput:
+    weights: torch.Tensor  # [T, K] fp32, the combine weights of the chosen experts
+    expert_ids: torch.Tensor  # [T, K] int64
+    logits: torch.Tensor  # [T, E] fp32
+    tokens_per_expert: torch.Tensor  # [E] int64, detached
+    load_balancing_loss: torch.Tensor  # scalar fp32, differentiable through the probabilities
+    z_loss: torch.Tensor  # scalar fp32, differentiable through the logits
+
+
+def check_router_args(num_experts: int, top_k: int, score_func: str) -> None:
+    if num_experts < 1:
+        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(
+            f"top_k must be in [1, num_experts={num_experts}], got top_k={top_k}: "
+            "lower top_k (num_experts_per_tok) or add experts"
+        )
+    if score_func not in SCORE_FUNCS:
+        raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
+
+
+def count_tokens_per_expert(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[E] int64 histogram of ``expert_ids``; scatter_add keeps it on device (bincount would sync)."""
+    flat = expert_ids.reshape(-1).long()
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat))
+
+
+class Router(nn.Module):
+    """Linear gate + top-k selection. ``weight`` is [num_experts, hidden] (the HF ``gate.weight``).
+
+    Args:
+        hidden_size, num_experts, top_k: shapes of the routing problem.
+        score_func: "softmax" (default, Qwen3-MoE) or "sigmoid" (DeepSeek-V3).
+        norm_topk_prob: renormalise the K chosen weights to sum to 1.
+        expert_bias: enable auxiliary-loss-free balancing (bias for selection only).
+        bias_update_rate: step of :meth:`update_bias`.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        score_func: str = "softmax",
+        norm_topk_prob: bool = True,
+        expert_bias: bool = False,
+        bias_update_rate: float = 1e-3,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        check_router_args(num_experts, top_k, score_func)
+        self.hidden_size = hidden_size
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.score_func = score_func
+        self.norm_topk_prob = norm_topk_prob
+        self.bias_update_rate = bias_update_rate
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, device=device, dtype=dtype))
+        nn.init.normal_(self.weight, std=hidden_size**-0.5)
+        if expert_bias:
+            # Persistent: the bias is training state and must survive a checkpoint (DeepSeek-V3 name).
+            self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, device=device))
+            self.register_buffer(
+                "load_since_update",
+                torch.zeros(num_experts, dtype=torch.int64, device=device),
+                persistent=False,
+            )
+        else:
+            self.e_score_correction_bias = None
+            self.load_since_update = None
+
+    def forward(self, hidden_states: torch.Tensor) -> RouterOutput:
+        if hidden_states.shape[-1] != self.hidden_size:
+            raise ValueError(
+                f"hidden_states last dim must be hidden_size={self.hidden_size}, "
+                f"got shape {tuple(hidden_states.shape)}"
+            )
+        x = hidden_states.reshape(-1, self.hidden_size)
+        # The matmul runs in the activation dtype (as in transformers); everything after it in fp32.
+        logits = F.linear(x, self.weight.to(x.dtype)).float()
+        if self.score_func == "softmax":
+            scores = torch.softmax(logits, dim=-1)
+            probs = scores
+        else:
+            scores = torch.sigmoid(logits)
+            probs = scores / scores.sum(dim=-1, keepdim=True)
+
+        with torch.no_grad():
+            selection = (
+                scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
+            )
+            expert_ids = torch.topk(selection, self.top_k, dim=-1).indices
+        weights = scores.gather(1, expert_ids)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+
+        tokens_per_expert = count_tokens_per_expert(expert_ids, self.num_experts)
+        num_slots = max(expert_ids.numel(), 1)
+        fraction_routed = tokens_per_expert.float() / num_slots
+        load_balancing_loss = self.num_experts * (fraction_routed * probs.mean(dim=0)).sum()
+        z_loss = torch.logsumexp(logits, dim=-1).square().mean()
+
+        if self.load_since_update is not None and self.training:
+            self.load_since_update += tokens_per_expert
+        return RouterOutput(weights, expert_ids, logits, tokens_per_expert, load_balancing_loss, z_loss)
+
+    @torch.no_grad()
+    def update_bias(self, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+        """Move the selection bias towards balance from the load seen since the last call.
+
+        Pass the data-parallel ``group`` (all ranks that see different tokens for this router) so
+        every rank applies the same update. Returns the load that was used (int64 [E]).
+        """
+        if self.e_score_correction_bias is None:
+            raise RuntimeError("update_bias() needs Router(expert_bias=True)")
+        load = self.load_since_update.clone()
+        if group is not None:
+            dist.all_reduce(load, group=group)
+        error = load.float().mean() - load.float()
+        self.e_score_correction_bias += self.bias_update_rate * torch.sign(error)
+        self.load_since_update.zero_()
+        return load
+
+    def extra_repr(self) -> str:
+        bias = ", expert_bias=True" if self.e_score_correction_bias is not None else ""
+        return (
+            f"hidden_size={self.hidden_size}, num_experts={self.num_experts}, top_k={self.top_k}, "
+            f"score_func={self.score_func}, norm_topk_prob={self.norm_topk_prob}{bias}"
+        )

@@ -1,0 +1,241 @@
+"""Token permute / unpermute for mixture-of-experts: the op, its kernels and its plain-torch reference.
+
+``permute_tokens(x, expert_ids, num_experts) -> (x_sorted, row_map, tokens_per_expert)``
+    x [T, H], expert_ids [T, K] (integer, each in [0, num_experts)). Every (token, k) slot gets
+    one row of ``x_sorted`` [T*K, H]; rows are grouped by expert (expert 0 first) and, inside an
+    expert, ordered by slot index t*K + k (a stable sort, so the layout is deterministic).
+    ``row_map`` [T, K] int64: ``x_sorted[row_map[t, k]] == x[t]``. ``tokens_per_expert`` [E] int64.
+
+``unpermute_tokens(y_sorted, row_map, weights=None) -> y``
+    ``y[t] = sum_k weights[t, k] * y_sorted[row_map[t, k]]``, accumulated in fp32 in k order (no
+    atomics, bitwise deterministic), returned in ``y_sorted.dtype``. ``weights=None`` means 1.
+
+Both are differentiable; the backward of one is the other: grad_x = unpermute(grad_x_sorted,
+row_map, 1); grad_y_sorted[row_map[t, k]] = weights[t, k] * grad_y[t]; and the weights get
+grad_w[t, k] = <grad_y[t], y_sorted[row_map[t, k]]> (fp32 dot).
+
+Dispatch: csrc kernels (CUDA tensors, extension built) -> Triton (CUDA tensors) -> torch (CPU, or
+XORL_FORCE_REFERENCE=1). No path reads a device value on the host: expert ids are range-checked
+only for CPU tensors (a check on GPU would sync), so out-of-range ids on GPU are undefined.
+All row addressing is int64 (T*K*H may exceed 2^31).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# ---------------------------------------------------------------------------------------------
+# Routing metadata: the expert-sorted order of the T*K slots and its inverse
+# ---------------------------------------------------------------------------------------------
+
+
+def routing_metadata_reference(expert_ids: torch.Tensor, num_experts: int):
+    """Return (sorted_slots [T*K], row_map [T, K], tokens_per_expert [E]), all int64, torch only.
+
+    ``sorted_slots[r]`` is the slot (t*K + k) whose row lands at position r of x_sorted;
+    ``row_map`` is its inverse. The sort is stable so ties keep slot order.
+    """
+    flat = expert_ids.reshape(-1).long()
+    sorted_slots = torch.sort(flat, stable=True).indices
+    row_map = torch.empty_like(sorted_slots)
+    # A permutation: every destination written once, so the scatter is deterministic.
+    row_map[sorted_slots] = torch.arange(flat.numel(), device=flat.device)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    return sorted_slots, row_map.view(expert_ids.shape), counts
+
+
+def _routing_metadata(expert_ids: torch.Tensor, num_experts: int):
+    if expert_ids.is_cuda and _use_ext():
+        from xorl_kernels import routing_metadata as rm
+
+        if hasattr(rm, "routing_metadata"):
+            return rm.routing_metadata(expert_ids, num_experts)
+    return routing_metadata_reference(expert_ids, num_experts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Plain-torch reference of the three data movements (also the CPU path)
+# ---------------------------------------------------------------------------------------------
+
+
+def gather_rows_reference(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """out[r] = src[index[r]]."""
+    return src.index_select(0, index)
+
+
+def combine_reference(y_sorted: torch.Tensor, row_map: torch.Tensor, weights: torch.Tensor | None):
+    """y[t] = sum_k w[t, k] * y_sorted[row_map[t, k]] in fp32, in k order, cast to y_sorted.dtype."""
+    rows = y_sorted.index_select(0, row_map.reshape(-1)).view(*row_map.shape, -1).float()
+    if weights is not None:
+        rows = rows * weights.float().unsqueeze(-1)
+    out = rows[:, 0]
+    for k in range(1, row_map.shape[1]):  # explicit k order: the same sum on every backend
+        out = out + rows[:, k]
+    return out.to(y_sorted.dtype)
+
+
+def scatter_weighted_reference(grad_y, row_map, weights, y_sorted, need_weight_grad: bool):
+    """Backward of combine: (grad_y_sorted, grad_weights or None)."""
+    num_tokens, top_k = row_map.shape
+    g = grad_y.float().unsqueeze(1).expand(num_tokens, top_k, grad_y.shape[-1])
+    scaled = g * weights.float().unsqueeze(-1) if weights is not None else g
+    grad_sorted = torch.empty(row_map.numel(), grad_y.shape[-1], dtype=y_sorted.dtype, device=grad_y.device)
+    grad_sorted[row_map.reshape(-1)] = scaled.reshape(-1, grad_y.shape[-1]).to(y_sorted.dtype)
+    grad_w = None
+    if need_weight_grad:
+        rows = y_sorted.index_select(0, row_map.reshape(-1)).view(num_tokens, top_k, -1).float()
+        grad_w = (rows * g).sum(-1)
+    return grad_sorted, grad_w
+
+
+# ---------------------------------------------------------------------------------------------
+# Dispatch
+# ---------------------------------------------------------------------------------------------
+
+
+def _force_reference() -> bool:
+    return os.environ.get("XORL_FORCE_REFERENCE", "0") not in ("", "0")
+
+
+def _use_ext() -> bool:
+    if _force_reference():
+        return False
+    try:
+        from xorl_kernels._ext import has_cuda_ext
+    except ImportError:
+        return False
+    return has_cuda_ext()
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return t.is_cuda and not _force_reference()
+
+
+def _gather_rows(src, index):
+    if _use_triton(src):
+        from xorl_kernels import permute_triton
+
+        return permute_triton.gather_rows(src, index)
+    return gather_rows_reference(src, index)
+
+
+def _combine(y_sorted, row_map, weights):
+    if _use_triton(y_sorted):
+        from xorl_kernels import permute_triton
+
+        return permute_triton.combine(y_sorted, row_map, weights)
+    return combine_reference(y_sorted, row_map, weights)
+
+
+def _scatter_weighted(grad_y, row_map, sorted_slots, weights, y_sorted, need_weight_grad):
+    if _use_triton(grad_y):
+        from xorl_kernels import permute_triton
+
+        return permute_triton.scatter_weighted(grad_y, sorted_slots, weights, y_sorted, need_weight_grad)
+    return scatter_weighted_reference(grad_y, row_map, weights, y_sorted, need_weight_grad)
+
+
+# ---------------------------------------------------------------------------------------------
+# Autograd
+# ---------------------------------------------------------------------------------------------
+
+
+class _PermuteFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, sorted_slots, row_map):
+        ctx.save_for_backward(row_map)
+        top_k = row_map.shape[1]
+        return _gather_rows(x, torch.div(sorted_slots, top_k, rounding_mode="floor"))
+
+    @staticmethod
+    def backward(ctx, grad_sorted):
+        (row_map,) = ctx.saved_tensors
+        return _combine(grad_sorted.contiguous(), row_map, None), None, None
+
+
+class _UnpermuteFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y_sorted, row_map, sorted_slots, weights):
+        ctx.save_for_backward(y_sorted, row_map, sorted_slots, weights)
+        ctx.weights_dtype = None if weights is None else weights.dtype
+        return _combine(y_sorted, row_map, weights)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        y_sorted, row_map, sorted_slots, weights = ctx.saved_tensors
+        need_w = weights is not None and ctx.needs_input_grad[3]
+        grad_sorted, grad_w = _scatter_weighted(
+            grad_y.contiguous(), row_map, sorted_slots, weights, y_sorted, need_w
+        )
+        if grad_w is not None:
+            grad_w = grad_w.to(ctx.weights_dtype)
+        return grad_sorted, None, None, grad_w
+
+
+def _inverse_row_map(row_map: torch.Tensor) -> torch.Tensor:
+    sorted_slots = torch.empty(row_map.numel(), dtype=torch.int64, device=row_map.device)
+    sorted_slots[row_map.reshape(-1)] = torch.arange(row_map.numel(), device=row_map.device)
+    return sorted_slots
+
+
+# ---------------------------------------------------------------------------------------------
+# Public ops
+# ---------------------------------------------------------------------------------------------
+
+
+def permute_tokens(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int):
+    """Group the T*K (token, k) rows of ``x`` by expert. See the module docstring."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be [tokens, hidden], got shape {tuple(x.shape)}; reshape(-1, hidden) first")
+    if expert_ids.dim() != 2 or expert_ids.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"expert_ids must be [tokens, top_k] with tokens={x.shape[0]}, got {tuple(expert_ids.shape)}"
+        )
+    if expert_ids.dtype.is_floating_point or expert_ids.dtype == torch.bool:
+        raise TypeError(f"expert_ids must be an integer tensor, got {expert_ids.dtype}")
+    if not x.dtype.is_floating_point:
+        raise TypeError(f"x must be a floating-point tensor, got {x.dtype}")
+    if expert_ids.device != x.device:
+        raise ValueError(f"x is on {x.device} but expert_ids on {expert_ids.device}")
+    if num_experts < 1:
+        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+    if not expert_ids.is_cuda and expert_ids.numel() > 0:
+        lo, hi = int(expert_ids.min()), int(expert_ids.max())
+        if lo < 0 or hi >= num_experts:
+            raise ValueError(
+                f"expert_ids must lie in [0, num_experts={num_experts}), found values in [{lo}, {hi}]"
+            )
+    sorted_slots, row_map, tokens_per_expert = _routing_metadata(expert_ids, num_experts)
+    x_sorted = _PermuteFn.apply(x.contiguous(), sorted_slots, row_map)
+    return x_sorted, row_map, tokens_per_expert
+
+
+def unpermute_tokens(y_sorted: torch.Tensor, row_map: torch.Tensor, weights: torch.Tensor | None = None):
+    """Gather the K expert outputs of every token back and sum them with ``weights`` (fp32)."""
+    if y_sorted.dim() != 2:
+        raise ValueError(f"y_sorted must be [tokens*top_k, hidden], got shape {tuple(y_sorted.shape)}")
+    if row_map.dim() != 2 or row_map.dtype != torch.int64:
+        raise ValueError(
+            f"row_map must be the int64 [tokens, top_k] map from permute_tokens, got "
+            f"{row_map.dtype} {tuple(row_map.shape)}"
+        )
+    if y_sorted.shape[0] != row_map.numel():
+        raise ValueError(
+            f"y_sorted has {y_sorted.shape[0]} rows but row_map addresses {row_map.numel()} "
+            f"(tokens*top_k = {tuple(row_map.shape)}); pass the row_map returned with these rows"
+        )
+    if not y_sorted.dtype.is_floating_point:
+        raise TypeError(f"y_sorted must be a floating-point tensor, got {y_sorted.dtype}")
+    if weights is not None:
+        if weights.shape != row_map.shape:
+            raise ValueError(
+                f"weights must have row_map's shape {tuple(row_map.shape)}, got {tuple(weights.shape)}"
+            )
+        if not weights.dtype.is_floating_point:
+            raise TypeError(f"weights must be floating point, got {weights.dtype}")
+        weights = weights.contiguous()
+    sorted_slots = _inverse_row_map(row_map)
+    return _UnpermuteFn.apply(y_sorted.contiguous(), row_map.contiguous(), sorted_slots, weights)
