@@ -1,0 +1,184 @@
+"""The attention block (projections, q/k norm, RoPE) and the local core attention it calls.
+
+The split is the plug point for context parallelism: ``Attention`` computes q, k, v as
+[batch, seq, heads, head_dim] and calls ``self.core_attention(q, k, v, cu_seqlens=..., max_seqlen=...)``
+(causal, k/v may have fewer heads). ``LocalAttention`` is the single-device default;
+RingAttention / UlyssesAttention / ContextParallelAttention (xorl.nn) replace ``core_attention``
+with the same forward signature.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from xorl.models.layers import RMSNorm, apply_rotary
+from xorl.models.spec import ModelSpec
+
+# attn_implementation values -> backend of LocalAttention.
+_BACKENDS = {
+    None: "auto",
+    "auto": "auto",
+    "sdpa": "torch",
+    "eager": "torch",
+    "torch": "torch",
+    "flash_attn": "kernel",
+    "flash_attention_2": "kernel",
+    "xorl": "kernel",
+}
+
+
+def check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seq_len: int) -> None:
+    """Packed documents live in one row: cu_seqlens = [0, len_0, len_0+len_1, ..., seq_len]."""
+    if batch != 1:
+        raise ValueError(
+            f"cu_seqlens given with batch={batch}: pack the documents into one row "
+            "(batch=1, seq=total tokens)"
+        )
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype.is_floating_point:
+        raise ValueError(
+            f"cu_seqlens must be a 1-D integer tensor [num_docs + 1], got {cu_seqlens.dtype} "
+            f"{tuple(cu_seqlens.shape)}"
+        )
+    first, last = int(cu_seqlens[0]), int(cu_seqlens[-1])
+    if first != 0 or last != seq_len or bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
+        raise ValueError(
+            f"cu_seqlens must start at 0, never decrease and end at seq_len={seq_len}; "
+            f"got {cu_seqlens.tolist()}"
+        )
+
+
+def causal_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Plain-torch causal attention (SDPA with a boolean mask); block-diagonal when cu_seqlens is given.
+
+    q [b, s, h, d], k/v [b, s, h_kv, d] with h % h_kv == 0 -> [b, s, h, d].
+    """
+    b, s, h, _ = q.shape
+    h_kv = k.shape[2]
+    if h % h_kv:
+        raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({h_kv})")
+    if h_kv != h:
+        k = k.repeat_interleave(h // h_kv, dim=2)
+        v = v.repeat_interleave(h // h_kv, dim=2)
+    positions = torch.arange(s, device=q.device)
+    mask = positions[None, :] <= positions[:, None]
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, b, s)
+        doc_ids = torch.searchsorted(cu_seqlens[1:].to(q.device), positions, right=True)
+        mask = mask & (doc_ids[:, None] == doc_ids[None, :])
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=softmax_scale
+    )
+    return out.transpose(1, 2)
+
+
+def _flash_kernel():
+    """xorl_kernels.flash_attn, or None while that op is not in the tree yet."""
+    try:
+        from xorl_kernels.flash_attn import flash_attn
+    except ModuleNotFoundError as error:
+        if error.name != "xorl_kernels.flash_attn":
+            raise
+        return None
+    return flash_attn
+
+
+class LocalAttention(nn.Module):
+    """Causal single-device core attention with GQA and optional varlen (packed documents).
+
+    backend "auto": the xorl_kernels.flash_attn kernel on CUDA tensors (when present), plain torch
+    otherwise; "torch": always plain torch; "kernel": always the kernel.
+    """
+
+    def __init__(self, softmax_scale: float | None = None, backend: str = "auto"):
+        super().__init__()
+        if backend not in ("auto", "torch", "kernel"):
+            raise ValueError(f"backend={backend!r}: use 'auto', 'torch' or 'kernel'")
+        self.softmax_scale = softmax_scale
+        self.backend = backend
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
+    ) -> torch.Tensor:
+        scale = self.softmax_scale if self.softmax_scale is not None else q.shape[-1] ** -0.5
+        if self.backend == "kernel" or (self.backend == "auto" and q.is_cuda):
+            flash_attn = _flash_kernel()
+            if flash_attn is None and self.backend == "kernel":
+                raise RuntimeError("backend='kernel' but xorl_kernels.flash_attn is not available")
+            if flash_attn is not None:
+                return flash_attn(
+                    q, k, v, causal=True, softmax_scale=scale, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen
+                )
+        return causal_attention_reference(q, k, v, scale, cu_seqlens)
+
+    def extra_repr(self) -> str:
+        return f"backend={self.backend}"
+
+
+class Attention(nn.Module):
+    """GQA self-attention with HF names: q_proj/k_proj/v_proj (or one fused qkv_proj), o_proj,
+    and for Qwen3 q_norm/k_norm (RMSNorm over head_dim, applied per head before RoPE)."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.head_dim = spec.head_dim
+        self.merge_qkv = spec.merge_qkv
+        q_size = spec.num_attention_heads * spec.head_dim
+        kv_size = spec.num_key_value_heads * spec.head_dim
+        bias = spec.attention_bias
+        if spec.merge_qkv:
+            self.qkv_proj = nn.Linear(spec.hidden_size, q_size + 2 * kv_size, bias=bias)
+            # The fused weight is [q; k; v] along the output dim (hf_io splits / concatenates it).
+            self.qkv_split = (q_size, kv_size, kv_size)
+        else:
+            self.q_proj = nn.Linear(spec.hidden_size, q_size, bias=bias)
+            self.k_proj = nn.Linear(spec.hidden_size, kv_size, bias=bias)
+            self.v_proj = nn.Linear(spec.hidden_size, kv_size, bias=bias)
+        self.o_proj = nn.Linear(q_size, spec.hidden_size, bias=bias)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(spec.head_dim, eps=spec.rms_norm_eps)
+            self.k_norm = RMSNorm(spec.head_dim, eps=spec.rms_norm_eps)
+        else:
+            self.q_norm = None
+            self.k_norm = None
+        backend = _BACKENDS.get(spec.attn_implementation)
+        if backend is None:
+            raise ValueError(
+                f"attn_implementation={spec.attn_implementation!r} is not known; use one of "
+                f"{sorted(k for k in _BACKENDS if k)}"
+            )
+        self.core_attention: nn.Module = LocalAttention(softmax_scale=spec.head_dim**-0.5, backend=backend)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
+    ) -> torch.Tensor:
+        batch, seq, _ = hidden.shape
+        # -1 heads: under tensor parallelism the projections hold only this rank's heads.
+        heads_shape = (batch, seq, -1, self.head_dim)
+        if self.merge_qkv:
+            q, k, v = self.qkv_proj(hidden).split(self.qkv_split, dim=-1)
+        else:
+            q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
+        q, k, v = q.view(heads_shape), k.view(heads_shape), v.view(heads_shape)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.core_attention(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+        return self.o_proj(out.reshape(batch, seq, -1))

@@ -1,0 +1,206 @@
+"""The decoder-only causal LM shared by the Llama and Qwen3-MoE families.
+
+Module tree and parameter names mirror transformers (LlamaForCausalLM / Qwen3MoeForCausalLM):
+    model.embed_tokens, model.layers[i].{input_layernorm, self_attn, post_attention_layernorm, mlp},
+    model.norm, lm_head
+so a state dict has the HF names (except stacked MoE experts; hf_io converts those).
+
+Forward contract
+----------------
+``model(input_ids, position_ids=None, labels=None, cu_seqlens=None, max_seqlen=None) -> CausalLMOutput``
+- input_ids [batch, seq] int64. position_ids [batch, seq] (or [seq]); give them explicitly when the
+  sequence is a context-parallel shard or packed (positions restart at 0 per document). If None:
+  per-document positions from cu_seqlens, else 0..seq-1.
+- cu_seqlens [num_docs + 1] int (packed documents in one row, batch must be 1): attention is
+  block-diagonal causal. max_seqlen: longest document (computed from cu_seqlens when None).
+- labels [batch, seq], ALREADY ALIGNED with the positions: labels[:, t] is the target of
+  logits[:, t] (the data pipeline shifts before packing / sharding); -100 is ignored.
+
+Pipeline-parallel hooks: ``model.embed_tokens``, ``model.norm`` and ``lm_head`` may be set to None
+and entries of ``model.layers`` may be set to None (names of the rest stay ``model.layers.{i}``);
+without embeddings the first argument is taken as hidden states [batch, seq, hidden], and without
+lm_head ``output.logits`` holds the hidden states.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from xorl.models.attention import Attention
+from xorl.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
+from xorl.models.spec import ModelSpec
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class CausalLMOutput:
+    """What the models return.
+
+    logits            [batch, seq, vocab] (fp of the model's dtype)
+    loss              mean cross-entropy over label tokens != -100 (fp32); None without labels.
+                      Contains NO router loss.
+    num_label_tokens  number of label tokens that entered ``loss`` (so loss * num_label_tokens is the sum)
+    aux_loss          MoE only: mean over this forward's MoE layers of the per-layer Switch
+                      load-balancing loss (moe_reference.router_losses); unweighted, differentiable
+    z_loss            MoE only: mean over MoE layers of the router z-loss; unweighted, differentiable
+    router_loss       MoE only: router_aux_loss_coef * aux_loss + router_z_loss_coef * z_loss,
+                      ready to add to ``loss``
+    router_stats      MoE only, detached: "moe_layers" (layer indices), "aux_loss_per_layer" [L],
+                      "z_loss_per_layer" [L], "tokens_per_expert" [L, num_experts]
+    """
+
+    logits: torch.Tensor
+    loss: torch.Tensor | None = None
+    num_label_tokens: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+    z_loss: torch.Tensor | None = None
+    router_loss: torch.Tensor | None = None
+    router_stats: dict = field(default_factory=dict)
+
+
+def positions_from_cu_seqlens(cu_seqlens: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[seq_len] positions restarting at 0 at each document start."""
+    positions = torch.arange(seq_len, device=cu_seqlens.device)
+    doc_ids = torch.searchsorted(cu_seqlens[1:], positions, right=True)
+    return positions - cu_seqlens[doc_ids]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, mlp: nn.Module):
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+        self.self_attn = Attention(spec)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+        self.mlp = mlp
+
+    def forward(self, hidden, cos, sin, cu_seqlens=None, max_seqlen=None):
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, cu_seqlens, max_seqlen)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderModel(nn.Module):
+    """The ``model.`` part: embeddings, layers, final norm (HF's LlamaModel / Qwen3MoeModel)."""
+
+    def __init__(self, spec: ModelSpec, layers: list[DecoderLayer]):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(spec.head_dim, spec.rope_theta)
+
+    def forward(self, input_ids, position_ids=None, cu_seqlens=None, max_seqlen=None):
+        if self.embed_tokens is not None:
+            if input_ids.dtype.is_floating_point:
+                raise TypeError("input_ids must be integer token ids [batch, seq]")
+            hidden = self.embed_tokens(input_ids)
+        else:
+            hidden = input_ids  # a later pipeline stage receives hidden states
+        batch, seq = hidden.shape[:2]
+        if position_ids is None:
+            if cu_seqlens is not None:
+                position_ids = positions_from_cu_seqlens(cu_seqlens.to(hidden.device), seq)
+            else:
+                position_ids = torch.arange(seq, device=hidden.device)
+        if position_ids.dim() == 1:
+            position_ids = position_ids.unsqueeze(0)
+        if position_ids.shape[-1] != seq or position_ids.shape[0] not in (1, batch):
+            raise ValueError(
+                f"position_ids has shape {tuple(position_ids.shape)}; expected [{batch}, {seq}] or [{seq}]"
+            )
+        position_ids = position_ids.expand(batch, seq)
+        if cu_seqlens is not None and max_seqlen is None:
+            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        cos, sin = self.rotary_emb(position_ids, hidden.dtype)
+        for layer in self.layers:
+            if layer is not None:
+                hidden = layer(hidden, cos, sin, cu_seqlens, max_seqlen)
+        if self.norm is not None:
+            hidden = self.norm(hidden)
+        return hidden
+
+
+class DecoderForCausalLM(nn.Module):
+    """Base of LlamaForCausalLM / Qwen3MoeForCausalLM; subclasses choose the MLP of each layer."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.spec = ModelSpec.from_config(config)
+        spec = self.spec
+        layers = [DecoderLayer(spec, self.build_mlp(spec, i)) for i in range(spec.num_hidden_layers)]
+        self.model = DecoderModel(spec, layers)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.tie_weights()
+
+    def build_mlp(self, spec: ModelSpec, layer_idx: int) -> nn.Module:
+        return SwiGLUMLP(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias)
+
+    def tie_weights(self) -> None:
+        """lm_head shares the embedding matrix when tie_word_embeddings (re-run after to_empty)."""
+        if self.spec.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """normal(0, initializer_range) for linear / embedding / expert weights, zero biases, norms 1.
+
+        Works after ``to_empty`` on a model built on the meta device. A swapped-in module with its
+        own ``init_weights(std)`` (e.g. xorl.nn.MoE) is initialised through it.
+        """
+        std = self.spec.initializer_range
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+            elif module is not self and hasattr(module, "init_weights"):
+                module.init_weights(std)
+        self.tie_weights()
+
+    def forward(self, input_ids, position_ids=None, labels=None, cu_seqlens=None, max_seqlen=None):
+        hidden = self.model(input_ids, position_ids, cu_seqlens, max_seqlen)
+        logits = self.lm_head(hidden) if self.lm_head is not None else hidden
+        output = CausalLMOutput(logits=logits)
+        if labels is not None:
+            if labels.shape != logits.shape[:-1]:
+                raise ValueError(
+                    f"labels shape {tuple(labels.shape)} must equal [batch, seq]={tuple(logits.shape[:-1])}"
+                )
+            token_loss = F.cross_entropy(
+                logits.float().reshape(-1, logits.shape[-1]),
+                labels.reshape(-1),
+                ignore_index=IGNORE_INDEX,
+                reduction="sum",
+            )
+            output.num_label_tokens = (labels != IGNORE_INDEX).sum()
+            output.loss = token_loss / output.num_label_tokens.clamp(min=1)
+        self._collect_router_stats(output)
+        return output
+
+    def _collect_router_stats(self, output: CausalLMOutput) -> None:
+        per_layer = []
+        for idx, layer in enumerate(self.model.layers):
+            stats = getattr(layer.mlp, "router_stats", None) if layer is not None else None
+            if stats is not None:
+                per_layer.append((idx, stats))
+                layer.mlp.router_stats = None  # do not keep this step's graph alive on the module
+        if not per_layer:
+            return
+        aux = torch.stack([s["aux_loss"] for _, s in per_layer])
+        z = torch.stack([s["z_loss"] for _, s in per_layer])
+        output.aux_loss = aux.mean()
+        output.z_loss = z.mean()
+        output.router_loss = (
+            self.spec.router_aux_loss_coef * output.aux_loss + self.spec.router_z_loss_coef * output.z_loss
+        )
+        output.router_stats = {
+            "moe_layers": [idx for idx, _ in per_layer],
+            "aux_loss_per_layer": aux.detach(),
+            "z_loss_per_layer": z.detach(),
+            "tokens_per_expert": torch.stack([s["tokens_per_expert"] for _, s in per_layer]),
+        }

@@ -1,0 +1,130 @@
+"""A plain, correct MoE block: top-k router + stacked SwiGLU experts, one loop over experts.
+
+Parameter layout (shared with the fast ``xorl.nn.MoE`` so either can be swapped in):
+    gate.weight          [num_experts, hidden]                   (router, nn.Linear without bias)
+    experts.gate_proj    [num_experts, hidden, moe_intermediate]  ([groups, in, out], the layout
+    experts.up_proj      [num_experts, hidden, moe_intermediate]   xorl_kernels.grouped_gemm takes)
+    experts.down_proj    [num_experts, moe_intermediate, hidden]
+
+Routing (as transformers' Qwen3-MoE): scores = softmax(router_logits) in fp32 (or sigmoid with
+router_scoring="sigmoid"), top-k of the scores, optionally renormalised to sum to 1
+(norm_topk_prob), cast back to the logits' dtype.
+
+Router losses protocol: after each forward the block sets ``self.router_stats`` to a dict
+    aux_loss           scalar, Switch load-balancing loss of this call (differentiable)
+    z_loss             scalar, router z-loss of this call (differentiable)
+    tokens_per_expert  [num_experts] float counts of routed (token, slot) pairs (no grad)
+and the model collects them from every MLP that has this attribute (see decoder.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def route(
+    router_logits: torch.Tensor, top_k: int, norm_topk_prob: bool, scoring: str = "softmax"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] -> (topk_weights [T, k], topk_ids [T, k], scores [T, E] in fp32).
+
+    topk_weights come back in the logits' dtype, as in transformers."""
+    if scoring == "softmax":
+        scores = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    elif scoring == "sigmoid":
+        scores = torch.sigmoid(router_logits.float())
+    else:
+        raise ValueError(f"scoring={scoring!r}: use 'softmax' or 'sigmoid'")
+    topk_weights, topk_ids = torch.topk(scores, top_k, dim=-1)
+    if norm_topk_prob:
+        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+    return topk_weights.to(router_logits.dtype), topk_ids, scores
+
+
+def router_losses(
+    router_logits: torch.Tensor, scores: torch.Tensor, topk_ids: torch.Tensor, num_experts: int
+) -> dict[str, torch.Tensor]:
+    """Switch load-balancing loss and z-loss of one MoE layer over all T tokens of the call.
+
+    aux_loss = E * sum_e f_e * P_e, with f_e = (number of top-k slots routed to e) / T and
+    P_e = mean over tokens of the normalised score of e. f sums to top_k, so a perfectly uniform
+    router gives top_k; this is transformers' load_balancing_loss_func for a single layer.
+    z_loss = mean over tokens of logsumexp(router_logits)^2 (ST-MoE), in fp32.
+    """
+    num_tokens = router_logits.shape[0]
+    tokens_per_expert = torch.bincount(topk_ids.reshape(-1), minlength=num_experts).to(torch.float32)
+    probs = scores / scores.sum(dim=-1, keepdim=True)  # identity for softmax; normalises sigmoid scores
+    prob_per_expert = probs.mean(dim=0)
+    aux_loss = num_experts * torch.sum(tokens_per_expert / num_tokens * prob_per_expert)
+    z_loss = torch.logsumexp(router_logits.float(), dim=-1).pow(2).mean()
+    return {"aux_loss": aux_loss, "z_loss": z_loss, "tokens_per_expert": tokens_per_expert.detach()}
+
+
+class ReferenceExperts(nn.Module):
+    """Stacked SwiGLU experts, computed one expert at a time (plain matmuls)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.up_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
+
+    def init_weights(self, std: float) -> None:
+        for weight in (self.gate_proj, self.up_proj, self.down_proj):
+            nn.init.normal_(weight, mean=0.0, std=std)
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H], topk_ids/topk_weights [T, k] -> sum_k weight * expert(x) [T, H]."""
+        top_k = topk_ids.shape[1]
+        token_of_slot = torch.arange(x.shape[0], device=x.device).repeat_interleave(top_k)
+        expert_of_slot = topk_ids.reshape(-1)
+        weight_of_slot = topk_weights.reshape(-1)
+        out = torch.zeros_like(x)
+        for expert in range(self.num_experts):
+            # Experts that receive no token still run on 0 rows, so every expert gets a (zero) gradient.
+            slots = (expert_of_slot == expert).nonzero().squeeze(1)
+            tokens = token_of_slot[slots]
+            xe = x[tokens]
+            hidden = F.silu(xe @ self.gate_proj[expert]) * (xe @ self.up_proj[expert])
+            ye = (hidden @ self.down_proj[expert]) * weight_of_slot[slots, None]
+            out.index_add_(0, tokens, ye.to(out.dtype))
+        return out
+
+    def extra_repr(self) -> str:
+        e, h, i = self.gate_proj.shape
+        return f"num_experts={e}, hidden={h}, intermediate={i}"
+
+
+class ReferenceMoE(nn.Module):
+    """forward(hidden [b, s, h]) -> [b, s, h]; sets ``self.router_stats`` (see module docstring)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        intermediate_size: int,
+        norm_topk_prob: bool = False,
+        scoring: str = "softmax",
+    ):
+        super().__init__()
+        self.top_k = top_k
+        self.num_experts = num_experts
+        self.norm_topk_prob = norm_topk_prob
+        self.scoring = scoring
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.experts = ReferenceExperts(num_experts, hidden_size, intermediate_size)
+        self.router_stats: dict[str, torch.Tensor] | None = None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = hidden.reshape(-1, hidden.shape[-1])
+        router_logits = self.gate(x)
+        topk_weights, topk_ids, scores = route(router_logits, self.top_k, self.norm_topk_prob, self.scoring)
+        out = self.experts(x, topk_ids, topk_weights)
+        self.router_stats = router_losses(router_logits, scores, topk_ids, self.num_experts)
+        return out.view_as(hidden)
+
+    def extra_repr(self) -> str:
+        return f"top_k={self.top_k}, norm_topk_prob={self.norm_topk_prob}, scoring={self.scoring}"

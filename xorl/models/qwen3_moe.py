@@ -1,0 +1,69 @@
+"""Qwen3-MoE-style decoder: per-head q_norm/k_norm in attention and a top-k MoE MLP.
+
+Which layers are sparse follows transformers' Qwen3MoeDecoderLayer: layer i uses the MoE block
+unless i is in mlp_only_layers or (i + 1) % decoder_sparse_step != 0; the others use a dense
+SwiGLU MLP of intermediate_size.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from xorl.models.decoder import DecoderForCausalLM
+from xorl.models.layers import SwiGLUMLP
+from xorl.models.moe_reference import ReferenceMoE
+from xorl.models.spec import ModelSpec
+
+
+class Qwen3MoeForCausalLM(DecoderForCausalLM):
+    def build_mlp(self, spec: ModelSpec, layer_idx: int) -> nn.Module:
+        if not spec.is_moe_layer(layer_idx):
+            return SwiGLUMLP(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias)
+        return ReferenceMoE(
+            hidden_size=spec.hidden_size,
+            num_experts=spec.num_experts,
+            top_k=spec.num_experts_per_tok,
+            intermediate_size=spec.moe_intermediate_size,
+            norm_topk_prob=spec.norm_topk_prob,
+            scoring=spec.router_scoring,
+        )
+
+
+def hf_config_dict(spec: ModelSpec) -> dict[str, Any]:
+    """The fields of a transformers Qwen3MoeConfig for this spec."""
+    if spec.router_scoring != "softmax":
+        raise ValueError(
+            f"router_scoring={spec.router_scoring!r} has no transformers Qwen3MoeForCausalLM equivalent "
+            "(it routes with softmax); use router_scoring='softmax' to export"
+        )
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "vocab_size": spec.vocab_size,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_hidden_layers,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_key_value_heads,
+        "head_dim": spec.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": spec.max_position_embeddings,
+        "initializer_range": spec.initializer_range,
+        "rms_norm_eps": spec.rms_norm_eps,
+        "rope_theta": spec.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta},
+        "tie_word_embeddings": spec.tie_word_embeddings,
+        "attention_bias": spec.attention_bias,
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "num_experts": spec.num_experts,
+        "num_experts_per_tok": spec.num_experts_per_tok,
+        "moe_intermediate_size": spec.moe_intermediate_size,
+        "norm_topk_prob": spec.norm_topk_prob,
+        "router_aux_loss_coef": spec.router_aux_loss_coef,
+        "decoder_sparse_step": spec.decoder_sparse_step,
+        "mlp_only_layers": list(spec.mlp_only_layers),
+    }
