@@ -104,7 +104,7 @@ def _grouped_gemm_fwd_kernel(
     stride_cm, stride_cn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_G: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
 ):
     """c[rows of g] = a[rows of g] @ b[g]; a [M, K], b [G, K, N] (any strides), c [M, N]."""
     pid = tl.program_id(0)
@@ -139,6 +139,9 @@ def _grouped_gemm_fwd_kernel(
             k_mask = offs_k < K - k * BLOCK_K
             a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        if DOT_IN_FP32:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
@@ -155,7 +158,7 @@ def _grouped_gemm_wgrad_kernel(
     stride_dym, stride_dyn,
     stride_wg, stride_wk, stride_wn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_G: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_G: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
 ):
     """dw[g] = x_g^T @ dy_g; x [M, K], dy [M, N], dw [G, K, N]. Grid: G * k-tiles * n-tiles."""
     pid = tl.program_id(0)
@@ -185,6 +188,9 @@ def _grouped_gemm_wgrad_kernel(
         row_mask = offs_m < group_rows - step * BLOCK_M
         xt = tl.load(xt_ptrs, mask=k_mask[:, None] & row_mask[None, :], other=0.0)
         dy = tl.load(dy_ptrs, mask=row_mask[:, None] & n_mask[None, :], other=0.0)
+        if DOT_IN_FP32:
+            xt = xt.to(tl.float32)
+            dy = dy.to(tl.float32)
         acc = tl.dot(xt, dy, acc, input_precision=INPUT_PRECISION)
         xt_ptrs += BLOCK_M * stride_xm
         dy_ptrs += BLOCK_M * stride_dym
@@ -198,19 +204,28 @@ def _input_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _dot_in_fp32(dtype: torch.dtype) -> bool:
+    # The Triton interpreter multiplies bf16 tiles as their raw 16-bit integers (numpy has no
+    # bf16), so under the interpreter bf16 tiles are widened first. Never on a GPU.
+    return _interpreting() and dtype == torch.bfloat16
+
+
 def _block_g(num_groups: int) -> int:
     return max(16, triton.next_power_of_2(num_groups))
 
 
-def grouped_gemm_forward(a: torch.Tensor, b: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+def grouped_gemm_forward(
+    a: torch.Tensor, b: torch.Tensor, group_sizes: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """``c[rows of g] = a[rows of g] @ b[g]`` for a [M, K], b [G, K, N] (any strides) -> c [M, N].
 
     Used for the forward (b = w) and for dx (a = dy, b = w.transpose(1, 2)). Inputs are trusted:
-    the public wrapper ``grouped_gemm`` checks shapes and dtypes.
+    the public wrapper ``grouped_gemm`` checks shapes and dtypes. ``out`` (optional, [M, N], a's
+    dtype) is written in place; the tests pass a NaN-poisoned one to prove every row is written.
     """
     m, k = a.shape
     num_groups, _, n = b.shape
-    c = torch.empty((m, n), dtype=a.dtype, device=a.device)
+    c = torch.empty((m, n), dtype=a.dtype, device=a.device) if out is None else out
     if c.numel() == 0:
         return c
     if k == 0:
@@ -226,20 +241,27 @@ def grouped_gemm_forward(a: torch.Tensor, b: torch.Tensor, group_sizes: torch.Te
         c.stride(0), c.stride(1),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         BLOCK_G=_block_g(num_groups), GROUP_M=cfg.group_m, EVEN_K=k % cfg.block_k == 0,
-        INPUT_PRECISION=_input_precision(a.dtype),
+        INPUT_PRECISION=_input_precision(a.dtype), DOT_IN_FP32=_dot_in_fp32(a.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return c
 
 
 def grouped_gemm_weight_grad(
-    x: torch.Tensor, dy: torch.Tensor, group_sizes: torch.Tensor, out_dtype: torch.dtype
+    x: torch.Tensor,
+    dy: torch.Tensor,
+    group_sizes: torch.Tensor,
+    out_dtype: torch.dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``dw[g] = x_g^T @ dy_g`` for x [M, K], dy [M, N] -> dw [G, K, N] in ``out_dtype``."""
+    """``dw[g] = x_g^T @ dy_g`` for x [M, K], dy [M, N] -> dw [G, K, N] in ``out_dtype``.
+
+    ``out`` (optional, [G, K, N]) is written in place, every element including zero-row groups.
+    """
     m, k = x.shape
     n = dy.shape[1]
     num_groups = group_sizes.shape[0]
-    dw = torch.empty((num_groups, k, n), dtype=out_dtype, device=x.device)
+    dw = torch.empty((num_groups, k, n), dtype=out_dtype, device=x.device) if out is None else out
     if dw.numel() == 0:
         return dw
     if m == 0:
@@ -254,6 +276,7 @@ def grouped_gemm_weight_grad(
         dw.stride(0), dw.stride(1), dw.stride(2),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         BLOCK_G=_block_g(num_groups), INPUT_PRECISION=_input_precision(x.dtype),
+        DOT_IN_FP32=_dot_in_fp32(x.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return dw
