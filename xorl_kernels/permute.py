@@ -31,6 +31,13 @@ import torch
 # ---------------------------------------------------------------------------------------------
 
 
+def _invert_permutation(perm: torch.Tensor) -> torch.Tensor:
+    """inv[perm[i]] = i. Every destination is written once, so the scatter is deterministic and,
+    unlike boolean or accumulate indexing, never syncs with the host."""
+    inv = new_empty(perm.shape, perm.dtype, perm.device)
+    return inv.scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
+
+
 def routing_metadata_reference(expert_ids: torch.Tensor, num_experts: int):
     """Return (sorted_slots [T*K], row_map [T, K], tokens_per_expert [E]), all int64, torch only.
 
@@ -39,9 +46,7 @@ def routing_metadata_reference(expert_ids: torch.Tensor, num_experts: int):
     """
     flat = expert_ids.reshape(-1).long()
     sorted_slots = torch.sort(flat, stable=True).indices
-    row_map = torch.empty_like(sorted_slots)
-    # A permutation: every destination written once, so the scatter is deterministic.
-    row_map[sorted_slots] = torch.arange(flat.numel(), device=flat.device)
+    row_map = _invert_permutation(sorted_slots)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     return sorted_slots, row_map.view(expert_ids.shape), counts
@@ -61,6 +66,16 @@ def _routing_metadata(expert_ids: torch.Tensor, num_experts: int):
 # ---------------------------------------------------------------------------------------------
 
 
+def new_empty(shape, dtype, device) -> torch.Tensor:
+    """Allocation of every output this op writes; tests swap it for a NaN-filled one (poisoning)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _acc_dtype(t: torch.Tensor) -> torch.dtype:
+    # fp32 accumulation for every training dtype; float64 stays float64 (test references).
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
 def gather_rows_reference(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """out[r] = src[index[r]]."""
     return src.index_select(0, index)
@@ -68,9 +83,10 @@ def gather_rows_reference(src: torch.Tensor, index: torch.Tensor) -> torch.Tenso
 
 def combine_reference(y_sorted: torch.Tensor, row_map: torch.Tensor, weights: torch.Tensor | None):
     """y[t] = sum_k w[t, k] * y_sorted[row_map[t, k]] in fp32, in k order, cast to y_sorted.dtype."""
-    rows = y_sorted.index_select(0, row_map.reshape(-1)).view(*row_map.shape, -1).float()
+    acc = _acc_dtype(y_sorted)
+    rows = y_sorted.index_select(0, row_map.reshape(-1)).view(*row_map.shape, y_sorted.shape[1]).to(acc)
     if weights is not None:
-        rows = rows * weights.float().unsqueeze(-1)
+        rows = rows * weights.to(acc).unsqueeze(-1)
     out = rows[:, 0]
     for k in range(1, row_map.shape[1]):  # explicit k order: the same sum on every backend
         out = out + rows[:, k]
@@ -80,13 +96,16 @@ def combine_reference(y_sorted: torch.Tensor, row_map: torch.Tensor, weights: to
 def scatter_weighted_reference(grad_y, row_map, weights, y_sorted, need_weight_grad: bool):
     """Backward of combine: (grad_y_sorted, grad_weights or None)."""
     num_tokens, top_k = row_map.shape
-    g = grad_y.float().unsqueeze(1).expand(num_tokens, top_k, grad_y.shape[-1])
-    scaled = g * weights.float().unsqueeze(-1) if weights is not None else g
-    grad_sorted = torch.empty(row_map.numel(), grad_y.shape[-1], dtype=y_sorted.dtype, device=grad_y.device)
-    grad_sorted[row_map.reshape(-1)] = scaled.reshape(-1, grad_y.shape[-1]).to(y_sorted.dtype)
+    acc = _acc_dtype(y_sorted)
+    g = grad_y.to(acc).unsqueeze(1).expand(num_tokens, top_k, grad_y.shape[-1])
+    scaled = g * weights.to(acc).unsqueeze(-1) if weights is not None else g
+    grad_sorted = new_empty((row_map.numel(), grad_y.shape[-1]), y_sorted.dtype, grad_y.device)
+    grad_sorted.index_copy_(0, row_map.reshape(-1), scaled.reshape(-1, grad_y.shape[-1]).to(y_sorted.dtype))
     grad_w = None
     if need_weight_grad:
-        rows = y_sorted.index_select(0, row_map.reshape(-1)).view(num_tokens, top_k, -1).float()
+        rows = (
+            y_sorted.index_select(0, row_map.reshape(-1)).view(num_tokens, top_k, y_sorted.shape[1]).to(acc)
+        )
         grad_w = (rows * g).sum(-1)
     return grad_sorted, grad_w
 
@@ -176,9 +195,7 @@ class _UnpermuteFn(torch.autograd.Function):
 
 
 def _inverse_row_map(row_map: torch.Tensor) -> torch.Tensor:
-    sorted_slots = torch.empty(row_map.numel(), dtype=torch.int64, device=row_map.device)
-    sorted_slots[row_map.reshape(-1)] = torch.arange(row_map.numel(), device=row_map.device)
-    return sorted_slots
+    return _invert_permutation(row_map.reshape(-1))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from xorl_kernels import permute as _op
+
 
 @triton.jit
 def _gather_rows_kernel(src_ptr, index_ptr, out_ptr, hidden, BLOCK: tl.constexpr):
@@ -88,7 +90,7 @@ def _warps(block: int) -> int:
 def gather_rows(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """out[r] = src[index[r]]; src [N, H] contiguous, index [M] int64."""
     hidden = src.shape[1]
-    out = torch.empty(index.numel(), hidden, dtype=src.dtype, device=src.device)
+    out = _op.new_empty((index.numel(), hidden), src.dtype, src.device)
     if out.numel():
         block = _block(hidden)
         _gather_rows_kernel[(index.numel(),)](src, index, out, hidden, BLOCK=block, num_warps=_warps(block))
@@ -99,7 +101,7 @@ def combine(y_sorted: torch.Tensor, row_map: torch.Tensor, weights: torch.Tensor
     """y[t] = sum_k w[t, k] * y_sorted[row_map[t, k]] (fp32 accumulate, k order)."""
     num_tokens, top_k = row_map.shape
     hidden = y_sorted.shape[1]
-    out = torch.empty(num_tokens, hidden, dtype=y_sorted.dtype, device=y_sorted.device)
+    out = _op.new_empty((num_tokens, hidden), y_sorted.dtype, y_sorted.device)
     if out.numel():
         block = _block(hidden)
         w = weights if weights is not None else row_map  # placeholder pointer, never read
@@ -128,8 +130,8 @@ def scatter_weighted(
     rows = sorted_slots.numel()
     hidden = grad_y.shape[1]
     top_k = rows // grad_y.shape[0] if grad_y.shape[0] else 1
-    grad_sorted = torch.empty(rows, hidden, dtype=y_sorted.dtype, device=grad_y.device)
-    grad_w = torch.empty(rows, dtype=torch.float32, device=grad_y.device) if need_weight_grad else None
+    grad_sorted = _op.new_empty((rows, hidden), y_sorted.dtype, grad_y.device)
+    grad_w = _op.new_empty((rows,), torch.float32, grad_y.device) if need_weight_grad else None
     if rows and hidden:
         block = _block(hidden)
         w = weights if weights is not None else sorted_slots
