@@ -1,0 +1,43 @@
+"""Process-group start-up for the trainer: torchrun's environment, or one process without it."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_distributed(timeout_s: float = 600.0) -> torch.device:
+    """Start the default process group (NCCL on GPU, gloo on CPU) and return this rank's device.
+
+    Why a timeout on every collective: when a rank dies, the others must fail with an error inside
+    the collective timeout instead of hanging (NCCL also needs async error handling for that).
+    """
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        device, backend = torch.device("cuda", local_rank), "nccl"
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if dist.is_initialized():
+        return device
+    if "RANK" not in os.environ:  # a plain `python -m xorl.cli.train`: a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return device
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

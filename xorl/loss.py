@@ -1,0 +1,33 @@
+"""The loss one process would compute, whatever the layout.
+
+The training loss is the token-weighted mean over every data-parallel and context-parallel rank
+and every microbatch of the optimizer step: sum of per-token cross-entropies / number of label
+tokens in the global batch. Each rank therefore backpropagates ``local_sum / global_tokens`` and
+gradients are SUMMED (never averaged) across ranks and microbatches; averaging per rank or per
+microbatch would weight tokens unequally whenever ranks hold different numbers of label tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+
+
+def count_label_tokens(microbatches: list[dict], group) -> torch.Tensor:
+    """Label tokens of the whole optimizer step over the data × context-parallel ranks (int64)."""
+    local = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in microbatches)
+    total = torch.tensor([local], dtype=torch.int64)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(total, group=group)
+    return total
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of cross-entropies over label tokens, in fp32."""
+    return F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+        ignore_index=IGNORE_INDEX, reduction="sum",
+    )
