@@ -113,11 +113,14 @@ def _check_positions(name: str, pos, total: int, batch: int, per_row: int, devic
     if pos.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{name} must be an int32/int64 tensor, got {pos.dtype}")
     pos = pos.to(device).reshape(-1)
-    if pos.numel() == total:
-        return pos.to(torch.int32) if pos.numel() == 0 or int(pos.abs().max()) < 2**31 else pos
     if batch > 1 and pos.numel() == per_row:
-        return pos.repeat(batch).to(torch.int32)
-    raise ValueError(f"{name} must have one entry per token ({total}), got shape {tuple(pos.shape)}")
+        pos = pos.repeat(batch)
+    if pos.numel() != total:
+        raise ValueError(f"{name} must have one entry per token ({total}), got shape {tuple(pos.shape)}")
+    # The kernels keep positions in int32 (and use +-(2**31 - 1) as padding sentinels).
+    if pos.dtype == torch.int64 and pos.numel() and int(pos.abs().max()) >= 2**31 - 1:
+        raise ValueError(f"{name} must fit in int32 (|pos| < 2**31 - 1)")
+    return pos.to(torch.int32)
 
 
 def _pack(

@@ -1,0 +1,363 @@
+"""Triton flash-attention backward on the packed form: two kernels, no atomics, deterministic.
+
+Given lse and delta (delta = rowsum(dO·O) - dlse, computed once per backward by the caller), with
+P = exp(S·scale - lse), dP = dO·Vᵀ and dS = P ∘ (dP - delta):
+
+- ``_flash_attn_bwd_dkdv_kernel``: one program per (document, kv head, key block); it loops over
+  the query heads of its GQA group and over the visible query blocks, accumulating
+  dV = Pᵀ·dO and dK = scale·dSᵀ·Q in fp32 registers — each dk/dv row is written exactly once.
+- ``_flash_attn_bwd_dq_kernel``: one program per (document, query head, query block), looping
+  over visible key blocks: dQ = scale·dS·K in fp32.
+
+lse and delta may be global quantities of a larger attention (ring attention passes the merged
+lse and the merged output's delta to every step); the formulas hold per key block. Rows with
+lse = -inf (no visible key anywhere) are exponentiated against 0, so their P is exactly 0.
+
+Results are written in the gradient buffers' dtype; ``ACCUMULATE`` adds into existing fp32
+buffers instead (ring attention keeps fp32 accumulators across steps). Visibility and block
+skipping are the forward's (see flash_attn_fwd_triton): bounds, same document, and under causal
+k_pos <= q_pos with per-block position ranges.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .flash_attn_triton_common import (
+    INTERPRET,
+    LOG2E,
+    POS_HIGH,
+    POS_LOW,
+    block_head_dim,
+    check_device,
+    dot_precision,
+    last_dim_contiguous,
+    load_positions,
+    load_tile,
+    seq_bucket,
+    store_tile,
+)
+
+
+def _configs(block_a: str, block_b: str) -> list[triton.Config]:
+    """block_a: the block a program owns; block_b: the block it loops over."""
+    if INTERPRET:
+        return [triton.Config({block_a: 32, block_b: 16}, num_warps=4, num_stages=1)]
+    shapes = [(64, 64, 4, 2), (64, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 3), (128, 64, 4, 2)]
+    return [triton.Config({block_a: a, block_b: b}, num_warps=w, num_stages=s) for a, b, w, s in shapes]
+
+
+def _restore(names):
+    # With ACCUMULATE the kernels add into caller buffers: tuning runs must not add repeatedly.
+    return None if INTERPRET else names
+
+
+@triton.jit
+def _load_row_stats(LSE, DELTA, head, stride_lse_h, q_start, offs_m, m_valid):
+    """lse in the exp2 domain (with -inf rows mapped to 0) and delta for a query block."""
+    row = head.to(tl.int64) * stride_lse_h + q_start + offs_m
+    lse = tl.load(LSE + row, mask=m_valid, other=0.0) * 1.4426950408889634
+    lse = tl.where(lse == float("-inf"), 0.0, lse)
+    delta = tl.load(DELTA + row, mask=m_valid, other=0.0)
+    return lse, delta
+
+
+@triton.jit
+def _dkdv_block(
+    dk, dv, k, v, k_pos, n_valid, Q_base, DO_base, LSE, DELTA, QPOS, head, stride_lse_h,
+    q_start, start_m, q_len, stride_qt, stride_dot, sm_scale_log2, offs_m_base, offs_d,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_POS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    offs_m = start_m + offs_m_base
+    m_valid = offs_m < q_len
+    q = load_tile(Q_base, offs_m, stride_qt, offs_d, m_valid, HEAD_DIM, BLOCK_D)
+    do = load_tile(DO_base, offs_m, stride_dot, offs_d, m_valid, HEAD_DIM, BLOCK_D)
+    lse, delta = _load_row_stats(LSE, DELTA, head, stride_lse_h, q_start, offs_m, m_valid)
+    qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * sm_scale_log2  # [BLOCK_N, BLOCK_M]
+    if MASKED:
+        visible = n_valid[:, None] & m_valid[None, :]
+        if IS_CAUSAL:
+            q_pos = load_positions(QPOS, q_start, offs_m, m_valid, HAS_POS)
+            visible = visible & (k_pos[:, None] <= q_pos[None, :])
+        qk_t = tl.where(visible, qk_t, float("-inf"))
+    p_t = tl.math.exp2(qk_t - lse[None, :])
+    dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)
+    return dk, dv
+
+
+@triton.autotune(
+    configs=_configs("BLOCK_N", "BLOCK_M"),
+    key=["seq_bucket", "HEAD_DIM", "IS_CAUSAL", "HAS_POS", "DOT_PREC", "ACCUMULATE"],
+    restore_value=_restore(["DK", "DV"]),
+)
+@triton.jit
+def _flash_attn_bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, QPOS, KPOS,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lse_h,
+    sm_scale, sm_scale_log2, heads_kv, group, seq_bucket,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_POS: tl.constexpr,
+    ACCUMULATE: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_dh = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    doc = pid_dh // heads_kv
+    kv_head = pid_dh % heads_kv
+    k_start = tl.load(CU_K + doc)
+    k_len = tl.load(CU_K + doc + 1) - k_start
+    if pid_n * BLOCK_N >= k_len:
+        return
+    q_start = tl.load(CU_Q + doc)
+    q_len = tl.load(CU_Q + doc + 1) - q_start
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m_base = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    n_valid = offs_n < k_len
+    K_base = K + k_start.to(tl.int64) * stride_kt + kv_head * stride_kh
+    V_base = V + k_start.to(tl.int64) * stride_vt + kv_head * stride_vh
+    k = load_tile(K_base, offs_n, stride_kt, offs_d, n_valid, HEAD_DIM, BLOCK_D)
+    v = load_tile(V_base, offs_n, stride_vt, offs_d, n_valid, HEAD_DIM, BLOCK_D)
+    k_pos = load_positions(KPOS, k_start, offs_n, n_valid, HAS_POS)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+
+    if HAS_POS:
+        k_lo = tl.min(tl.where(n_valid, k_pos, POS_HIGH))
+    else:
+        # Causal by index: rows before this key block's first key see none of it; rows at or past
+        # its last key see all of it (no mask needed there, except the final partial row block).
+        if IS_CAUSAL:
+            first_row = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M
+            diag_end = tl.minimum(tl.cdiv((pid_n + 1) * BLOCK_N, BLOCK_M) * BLOCK_M, q_len)
+        else:
+            first_row = 0
+            diag_end = 0
+        full_end = tl.maximum((q_len // BLOCK_M) * BLOCK_M, diag_end)
+        # Full blocks also need every key of this block in bounds.
+        full_end = tl.where((pid_n + 1) * BLOCK_N <= k_len, full_end, diag_end)
+
+    for g in range(0, group):
+        head = kv_head * group + g
+        Q_base = Q + q_start.to(tl.int64) * stride_qt + head * stride_qh
+        DO_base = DO + q_start.to(tl.int64) * stride_dot + head * stride_doh
+        if HAS_POS:
+            for start_m in range(0, q_len, BLOCK_M):
+                rows = start_m + offs_m_base
+                q_pos = load_positions(QPOS, q_start, rows, rows < q_len, True)
+                q_hi = tl.max(tl.where(rows < q_len, q_pos, POS_LOW))
+                if q_hi >= k_lo:
+                    dk, dv = _dkdv_block(
+                        dk, dv, k, v, k_pos, n_valid, Q_base, DO_base, LSE, DELTA, QPOS, head, stride_lse_h,
+                        q_start, start_m, q_len, stride_qt, stride_dot, sm_scale_log2, offs_m_base, offs_d,
+                        True, True, True, HEAD_DIM, BLOCK_D, DOT_PREC,
+                    )
+        else:
+            for start_m in range(first_row, diag_end, BLOCK_M):
+                dk, dv = _dkdv_block(
+                    dk, dv, k, v, k_pos, n_valid, Q_base, DO_base, LSE, DELTA, QPOS, head, stride_lse_h,
+                    q_start, start_m, q_len, stride_qt, stride_dot, sm_scale_log2, offs_m_base, offs_d,
+                    True, IS_CAUSAL, False, HEAD_DIM, BLOCK_D, DOT_PREC,
+                )
+            for start_m in range(diag_end, full_end, BLOCK_M):
+                dk, dv = _dkdv_block(
+                    dk, dv, k, v, k_pos, n_valid, Q_base, DO_base, LSE, DELTA, QPOS, head, stride_lse_h,
+                    q_start, start_m, q_len, stride_qt, stride_dot, sm_scale_log2, offs_m_base, offs_d,
+                    False, IS_CAUSAL, False, HEAD_DIM, BLOCK_D, DOT_PREC,
+                )
+            for start_m in range(full_end, q_len, BLOCK_M):
+                dk, dv = _dkdv_block(
+                    dk, dv, k, v, k_pos, n_valid, Q_base, DO_base, LSE, DELTA, QPOS, head, stride_lse_h,
+                    q_start, start_m, q_len, stride_qt, stride_dot, sm_scale_log2, offs_m_base, offs_d,
+                    True, IS_CAUSAL, False, HEAD_DIM, BLOCK_D, DOT_PREC,
+                )
+
+    DK_base = DK + k_start.to(tl.int64) * stride_dkt + kv_head * stride_dkh
+    DV_base = DV + k_start.to(tl.int64) * stride_dvt + kv_head * stride_dvh
+    store_tile(DK_base, dk * sm_scale, offs_n, stride_dkt, offs_d, n_valid, ACCUMULATE, HEAD_DIM, BLOCK_D)
+    store_tile(DV_base, dv, offs_n, stride_dvt, offs_d, n_valid, ACCUMULATE, HEAD_DIM, BLOCK_D)
+
+
+@triton.jit
+def _dq_block(
+    dq, q, do, lse, delta, q_pos, m_valid, K_base, V_base, KPOS, k_start, start_n, k_len,
+    stride_kt, stride_vt, sm_scale_log2, offs_n, offs_d,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_POS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    cols = start_n + offs_n
+    n_valid = cols < k_len
+    k = load_tile(K_base, cols, stride_kt, offs_d, n_valid, HEAD_DIM, BLOCK_D)
+    v = load_tile(V_base, cols, stride_vt, offs_d, n_valid, HEAD_DIM, BLOCK_D)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale_log2
+    if MASKED:
+        visible = n_valid[None, :] & m_valid[:, None]
+        if IS_CAUSAL:
+            k_pos = load_positions(KPOS, k_start, cols, n_valid, HAS_POS)
+            visible = visible & (k_pos[None, :] <= q_pos[:, None])
+        qk = tl.where(visible, qk, float("-inf"))
+    p = tl.math.exp2(qk - lse[:, None])
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+    ds = p * (dp - delta[:, None])
+    dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
+    return dq
+
+
+@triton.autotune(
+    configs=_configs("BLOCK_M", "BLOCK_N"),
+    key=["seq_bucket", "HEAD_DIM", "IS_CAUSAL", "HAS_POS", "DOT_PREC", "ACCUMULATE"],
+    restore_value=_restore(["DQ"]),
+)
+@triton.jit
+def _flash_attn_bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K, QPOS, KPOS,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    stride_dqt, stride_dqh, stride_lse_h,
+    sm_scale, sm_scale_log2, heads_q, group, seq_bucket,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_POS: tl.constexpr,
+    ACCUMULATE: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid_dh = tl.program_id(0)
+    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
+    doc = pid_dh // heads_q
+    head = pid_dh % heads_q
+    q_start = tl.load(CU_Q + doc)
+    q_len = tl.load(CU_Q + doc + 1) - q_start
+    if pid_m * BLOCK_M >= q_len:
+        return
+    k_start = tl.load(CU_K + doc)
+    k_len = tl.load(CU_K + doc + 1) - k_start
+    kv_head = head // group
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_valid = offs_m < q_len
+    Q_base = Q + q_start.to(tl.int64) * stride_qt + head * stride_qh
+    DO_base = DO + q_start.to(tl.int64) * stride_dot + head * stride_doh
+    K_base = K + k_start.to(tl.int64) * stride_kt + kv_head * stride_kh
+    V_base = V + k_start.to(tl.int64) * stride_vt + kv_head * stride_vh
+    q = load_tile(Q_base, offs_m, stride_qt, offs_d, m_valid, HEAD_DIM, BLOCK_D)
+    do = load_tile(DO_base, offs_m, stride_dot, offs_d, m_valid, HEAD_DIM, BLOCK_D)
+    lse, delta = _load_row_stats(LSE, DELTA, head, stride_lse_h, q_start, offs_m, m_valid)
+    q_pos = load_positions(QPOS, q_start, offs_m, m_valid, HAS_POS)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    if HAS_POS:
+        q_hi = tl.max(tl.where(m_valid, q_pos, POS_LOW))
+        for start_n in range(0, k_len, BLOCK_N):
+            cols = start_n + offs_n
+            k_pos = load_positions(KPOS, k_start, cols, cols < k_len, True)
+            k_lo = tl.min(tl.where(cols < k_len, k_pos, POS_HIGH))
+            if k_lo <= q_hi:
+                dq = _dq_block(
+                    dq, q, do, lse, delta, q_pos, m_valid, K_base, V_base, KPOS, k_start, start_n, k_len,
+                    stride_kt, stride_vt, sm_scale_log2, offs_n, offs_d,
+                    True, True, True, HEAD_DIM, BLOCK_D, DOT_PREC,
+                )
+    else:
+        if IS_CAUSAL:
+            full_end = (tl.minimum(pid_m * BLOCK_M + 1, k_len) // BLOCK_N) * BLOCK_N
+            end = tl.minimum(k_len, tl.minimum(q_len, (pid_m + 1) * BLOCK_M))
+        else:
+            full_end = (k_len // BLOCK_N) * BLOCK_N
+            end = k_len
+        # Padded query rows (past q_len) produce garbage only in rows that are never stored.
+        for start_n in range(0, full_end, BLOCK_N):
+            dq = _dq_block(
+                dq, q, do, lse, delta, q_pos, m_valid, K_base, V_base, KPOS, k_start, start_n, k_len,
+                stride_kt, stride_vt, sm_scale_log2, offs_n, offs_d,
+                False, IS_CAUSAL, False, HEAD_DIM, BLOCK_D, DOT_PREC,
+            )
+        for start_n in range(full_end, end, BLOCK_N):
+            dq = _dq_block(
+                dq, q, do, lse, delta, q_pos, m_valid, K_base, V_base, KPOS, k_start, start_n, k_len,
+                stride_kt, stride_vt, sm_scale_log2, offs_n, offs_d,
+                True, IS_CAUSAL, False, HEAD_DIM, BLOCK_D, DOT_PREC,
+            )
+
+    DQ_base = DQ + q_start.to(tl.int64) * stride_dqt + head * stride_dqh
+    store_tile(DQ_base, dq * sm_scale, offs_m, stride_dqt, offs_d, m_valid, ACCUMULATE, HEAD_DIM, BLOCK_D)
+
+
+def triton_backward(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool,
+    softmax_scale: float,
+    q_positions: torch.Tensor | None = None,
+    k_positions: torch.Tensor | None = None,
+    dq_accum: torch.Tensor | None = None,
+    dk_accum: torch.Tensor | None = None,
+    dv_accum: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) on the packed form; given fp32 accumulators are added into and returned."""
+    check_device(q, k, v, do)
+    q, k, v, do = (last_dim_contiguous(t) for t in (q, k, v, do))
+    lse = lse.float().contiguous()
+    delta = delta.float().contiguous()
+    total_q, heads_q, head_dim = q.shape
+    heads_kv = k.shape[1]
+    num_docs = cu_seqlens_q.numel() - 1
+    has_pos = bool(causal) and q_positions is not None
+    q_pos = q_positions if has_pos else cu_seqlens_q
+    k_pos = k_positions if has_pos else cu_seqlens_k
+    if num_docs == 0 or max_seqlen_q == 0 or max_seqlen_k == 0:
+        return tuple(
+            acc if acc is not None else torch.zeros_like(like)
+            for acc, like in ((dq_accum, q), (dk_accum, k), (dv_accum, v))
+        )
+    # Every row of every document is written exactly once by the kernels (gradient 0 where nothing
+    # is visible), so fresh buffers need no memset. dk and dv share one kernel and so one mode: if
+    # only one of them has an accumulator, the other accumulates into a zeroed fp32 scratch.
+    accumulate_kv = dk_accum is not None or dv_accum is not None
+    dq = dq_accum if dq_accum is not None else torch.empty_like(q)
+    if accumulate_kv:
+        dk = dk_accum if dk_accum is not None else torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+        dv = dv_accum if dv_accum is not None else torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    else:
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+    common = dict(
+        HEAD_DIM=head_dim, BLOCK_D=block_head_dim(head_dim), IS_CAUSAL=bool(causal), HAS_POS=has_pos,
+        DOT_PREC=dot_precision(q.dtype),
+    )
+
+    def grid_kv(meta):
+        return (num_docs * heads_kv, triton.cdiv(max_seqlen_k, meta["BLOCK_N"]))
+
+    _flash_attn_bwd_dkdv_kernel[grid_kv](
+        q, k, v, do, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, q_pos, k_pos,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0),
+        softmax_scale, softmax_scale * LOG2E, heads_kv, heads_q // heads_kv, seq_bucket(max_seqlen_q),
+        ACCUMULATE=accumulate_kv, **common,
+    )
+
+    def grid_q(meta):
+        return (num_docs * heads_q, triton.cdiv(max_seqlen_q, meta["BLOCK_M"]))
+
+    _flash_attn_bwd_dq_kernel[grid_q](
+        q, k, v, do, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, q_pos, k_pos,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),
+        softmax_scale, softmax_scale * LOG2E, heads_q, heads_q // heads_kv, seq_bucket(max_seqlen_k),
+        ACCUMULATE=dq_accum is not None, **common,
+    )
+    if accumulate_kv:
+        dk = dk if dk_accum is not None else dk.to(k.dtype)
+        dv = dv if dv_accum is not None else dv.to(v.dtype)
+    return dq, dk, dv

@@ -1,0 +1,90 @@
+"""Pieces shared by the Triton flash-attention forward and backward kernels.
+
+Both kernels work on the packed form (see ``flash_attn_reference``): q [total_q, heads_q, d],
+k/v [total_k, heads_kv, d], lse/delta fp32 [heads_q, total_q], documents given by cu_seqlens.
+Only the last dimension must be contiguous; token and head strides are passed in.
+
+Only APIs present in Triton 3.6 are used here (plain pointer arithmetic, no TMA descriptors,
+no block pointers), so the same code runs on the GPU image (3.6) and the dev image (3.9).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Read once: the interpreter must be chosen before triton is imported anyway.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+LOG2E = 1.4426950408889634
+# Constants read inside kernels must be tl.constexpr.
+LN2 = tl.constexpr(0.6931471805599453)
+# Sentinels for min/max over padded rows; positions are int32 strictly inside (-2**31, 2**31 - 1).
+POS_LOW = tl.constexpr(-2147483647)
+POS_HIGH = tl.constexpr(2147483647)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs must not silently run in tf32 (the fp32 tolerance is 1e-5); ignored for 16-bit.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def block_head_dim(head_dim: int) -> int:
+    """Padded head dim: tl.arange needs a power of two and tl.dot at least 16."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def seq_bucket(max_seqlen: int) -> int:
+    """Autotune key: configs are re-tuned per power-of-two bucket of the longest document, not per length."""
+    return triton.next_power_of_2(max(int(max_seqlen), 16))
+
+
+def check_device(*tensors: torch.Tensor) -> None:
+    if not INTERPRET and not all(t.is_cuda for t in tensors):
+        raise RuntimeError(
+            "the Triton flash-attention backend needs CUDA tensors; on CPU set TRITON_INTERPRET=1 "
+            "before importing triton, or use backend='reference'"
+        )
+
+
+def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+@triton.jit
+def load_tile(base, offs_rows, stride_row, offs_d, rows_valid, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """[rows, BLOCK_D] tile; padded rows / head-dim columns read as 0 (which keeps every dot exact)."""
+    ptrs = base + offs_rows.to(tl.int64)[:, None] * stride_row + offs_d[None, :]
+    if BLOCK_D == HEAD_DIM:
+        mask = rows_valid[:, None]
+    else:
+        mask = rows_valid[:, None] & (offs_d[None, :] < HEAD_DIM)
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def store_tile(
+    base, value, offs_rows, stride_row, offs_d, rows_valid, ACCUMULATE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Write (or, with ACCUMULATE, add into) a [rows, BLOCK_D] tile, casting to the buffer's dtype."""
+    ptrs = base + offs_rows.to(tl.int64)[:, None] * stride_row + offs_d[None, :]
+    if BLOCK_D == HEAD_DIM:
+        mask = rows_valid[:, None]
+    else:
+        mask = rows_valid[:, None] & (offs_d[None, :] < HEAD_DIM)
+    if ACCUMULATE:
+        value += tl.load(ptrs, mask=mask, other=0.0)
+    tl.store(ptrs, value.to(base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def load_positions(POS, doc_start, offs, valid, HAS_POS: tl.constexpr):
+    """Per-token positions of a block; without a positions tensor, the index inside the document."""
+    if HAS_POS:
+        pos = tl.load(POS + doc_start + offs, mask=valid, other=0)
+    else:
+        pos = offs
+    return pos
