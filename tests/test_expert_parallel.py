@@ -1,0 +1,203 @@
+"""Expert parallelism on gloo ranks equals the single-process MoE in output and every gradient,
+with balanced and fully skewed routing (ranks that receive no tokens), and composed with FSDP2."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from xorl.nn.moe import MoE
+
+HIDDEN, INTER, TOKENS_PER_RANK = 16, 8, 12
+
+
+def _rel_err(out, ref) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+def _build(num_experts, top_k, forced_experts, ep_group=None, seed=0) -> MoE:
+    """The same random MoE on every rank; ``forced_experts`` (if any) get a selection bias so large
+    that every token picks them (skewed routing)."""
+    torch.manual_seed(seed)
+    full = MoE(
+        HIDDEN,
+        num_experts,
+        top_k,
+        INTER,
+        expert_bias=forced_experts is not None,
+        aux_loss_coef=0.01,
+        z_loss_coef=0.001,
+    )
+    with torch.no_grad():
+        for p in full.parameters():
+            p.normal_(std=0.3)
+        if forced_experts is not None:
+            full.gate.e_score_correction_bias[list(forced_experts)] = 10.0
+    if ep_group is None:
+        return full
+    sharded = MoE(
+        HIDDEN,
+        num_experts,
+        top_k,
+        INTER,
+        expert_bias=forced_experts is not None,
+        aux_loss_coef=0.01,
+        z_loss_coef=0.001,
+        ep_group=ep_group,
+    )
+    sharded.load_state_dict(full.state_dict())  # full [E, ...] expert tensors: sliced on load
+    return sharded
+
+
+def _inputs(world_size, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(world_size * TOKENS_PER_RANK, HIDDEN, generator=gen)
+    grad = torch.randn(world_size * TOKENS_PER_RANK, HIDDEN, generator=gen)
+    return x, grad
+
+
+def _expert_grads(moe: MoE) -> dict[str, torch.Tensor]:
+    return {n: getattr(moe.experts, n).grad for n in ("gate_proj", "up_proj", "down_proj")}
+
+
+def check_ep_matches_single_process(cases) -> list[dict]:
+    """On every rank, for each (num_experts, top_k, forced_experts): EP over the whole world vs the
+    single-process MoE on all ranks' tokens (computed locally). Returns relative errors."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reports = []
+    for num_experts, top_k, forced in cases:
+        x, grad = _inputs(world)
+        mine = slice(rank * TOKENS_PER_RANK, (rank + 1) * TOKENS_PER_RANK)
+
+        ref = _build(num_experts, top_k, forced)
+        x_ref = x.clone().requires_grad_()
+        out_ref = ref(x_ref)
+        (out_ref * grad).sum().backward()
+
+        ep = _build(num_experts, top_k, forced, ep_group=dist.group.WORLD)
+        x_ep = x[mine].clone().requires_grad_()
+        out = ep(x_ep)
+        (out * grad[mine]).sum().backward()
+
+        # Router weight: replicated; each rank holds the gradient of its own tokens -> sum them.
+        gate_grad = ep.gate.weight.grad.clone()
+        dist.all_reduce(gate_grad)
+        report = {
+            "case": (num_experts, top_k, forced),
+            "out": _rel_err(out, out_ref[mine]),
+            "x_grad": _rel_err(x_ep.grad, x_ref.grad[mine]),
+            "gate_grad": _rel_err(gate_grad, ref.gate.weight.grad),
+        }
+        for name, local in _expert_grads(ep).items():
+            gathered = [torch.empty_like(local) for _ in range(world)]
+            dist.all_gather(gathered, local.contiguous())
+            full = torch.cat(gathered)
+            ref_grad = _expert_grads(ref)[name]
+            report[name] = _rel_err(full, ref_grad)
+            # Experts that no token chose must have exact zero gradients on their owner.
+            first, last = ep.local_expert_range
+            unused = ref_grad[first:last].flatten(1).abs().sum(1) == 0
+            report[f"{name}_unused_exact_zero"] = bool((local[unused] == 0).all())
+            report[f"{name}_num_unused"] = int(unused.sum())
+        reports.append(report)
+    return reports
+
+
+def check_not_divisible_error() -> str:
+    try:
+        MoE(HIDDEN, dist.get_world_size() + 1, 1, INTER, ep_group=dist.group.WORLD)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def check_ep_times_fsdp(num_experts, top_k) -> dict:
+    """EP=2 x FSDP=2 on 4 ranks: mesh ("ep_fsdp", "ep"), experts sharded by fully_shard over ep_fsdp."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep_fsdp", "ep"))
+    x, grad = _inputs(world, seed=5)
+    mine = slice(rank * TOKENS_PER_RANK, (rank + 1) * TOKENS_PER_RANK)
+
+    ref = _build(num_experts, top_k, None, seed=3)
+    x_ref = x.clone().requires_grad_()
+    (ref(x_ref) * grad).sum().backward()
+
+    ep = _build(num_experts, top_k, None, ep_group=mesh.get_group("ep"), seed=3)
+    fully_shard(ep.experts, mesh=mesh["ep_fsdp"])
+    x_ep = x[mine].clone().requires_grad_()
+    out = ep(x_ep)
+    (out * grad[mine]).sum().backward()
+
+    report = {"out": _rel_err(out, ref(x[mine]).detach()), "x_grad": _rel_err(x_ep.grad, x_ref.grad[mine])}
+    ep_group = mesh.get_group("ep")
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        # FSDP averages over the 2 ep_fsdp ranks; the full local-experts gradient is the sum.
+        local = getattr(ep.experts, name).grad.full_tensor() * mesh["ep_fsdp"].size()
+        gathered = [torch.empty_like(local) for _ in range(mesh["ep"].size())]
+        dist.all_gather(gathered, local.contiguous(), group=ep_group)
+        report[name] = _rel_err(torch.cat(gathered), _expert_grads(ref)[name])
+    gate_grad = ep.gate.weight.grad.clone()
+    dist.all_reduce(gate_grad)
+    report["gate_grad"] = _rel_err(gate_grad, ref.gate.weight.grad)
+    return report
+
+
+CASES = [
+    (8, 2, None),  # balanced-ish random routing
+    (8, 1, (0,)),  # every token to expert 0: all other ranks receive nothing
+    (8, 2, (0, 1)),  # both choices on rank 0's experts
+]
+
+
+def _assert_reports(reports_per_rank, tol=1e-5):
+    for rank, reports in enumerate(reports_per_rank):
+        for rep in reports:
+            for key, value in rep.items():
+                if key in ("out", "x_grad", "gate_grad", "gate_proj", "up_proj", "down_proj"):
+                    assert value < tol, (rank, rep)
+                if key.endswith("exact_zero"):
+                    assert value, (rank, rep)
+
+
+def check_ep1_groups() -> float:
+    """EP = 1 inside a multi-rank world: a one-rank EP group per rank, own tokens only."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    groups = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
+    x, grad = _inputs(world)
+    mine = slice(rank * TOKENS_PER_RANK, (rank + 1) * TOKENS_PER_RANK)
+    ref = _build(8, 2, None)
+    ep = _build(8, 2, None, ep_group=groups[rank])
+    assert ep.ep_size == 1 and ep.num_local_experts == 8
+    out_ref, out = ref(x[mine]), ep(x[mine])
+    (out_ref * grad[mine]).sum().backward()
+    (out * grad[mine]).sum().backward()
+    errs = [_rel_err(out, out_ref)] + [
+        _rel_err(a, b) for a, b in zip(_expert_grads(ep).values(), _expert_grads(ref).values())
+    ]
+    return max(errs)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ep_matches_single_process(gloo_world, world_size):
+    world = gloo_world(world_size)
+    cases = CASES + ([(4, 2, None)] if world_size == 4 else [])  # 1 expert per rank
+    reports = world.run(check_ep_matches_single_process, cases, timeout_s=120)
+    _assert_reports(reports)
+    # The skewed cases really left experts (and whole ranks) without tokens.
+    assert any(rep["gate_proj_num_unused"] == 8 // world_size for rep in reports[-1][1:3])
+    errors = world.run(check_not_divisible_error)
+    if world_size == 2:
+        assert max(world.run(check_ep1_groups)) < 1e-6
+    assert all("not divisible" in e for e in errors), errors
+
+
+def test_ep2_times_fsdp2(gloo_world):
+    world = gloo_world(4)
+    reports = world.run(check_ep_times_fsdp, 8, 2, timeout_s=120)
+    for rank, rep in enumerate(reports):
+        for key, value in rep.items():
+            assert value < 1e-5, (rank, key, rep)

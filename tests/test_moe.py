@@ -1,0 +1,169 @@
+"""xorl.nn.MoE (one process): against transformers' Qwen3-MoE / Qwen2-MoE blocks on the same weights
+and against an independent float64 per-token loop, output and every gradient."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from xorl.nn.moe import MoE, collect_aux_loss
+
+
+def rel_err(out, ref) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+def random_moe(seed=0, **kw) -> MoE:
+    torch.manual_seed(seed)
+    args = {"hidden_size": 32, "num_experts": 8, "top_k": 2, "moe_intermediate_size": 16, **kw}
+    moe = MoE(**args)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(std=0.3)
+    return moe
+
+
+def loop_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """float64 MoE written per token and per chosen expert; uses the module's weights (as float64
+    leaves) so gradients can be compared."""
+    w_gate = moe.gate.weight.detach().double().requires_grad_()
+    experts = {
+        n: getattr(moe.experts, n).detach().double().requires_grad_()
+        for n in ("gate_proj", "up_proj", "down_proj")
+    }
+    x64 = x.detach().double().requires_grad_()
+    probs = (x64 @ w_gate.t()).softmax(-1)
+    outs = []
+    for t in range(x64.shape[0]):
+        top = probs[t].topk(moe.top_k).indices
+        w = probs[t, top] / probs[t, top].sum()
+        acc = torch.zeros_like(x64[t])
+        for k, e in enumerate(top.tolist()):
+            h = torch.nn.functional.silu(x64[t] @ experts["gate_proj"][e]) * (x64[t] @ experts["up_proj"][e])
+            acc = acc + w[k] * (h @ experts["down_proj"][e])
+        outs.append(acc)
+    return torch.stack(outs), x64, w_gate, experts
+
+
+def test_matches_float64_loop_output_and_gradients():
+    moe = random_moe()
+    x = torch.randn(3, 7, 32, requires_grad=True)
+    out = moe(x)
+    assert out.shape == x.shape
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    ref, x64, w_gate, experts = loop_reference(moe, x.reshape(-1, 32))
+    ref.backward(grad.reshape(-1, 32).double())
+    assert rel_err(out.reshape(-1, 32), ref) < 1e-5
+    assert rel_err(x.grad.reshape(-1, 32), x64.grad) < 1e-5
+    assert rel_err(moe.gate.weight.grad, w_gate.grad) < 1e-5
+    for name, leaf in experts.items():
+        assert rel_err(getattr(moe.experts, name).grad, leaf.grad) < 1e-5, name
+
+
+def _hf_qwen3_block(seed=0):
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(
+        hidden_size=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True
+    )
+    block = Qwen3MoeSparseMoeBlock(cfg)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(std=0.3)
+    return block
+
+
+def test_matches_transformers_qwen3_moe_block():
+    block = _hf_qwen3_block()
+    moe = MoE.from_block(block)
+    assert (moe.num_experts, moe.top_k, moe.moe_intermediate_size) == (8, 2, 16)
+    x = torch.randn(2, 9, 32)
+    x_hf, x_ours = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out_hf, out = block(x_hf), moe(x_ours)
+    assert out.shape == out_hf.shape
+    assert rel_err(out, out_hf) < 1e-5
+    grad = torch.randn_like(out)
+    out_hf.backward(grad)
+    out.backward(grad)
+    inter = 16
+    gate_up = block.experts.gate_up_proj.grad
+    assert rel_err(x_ours.grad, x_hf.grad) < 1e-5
+    assert rel_err(moe.gate.weight.grad, block.gate.weight.grad) < 1e-5
+    assert rel_err(moe.experts.gate_proj.grad, gate_up[:, :inter].transpose(1, 2)) < 1e-5
+    assert rel_err(moe.experts.up_proj.grad, gate_up[:, inter:].transpose(1, 2)) < 1e-5
+    assert rel_err(moe.experts.down_proj.grad, block.experts.down_proj.grad.transpose(1, 2)) < 1e-5
+
+
+def test_shared_expert_matches_transformers_qwen2_moe_block():
+    from transformers import Qwen2MoeConfig
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+
+    torch.manual_seed(3)
+    cfg = Qwen2MoeConfig(
+        hidden_size=32,
+        num_experts=6,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=24,
+        norm_topk_prob=False,
+    )
+    block = Qwen2MoeSparseMoeBlock(cfg)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(std=0.3)
+    moe = MoE.from_block(block)
+    assert moe.shared_expert is not None and not moe.gate.norm_topk_prob
+    x = torch.randn(2, 5, 32)
+    x_hf, x_ours = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out_hf, out = block(x_hf), moe(x_ours)
+    assert rel_err(out, out_hf) < 1e-5
+    grad = torch.randn_like(out)
+    out_hf.backward(grad)
+    out.backward(grad)
+    assert rel_err(x_ours.grad, x_hf.grad) < 1e-5
+    assert rel_err(moe.shared_expert_gate.weight.grad, block.shared_expert_gate.weight.grad) < 1e-5
+    assert rel_err(moe.shared_expert.up_proj.weight.grad, block.shared_expert.up_proj.weight.grad) < 1e-5
+
+
+def test_state_dict_names_layouts_and_aux_losses():
+    moe = random_moe(seed=4, aux_loss_coef=0.01, z_loss_coef=0.001)
+    sd = moe.state_dict()
+    assert set(sd) == {"gate.weight", "experts.gate_proj", "experts.up_proj", "experts.down_proj"}
+    assert sd["gate.weight"].shape == (8, 32)
+    assert sd["experts.gate_proj"].shape == sd["experts.up_proj"].shape == (8, 32, 16)
+    assert sd["experts.down_proj"].shape == (8, 16, 32)
+    other = random_moe(seed=5)
+    other.load_state_dict(sd)
+    x = torch.randn(11, 32)
+    assert torch.equal(other(x), moe(x))
+
+    stats = moe.last_stats
+    assert stats["tokens_per_expert"].sum() == 11 * 2
+    expected = 0.01 * stats["load_balancing_loss"] + 0.001 * stats["z_loss"]
+    assert torch.allclose(moe.last_aux_loss, expected)
+    assert moe.last_aux_loss.requires_grad
+    wrapper = torch.nn.Sequential(moe, random_moe(seed=6))
+    wrapper(x)
+    total = collect_aux_loss(wrapper)
+    assert torch.allclose(total, wrapper[0].last_aux_loss + wrapper[1].last_aux_loss)
+
+
+def test_bf16_close_to_fp32():
+    moe = random_moe(seed=7)
+    x = torch.randn(16, 32)
+    ref = moe(x)
+    out = moe.to(torch.bfloat16)(x.bfloat16())
+    assert out.dtype == torch.bfloat16
+    assert rel_err(out, ref) < 2e-2
+
+
+def test_clear_errors():
+    with pytest.raises(ValueError, match="top_k must be in"):
+        MoE(16, 4, 5, 8)
+    with pytest.raises(ValueError, match="last dim must be 16"):
+        MoE(16, 4, 2, 8)(torch.randn(3, 8))
+    with pytest.raises(ValueError, match="expected"):
+        MoE(16, 4, 2, 8).load_experts(torch.randn(3, 16, 8), torch.randn(4, 16, 8), torch.randn(4, 8, 16))
