@@ -1,0 +1,60 @@
+"""Check functions for the trainer parity matrix: run the real Trainer on every rank of a gloo world.
+
+Module-level so they travel to the ranks by pickle (see xorl/testing/multirank.py).
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from xorl.config import Config
+
+
+def tiny_config(output_dir: str, model_type: str = "llama", **train) -> Config:
+    config = Config()
+    m = config.model
+    m.model_type = model_type
+    m.vocab_size, m.hidden_size, m.intermediate_size = 272, 32, 64
+    m.num_hidden_layers, m.num_attention_heads, m.num_key_value_heads = 4, 4, 2
+    if model_type == "qwen3_moe":
+        m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size = 4, 2, 32
+        m.norm_topk_prob = True
+        # Router losses are per-rank means (the micro-batch-local definition), which no sharded
+        # layout can match exactly; parity checks the language-model loss and every gradient.
+        m.router_aux_loss_coef = 0.0
+    config.data.seq_len = 32
+    config.data.micro_batch_size = 1
+    t = config.train
+    t.max_steps, t.warmup_steps, t.lr, t.gradient_accumulation_steps = 10, 2, 1e-2, 2
+    t.output_dir, t.log_steps, t.save_steps = output_dir, 1, 0
+    for key, value in train.items():
+        setattr(t, key, value)
+    return config
+
+
+def train_and_report(config: Config) -> dict:
+    """Run the trainer; return losses, grad norms and the full final weights (rank 0)."""
+    from xorl.trainer import Trainer
+
+    trainer = Trainer(config)
+    results = trainer.train()
+    full = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() != 0:
+        return {}
+    return {
+        "losses": [r.loss for r in results],
+        "grad_norms": [r.grad_norm for r in results],
+        "weights": {k: v.detach().clone() for k, v in full.items()},
+    }
+
+
+def max_rel_diff(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+
+
+def weights_rel_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    num = sum(float((a[k].double() - b[k].double()).norm() ** 2) for k in a)
+    den = sum(float(b[k].double().norm() ** 2) for k in b)
+    return (num / den) ** 0.5

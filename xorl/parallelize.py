@@ -1,0 +1,93 @@
+"""Apply TP, CP, EP, activation checkpointing and FSDP2 to a model, in that order.
+
+Read top to bottom, torchtitan-style: each step is one call into the plan that owns it
+(xorl/plans/*), and each step only sees the model the previous one left. FSDP2 comes last so it
+shards the parameters the other plans created (DTensors on the TP mesh, expert shards on the EP
+mesh) on the data-parallel dims.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+
+def parallelize_model(model: nn.Module, state, config) -> nn.Module:
+    train = config.train
+    if state.tp_size > 1:
+        from xorl.plans.tensor_parallel import apply_tensor_parallel
+
+        apply_tensor_parallel(model, state.tp_mesh, sequence_parallel=train.sequence_parallel,
+                              overlap=train.tp_overlap)
+    if state.cp_size > 1:
+        from xorl.plans.context_parallel import apply_context_parallel
+
+        apply_context_parallel(model, ring_group=state.ring_group, ulysses_group=state.ulysses_group)
+    if getattr(config.model, "num_experts", 0):
+        from xorl.plans.expert_parallel import apply_expert_parallel
+
+        apply_expert_parallel(model, state.ep_group if state.ep_size > 1 else None)
+    if train.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if train.data_parallel_mode == "fsdp2":
+        bf16 = train.dtype == "bfloat16" and torch.cuda.is_available()
+        apply_fsdp(model, state, reshard_after_forward=state.pp_size == 1, bf16_compute=bf16)
+    return model
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    return [layer for layer in model.model.layers if layer is not None]
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each decoder block in backward (full activation checkpointing per block)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    layers = model.model.layers
+    for i, layer in enumerate(layers):
+        if layer is not None:
+            layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
+
+
+def apply_fsdp(model: nn.Module, state, reshard_after_forward: bool = True, bf16_compute: bool = False) -> None:
+    """FSDP2 per block, then the root; expert weights on their own EP-FSDP mesh.
+
+    HSDP when the FSDP mesh has a replicate dim (data_parallel_replicate_size > 1). Gradients are
+    SUMMED across ranks (divide factor 1): the loss is already normalised by the global token count
+    (xorl/loss.py), so averaging again would scale gradients by 1/dp.
+    """
+    mesh = state.fsdp_mesh
+    kw = {"reshard_after_forward": reshard_after_forward}
+    if bf16_compute:  # bf16 compute, fp32 master weights and fp32 gradient reduction
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in decoder_layers(model):
+        experts = getattr(getattr(_unwrap(layer), "mlp", None), "experts", None)
+        if experts is not None and state.ep_size > 1 and state.ep_fsdp_mesh is not None:
+            fully_shard(experts, mesh=state.ep_fsdp_mesh, **kw)
+        fully_shard(layer, mesh=mesh, **kw)
+    fully_shard(model, mesh=mesh, **kw)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            _sum_gradients(module)
+
+
+def _unwrap(layer: nn.Module) -> nn.Module:
+    return getattr(layer, "_checkpoint_wrapped_module", layer)
+
+
+def _sum_gradients(module: FSDPModule) -> None:
+    if hasattr(module, "set_gradient_divide_factor"):
+        module.set_gradient_divide_factor(1.0)
+    else:  # older torch spelling
+        module.set_reduce_scatter_divide_factor(1.0)
+
+
+@torch.no_grad()
+def all_reduce_gradients(params, group) -> None:
+    """data_parallel_mode ddp: replicas sum their gradients (same normalisation as FSDP above)."""
+    import torch.distributed as dist
+
+    for p in params:
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=group)
