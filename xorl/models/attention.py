@@ -16,16 +16,16 @@ from torch import nn
 from xorl.models.layers import RMSNorm, apply_rotary
 from xorl.models.spec import ModelSpec
 
-# attn_implementation values -> backend of LocalAttention.
+# attn_implementation values (xorl.config.ModelConfig and transformers names) -> LocalAttention backend.
 _BACKENDS = {
     None: "auto",
     "auto": "auto",
     "sdpa": "torch",
     "eager": "torch",
     "torch": "torch",
-    "flash_attn": "kernel",
-    "flash_attention_2": "kernel",
-    "xorl": "kernel",
+    "xorl": "xorl",
+    "flash_attn": "flash_attn",
+    "flash_attention_2": "flash_attn",
 }
 
 
@@ -79,8 +79,8 @@ def causal_attention_reference(
     return out.transpose(1, 2)
 
 
-def _flash_kernel():
-    """xorl_kernels.flash_attn, or None while that op is not in the tree yet."""
+def _xorl_flash_attn():
+    """xorl_kernels.flash_attn, or None while that op is not in the tree."""
     try:
         from xorl_kernels.flash_attn import flash_attn
     except ModuleNotFoundError as error:
@@ -90,17 +90,39 @@ def _flash_kernel():
     return flash_attn
 
 
+def _flash_attn_package(q, k, v, softmax_scale, cu_seqlens, max_seqlen):
+    """The flash-attn pip package (Dao et al.), for comparison runs; CUDA fp16/bf16 only."""
+    try:
+        from flash_attn import flash_attn_func, flash_attn_varlen_func
+    except ImportError as error:
+        raise RuntimeError(
+            "attn_implementation='flash_attn' needs the flash-attn package (pip install flash-attn); "
+            "use 'xorl' for xorl's own kernel"
+        ) from error
+    if cu_seqlens is None:
+        return flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=True)
+    check_cu_seqlens(cu_seqlens, q.shape[0], q.shape[1])
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+    if max_seqlen is None:
+        max_seqlen = int((cu[1:] - cu[:-1]).max())
+    out = flash_attn_varlen_func(
+        q[0], k[0], v[0], cu, cu, max_seqlen, max_seqlen, softmax_scale=softmax_scale, causal=True
+    )
+    return out.unsqueeze(0)
+
+
 class LocalAttention(nn.Module):
     """Causal single-device core attention with GQA and optional varlen (packed documents).
 
-    backend "auto": the xorl_kernels.flash_attn kernel on CUDA tensors (when present), plain torch
-    otherwise; "torch": always plain torch; "kernel": always the kernel.
+    backend "auto": xorl_kernels.flash_attn on CUDA tensors, plain torch (SDPA) on CPU;
+    "torch": always plain torch; "xorl": always xorl_kernels.flash_attn (which itself runs its
+    plain-torch reference on CPU); "flash_attn": the flash-attn pip package.
     """
 
     def __init__(self, softmax_scale: float | None = None, backend: str = "auto"):
         super().__init__()
-        if backend not in ("auto", "torch", "kernel"):
-            raise ValueError(f"backend={backend!r}: use 'auto', 'torch' or 'kernel'")
+        if backend not in ("auto", "torch", "xorl", "flash_attn"):
+            raise ValueError(f"backend={backend!r}: use 'auto', 'torch', 'xorl' or 'flash_attn'")
         self.softmax_scale = softmax_scale
         self.backend = backend
 
@@ -113,10 +135,12 @@ class LocalAttention(nn.Module):
         max_seqlen: int | None = None,
     ) -> torch.Tensor:
         scale = self.softmax_scale if self.softmax_scale is not None else q.shape[-1] ** -0.5
-        if self.backend == "kernel" or (self.backend == "auto" and q.is_cuda):
-            flash_attn = _flash_kernel()
-            if flash_attn is None and self.backend == "kernel":
-                raise RuntimeError("backend='kernel' but xorl_kernels.flash_attn is not available")
+        if self.backend == "flash_attn":
+            return _flash_attn_package(q, k, v, scale, cu_seqlens, max_seqlen)
+        if self.backend == "xorl" or (self.backend == "auto" and q.is_cuda):
+            flash_attn = _xorl_flash_attn()
+            if flash_attn is None and self.backend == "xorl":
+                raise RuntimeError("attn_implementation='xorl' but xorl_kernels.flash_attn is not available")
             if flash_attn is not None:
                 return flash_attn(
                     q, k, v, causal=True, softmax_scale=scale, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen

@@ -45,21 +45,19 @@ class CausalLMOutput:
     loss              mean cross-entropy over label tokens != -100 (fp32); None without labels.
                       Contains NO router loss.
     num_label_tokens  number of label tokens that entered ``loss`` (so loss * num_label_tokens is the sum)
-    aux_loss          MoE only: mean over this forward's MoE layers of the per-layer Switch
-                      load-balancing loss (moe_reference.router_losses); unweighted, differentiable
-    z_loss            MoE only: mean over MoE layers of the router z-loss; unweighted, differentiable
-    router_loss       MoE only: router_aux_loss_coef * aux_loss + router_z_loss_coef * z_loss,
-                      ready to add to ``loss``
-    router_stats      MoE only, detached: "moe_layers" (layer indices), "aux_loss_per_layer" [L],
-                      "z_loss_per_layer" [L], "tokens_per_expert" [L, num_experts]
+    aux_loss          MoE only: sum over this forward's MoE layers of each block's ``last_aux_loss``
+                      = router_aux_loss_coef * load_balancing_loss + router_z_loss_coef * z_loss
+                      (already weighted, differentiable: add it to ``loss``); None on dense models
+    router_stats      MoE only, detached, one row per MoE layer of this forward:
+                      "moe_layers" (layer indices), "load_balancing_loss" [L] (Switch loss,
+                      uniform routing = 1; see moe_reference.router_losses), "z_loss" [L],
+                      "tokens_per_expert" [L, num_experts] int64
     """
 
     logits: torch.Tensor
     loss: torch.Tensor | None = None
     num_label_tokens: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None
-    z_loss: torch.Tensor | None = None
-    router_loss: torch.Tensor | None = None
     router_stats: dict = field(default_factory=dict)
 
 
@@ -183,24 +181,19 @@ class DecoderForCausalLM(nn.Module):
         return output
 
     def _collect_router_stats(self, output: CausalLMOutput) -> None:
-        per_layer = []
+        """Read the router losses every MoE block (reference or xorl.nn.MoE) left on itself."""
+        moe_layers, aux_losses, stats = [], [], []
         for idx, layer in enumerate(self.model.layers):
-            stats = getattr(layer.mlp, "router_stats", None) if layer is not None else None
-            if stats is not None:
-                per_layer.append((idx, stats))
-                layer.mlp.router_stats = None  # do not keep this step's graph alive on the module
-        if not per_layer:
+            aux = getattr(layer.mlp, "last_aux_loss", None) if layer is not None else None
+            if aux is None:
+                continue
+            moe_layers.append(idx)
+            aux_losses.append(aux)
+            stats.append(layer.mlp.last_stats)
+            layer.mlp.last_aux_loss = None  # read once; do not keep this step's graph alive on the module
+        if not moe_layers:
             return
-        aux = torch.stack([s["aux_loss"] for _, s in per_layer])
-        z = torch.stack([s["z_loss"] for _, s in per_layer])
-        output.aux_loss = aux.mean()
-        output.z_loss = z.mean()
-        output.router_loss = (
-            self.spec.router_aux_loss_coef * output.aux_loss + self.spec.router_z_loss_coef * output.z_loss
-        )
-        output.router_stats = {
-            "moe_layers": [idx for idx, _ in per_layer],
-            "aux_loss_per_layer": aux.detach(),
-            "z_loss_per_layer": z.detach(),
-            "tokens_per_expert": torch.stack([s["tokens_per_expert"] for _, s in per_layer]),
-        }
+        output.aux_loss = torch.stack(aux_losses).sum()
+        output.router_stats = {"moe_layers": moe_layers}
+        for key in ("load_balancing_loss", "z_loss", "tokens_per_expert"):
+            output.router_stats[key] = torch.stack([s[key] for s in stats])

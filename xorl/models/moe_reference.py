@@ -10,11 +10,10 @@ Routing (as transformers' Qwen3-MoE): scores = softmax(router_logits) in fp32 (o
 router_scoring="sigmoid"), top-k of the scores, optionally renormalised to sum to 1
 (norm_topk_prob), cast back to the logits' dtype.
 
-Router losses protocol: after each forward the block sets ``self.router_stats`` to a dict
-    aux_loss           scalar, Switch load-balancing loss of this call (differentiable)
-    z_loss             scalar, router z-loss of this call (differentiable)
-    tokens_per_expert  [num_experts] float counts of routed (token, slot) pairs (no grad)
-and the model collects them from every MLP that has this attribute (see decoder.py).
+Router losses: the same protocol as ``xorl.nn.MoE``, so the model collects either block's losses.
+After each forward the block sets
+    last_aux_loss  aux_loss_coef * load_balancing_loss + z_loss_coef * z_loss  (differentiable scalar)
+    last_stats     detached {"load_balancing_loss", "z_loss", "tokens_per_expert" [E] int64}
 """
 
 from __future__ import annotations
@@ -44,21 +43,24 @@ def route(
 
 def router_losses(
     router_logits: torch.Tensor, scores: torch.Tensor, topk_ids: torch.Tensor, num_experts: int
-) -> dict[str, torch.Tensor]:
-    """Switch load-balancing loss and z-loss of one MoE layer over all T tokens of the call.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(load_balancing_loss, z_loss, tokens_per_expert) of one MoE layer over all T tokens of the call.
 
-    aux_loss = E * sum_e f_e * P_e, with f_e = (number of top-k slots routed to e) / T and
-    P_e = mean over tokens of the normalised score of e. f sums to top_k, so a perfectly uniform
-    router gives top_k; this is transformers' load_balancing_loss_func for a single layer.
+    load_balancing_loss = E * sum_e f_e * P_e (Switch Transformer, Megatron normalisation), with
+    f_e = (number of top-k slots routed to e) / (T * k) and P_e = mean over tokens of the normalised
+    score of e; uniform routing gives 1. transformers' load_balancing_loss_func (one layer) returns
+    k times this value.
     z_loss = mean over tokens of logsumexp(router_logits)^2 (ST-MoE), in fp32.
     """
-    num_tokens = router_logits.shape[0]
-    tokens_per_expert = torch.bincount(topk_ids.reshape(-1), minlength=num_experts).to(torch.float32)
+    flat_ids = topk_ids.reshape(-1)
+    # scatter_add rather than bincount: no device-to-host sync.
+    tokens_per_expert = torch.zeros(num_experts, dtype=torch.int64, device=flat_ids.device)
+    tokens_per_expert.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
     probs = scores / scores.sum(dim=-1, keepdim=True)  # identity for softmax; normalises sigmoid scores
-    prob_per_expert = probs.mean(dim=0)
-    aux_loss = num_experts * torch.sum(tokens_per_expert / num_tokens * prob_per_expert)
+    fraction_routed = tokens_per_expert.float() / max(flat_ids.numel(), 1)
+    load_balancing_loss = num_experts * torch.sum(fraction_routed * probs.mean(dim=0))
     z_loss = torch.logsumexp(router_logits.float(), dim=-1).pow(2).mean()
-    return {"aux_loss": aux_loss, "z_loss": z_loss, "tokens_per_expert": tokens_per_expert.detach()}
+    return load_balancing_loss, z_loss, tokens_per_expert
 
 
 class ReferenceExperts(nn.Module):
@@ -98,7 +100,7 @@ class ReferenceExperts(nn.Module):
 
 
 class ReferenceMoE(nn.Module):
-    """forward(hidden [b, s, h]) -> [b, s, h]; sets ``self.router_stats`` (see module docstring)."""
+    """forward(hidden [b, s, h]) -> [b, s, h]; sets ``last_aux_loss`` / ``last_stats`` (module docstring)."""
 
     def __init__(
         self,
@@ -108,22 +110,33 @@ class ReferenceMoE(nn.Module):
         intermediate_size: int,
         norm_topk_prob: bool = False,
         scoring: str = "softmax",
+        aux_loss_coef: float = 0.0,
+        z_loss_coef: float = 0.0,
     ):
         super().__init__()
         self.top_k = top_k
         self.num_experts = num_experts
         self.norm_topk_prob = norm_topk_prob
         self.scoring = scoring
+        self.aux_loss_coef = aux_loss_coef
+        self.z_loss_coef = z_loss_coef
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
         self.experts = ReferenceExperts(num_experts, hidden_size, intermediate_size)
-        self.router_stats: dict[str, torch.Tensor] | None = None
+        self.last_aux_loss: torch.Tensor | None = None
+        self.last_stats: dict[str, torch.Tensor] = {}
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         x = hidden.reshape(-1, hidden.shape[-1])
         router_logits = self.gate(x)
         topk_weights, topk_ids, scores = route(router_logits, self.top_k, self.norm_topk_prob, self.scoring)
         out = self.experts(x, topk_ids, topk_weights)
-        self.router_stats = router_losses(router_logits, scores, topk_ids, self.num_experts)
+        lb_loss, z_loss, tokens_per_expert = router_losses(router_logits, scores, topk_ids, self.num_experts)
+        self.last_aux_loss = self.aux_loss_coef * lb_loss + self.z_loss_coef * z_loss
+        self.last_stats = {
+            "load_balancing_loss": lb_loss.detach(),
+            "z_loss": z_loss.detach(),
+            "tokens_per_expert": tokens_per_expert,
+        }
         return out.view_as(hidden)
 
     def extra_repr(self) -> str:

@@ -28,6 +28,8 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
             intermediate_size=spec.moe_intermediate_size,
             norm_topk_prob=spec.norm_topk_prob,
             scoring=spec.router_scoring,
+            aux_loss_coef=spec.router_aux_loss_coef,
+            z_loss_coef=spec.router_z_loss_coef,
         )
 
 
