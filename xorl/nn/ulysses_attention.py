@@ -1,0 +1,184 @@
+"""Ulysses (all-to-all) sequence parallel attention.
+
+    attn = UlyssesAttention(ulysses_group, inner=None)
+    out = attn(q, k, v, cu_seqlens=None, max_seqlen=None)   # q [b, s_local, hq, d], k/v [b, s_local, hkv, d]
+
+Each of the U ranks holds a contiguous piece of the sequence with all heads. ONE all-to-all moves
+Q, K and V together (packed in one buffer) to "full sequence, hq/U heads"; the ``inner`` core
+attention (default: local flash attention; ContextParallelAttention passes a RingAttention) runs
+on that; ONE more all-to-all brings the output back to "sequence piece, all heads". The backward
+is the same two all-to-alls in reverse. Because the full (ring-local) sequence is reassembled in
+rank order, the GLOBAL ``cu_seqlens`` of packed documents apply directly.
+
+Heads: hq must divide by U. KV heads are split when hkv divides by U; when U divides by hkv they
+are replicated so every rank gets the one KV head its hq/U query heads read (their gradients are
+summed back); any other combination is an error naming the sizes.
+
+Bytes each rank sends per forward: (U-1)/U · b·s·(hq + 2·U·hkv_local)·d elements in the first
+all-to-all, (U-1)/U · b·s·hq·d in the second.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+# ----------------------------------------------------------------------------------------------
+# pack / unpack around the all-to-all (plain torch; the swap point for a fused kernel)
+# ----------------------------------------------------------------------------------------------
+# Buffer layout on the wire: [U, b, s_piece, H_total, d], dim 0 = destination (send) / source
+# (receive) rank. Several tensors (Q, K, V) share the buffer along the head dim so they travel
+# in one message.
+
+
+def pack_seq_to_head(tensors: list[torch.Tensor], world: int) -> torch.Tensor:
+    """[b, s, world·h_i, d] each -> send buffer [world, b, s, Σh_i, d] (dest rank = head group)."""
+    b, s, _, d = tensors[0].shape
+    heads = [t.shape[2] // world for t in tensors]
+    buf = tensors[0].new_empty(world, b, s, sum(heads), d)
+    start = 0
+    for t, h in zip(tensors, heads):
+        buf[:, :, :, start : start + h].copy_(t.view(b, s, world, h, d).permute(2, 0, 1, 3, 4))
+        start += h
+    return buf
+
+
+def unpack_seq_to_head(recv: torch.Tensor, heads: list[int]) -> list[torch.Tensor]:
+    """Receive buffer [world (seq piece), b, s, Σh_i, d] -> [b, world·s, h_i, d] each."""
+    world, b, s, _, d = recv.shape
+    out, start = [], 0
+    for h in heads:
+        out.append(recv[:, :, :, start : start + h].permute(1, 0, 2, 3, 4).reshape(b, world * s, h, d))
+        start += h
+    return out
+
+
+def pack_head_to_seq(tensors: list[torch.Tensor], world: int) -> torch.Tensor:
+    """[b, world·s, h_i, d] each -> send buffer [world, b, s, Σh_i, d] (dest rank = seq piece)."""
+    b, full, _, d = tensors[0].shape
+    s = full // world
+    heads = [t.shape[2] for t in tensors]
+    buf = tensors[0].new_empty(world, b, s, sum(heads), d)
+    start = 0
+    for t, h in zip(tensors, heads):
+        buf[:, :, :, start : start + h].copy_(t.view(b, world, s, h, d).permute(1, 0, 2, 3, 4))
+        start += h
+    return buf
+
+
+def unpack_head_to_seq(recv: torch.Tensor, heads: list[int]) -> list[torch.Tensor]:
+    """Receive buffer [world (head group), b, s, Σh_i, d] -> [b, s, world·h_i, d] each."""
+    world, b, s, _, d = recv.shape
+    out, start = [], 0
+    for h in heads:
+        out.append(recv[:, :, :, start : start + h].permute(1, 2, 0, 3, 4).reshape(b, s, world * h, d))
+        start += h
+    return out
+
+
+def _all_to_all(send: torch.Tensor, group) -> torch.Tensor:
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return recv
+
+
+def seq_to_head(tensors, group, world):
+    """Sequence-sharded -> head-sharded, all tensors in one all-to-all (no autograd)."""
+    heads = [t.shape[2] // world for t in tensors]
+    return unpack_seq_to_head(_all_to_all(pack_seq_to_head(tensors, world), group), heads)
+
+
+def head_to_seq(tensors, group, world):
+    """Head-sharded -> sequence-sharded, all tensors in one all-to-all (no autograd)."""
+    heads = [t.shape[2] for t in tensors]
+    return unpack_head_to_seq(_all_to_all(pack_head_to_seq(tensors, world), group), heads)
+
+
+class _SeqToHead(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group, world, *tensors):
+        ctx.group, ctx.world = group, world
+        return tuple(seq_to_head(list(tensors), group, world))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None, *head_to_seq([g.contiguous() for g in grads], ctx.group, ctx.world))
+
+
+class _HeadToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group, world, *tensors):
+        ctx.group, ctx.world = group, world
+        return tuple(head_to_seq(list(tensors), group, world))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None, *seq_to_head([g.contiguous() for g in grads], ctx.group, ctx.world))
+
+
+# ----------------------------------------------------------------------------------------------
+# heads
+# ----------------------------------------------------------------------------------------------
+def kv_head_index(heads_q: int, heads_kv: int, world: int) -> torch.Tensor | None:
+    """KV heads to send, destination-major ([world · hkv_local]); None when no replication is needed.
+
+    Why replication: with hkv < U a rank's hq/U query heads all read one KV head that no split of
+    hkv heads over U ranks can give it, so each KV head is sent to U/hkv ranks.
+    """
+    if heads_q % world:
+        raise ValueError(
+            f"num_attention_heads={heads_q} must be divisible by the Ulysses size {world} "
+            "(ulysses_parallel_size); choose a Ulysses size that divides the query heads"
+        )
+    if heads_kv % world == 0:
+        return None
+    if world % heads_kv == 0:
+        return torch.arange(world) // (world // heads_kv)
+    raise ValueError(
+        f"num_key_value_heads={heads_kv} and Ulysses size {world}: one must divide the other (KV heads are "
+        "split when they divide by the Ulysses size and replicated when the Ulysses size divides by them)"
+    )
+
+
+def _local_attention():
+    from xorl.nn.ring_attention import RingAttention
+
+    return RingAttention(None)
+
+
+class UlyssesAttention(nn.Module):
+    """Ulysses all-to-all attention over ``ulysses_group``; ``inner`` is the core attention run on
+    the full (ring-local) sequence with hq/U heads (default: causal local flash attention)."""
+
+    def __init__(self, ulysses_group=None, inner: nn.Module | None = None):
+        super().__init__()
+        self.ulysses_group = ulysses_group
+        self.inner = inner if inner is not None else _local_attention()
+
+    @property
+    def ulysses_size(self) -> int:
+        return 1 if self.ulysses_group is None else dist.get_world_size(self.ulysses_group)
+
+    def forward(self, q, k, v, cu_seqlens=None, max_seqlen=None):
+        world = self.ulysses_size
+        if world == 1:
+            return self.inner(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+        if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or q.shape[:2] != k.shape[:2]:
+            raise ValueError(
+                f"q must be [b, s, hq, d] and k, v [b, s, hkv, d] with the same b, s; got {tuple(q.shape)}, "
+                f"{tuple(k.shape)}, {tuple(v.shape)}"
+            )
+        index = kv_head_index(q.shape[2], k.shape[2], world)
+        if index is not None:
+            index = index.to(k.device)
+            k, v = k.index_select(2, index), v.index_select(2, index)
+        qh, kh, vh = _SeqToHead.apply(
+            self.ulysses_group, world, q.contiguous(), k.contiguous(), v.contiguous()
+        )
+        out = self.inner(qh, kh, vh, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+        (out,) = _HeadToSeq.apply(self.ulysses_group, world, out.contiguous())
+        return out
+
+    def extra_repr(self) -> str:
+        return f"ulysses_size={self.ulysses_size}"

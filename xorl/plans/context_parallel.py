@@ -1,0 +1,48 @@
+"""Context-parallel plan: swap every attention block's ``core_attention`` for the CP one.
+
+    apply_context_parallel(model, ring_group, ulysses_group)
+
+Works on xorl.models (the attention block calls ``self.core_attention(q, k, v, cu_seqlens=...,
+max_seqlen=...)``) and on any module tree with ``core_attention`` attributes. The inputs must then
+be zig-zag sharded (``xorl.distributed.zigzag.prepare_context_parallel_batch``): the model gets
+this rank's tokens, labels and position ids and the GLOBAL ``cu_seqlens`` / ``max_seqlen``.
+Everything outside attention is per-token, so nothing else changes; the loss over the shards is
+the sum of the per-rank ``loss * num_label_tokens`` (all-reduce it over the CP ranks).
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch import nn
+
+from xorl.nn.context_parallel_attention import ContextParallelAttention
+
+
+def _size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def apply_context_parallel(model: nn.Module, ring_group=None, ulysses_group=None, **ring_options) -> nn.Module:
+    """Replace each ``core_attention`` with ContextParallelAttention(ring_group, ulysses_group).
+
+    The softmax scale of the replaced module is kept (``softmax_scale`` attribute); ``ring_options``
+    go to RingAttention (e.g. ``dkv_comm_dtype``, ``attn_backend``). Returns the model (changed in
+    place). With both groups of size 1 nothing is swapped.
+    """
+    if _size(ring_group) == 1 and _size(ulysses_group) == 1:
+        return model
+    swapped = 0
+    for module in model.modules():
+        old = getattr(module, "core_attention", None)
+        if old is None or isinstance(old, ContextParallelAttention):
+            continue
+        options = dict(ring_options)
+        options.setdefault("softmax_scale", getattr(old, "softmax_scale", None))
+        module.core_attention = ContextParallelAttention(ring_group, ulysses_group, **options)
+        swapped += 1
+    if swapped == 0:
+        raise ValueError(
+            "apply_context_parallel found no module with a `core_attention` attribute; for transformers "
+            "models use xorl.nn.hf_attention.register_xorl_attention and attn_implementation='xorl_cp'"
+        )
+    return model
