@@ -1,0 +1,229 @@
+"""The tensor-parallel group, its ring primitives and the per-layer communication record.
+
+Two ring primitives carry every overlapped TP matmul (xorl/nn/tp_overlap.py):
+
+* ``ring_all_gather(local, tp, consume)``: every rank's chunk passes once around the ring; while
+  chunk i is handed to ``consume`` (a GEMM), chunk i+1 is already travelling to us. P-1 exchanges.
+* ``ring_reduce_scatter(produce, tp)``: partial sums travel around the ring, each rank adding its
+  own contribution; while one partial travels, ``produce`` (a GEMM) computes the next. P-1
+  exchanges, and rank r ends holding the full sum of chunk r.
+
+Why point-to-point rather than a collective per chunk: a ring exchange moves exactly one chunk
+per rank per step, so the transfer of step i is the same size as the GEMM it hides behind, and
+no rank ever waits for all the others (Megatron / torchtitan async-TP decompose the same way).
+
+On GPU each exchange is one ``batch_isend_irecv`` (NCCL runs it on its own stream, which waits
+for the current stream at issue time, so the buffers are ready; ``work.wait()`` makes the current
+stream wait for the transfer). On gloo the ops run on gloo's threads while Python does the GEMM.
+
+The record (``overlap_report()``): per layer name, the P2P ops issued, the chunked GEMMs, the
+plain collectives, and on GPU the milliseconds the compute stream stood waiting at the wait
+points (CUDA events recorded just before and after each wait; resolved when the report is read,
+so the step itself never synchronises). On CPU exposed time is not recorded (``None``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+# ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` are deprecated in newer torch in favour of
+# the ``*_single`` names, which older torch (2.11 on the GPU machines) may lack.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class TPGroup:
+    """A tensor-parallel process group with its size, this rank's index and the ring neighbours."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        # P2P ops take global ranks.
+        self.next_global = dist.get_global_rank(group, (self.rank + 1) % self.size)
+        self.prev_global = dist.get_global_rank(group, (self.rank - 1) % self.size)
+
+    @classmethod
+    def from_mesh(cls, tp_mesh) -> TPGroup:
+        if tp_mesh is None or getattr(tp_mesh, "ndim", None) != 1:
+            raise ValueError(
+                f"tp_mesh must be a 1-D DeviceMesh (e.g. parallel_state.mesh['tp']), got {tp_mesh!r}"
+            )
+        return cls(tp_mesh.get_group())
+
+
+@dataclass
+class LayerCommStats:
+    """What one layer's TP communication did since the last reset (see ``overlap_report``)."""
+
+    p2p_ops: int = 0  # isend + irecv ops issued by the ring primitives
+    ring_steps: int = 0  # ring exchanges (P-1 per ring)
+    chunk_gemms: int = 0  # GEMMs issued on one sequence chunk
+    collectives: int = 0  # plain (non-decomposed) collectives
+    _events: list = field(default_factory=list, repr=False)  # (start, end) CUDA event pairs
+    exposed_ms_resolved: float = 0.0
+
+    def exposed_ms(self) -> float:
+        if self._events:
+            torch.cuda.synchronize()
+            self.exposed_ms_resolved += sum(s.elapsed_time(e) for s, e in self._events)
+            self._events.clear()
+        return self.exposed_ms_resolved
+
+
+_STATS: dict[str, LayerCommStats] = {}
+_ON_GPU_SEEN = {"cuda": False}
+
+
+def layer_stats(name: str) -> LayerCommStats:
+    """The (created on first use) record of layer ``name``."""
+    stats = _STATS.get(name)
+    if stats is None:
+        stats = _STATS[name] = LayerCommStats()
+    return stats
+
+
+def overlap_report(reset: bool = False) -> dict[str, dict]:
+    """Per layer: p2p_ops, ring_steps, chunk_gemms, collectives and exposed_ms (None on CPU).
+
+    Read it after a step; on GPU this synchronises once to resolve the CUDA events.
+    """
+    report = {}
+    for name, s in _STATS.items():
+        report[name] = {
+            "p2p_ops": s.p2p_ops,
+            "ring_steps": s.ring_steps,
+            "chunk_gemms": s.chunk_gemms,
+            "collectives": s.collectives,
+            "exposed_ms": s.exposed_ms() if _ON_GPU_SEEN["cuda"] else None,
+        }
+    if reset:
+        _STATS.clear()
+    return report
+
+
+def wait_all(works, stats: LayerCommStats, on_gpu: bool) -> None:
+    """Wait for ``works``; on GPU measure how long the compute stream stood still doing so."""
+    if not works:
+        return
+    if on_gpu:
+        _ON_GPU_SEEN["cuda"] = True
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        for work in works:
+            work.wait()
+        end.record()
+        stats._events.append((start, end))
+    else:
+        for work in works:
+            work.wait()
+
+
+def _exchange(send: torch.Tensor, recv: torch.Tensor, to_rank: int, from_rank: int, tp: TPGroup,
+              stats: LayerCommStats) -> list:
+    """Start sending ``send`` to ``to_rank`` and receiving ``recv`` from ``from_rank`` (global ranks)."""
+    ops = [
+        dist.P2POp(dist.isend, send, to_rank, tp.group),
+        dist.P2POp(dist.irecv, recv, from_rank, tp.group),
+    ]
+    stats.p2p_ops += len(ops)
+    stats.ring_steps += 1
+    return dist.batch_isend_irecv(ops)
+
+
+def ring_all_gather(local: torch.Tensor, tp: TPGroup, consume: Callable[[torch.Tensor, int], None],
+                    stats: LayerCommStats) -> None:
+    """Call ``consume(chunk, src_rank)`` on every rank's ``local`` (own first) while the next travels.
+
+    ``local`` is never written. Chunks travel forward (rank r sends to r+1), so at step i rank r
+    holds the chunk of rank r-i. Two receive buffers alternate: the one being consumed is never
+    the one being received into.
+    """
+    local = local.contiguous()
+    size, rank = tp.size, tp.rank
+    on_gpu = local.is_cuda
+    buffers = [torch.empty_like(local), torch.empty_like(local)] if size > 1 else []
+    current = local
+    for step in range(size):
+        works = []
+        if step < size - 1:
+            incoming = buffers[step % 2]
+            works = _exchange(current, incoming, tp.next_global, tp.prev_global, tp, stats)
+        consume(current, (rank - step) % size)
+        stats.chunk_gemms += 1
+        if works:
+            wait_all(works, stats, on_gpu)
+            current = incoming
+
+
+def ring_reduce_scatter(produce: Callable[[int], torch.Tensor], tp: TPGroup,
+                        stats: LayerCommStats) -> torch.Tensor:
+    """Return sum over ranks of ``produce(tp.rank)``, computing ``produce(c)`` for every chunk c.
+
+    ``produce(c)`` must return a fresh contiguous tensor (this rank's partial for chunk c). Partial
+    sums travel backward (rank r sends to r-1): at step i rank r computes chunk (r+1+i) mod P,
+    adds the partial received for that chunk and passes it on; the GEMM of step i+1 runs while
+    the partial of step i travels. At the last step the chunk is r itself and the sum is complete.
+    """
+    size, rank = tp.size, tp.rank
+    received = None
+    works: list = []
+    in_flight = None  # keeps the buffer being sent alive until its send completes
+    for step in range(size):
+        partial = produce((rank + 1 + step) % size)
+        stats.chunk_gemms += 1
+        if works:
+            wait_all(works, stats, partial.is_cuda)
+            partial += received
+            in_flight = None
+        if step == size - 1:
+            return partial
+        if received is None:
+            received = torch.empty_like(partial)
+        works = _exchange(partial, received, tp.prev_global, tp.next_global, tp, stats)
+        in_flight = partial  # noqa: F841 - held only to keep the send buffer alive
+    raise AssertionError("unreachable: the loop returns at its last step")
+
+
+# -- plain collectives along the sequence dim (dim -2), used below the overlap cutoff ------------
+
+def check_sequence_divisible(seq_len: int, tp: TPGroup, what: str) -> int:
+    if seq_len % tp.size:
+        raise ValueError(
+            f"{what}: sequence length {seq_len} is not divisible by tensor_parallel_size={tp.size}; "
+            "under sequence parallel pad every micro-batch to a multiple of the TP size"
+        )
+    return seq_len // tp.size
+
+
+def all_gather_sequence(x: torch.Tensor, tp: TPGroup, stats: LayerCommStats) -> torch.Tensor:
+    """[..., s/P, h] on every rank -> [..., s, h] (rank r's shard at rows r*s/P ...)."""
+    x = x.contiguous()
+    out = x.new_empty(tp.size, *x.shape)
+    stats.collectives += 1
+    # Collectives take the rank-stacked buffer flattened into dim 0 ([P*d0, ...]).
+    work = _all_gather_single(out.flatten(0, 1), x, group=tp.group, async_op=True)
+    wait_all([work], stats, x.is_cuda)
+    # [P, ..., s/P, h] -> [..., P, s/P, h] -> [..., s, h]
+    return out.movedim(0, -3).flatten(-3, -2)
+
+
+def reduce_scatter_sequence(y: torch.Tensor, tp: TPGroup, stats: LayerCommStats) -> torch.Tensor:
+    """[..., s, h] partial on every rank -> this rank's [..., s/P, h] shard of the sum."""
+    shard = check_sequence_divisible(y.shape[-2], tp, "reduce-scatter")
+    stacked = y.unflatten(-2, (tp.size, shard)).movedim(-3, 0).contiguous()
+    out = y.new_empty(stacked.shape[1:])
+    stats.collectives += 1
+    work = _reduce_scatter_single(out, stacked.flatten(0, 1), group=tp.group, async_op=True)
+    wait_all([work], stats, y.is_cuda)
+    return out
+
+
+def all_reduce_async(x: torch.Tensor, tp: TPGroup, stats: LayerCommStats):
+    stats.collectives += 1
+    return dist.all_reduce(x, group=tp.group, async_op=True)
