@@ -1,0 +1,323 @@
+"""The run config: ``model:``, ``data:`` and ``train:`` sections, read from YAML plus CLI overrides.
+
+    config = load_config("run.yaml", ["--train.lr=3e-4", "--train.tensor_parallel_size", "2"])
+    validate_config(config, world_size)   # every cross-field rule; before any process group exists
+
+Loading checks names and types only (unknown keys and wrong types are errors naming the field,
+with the closest valid name); ``validate_config`` (xorl/config_rules.py) checks the rules that tie
+fields together and to the world size. ``Config()`` is a tiny dense model valid for 1 process.
+
+Model field names are the Hugging Face config attribute names, so the models accept either a
+``ModelConfig`` or a ``transformers`` config. ``head_dim: null`` means hidden_size // heads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from dataclasses import dataclass, field
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+from xorl.config_error import ConfigError, did_you_mean
+from xorl.config_rules import validate_config
+from xorl.distributed.parallel_config import ParallelFields
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "ModelConfig",
+    "TrainConfig",
+    "load_config",
+    "parse_overrides",
+    "validate_config",
+]
+
+
+@dataclass
+class ModelConfig:
+    model_type: Literal["llama", "qwen3_moe"] = "llama"
+    vocab_size: int = 272  # 256 bytes + 16 special tokens for the byte tokenizer
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    # MoE (qwen3_moe); num_experts = 0 for a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 64
+    norm_topk_prob: bool = False
+    router_aux_loss_coef: float = 0.001
+    router_z_loss_coef: float = 0.0
+    router_scoring: Literal["softmax", "sigmoid"] = "softmax"
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+    # One fused q/k/v projection; tensor parallelism needs them separate.
+    merge_qkv: bool = False
+    model_path: str | None = None  # local HF folder with config.json + *.safetensors
+    attn_implementation: Literal["xorl", "flash_attn", "sdpa"] = "xorl"
+    initializer_range: float = 0.02
+
+
+@dataclass
+class DataConfig:
+    dataset: str = "builtin"  # the built-in corpus, or a local .jsonl / .txt / .parquet path
+    text_key: str = "text"
+    tokenizer: str = "byte"  # byte-level, or a local HF tokenizer.json path
+    seq_len: int = 128
+    micro_batch_size: int = 2
+    packing: bool = True
+    seed: int = 0
+    num_workers: int = 0
+
+
+@dataclass
+class TrainConfig(ParallelFields):
+    """The parallel fields (see xorl/distributed/parallel_config.py) come first, then optimisation."""
+
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    max_steps: int = 100
+    weight_decay: float = 0.1
+    adam_betas: tuple[float, float] = (0.9, 0.95)
+    adam_eps: float = 1e-8
+    max_grad_norm: float = 1.0  # 0: no clipping
+    seed: int = 0
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    activation_checkpointing: bool = False
+    output_dir: str = "outputs"
+    save_steps: int = 0  # 0: no periodic checkpoints
+    resume: bool | str = False  # true: latest checkpoint in output_dir; a path: that checkpoint
+    log_steps: int = 1
+    export_hf: bool = False
+
+
+SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Plain dicts and lists (tuples become lists), ready for YAML / JSON."""
+        return {name: _plain(dataclasses.asdict(getattr(self, name))) for name in SECTIONS}
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None, source: str = "config") -> Config:
+        config = cls()
+        if data is None:
+            return config
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source}: the top level must be a mapping of sections {list(SECTIONS)}")
+        for section, values in data.items():
+            _check_section(section, source)
+            if values is None:
+                continue
+            if not isinstance(values, dict):
+                raise ConfigError(f"{source}: section {section!r} must be a mapping of key: value")
+            for key, value in values.items():
+                set_field(config, section, key, value, source)
+        return config
+
+    def validate(self, world_size: int) -> Config:
+        validate_config(self, world_size)
+        return self
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+# -- loading -------------------------------------------------------------------------------
+def load_config(path: str | None = None, overrides: list[str] | None = None) -> Config:
+    """Read ``path`` (YAML; None: defaults), then apply ``--section.key=value`` overrides in order."""
+    data = None
+    if path is not None:
+        try:
+            with open(path) as f:
+                data = yaml.safe_load(f)
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {path!r}: {e.strerror}") from e
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from e
+    config = Config.from_dict(data, source=path or "config")
+    for section, key, raw in parse_overrides(overrides or []):
+        _check_section(section, f"override --{section}.{key}")
+        set_field(config, section, key, _parse_scalar(raw), f"override --{section}.{key}={raw}", raw=raw)
+    return config
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, str, str]]:
+    """``["--train.lr=3e-4", "--data.seq_len", "256"]`` -> ``[(section, key, raw_value), ...]``."""
+    result = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        body = arg[2:] if arg.startswith("--") else arg
+        if "=" in body:
+            name, raw = body.split("=", 1)
+        elif arg.startswith("--") and i + 1 < len(args) and not args[i + 1].startswith("--"):
+            name, raw = body, args[i + 1]
+            i += 1
+        else:
+            raise ConfigError(f"override {arg!r} has no value; write it as --section.key=value")
+        if name.count(".") != 1 or not all(name.split(".")):
+            raise ConfigError(
+                f"override {arg!r}: the name must be section.key with a section in {list(SECTIONS)}, "
+                "e.g. --train.lr=3e-4"
+            )
+        section, key = name.split(".")
+        result.append((section, key, raw))
+        i += 1
+    return result
+
+
+def _parse_scalar(raw: str) -> Any:
+    """A YAML scalar or flow list: ``3``, ``0.5``, ``true``, ``null``, ``[1, 2]``; else the raw string."""
+    try:
+        return yaml.safe_load(raw) if raw.strip() else raw
+    except yaml.YAMLError:
+        return raw
+
+
+def _check_section(section: Any, source: str) -> None:
+    if section not in SECTIONS:
+        raise ConfigError(
+            f"{source}: unknown config section {section!r}{did_you_mean(str(section), SECTIONS)}; "
+            f"the sections are {list(SECTIONS)}"
+        )
+
+
+def set_field(
+    config: Config, section: str, key: Any, value: Any, source: str, raw: str | None = None
+) -> None:
+    """Type-check ``value`` for ``section.key`` and set it; errors name the field."""
+    section_cls = SECTIONS[section]
+    hints = _type_hints(section_cls)
+    if key not in hints:
+        others = [s for s, cls in SECTIONS.items() if s != section and key in _type_hints(cls)]
+        hint = (
+            f"; {key!r} is in the {others[0]!r} section: use {others[0]}.{key}"
+            if others
+            else did_you_mean(str(key), list(hints)) or f"; the keys of {section} are {list(hints)}"
+        )
+        raise ConfigError(f"{source}: unknown key {section}.{key}{hint}")
+    name = f"{section}.{key}"
+    try:
+        coerced = coerce(value, hints[key], name)
+    except ConfigError:
+        # An override like --train.output_dir=123 reads as an int; a str field takes the text as written.
+        if raw is None or not _accepts_str(hints[key]):
+            raise
+        coerced = coerce(raw, hints[key], name)
+    setattr(getattr(config, section), key, coerced)
+
+
+_HINTS_CACHE: dict[type, dict[str, Any]] = {}
+
+
+def _type_hints(cls: type) -> dict[str, Any]:
+    if cls not in _HINTS_CACHE:
+        names = {f.name for f in dataclasses.fields(cls)}
+        _HINTS_CACHE[cls] = {k: v for k, v in get_type_hints(cls).items() if k in names}
+    return _HINTS_CACHE[cls]
+
+
+def _accepts_str(tp: Any) -> bool:
+    return tp is str or (_is_union(tp) and str in get_args(tp))
+
+
+def _is_union(tp: Any) -> bool:
+    return get_origin(tp) in (Union, types.UnionType)
+
+
+def _type_name(tp: Any) -> str:
+    if get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    if _is_union(tp):
+        return " or ".join("null" if a is type(None) else _type_name(a) for a in get_args(tp))
+    if get_origin(tp) in (list, tuple):
+        return str(tp).replace("typing.", "")
+    return getattr(tp, "__name__", str(tp))
+
+
+def coerce(value: Any, tp: Any, name: str) -> Any:
+    """``value`` as type ``tp`` (int, float, bool, str, Literal, X | None, list[X], tuple[X, ...])."""
+    origin = get_origin(tp)
+    wrong = ConfigError(f"{name}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+    if origin is Literal:
+        choices = get_args(tp)
+        if value in choices and type(value) is type(choices[0]):
+            return value
+        raise ConfigError(
+            f"{name}={value!r} is not one of {list(choices)}"
+            + did_you_mean(str(value), [str(c) for c in choices])
+        )
+    if _is_union(tp):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return coerce(value, arg, name)
+            except ConfigError:
+                continue
+        raise wrong
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise wrong
+        (item_tp,) = get_args(tp)
+        return [coerce(v, item_tp, f"{name}[{i}]") for i, v in enumerate(value)]
+    if origin is tuple:
+        item_tps = get_args(tp)
+        if not isinstance(value, (list, tuple)) or len(value) != len(item_tps):
+            raise ConfigError(
+                f"{name}: expected a list of {len(item_tps)} values ({_type_name(tp)}), got {value!r}"
+            )
+        return tuple(coerce(v, t, f"{name}[{i}]") for i, (v, t) in enumerate(zip(value, item_tps)))
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise wrong
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise wrong
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            # YAML 1.1 reads "3e-4" (no dot) as a string; it is plainly a float.
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise wrong
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{name}: expected a string, got {value!r} ({type(value).__name__}); quote it")
+    raise TypeError(f"{name}: unsupported field type {tp!r}")  # a bug in the dataclass, not in the input

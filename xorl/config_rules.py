@@ -1,0 +1,264 @@
+"""validate_config: every rule that ties config fields together and to the world size.
+
+Runs before any process group exists. Every problem is collected and raised together as one
+ConfigError; each line names the field(s) and the fix. The size-only rules (sizes multiply to
+world_size, PP microbatches, schedules, EP folding, sequence parallel) live with ParallelConfig in
+xorl/distributed/parallel_config.py; the rules here add what the model and data sections decide.
+
+Decisions worth knowing:
+- TP splits whole heads: num_attention_heads and num_key_value_heads must both be multiples of TP
+  (no KV-head replication across TP ranks).
+- Ulysses splits the heads a TP rank holds: (heads / TP) % ulysses == 0. KV heads fewer than the
+  Ulysses size are replicated, which needs ulysses % (kv_heads / TP) == 0; more must divide evenly.
+- Context parallelism shards data.seq_len: with ring attention every row is zig-zag split into
+  2 x ringattn chunks and each chunk over the Ulysses ranks, so seq_len % (2 x ring x ulysses) == 0
+  (seq_len % ulysses for Ulysses alone). Packing does not lift this: the packed row still has
+  seq_len tokens; the data loader pads each packed document to a multiple of 2 x ring (never
+  truncates it), which keeps every document splittable.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from xorl.config_error import ConfigError
+from xorl.distributed.parallel_config import ParallelConfig
+
+
+def validate_config(config: Any, world_size: int) -> None:
+    """Raise ConfigError naming every problem of ``config`` on ``world_size`` ranks."""
+    parallel = ParallelConfig.from_config(config, world_size)
+    problems = parallel.problems()
+    problems += _model_problems(config.model)
+    problems += _data_problems(config.data, config.model)
+    problems += _train_problems(config.train)
+    if not parallel._basic_problems():
+        try:
+            parallel.dp_shard  # noqa: B018 - resolves -1; raises when the sizes do not fit
+        except ConfigError:
+            pass  # already reported by parallel.problems()
+        else:
+            problems += _parallel_model_problems(config.model, parallel)
+            problems += _parallel_data_problems(config.data, parallel)
+    if problems:
+        raise ConfigError(problems)
+
+
+# -- model ---------------------------------------------------------------------------------
+def _model_problems(m: Any) -> list[str]:
+    problems = _at_least(
+        "model",
+        m,
+        1,
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "max_position_embeddings",
+        "decoder_sparse_step",
+    )
+    problems += _at_least("model", m, 0, "num_experts", "shared_expert_intermediate_size")
+    if m.head_dim is not None and m.head_dim < 1:
+        problems.append(
+            f"model.head_dim={m.head_dim} must be >= 1, or null for hidden_size // num_attention_heads"
+        )
+    if problems:
+        return problems
+    if m.num_attention_heads % m.num_key_value_heads:
+        problems.append(
+            f"model.num_attention_heads={m.num_attention_heads} must be a multiple of "
+            f"num_key_value_heads={m.num_key_value_heads} (grouped-query attention)"
+        )
+    if m.head_dim is None and m.hidden_size % m.num_attention_heads:
+        problems.append(
+            f"model.hidden_size={m.hidden_size} is not divisible by "
+            f"num_attention_heads={m.num_attention_heads}; set model.head_dim explicitly or change the sizes"
+        )
+    if m.model_type == "llama" and m.num_experts > 0:
+        problems.append(
+            f"model.num_experts={m.num_experts} but model_type='llama' is dense; set num_experts: 0, "
+            "or model_type: qwen3_moe for a mixture-of-experts model"
+        )
+    if m.model_type == "qwen3_moe" and m.num_experts == 0:
+        problems.append("model.model_type='qwen3_moe' needs num_experts >= 1 (or use model_type: llama)")
+    if m.num_experts > 0:
+        if not 1 <= m.num_experts_per_tok <= m.num_experts:
+            problems.append(
+                f"model.num_experts_per_tok={m.num_experts_per_tok} (top-k) must be between 1 and "
+                f"num_experts={m.num_experts}"
+            )
+        if m.moe_intermediate_size < 1:
+            problems.append(f"model.moe_intermediate_size={m.moe_intermediate_size} must be >= 1")
+        bad_layers = [i for i in m.mlp_only_layers if not 0 <= i < m.num_hidden_layers]
+        if bad_layers:
+            problems.append(
+                f"model.mlp_only_layers has {bad_layers}, outside the layer indices "
+                f"0..{m.num_hidden_layers - 1}"
+            )
+    if problems:
+        return problems
+    # Whatever else the models reject (e.g. odd head_dim for RoPE), reported here, before launch.
+    from xorl.models.spec import ModelSpec
+
+    try:
+        ModelSpec.from_config(m)
+    except ValueError as e:
+        problems.append(f"model: {e}")
+    return problems
+
+
+def _parallel_model_problems(m: Any, p: ParallelConfig) -> list[str]:
+    problems = []
+    heads, kv_heads = m.num_attention_heads, m.num_key_value_heads
+    if heads < 1 or kv_heads < 1:
+        return problems  # reported by _model_problems
+    tp_divides_heads = heads % p.tp == 0 and kv_heads % p.tp == 0
+    if p.tp > 1:
+        if not tp_divides_heads:
+            problems.append(
+                f"model.num_attention_heads={heads} and num_key_value_heads={kv_heads} must both be "
+                f"multiples of train.tensor_parallel_size={p.tp} (TP gives each rank whole query and KV heads); "
+                f"use a tensor_parallel_size dividing {kv_heads}"
+            )
+        if m.merge_qkv:
+            problems.append(
+                f"train.tensor_parallel_size={p.tp} requires model.merge_qkv: false (TP shards q, k and v "
+                "by heads, each its own projection)"
+            )
+    if p.ulysses > 1 and tp_divides_heads:
+        local_heads, local_kv = heads // p.tp, kv_heads // p.tp
+        if local_heads % p.ulysses:
+            problems.append(
+                f"model.num_attention_heads={heads} must be a multiple of "
+                f"train.ulysses_parallel_size={p.ulysses}"
+                + (f" x tensor_parallel_size={p.tp}" if p.tp > 1 else "")
+                + " (Ulysses gives each rank whole heads); choose ulysses_parallel_size dividing "
+                f"{local_heads}, or use ringattn_parallel_size for the rest of the context parallelism"
+            )
+        elif local_kv >= p.ulysses and local_kv % p.ulysses:
+            problems.append(
+                f"model.num_key_value_heads={kv_heads}"
+                + (f" / tensor_parallel_size={p.tp}" if p.tp > 1 else "")
+                + f" = {local_kv} KV heads per rank is not divisible by train.ulysses_parallel_size="
+                f"{p.ulysses}; choose an ulysses_parallel_size dividing {local_kv}"
+            )
+        elif local_kv < p.ulysses and p.ulysses % local_kv:
+            problems.append(
+                f"train.ulysses_parallel_size={p.ulysses} must be a multiple of the {local_kv} KV heads per "
+                "rank (model.num_key_value_heads / tensor_parallel_size) so that each KV head is replicated "
+                "evenly; change ulysses_parallel_size"
+            )
+    dense = m.num_experts == 0 or m.model_type == "llama"
+    if p.ep > 1 and dense:
+        problems.append(
+            f"train.expert_parallel_size={p.ep} on a dense model (model_type={m.model_type!r}, "
+            f"num_experts={m.num_experts}): there are no experts to distribute; set expert_parallel_size: 1"
+        )
+    elif p.ep > 1 and m.num_experts % p.ep:
+        problems.append(
+            f"model.num_experts={m.num_experts} must be a multiple of train.expert_parallel_size={p.ep} "
+            "(each EP rank holds the same number of experts)"
+        )
+    if p.pp > 1:
+        stages = p.pp * p.virtual_pipeline_stages
+        if m.num_hidden_layers < stages:
+            problems.append(
+                f"model.num_hidden_layers={m.num_hidden_layers} is fewer than the {stages} pipeline stages "
+                f"(pipeline_parallel_size={p.pp} x virtual_pipeline_stages={p.virtual_pipeline_stages}); "
+                "every stage needs at least one layer: add layers or use fewer stages"
+            )
+        if m.tie_word_embeddings:
+            problems.append(
+                "model.tie_word_embeddings=true with pipeline_parallel_size > 1: the embedding "
+                "(first stage) and the output layer (last stage) cannot share one weight; "
+                "set tie_word_embeddings: false"
+            )
+    return problems
+
+
+# -- data ----------------------------------------------------------------------------------
+def _data_problems(d: Any, m: Any) -> list[str]:
+    problems = _at_least("data", d, 1, "seq_len", "micro_batch_size")
+    problems += _at_least("data", d, 0, "num_workers")
+    if d.dataset != "builtin" and not os.path.exists(d.dataset):
+        problems.append(
+            f"data.dataset={d.dataset!r}: no such file; use 'builtin' or a local .jsonl/.txt/.parquet"
+        )
+    if d.tokenizer == "byte":
+        if m.vocab_size < 256:
+            problems.append(
+                f"model.vocab_size={m.vocab_size} is too small for data.tokenizer='byte' (256 byte ids plus "
+                "special tokens); use vocab_size >= 272"
+            )
+    elif not os.path.isfile(d.tokenizer):
+        problems.append(f"data.tokenizer={d.tokenizer!r}: no such file; use 'byte' or a local tokenizer.json")
+    if m.model_path is not None and not os.path.isfile(os.path.join(m.model_path, "config.json")):
+        problems.append(
+            f"model.model_path={m.model_path!r} has no config.json; point it at a local HF model folder"
+        )
+    return problems
+
+
+def _parallel_data_problems(d: Any, p: ParallelConfig) -> list[str]:
+    if not isinstance(d.seq_len, int) or d.seq_len < 1:
+        return []
+    problems = []
+    if p.cp > 1:
+        divisor = (2 * p.ring if p.ring > 1 else 1) * p.ulysses
+        if d.seq_len % divisor:
+            parts = [f"2 x ringattn_parallel_size={p.ring}"] if p.ring > 1 else []
+            parts += [f"ulysses_parallel_size={p.ulysses}"] if p.ulysses > 1 else []
+            how = " x ".join(parts)
+            zigzag = " into zig-zag chunks" if p.ring > 1 else ""
+            problems.append(
+                f"data.seq_len={d.seq_len} must be divisible by {how} = {divisor}: context parallelism "
+                f"splits each row{zigzag} across the ranks (packed documents are padded to fit, never "
+                f"truncated); use seq_len {_next_multiple(d.seq_len, divisor)}"
+            )
+    if p.sequence_parallel and p.tp > 1:
+        local = d.seq_len // p.cp
+        if d.seq_len % p.cp == 0 and local % p.tp:
+            problems.append(
+                f"data.seq_len={d.seq_len}: sequence_parallel splits the {local} tokens each "
+                f"context-parallel rank holds across tensor_parallel_size={p.tp}; use seq_len "
+                f"{_next_multiple(d.seq_len, p.cp * p.tp)}"
+            )
+    return problems
+
+
+# -- train ---------------------------------------------------------------------------------
+def _train_problems(t: Any) -> list[str]:
+    problems = _at_least("train", t, 0, "warmup_steps", "save_steps")
+    problems += _at_least("train", t, 1, "max_steps", "log_steps")
+    if not t.lr > 0:
+        problems.append(f"train.lr={t.lr} must be > 0")
+    if not 0 <= t.min_lr_ratio <= 1:
+        problems.append(
+            f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1] (final lr = min_lr_ratio x lr)"
+        )
+    if not t.weight_decay >= 0:
+        problems.append(f"train.weight_decay={t.weight_decay} must be >= 0")
+    if not all(0 <= b < 1 for b in t.adam_betas):
+        problems.append(f"train.adam_betas={list(t.adam_betas)} must each be in [0, 1)")
+    if not t.adam_eps > 0:
+        problems.append(f"train.adam_eps={t.adam_eps} must be > 0")
+    if not t.max_grad_norm >= 0:
+        problems.append(f"train.max_grad_norm={t.max_grad_norm} must be >= 0 (0 disables clipping)")
+    if isinstance(t.resume, str) and not os.path.exists(t.resume):
+        problems.append(
+            f"train.resume={t.resume!r}: no such checkpoint; use true (latest in output_dir) or false"
+        )
+    return problems
+
+
+# -- helpers -------------------------------------------------------------------------------
+def _at_least(section: str, obj: Any, low: int, *names: str) -> list[str]:
+    too_small = [name for name in names if getattr(obj, name) < low]
+    return [f"{section}.{name}={getattr(obj, name)!r} must be >= {low}" for name in too_small]
+
+
+def _next_multiple(value: int, divisor: int) -> int:
+    return -(-value // divisor) * divisor

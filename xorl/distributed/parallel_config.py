@@ -1,0 +1,295 @@
+"""ParallelConfig: the parallel sizes of a run and the rules they must satisfy.
+
+No torch import here: the sizes are checked before any process group exists, so a bad layout
+fails in a second with a message instead of hanging N ranks in a collective.
+
+Mesh order (outer -> inner): pp, dp_replicate, dp_shard, ringattn, ulysses, tp.
+world_size = PP x DP_replicate x DP_shard x CP_ring x CP_ulysses x TP. Expert parallelism is not
+a mesh dimension of its own: within a pipeline stage, EP folds over the dp_shard x CP ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+from xorl.config_error import ConfigError, did_you_mean
+
+MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "ringattn", "ulysses", "tp")
+DATA_PARALLEL_MODES = ("fsdp2", "ddp", "none")
+PIPELINE_SCHEDULES = ("1F1B", "Interleaved1F1B", "GPipe", "InterleavedZeroBubble", "ZBVZeroBubble")
+# Schedules that place several (virtual) stages on each pipeline rank.
+MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
+# Interleaved schedules in torch.distributed.pipelining run microbatches in rounds of PP.
+ROUND_BASED_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble")
+
+DataParallelMode = Literal["fsdp2", "ddp", "none"]
+PipelineSchedule = Literal["1F1B", "Interleaved1F1B", "GPipe", "InterleavedZeroBubble", "ZBVZeroBubble"]
+
+
+@dataclass
+class ParallelFields:
+    """The parallel fields of the ``train:`` section (TrainConfig inherits them)."""
+
+    # fsdp2: FSDP2 (HSDP when data_parallel_replicate_size > 1); ddp: every data-parallel rank
+    # holds full weights and gradients are all-reduced over dp x cp; none: a single replica.
+    data_parallel_mode: DataParallelMode = "fsdp2"
+    data_parallel_replicate_size: int = 1
+    # -1: whatever world_size leaves after the other sizes.
+    data_parallel_shard_size: int = -1
+    tensor_parallel_size: int = 1
+    sequence_parallel: bool = False
+    tp_overlap: bool = True
+    pipeline_parallel_size: int = 1
+    pipeline_parallel_schedule: PipelineSchedule = "1F1B"
+    # Stages per pipeline rank: 1 for 1F1B / GPipe, >= 2 for interleaved, exactly 2 for ZBV.
+    # Ignored (like the schedule) when pipeline_parallel_size == 1.
+    virtual_pipeline_stages: int = 1
+    expert_parallel_size: int = 1
+    ulysses_parallel_size: int = 1
+    ringattn_parallel_size: int = 1
+    # Microbatches per optimizer step; with PP these are the schedule's microbatches.
+    gradient_accumulation_steps: int = 1
+
+
+PARALLEL_FIELD_NAMES = tuple(f.name for f in fields(ParallelFields))
+
+
+@dataclass
+class ParallelConfig(ParallelFields):
+    """The parallel sizes plus ``world_size``. Build with keywords or ``from_config(config, world_size)``.
+
+    ``data_parallel_shard_size`` keeps the user's value (maybe -1); ``dp_shard`` is the resolved size.
+    Short read-only sizes: ``pp, dp_replicate, dp_shard, ring, ulysses, tp, cp, dp, dp_shard_cp,
+    dp_cp, ep, ep_fsdp`` and ``mesh_shape`` (in MESH_DIM_NAMES order).
+    """
+
+    # None: the default process group's size (init_parallel_state fills it in).
+    world_size: int | None = None
+
+    @classmethod
+    def from_config(cls, config: Any, world_size: int | None) -> ParallelConfig:
+        """From a ``Config`` (its ``train`` section) or anything with the parallel field names."""
+        train = getattr(config, "train", config)
+        return cls(**{name: getattr(train, name) for name in PARALLEL_FIELD_NAMES}, world_size=world_size)
+
+    # -- resolved sizes --------------------------------------------------------------------
+    @property
+    def pp(self) -> int:
+        return self.pipeline_parallel_size
+
+    @property
+    def dp_replicate(self) -> int:
+        return self.data_parallel_replicate_size
+
+    @property
+    def tp(self) -> int:
+        return self.tensor_parallel_size
+
+    @property
+    def ring(self) -> int:
+        return self.ringattn_parallel_size
+
+    @property
+    def ulysses(self) -> int:
+        return self.ulysses_parallel_size
+
+    @property
+    def cp(self) -> int:
+        return self.ringattn_parallel_size * self.ulysses_parallel_size
+
+    @property
+    def ep(self) -> int:
+        return self.expert_parallel_size
+
+    @property
+    def dp_shard(self) -> int:
+        if self.data_parallel_shard_size != -1:
+            return self.data_parallel_shard_size
+        if self.world_size is None:
+            raise ConfigError("data_parallel_shard_size=-1 needs world_size; set ParallelConfig.world_size")
+        others = self.pp * self.dp_replicate * self.tp * self.cp
+        if others < 1 or self.world_size % others:
+            raise ConfigError(self._product_problem(others))
+        return self.world_size // others
+
+    @property
+    def dp(self) -> int:
+        """Ranks that read different data (dp_replicate x dp_shard)."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_shard_cp(self) -> int:
+        """The FSDP sharding group: CP ranks hold the same weights, so they shard them too."""
+        return self.dp_shard * self.cp
+
+    @property
+    def dp_cp(self) -> int:
+        """Ranks whose losses and gradients are averaged together."""
+        return self.dp * self.cp
+
+    @property
+    def ep_fsdp(self) -> int:
+        """Ranks of one pipeline stage holding the same experts (FSDP shards expert weights over them)."""
+        return self.dp_shard_cp // self.ep
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        return (self.pp, self.dp_replicate, self.dp_shard, self.ring, self.ulysses, self.tp)
+
+    # -- rules -----------------------------------------------------------------------------
+    def validate(self) -> ParallelConfig:
+        """Raise ConfigError listing every problem (field and fix); return self when valid."""
+        problems = self.problems()
+        if problems:
+            raise ConfigError(problems)
+        return self
+
+    def problems(self) -> list[str]:
+        problems = self._basic_problems()
+        if problems:  # the rules below need positive sizes and known names
+            return problems
+        others = self.pp * self.dp_replicate * self.tp * self.cp
+        total = others * max(self.data_parallel_shard_size, 1)
+        if self.data_parallel_shard_size == -1 and self.world_size % others:
+            return [self._product_problem(others)]
+        if self.data_parallel_shard_size != -1 and total != self.world_size:
+            return [self._product_problem(others)]
+        return (
+            self._data_parallel_problems()
+            + self._pipeline_problems()
+            + self._tensor_parallel_problems()
+            + self._expert_parallel_problems()
+        )
+
+    def _basic_problems(self) -> list[str]:
+        problems = []
+        if self.world_size is None:
+            problems.append("ParallelConfig.world_size is not set; pass the number of ranks")
+        elif isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
+            problems.append(f"world_size={self.world_size!r} must be a positive integer")
+        for name in (
+            "data_parallel_replicate_size",
+            "tensor_parallel_size",
+            "pipeline_parallel_size",
+            "virtual_pipeline_stages",
+            "expert_parallel_size",
+            "ulysses_parallel_size",
+            "ringattn_parallel_size",
+            "gradient_accumulation_steps",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                problems.append(f"train.{name}={value!r} must be an integer >= 1")
+        shard = self.data_parallel_shard_size
+        if isinstance(shard, bool) or not isinstance(shard, int) or (shard < 1 and shard != -1):
+            problems.append(
+                f"train.data_parallel_shard_size={shard!r} must be >= 1, or -1 to use the ranks "
+                "the other sizes leave"
+            )
+        if self.data_parallel_mode not in DATA_PARALLEL_MODES:
+            problems.append(
+                f"train.data_parallel_mode={self.data_parallel_mode!r} is not one of {DATA_PARALLEL_MODES}"
+                + did_you_mean(str(self.data_parallel_mode), DATA_PARALLEL_MODES)
+            )
+        if self.pipeline_parallel_schedule not in PIPELINE_SCHEDULES:
+            problems.append(
+                f"train.pipeline_parallel_schedule={self.pipeline_parallel_schedule!r} is not one of "
+                f"{PIPELINE_SCHEDULES}"
+                + did_you_mean(str(self.pipeline_parallel_schedule), PIPELINE_SCHEDULES)
+            )
+        return problems
+
+    def _product_problem(self, others: int) -> str:
+        sizes = (
+            f"pipeline_parallel_size={self.pp} x data_parallel_replicate_size={self.dp_replicate} x "
+            f"data_parallel_shard_size={self.data_parallel_shard_size} x "
+            f"ringattn_parallel_size={self.ring} x ulysses_parallel_size={self.ulysses} x "
+            f"tensor_parallel_size={self.tp}"
+        )
+        if self.data_parallel_shard_size == -1:
+            return (
+                f"the parallel sizes must multiply to world_size={self.world_size}, but {sizes}: the other "
+                f"sizes multiply to {others}, which does not divide {self.world_size}; change them or "
+                f"launch a multiple of {others} ranks"
+            )
+        total = others * self.data_parallel_shard_size
+        return (
+            f"the parallel sizes must multiply to world_size={self.world_size}, but {sizes} = {total}; "
+            f"change the sizes, set data_parallel_shard_size: -1 to fill in the rest, or launch {total} ranks"
+        )
+
+    def _data_parallel_problems(self) -> list[str]:
+        problems = []
+        if self.data_parallel_mode == "none" and self.dp > 1:
+            problems.append(
+                f"train.data_parallel_mode='none' but the data-parallel size is {self.dp} "
+                f"(data_parallel_replicate_size={self.dp_replicate} x "
+                f"data_parallel_shard_size={self.dp_shard}); "
+                "use data_parallel_mode 'fsdp2' or 'ddp', or make both sizes 1"
+            )
+        if self.data_parallel_mode == "none" and self.cp > 1:
+            problems.append(
+                f"train.data_parallel_mode='none' cannot reduce gradients across the {self.cp} "
+                "context-parallel ranks (ringattn_parallel_size x ulysses_parallel_size) that share the weights; "
+                "use data_parallel_mode 'fsdp2' or 'ddp'"
+            )
+        return problems
+
+    def _pipeline_problems(self) -> list[str]:
+        if self.pp == 1:
+            return []  # schedule fields do not apply
+        problems = []
+        steps, schedule = self.gradient_accumulation_steps, self.pipeline_parallel_schedule
+        virtual = self.virtual_pipeline_stages
+        if steps < self.pp:
+            problems.append(
+                f"train.gradient_accumulation_steps={steps} is below pipeline_parallel_size={self.pp}: "
+                "a pipeline schedule needs at least one microbatch per stage; "
+                f"set gradient_accumulation_steps >= {self.pp}"
+            )
+        elif schedule in ROUND_BASED_SCHEDULES and steps % max(1, steps // self.pp):
+            problems.append(
+                f"train.gradient_accumulation_steps={steps}: {schedule} runs microbatches in rounds of "
+                f"pipeline_parallel_size={self.pp} and needs a multiple of {max(1, steps // self.pp)}; "
+                f"use a multiple of {self.pp} (e.g. {self.pp * max(1, steps // self.pp)})"
+            )
+        if schedule == "ZBVZeroBubble" and virtual != 2:
+            problems.append(
+                f"train.virtual_pipeline_stages={virtual}: ZBVZeroBubble places exactly 2 stages on each "
+                "pipeline rank; set virtual_pipeline_stages: 2"
+            )
+        elif schedule in MULTI_STAGE_SCHEDULES and virtual < 2:
+            problems.append(
+                f"train.virtual_pipeline_stages={virtual}: {schedule} interleaves several stages per "
+                "pipeline rank; set virtual_pipeline_stages >= 2, or use pipeline_parallel_schedule 1F1B"
+            )
+        elif schedule not in MULTI_STAGE_SCHEDULES and virtual != 1:
+            problems.append(
+                f"train.virtual_pipeline_stages={virtual}: {schedule} runs one stage per pipeline rank; "
+                "set virtual_pipeline_stages: 1, or use an interleaved schedule (Interleaved1F1B)"
+            )
+        return problems
+
+    def _tensor_parallel_problems(self) -> list[str]:
+        if self.sequence_parallel and self.tp == 1:
+            return [
+                "train.sequence_parallel=true requires tensor_parallel_size > 1 (it shards the "
+                "activations between TP regions over the TP group); set sequence_parallel: false "
+                "or raise tensor_parallel_size"
+            ]
+        return []
+
+    def _expert_parallel_problems(self) -> list[str]:
+        if self.dp_shard_cp % self.ep:
+            fold = self.dp_shard_cp
+            divisors = [d for d in range(1, fold + 1) if fold % d == 0]
+            return [
+                f"train.expert_parallel_size={self.ep} must divide the ranks it folds over within a "
+                f"pipeline stage: data_parallel_shard_size={self.dp_shard} x "
+                f"ringattn_parallel_size={self.ring} x ulysses_parallel_size={self.ulysses} = {fold}; "
+                f"use one of {divisors} "
+                f"(or make data_parallel_shard_size a multiple of {self.ep // math.gcd(self.ep, self.cp)})"
+            ]
+        return []

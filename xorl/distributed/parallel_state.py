@@ -1,0 +1,151 @@
+"""ParallelState: the run's DeviceMesh, its flattened views, the EP mesh, and this rank's place in them.
+
+    dist.init_process_group("nccl")                      # or gloo on CPU
+    state = init_parallel_state(ParallelConfig(tensor_parallel_size=2, ringattn_parallel_size=2))
+    state.tp_group, state.cp_group, state.fsdp_mesh, state.ep_mesh, state.coordinates()
+
+The mesh has every dimension, size-1 ones included, outer to inner:
+``("pp", "dp_replicate", "dp_shard", "ringattn", "ulysses", "tp")``, so TP groups are consecutive
+ranks (innermost: inside a node), then Ulysses, then ring.
+
+Flattened 1-D views (also reachable as ``state.mesh[name]``):
+  cp          = ringattn x ulysses                         the whole context-parallel group
+  dp          = dp_replicate x dp_shard                    ranks that read different data
+  dp_shard_cp = dp_shard x ringattn x ulysses              the FSDP sharding group (CP ranks hold
+                                                           the same weights, so they shard them)
+  dp_cp       = dp_replicate x dp_shard x ringattn x ulysses   loss / gradient averaging
+``fsdp_mesh`` is what ``fully_shard`` takes: ``dp_shard_cp`` (1-D), or ``(dp_replicate, dp_shard_cp)``
+(2-D, HSDP) when data_parallel_replicate_size > 1.
+
+The EP mesh (always built; with expert_parallel_size 1 its "ep" dim has size 1): within one
+(pp, dp_replicate, tp) coordinate, the dp_shard_cp ranks in their flattened order are split as
+``("ep_fsdp", "ep")`` = (dp_shard_cp / ep, ep). EP groups are consecutive in that order, so EP
+stays on the innermost (fastest) ranks; expert weights are FSDP-sharded over "ep_fsdp".
+
+Attributes, for each short name in ``pp, dp_replicate, dp_shard, ring (ringattn), ulysses, tp, cp,
+dp, dp_shard_cp, dp_cp, ep_fsdp, ep``: ``<name>_size``, ``<name>_rank`` (this rank's index in its
+group), ``<name>_group`` (ProcessGroup) and ``<name>_mesh`` (1-D DeviceMesh; except ``ep_mesh``, the
+2-D EP mesh above, whose 1-D "ep" view is ``submesh("ep")``). Prefer these views to
+``state.mesh["cp"]``: slicing a flattened name from the root mesh is deprecated in torch >= 2.11.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from xorl.config_error import ConfigError
+from xorl.distributed.parallel_config import MESH_DIM_NAMES, ParallelConfig
+
+FLATTENED_DIMS = {
+    "cp": ("ringattn", "ulysses"),
+    "dp": ("dp_replicate", "dp_shard"),
+    "dp_shard_cp": ("dp_shard", "ringattn", "ulysses"),
+    "dp_cp": ("dp_replicate", "dp_shard", "ringattn", "ulysses"),
+}
+EP_DIM_NAMES = ("ep_fsdp", "ep")
+# attribute prefix -> 1-D view name
+SHORT_NAMES = {
+    "pp": "pp",
+    "dp_replicate": "dp_replicate",
+    "dp_shard": "dp_shard",
+    "ring": "ringattn",
+    "ulysses": "ulysses",
+    "tp": "tp",
+    "cp": "cp",
+    "dp": "dp",
+    "dp_shard_cp": "dp_shard_cp",
+    "dp_cp": "dp_cp",
+    "ep_fsdp": "ep_fsdp",
+    "ep": "ep",
+}
+
+
+class ParallelState:
+    """Meshes, groups, sizes and ranks of one run. Build with ``init_parallel_state``."""
+
+    def __init__(self, config: ParallelConfig, mesh: DeviceMesh, views: dict[str, DeviceMesh],
+                 fsdp_mesh: DeviceMesh, ep_mesh: DeviceMesh):
+        self.config = config
+        self.mesh = mesh
+        self.fsdp_mesh = fsdp_mesh
+        self.ep_mesh = ep_mesh
+        self._views = views
+        self.device_type = mesh.device_type
+        self.world_size = dist.get_world_size()
+        self.rank = dist.get_rank()
+        for short, name in SHORT_NAMES.items():
+            view = views[name]
+            if short != "ep":  # ep_mesh is the 2-D EP mesh; its 1-D "ep" view is submesh("ep")
+                setattr(self, f"{short}_mesh", view)
+            setattr(self, f"{short}_group", view.get_group())
+            setattr(self, f"{short}_size", view.size())
+            setattr(self, f"{short}_rank", view.get_local_rank())
+
+    def submesh(self, name: str) -> DeviceMesh:
+        """The 1-D mesh of a mesh dim, a flattened view or an EP dim, by name (e.g. "ringattn", "dp_cp")."""
+        if name not in self._views:
+            raise KeyError(f"no mesh view named {name!r}; the views are {sorted(self._views)}")
+        return self._views[name]
+
+    def group(self, name: str) -> dist.ProcessGroup:
+        return self.submesh(name).get_group()
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def coordinates(self) -> dict[str, int]:
+        """This rank's index along every mesh dim and EP dim."""
+        coords = dict(zip(MESH_DIM_NAMES, self.mesh.get_coordinate()))
+        coords.update(zip(EP_DIM_NAMES, self.ep_mesh.get_coordinate()))
+        return coords
+
+    def __repr__(self) -> str:
+        sizes = " ".join(f"{n}={self._views[n].size()}" for n in (*MESH_DIM_NAMES, "ep"))
+        return f"ParallelState(rank={self.rank}/{self.world_size}, {sizes}, coordinates={self.coordinates()})"
+
+
+def init_parallel_state(config: ParallelConfig, device_type: str | None = None) -> ParallelState:
+    """Build the meshes of ``config`` on the current default process group (all ranks, same order).
+
+    ``config.world_size`` None means the process group's size. ``device_type`` None: "cuda" when the
+    default backend is NCCL, else "cpu".
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("init_parallel_state needs torch.distributed.init_process_group() first")
+    world_size = dist.get_world_size()
+    if config.world_size is None:
+        config = dataclasses.replace(config, world_size=world_size)
+    elif config.world_size != world_size:
+        raise ConfigError(
+            f"ParallelConfig.world_size={config.world_size} but the process group has {world_size} ranks; "
+            "build it with ParallelConfig.from_config(config, dist.get_world_size()) or leave world_size None"
+        )
+    config.validate()
+    if device_type is None:
+        device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
+
+    mesh = init_device_mesh(device_type, config.mesh_shape, mesh_dim_names=MESH_DIM_NAMES)
+    views = {name: mesh[name] for name in MESH_DIM_NAMES}
+    for name, dims in FLATTENED_DIMS.items():
+        views[name] = mesh[dims]._flatten(name)
+    if config.dp_replicate > 1:
+        # Reuses the dp_replicate and dp_shard_cp groups rather than creating new ones.
+        fsdp_mesh = DeviceMesh._concatenate([views["dp_replicate"], views["dp_shard_cp"]])
+    else:
+        fsdp_mesh = views["dp_shard_cp"]
+    # dim 0 as an int: torch 2.11's _unflatten rejects a dim given by name.
+    ep_mesh = views["dp_shard_cp"]._unflatten(0, (config.ep_fsdp, config.ep), EP_DIM_NAMES)
+    for name in EP_DIM_NAMES:
+        views[name] = ep_mesh[name]
+    return ParallelState(config, mesh, views, fsdp_mesh, ep_mesh)
+
+
+__all__ = ["EP_DIM_NAMES", "FLATTENED_DIMS", "ParallelState", "init_parallel_state"]
