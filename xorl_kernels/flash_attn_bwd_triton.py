@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import flash_attn_triton_common as common
 from .flash_attn_triton_common import (
     INTERPRET,
     LOG2E,
@@ -38,6 +39,7 @@ from .flash_attn_triton_common import (
     load_tile,
     seq_bucket,
     store_tile,
+    upcast_16bit,
 )
 
 
@@ -69,12 +71,12 @@ def _dkdv_block(
     dk, dv, k, v, k_pos, n_valid, Q_base, DO_base, LSE, DELTA, QPOS, head, stride_lse_h,
     q_start, start_m, q_len, stride_qt, stride_dot, sm_scale_log2, offs_m_base, offs_d,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_POS: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     offs_m = start_m + offs_m_base
     m_valid = offs_m < q_len
-    q = load_tile(Q_base, offs_m, stride_qt, offs_d, m_valid, HEAD_DIM, BLOCK_D)
-    do = load_tile(DO_base, offs_m, stride_dot, offs_d, m_valid, HEAD_DIM, BLOCK_D)
+    q = load_tile(Q_base, offs_m, stride_qt, offs_d, m_valid, HEAD_DIM, BLOCK_D, UPCAST)
+    do = load_tile(DO_base, offs_m, stride_dot, offs_d, m_valid, HEAD_DIM, BLOCK_D, UPCAST)
     lse, delta = _load_row_stats(LSE, DELTA, head, stride_lse_h, q_start, offs_m, m_valid)
     qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * sm_scale_log2  # [BLOCK_N, BLOCK_M]
     if MASKED:
@@ -103,7 +105,7 @@ def _flash_attn_bwd_dkdv_kernel(
     stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lse_h,
     sm_scale, sm_scale_log2, heads_kv, group, seq_bucket,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_POS: tl.constexpr,
-    ACCUMULATE: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ACCUMULATE: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_dh = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -122,8 +124,8 @@ def _flash_attn_bwd_dkdv_kernel(
     n_valid = offs_n < k_len
     K_base = K + k_start.to(tl.int64) * stride_kt + kv_head * stride_kh
     V_base = V + k_start.to(tl.int64) * stride_vt + kv_head * stride_vh
-    k = load_tile(K_base, offs_n, stride_kt, offs_d, n_valid, HEAD_DIM, BLOCK_D)
-    v = load_tile(V_base, offs_n, stride_vt, offs_d, n_valid, HEAD_DIM, BLOCK_D)
+    k = load_tile(K_base, offs_n, stride_kt, offs_d, n_valid, HEAD_DIM, BLOCK_D, UPCAST)
+    v = load_tile(V_base, offs_n, stride_vt, offs_d, n_valid, HEAD_DIM, BLOCK_D, UPCAST)
     k_pos = load_positions(KPOS, k_start, offs_n, n_valid, HAS_POS)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -156,26 +158,26 @@ def _flash_attn_bwd_dkdv_kernel(
                     dk, dv = _dkdv_block(
                         dk, dv, k, v, k_pos, n_valid, Q_base, DO_base, LSE, DELTA, QPOS, head, stride_lse_h,
                         q_start, start_m, q_len, stride_qt, stride_dot, sm_scale_log2, offs_m_base, offs_d,
-                        True, True, True, HEAD_DIM, BLOCK_D, DOT_PREC,
+                        True, True, True, HEAD_DIM, BLOCK_D, DOT_PREC, UPCAST,
                     )
         else:
             for start_m in range(first_row, diag_end, BLOCK_M):
                 dk, dv = _dkdv_block(
                     dk, dv, k, v, k_pos, n_valid, Q_base, DO_base, LSE, DELTA, QPOS, head, stride_lse_h,
                     q_start, start_m, q_len, stride_qt, stride_dot, sm_scale_log2, offs_m_base, offs_d,
-                    True, IS_CAUSAL, False, HEAD_DIM, BLOCK_D, DOT_PREC,
+                    True, IS_CAUSAL, False, HEAD_DIM, BLOCK_D, DOT_PREC, UPCAST,
                 )
             for start_m in range(diag_end, full_end, BLOCK_M):
                 dk, dv = _dkdv_block(
                     dk, dv, k, v, k_pos, n_valid, Q_base, DO_base, LSE, DELTA, QPOS, head, stride_lse_h,
                     q_start, start_m, q_len, stride_qt, stride_dot, sm_scale_log2, offs_m_base, offs_d,
-                    False, IS_CAUSAL, False, HEAD_DIM, BLOCK_D, DOT_PREC,
+                    False, IS_CAUSAL, False, HEAD_DIM, BLOCK_D, DOT_PREC, UPCAST,
                 )
             for start_m in range(full_end, q_len, BLOCK_M):
                 dk, dv = _dkdv_block(
                     dk, dv, k, v, k_pos, n_valid, Q_base, DO_base, LSE, DELTA, QPOS, head, stride_lse_h,
                     q_start, start_m, q_len, stride_qt, stride_dot, sm_scale_log2, offs_m_base, offs_d,
-                    True, IS_CAUSAL, False, HEAD_DIM, BLOCK_D, DOT_PREC,
+                    True, IS_CAUSAL, False, HEAD_DIM, BLOCK_D, DOT_PREC, UPCAST,
                 )
 
     DK_base = DK + k_start.to(tl.int64) * stride_dkt + kv_head * stride_dkh
@@ -189,12 +191,12 @@ def _dq_block(
     dq, q, do, lse, delta, q_pos, m_valid, K_base, V_base, KPOS, k_start, start_n, k_len,
     stride_kt, stride_vt, sm_scale_log2, offs_n, offs_d,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_POS: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     cols = start_n + offs_n
     n_valid = cols < k_len
-    k = load_tile(K_base, cols, stride_kt, offs_d, n_valid, HEAD_DIM, BLOCK_D)
-    v = load_tile(V_base, cols, stride_vt, offs_d, n_valid, HEAD_DIM, BLOCK_D)
+    k = load_tile(K_base, cols, stride_kt, offs_d, n_valid, HEAD_DIM, BLOCK_D, UPCAST)
+    v = load_tile(V_base, cols, stride_vt, offs_d, n_valid, HEAD_DIM, BLOCK_D, UPCAST)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale_log2
     if MASKED:
         visible = n_valid[None, :] & m_valid[:, None]
@@ -221,7 +223,7 @@ def _flash_attn_bwd_dq_kernel(
     stride_dqt, stride_dqh, stride_lse_h,
     sm_scale, sm_scale_log2, heads_q, group, seq_bucket,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_POS: tl.constexpr,
-    ACCUMULATE: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ACCUMULATE: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_dh = tl.program_id(0)
     pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
@@ -243,8 +245,8 @@ def _flash_attn_bwd_dq_kernel(
     DO_base = DO + q_start.to(tl.int64) * stride_dot + head * stride_doh
     K_base = K + k_start.to(tl.int64) * stride_kt + kv_head * stride_kh
     V_base = V + k_start.to(tl.int64) * stride_vt + kv_head * stride_vh
-    q = load_tile(Q_base, offs_m, stride_qt, offs_d, m_valid, HEAD_DIM, BLOCK_D)
-    do = load_tile(DO_base, offs_m, stride_dot, offs_d, m_valid, HEAD_DIM, BLOCK_D)
+    q = load_tile(Q_base, offs_m, stride_qt, offs_d, m_valid, HEAD_DIM, BLOCK_D, UPCAST)
+    do = load_tile(DO_base, offs_m, stride_dot, offs_d, m_valid, HEAD_DIM, BLOCK_D, UPCAST)
     lse, delta = _load_row_stats(LSE, DELTA, head, stride_lse_h, q_start, offs_m, m_valid)
     q_pos = load_positions(QPOS, q_start, offs_m, m_valid, HAS_POS)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -259,7 +261,7 @@ def _flash_attn_bwd_dq_kernel(
                 dq = _dq_block(
                     dq, q, do, lse, delta, q_pos, m_valid, K_base, V_base, KPOS, k_start, start_n, k_len,
                     stride_kt, stride_vt, sm_scale_log2, offs_n, offs_d,
-                    True, True, True, HEAD_DIM, BLOCK_D, DOT_PREC,
+                    True, True, True, HEAD_DIM, BLOCK_D, DOT_PREC, UPCAST,
                 )
     else:
         if IS_CAUSAL:
@@ -273,13 +275,13 @@ def _flash_attn_bwd_dq_kernel(
             dq = _dq_block(
                 dq, q, do, lse, delta, q_pos, m_valid, K_base, V_base, KPOS, k_start, start_n, k_len,
                 stride_kt, stride_vt, sm_scale_log2, offs_n, offs_d,
-                False, IS_CAUSAL, False, HEAD_DIM, BLOCK_D, DOT_PREC,
+                False, IS_CAUSAL, False, HEAD_DIM, BLOCK_D, DOT_PREC, UPCAST,
             )
         for start_n in range(full_end, end, BLOCK_N):
             dq = _dq_block(
                 dq, q, do, lse, delta, q_pos, m_valid, K_base, V_base, KPOS, k_start, start_n, k_len,
                 stride_kt, stride_vt, sm_scale_log2, offs_n, offs_d,
-                True, IS_CAUSAL, False, HEAD_DIM, BLOCK_D, DOT_PREC,
+                True, IS_CAUSAL, False, HEAD_DIM, BLOCK_D, DOT_PREC, UPCAST,
             )
 
     DQ_base = DQ + q_start.to(tl.int64) * stride_dqt + head * stride_dqh
@@ -325,15 +327,16 @@ def triton_backward(
     # is visible), so fresh buffers need no memset. dk and dv share one kernel and so one mode: if
     # only one of them has an accumulator, the other accumulates into a zeroed fp32 scratch.
     accumulate_kv = dk_accum is not None or dv_accum is not None
-    dq = dq_accum if dq_accum is not None else torch.empty_like(q)
+    dq = dq_accum if dq_accum is not None else common.alloc_output(q.shape, q.dtype, q.device)
     if accumulate_kv:
         dk = dk_accum if dk_accum is not None else torch.zeros(k.shape, dtype=torch.float32, device=k.device)
         dv = dv_accum if dv_accum is not None else torch.zeros(v.shape, dtype=torch.float32, device=v.device)
     else:
-        dk, dv = torch.empty_like(k), torch.empty_like(v)
-    common = dict(
+        dk = common.alloc_output(k.shape, k.dtype, k.device)
+        dv = common.alloc_output(v.shape, v.dtype, v.device)
+    flags = dict(
         HEAD_DIM=head_dim, BLOCK_D=block_head_dim(head_dim), IS_CAUSAL=bool(causal), HAS_POS=has_pos,
-        DOT_PREC=dot_precision(q.dtype),
+        DOT_PREC=dot_precision(q.dtype), UPCAST=upcast_16bit(q.dtype),
     )
 
     def grid_kv(meta):
@@ -344,7 +347,7 @@ def triton_backward(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0),
         softmax_scale, softmax_scale * LOG2E, heads_kv, heads_q // heads_kv, seq_bucket(max_seqlen_q),
-        ACCUMULATE=accumulate_kv, **common,
+        ACCUMULATE=accumulate_kv, **flags,
     )
 
     def grid_q(meta):
@@ -355,7 +358,7 @@ def triton_backward(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),
         softmax_scale, softmax_scale * LOG2E, heads_q, heads_q // heads_kv, seq_bucket(max_seqlen_k),
-        ACCUMULATE=dq_accum is not None, **common,
+        ACCUMULATE=dq_accum is not None, **flags,
     )
     if accumulate_kv:
         dk = dk if dk_accum is not None else dk.to(k.dtype)

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import flash_attn_triton_common as common
 from .flash_attn_triton_common import (
     INTERPRET,
     LN2,
@@ -37,6 +38,7 @@ from .flash_attn_triton_common import (
     load_tile,
     seq_bucket,
     store_tile,
+    upcast_16bit,
 )
 
 
@@ -55,13 +57,13 @@ def _fwd_block(
     acc, l_i, m_i, q, q_pos, K_base, V_base, k_start, start_n, k_len, k_pos_ptr,
     stride_kt, stride_vt, sm_scale_log2, offs_n, offs_d,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_POS: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """One key block of the online softmax. MASKED adds the bounds and causal masks."""
     cols = start_n + offs_n
     n_valid = cols < k_len
-    k = load_tile(K_base, cols, stride_kt, offs_d, n_valid, HEAD_DIM, BLOCK_D)
-    v = load_tile(V_base, cols, stride_vt, offs_d, n_valid, HEAD_DIM, BLOCK_D)
+    k = load_tile(K_base, cols, stride_kt, offs_d, n_valid, HEAD_DIM, BLOCK_D, UPCAST)
+    v = load_tile(V_base, cols, stride_vt, offs_d, n_valid, HEAD_DIM, BLOCK_D, UPCAST)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale_log2
     if MASKED:
         visible = n_valid[None, :]
@@ -87,7 +89,7 @@ def _flash_attn_fwd_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lse_h,
     sm_scale_log2, heads_q, group, seq_bucket,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_POS: tl.constexpr,
-    DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_dh = tl.program_id(0)
     pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
@@ -108,7 +110,7 @@ def _flash_attn_fwd_kernel(
     Q_base = Q + q_start.to(tl.int64) * stride_qt + head * stride_qh
     K_base = K + k_start.to(tl.int64) * stride_kt + kv_head * stride_kh
     V_base = V + k_start.to(tl.int64) * stride_vt + kv_head * stride_vh
-    q = load_tile(Q_base, offs_m, stride_qt, offs_d, m_valid, HEAD_DIM, BLOCK_D)
+    q = load_tile(Q_base, offs_m, stride_qt, offs_d, m_valid, HEAD_DIM, BLOCK_D, UPCAST)
     q_pos = load_positions(QPOS, q_start, offs_m, m_valid, HAS_POS)
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -125,7 +127,7 @@ def _flash_attn_fwd_kernel(
                 acc, l_i, m_i = _fwd_block(
                     acc, l_i, m_i, q, q_pos, K_base, V_base, k_start, start_n, k_len, KPOS,
                     stride_kt, stride_vt, sm_scale_log2, offs_n, offs_d,
-                    True, True, True, HEAD_DIM, BLOCK_D, DOT_PREC,
+                    True, True, True, HEAD_DIM, BLOCK_D, DOT_PREC, UPCAST,
                 )
     else:
         if IS_CAUSAL:
@@ -139,13 +141,13 @@ def _flash_attn_fwd_kernel(
             acc, l_i, m_i = _fwd_block(
                 acc, l_i, m_i, q, q_pos, K_base, V_base, k_start, start_n, k_len, KPOS,
                 stride_kt, stride_vt, sm_scale_log2, offs_n, offs_d,
-                False, IS_CAUSAL, False, HEAD_DIM, BLOCK_D, DOT_PREC,
+                False, IS_CAUSAL, False, HEAD_DIM, BLOCK_D, DOT_PREC, UPCAST,
             )
         for start_n in range(full_end, end, BLOCK_N):
             acc, l_i, m_i = _fwd_block(
                 acc, l_i, m_i, q, q_pos, K_base, V_base, k_start, start_n, k_len, KPOS,
                 stride_kt, stride_vt, sm_scale_log2, offs_n, offs_d,
-                True, IS_CAUSAL, False, HEAD_DIM, BLOCK_D, DOT_PREC,
+                True, IS_CAUSAL, False, HEAD_DIM, BLOCK_D, DOT_PREC, UPCAST,
             )
 
     empty = l_i == 0.0
@@ -174,8 +176,8 @@ def triton_forward(
     check_device(q, k, v)
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     total_q, heads_q, head_dim = q.shape
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((heads_q, total_q), dtype=torch.float32, device=q.device)
+    out = common.alloc_output(q.shape, q.dtype, q.device)
+    lse = common.alloc_output((heads_q, total_q), torch.float32, q.device)
     num_docs = cu_seqlens_q.numel() - 1
     if total_q == 0 or num_docs == 0 or max_seqlen_q == 0:
         return out.zero_(), lse.fill_(float("-inf"))
@@ -192,6 +194,6 @@ def triton_forward(
         out.stride(0), out.stride(1), lse.stride(0),
         softmax_scale * LOG2E, heads_q, heads_q // k.shape[1], seq_bucket(max_seqlen_k),
         HEAD_DIM=head_dim, BLOCK_D=block_head_dim(head_dim), IS_CAUSAL=bool(causal), HAS_POS=has_pos,
-        DOT_PREC=dot_precision(q.dtype),
+        DOT_PREC=dot_precision(q.dtype), UPCAST=upcast_16bit(q.dtype),
     )
     return out, lse

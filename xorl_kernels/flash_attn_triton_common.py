@@ -49,19 +49,37 @@ def check_device(*tensors: torch.Tensor) -> None:
         )
 
 
+def alloc_output(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Uninitialised kernel output; tests replace this to hand kernels NaN-poisoned buffers."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def upcast_16bit(dtype: torch.dtype) -> bool:
+    """The Triton interpreter (3.9, numpy 2) computes bf16/fp16 dots and products on raw bits:
+    garbage. Under the interpreter, 16-bit tiles are widened to fp32 right after loading (results
+    are still stored in 16 bits). Compiled kernels keep 16-bit dot operands."""
+    return INTERPRET and dtype in (torch.float16, torch.bfloat16)
+
+
 @triton.jit
-def load_tile(base, offs_rows, stride_row, offs_d, rows_valid, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+def load_tile(
+    base, offs_rows, stride_row, offs_d, rows_valid, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """[rows, BLOCK_D] tile; padded rows / head-dim columns read as 0 (which keeps every dot exact)."""
     ptrs = base + offs_rows.to(tl.int64)[:, None] * stride_row + offs_d[None, :]
     if BLOCK_D == HEAD_DIM:
         mask = rows_valid[:, None]
     else:
         mask = rows_valid[:, None] & (offs_d[None, :] < HEAD_DIM)
-    return tl.load(ptrs, mask=mask, other=0.0)
+    tile = tl.load(ptrs, mask=mask, other=0.0)
+    if UPCAST:
+        tile = tile.to(tl.float32)
+    return tile
 
 
 @triton.jit

@@ -1,0 +1,315 @@
+"""flash_attn / flash_attn_with_lse and the ring-step pieces against float64 naive attention.
+
+The naive attention below builds one dense [total_q, total_k] mask from document ids and
+positions (independent of the reference's per-document loop and of the kernels' block logic)
+and differentiates through plain torch in float64. Triton kernels run under TRITON_INTERPRET=1 on
+CPU, so their shapes stay small; their outputs are NaN-poisoned before the kernels write them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from xorl_kernels import flash_attn_triton_common as common
+from xorl_kernels.flash_attn import (
+    flash_attn,
+    flash_attn_backward,
+    flash_attn_bwd_preprocess,
+    flash_attn_forward,
+    flash_attn_with_lse,
+)
+from xorl_kernels.merge_attn_states import merge_attn_states
+
+F64 = torch.float64
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    assert torch.isfinite(a).all(), "result has NaN/inf"
+    denom = b.norm()
+    return float(((a - b).norm() / (denom if denom > 0 else 1.0)).detach())
+
+
+def naive_attention(q, k, v, doc_q, doc_k, pos_q, pos_k, causal, scale):
+    """Dense float64 attention on packed q [Tq, Hq, D]; returns out [Tq, Hq, D], lse [Hq, Tq]."""
+    group = q.shape[1] // k.shape[1]
+    kk, vv = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, kk) * scale
+    allowed = doc_q[:, None] == doc_k[None, :]
+    if causal:
+        allowed &= pos_k[None, :] <= pos_q[:, None]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    empty = ~allowed.any(-1)  # [Tq]: rows that see no key
+    # logsumexp over an all -inf row has a NaN gradient; compute it on zeros there, then mask.
+    lse_raw = torch.logsumexp(scores.masked_fill(empty[None, :, None], 0.0), -1)
+    lse = lse_raw.masked_fill(empty[None, :], float("-inf"))
+    probs = torch.exp(scores - lse_raw.masked_fill(empty[None, :], 0.0)[..., None])
+    return torch.einsum("hqk,khd->qhd", probs, vv), lse
+
+
+def token_meta(cu: torch.Tensor, positions: torch.Tensor | None):
+    """Document id and position of every packed token."""
+    lengths = (cu[1:] - cu[:-1]).tolist()
+    doc = torch.cat([torch.full((n,), d) for d, n in enumerate(lengths)])
+    pos = torch.cat([torch.arange(n) for n in lengths]) if positions is None else positions.long()
+    return doc, pos
+
+
+def loss_weights(out_shape, lse_shape, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(out_shape, generator=gen, dtype=F64), torch.randn(lse_shape, generator=gen, dtype=F64)
+
+
+def finite_lse_loss(out, lse, w_out, w_lse):
+    """sum(out·w) + sum(lse·w) over rows with a finite lse (a loss that depends on lse too)."""
+    lse_term = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)) * w_lse.to(lse.dtype)
+    return (out * w_out.to(out.dtype)).sum() + lse_term.sum()
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Kernel outputs start as NaN: a row a kernel forgets to write fails the test."""
+
+    def alloc(shape, dtype, device):
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    monkeypatch.setattr(common, "alloc_output", alloc)
+
+
+def run_packed_case(backend, dtype, q, k, v, cu_q, cu_k, causal, pos_q=None, pos_k=None, tol=1e-5):
+    """Packed (3-D) call through flash_attn_with_lse vs naive float64: out, lse, dq, dk, dv."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    kw = dict(causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, q_positions=pos_q, k_positions=pos_k)
+    out, lse = flash_attn_with_lse(*leaves, backend=backend, **kw)
+    w_out, w_lse = loss_weights(out.shape, lse.shape)
+    grads = torch.autograd.grad(finite_lse_loss(out, lse, w_out, w_lse), leaves)
+
+    ref_leaves = [t.detach().to(dtype).to(F64).requires_grad_() for t in (q, k, v)]
+    doc_q, p_q = token_meta(cu_q, pos_q)
+    doc_k, p_k = token_meta(cu_k, pos_k)
+    ref_out, ref_lse = naive_attention(*ref_leaves, doc_q, doc_k, p_q, p_k, causal, scale)
+    ref_grads = torch.autograd.grad(finite_lse_loss(ref_out, ref_lse, w_out, w_lse), ref_leaves)
+
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), "rows with no visible key differ"
+    finite = torch.isfinite(ref_lse)
+    assert rel_err(out, ref_out) < tol
+    assert rel_err(lse[finite], ref_lse[finite]) < tol
+    for name, g, ref in zip("qkv", grads, ref_grads):
+        assert rel_err(g, ref) < tol, f"d{name}"
+    return out, lse, grads
+
+
+def zigzag_shard_meta(doc_lengths, world, rank):
+    """Tokens rank `rank` holds under zig-zag (chunks r and 2P-1-r of every document)."""
+    index, positions, cu, offset = [], [], [0], 0
+    for length in doc_lengths:
+        chunk = length // (2 * world)
+        for c in (rank, 2 * world - 1 - rank):
+            index.append(torch.arange(offset + c * chunk, offset + (c + 1) * chunk))
+            positions.append(torch.arange(c * chunk, (c + 1) * chunk))
+        cu.append(cu[-1] + 2 * chunk)
+        offset += length
+    return torch.cat(index), torch.cat(positions).int(), torch.tensor(cu, dtype=torch.int32)
+
+
+# -- reference backend (fast): every layout and mask against the naive float64 attention ----------
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+@pytest.mark.parametrize("causal", [False, True])
+def test_reference_batched_gqa(dtype, causal):
+    torch.manual_seed(0)
+    b, s_q, s_k, hq, hk, d = 2, 37, 45, 6, 2, 16
+    q, k, v = torch.randn(b, s_q, hq, d), torch.randn(b, s_k, hk, d), torch.randn(b, s_k, hk, d)
+    leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+    out, lse = flash_attn_with_lse(*leaves, causal=causal, backend="reference")
+    assert out.shape == (b, s_q, hq, d) and lse.shape == (b, hq, s_q)
+    assert lse.dtype == (F64 if dtype == F64 else torch.float32)
+    w_out, w_lse = loss_weights(out.shape, lse.shape)
+    grads = torch.autograd.grad(finite_lse_loss(out, lse, w_out, w_lse), leaves)
+
+    ref_leaves = [t.to(F64).requires_grad_() for t in (q, k, v)]
+    packed = [t.reshape(-1, *t.shape[2:]) for t in ref_leaves]
+    cu_q, cu_k = torch.arange(b + 1) * s_q, torch.arange(b + 1) * s_k
+    doc_q, p_q = token_meta(cu_q, None)
+    doc_k, p_k = token_meta(cu_k, None)
+    ref_out, ref_lse = naive_attention(*packed, doc_q, doc_k, p_q, p_k, causal, 1 / math.sqrt(d))
+    ref_out = ref_out.view(b, s_q, hq, d)
+    ref_lse = ref_lse.view(hq, b, s_q).transpose(0, 1)
+    ref_grads = torch.autograd.grad(finite_lse_loss(ref_out, ref_lse, w_out, w_lse), ref_leaves)
+    tol = 1e-12 if dtype == F64 else 1e-5
+    assert rel_err(out, ref_out) < tol and rel_err(lse, ref_lse) < tol
+    for g, ref in zip(grads, ref_grads):
+        assert rel_err(g, ref) < tol
+    # SDPA agrees too (an anchor independent of the naive code above).
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        *(t.to(F64).transpose(1, 2) for t in (q, k, v)), is_causal=causal, enable_gqa=True
+    ).transpose(1, 2)
+    assert rel_err(out, sdpa) < tol
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+def test_reference_varlen_positions_and_empty_rows(dtype):
+    torch.manual_seed(1)
+    # Uneven documents with different q/k lengths; document 3 has no keys (its query rows are empty).
+    cu_q = torch.tensor([0, 7, 40, 41, 44, 70], dtype=torch.int32)
+    cu_k = torch.tensor([0, 20, 31, 36, 36, 60], dtype=torch.int32)
+    q, k, v = torch.randn(70, 4, 16), torch.randn(60, 2, 16), torch.randn(60, 2, 16)
+    tol = 1e-12 if dtype == F64 else 1e-5
+    for causal in (False, True):
+        run_packed_case("reference", dtype, q, k, v, cu_q, cu_k, causal, tol=tol)
+    pos_q = torch.cat([torch.randperm(int(n)) + 3 for n in cu_q[1:] - cu_q[:-1]]).int()
+    pos_k = torch.cat([torch.randperm(int(n)) + 5 for n in cu_k[1:] - cu_k[:-1]]).int()
+    out, lse, grads = run_packed_case("reference", dtype, q, k, v, cu_q, cu_k, True, pos_q, pos_k, tol=tol)
+    empty = torch.isneginf(lse)
+    assert empty.any() and (out.transpose(0, 1)[empty] == 0).all()
+
+
+def test_dispatch_and_errors(monkeypatch):
+    q = torch.randn(1, 8, 4, 16)
+    k = torch.randn(1, 8, 3, 16)
+    with pytest.raises(ValueError, match="heads of k/v"):
+        flash_attn(q, k, k)
+    with pytest.raises(ValueError, match="batch must be 1"):
+        flash_attn(torch.randn(2, 4, 2, 16), *(torch.randn(2, 4, 2, 16),) * 2, cu_seqlens=torch.tensor([0, 4]))
+    with pytest.raises(ValueError, match="one entry per token"):
+        flash_attn(q, q, q, causal=True, q_positions=torch.arange(5), k_positions=torch.arange(8))
+    with pytest.raises(ValueError, match="end at the token count"):
+        flash_attn(q[0], q[0], q[0], cu_seqlens=torch.tensor([0, 5]))
+    with pytest.raises(ValueError, match="backend"):
+        flash_attn(q, q, q, backend="cuda")
+    # CPU tensors default to the reference; XORL_FORCE_REFERENCE wins over nothing else needed here.
+    monkeypatch.setenv("XORL_FORCE_REFERENCE", "1")
+    out = flash_attn(q, q, q, causal=True)
+    assert out.shape == q.shape and torch.isfinite(out).all()
+
+
+# -- Triton kernels under the interpreter --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "b,s_q,s_k,hq,hk,d,causal",
+    [(2, 48, 48, 4, 2, 16, True), (1, 40, 56, 2, 2, 32, False), (1, 33, 33, 2, 1, 64, True)],
+)
+def test_triton_batched(poisoned, b, s_q, s_k, hq, hk, d, causal):
+    torch.manual_seed(2)
+    q, k, v = torch.randn(b, s_q, hq, d), torch.randn(b, s_k, hk, d), torch.randn(b, s_k, hk, d)
+    cu_q, cu_k = torch.arange(b + 1) * s_q, torch.arange(b + 1) * s_k
+    packed = [t.reshape(-1, *t.shape[2:]) for t in (q, k, v)]
+    # Batched call (its own layout handling) must equal the packed call, which is checked against naive.
+    out_b, lse_b = flash_attn_forward(q, k, v, causal=causal, backend="triton")
+    out, lse, _ = run_packed_case("triton", torch.float32, *packed, cu_q.int(), cu_k.int(), causal)
+    assert torch.equal(out_b.reshape(out.shape), out.detach())
+    assert torch.equal(lse_b, lse.detach().view(hq, b, s_q).transpose(0, 1))
+
+
+def test_triton_varlen_uneven(poisoned):
+    torch.manual_seed(3)
+    cu_q = torch.tensor([0, 7, 40, 41, 44, 70], dtype=torch.int32)
+    cu_k = torch.tensor([0, 20, 31, 36, 36, 60], dtype=torch.int32)  # document 3 has no keys
+    q, k, v = torch.randn(70, 4, 32), torch.randn(60, 2, 32), torch.randn(60, 2, 32)
+    for causal in (False, True):
+        out, lse, _ = run_packed_case("triton", torch.float32, q, k, v, cu_q, cu_k, causal)
+        assert torch.isneginf(lse[:, 41:44]).all() and (out[41:44] == 0).all()
+
+
+@pytest.mark.parametrize("q_rank,k_rank", [(1, 1), (0, 1)])
+def test_triton_zigzag_step(poisoned, q_rank, k_rank):
+    """One ring step of zig-zag CP (P=2): q of one rank against k/v of another, true positions."""
+    torch.manual_seed(4)
+    docs, world = [32, 16], 2
+    full_q, full_k, full_v = torch.randn(48, 2, 16), torch.randn(48, 1, 16), torch.randn(48, 1, 16)
+    iq, pos_q, cu = zigzag_shard_meta(docs, world, q_rank)
+    ik, pos_k, _ = zigzag_shard_meta(docs, world, k_rank)
+    out, lse, _ = run_packed_case(
+        "triton", torch.float32, full_q[iq], full_k[ik], full_v[ik], cu, cu, True, pos_q, pos_k
+    )
+    if (q_rank, k_rank) == (0, 1):  # chunk 0 of each document precedes all of rank 1's keys
+        assert torch.isneginf(lse[:, :8]).all() and (out[:8] == 0).all()
+
+
+def test_triton_bf16(poisoned):
+    torch.manual_seed(5)
+    q, k, v = torch.randn(1, 64, 2, 64), torch.randn(1, 64, 2, 64), torch.randn(1, 64, 2, 64)
+    cu = torch.tensor([0, 64], dtype=torch.int32)
+    run_packed_case("triton", torch.bfloat16, q[0], k[0], v[0], cu, cu, True, tol=1e-2)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_zigzag_ring_decomposition(poisoned, backend):
+    """All ring steps of every rank, merged with merge_attn_states, equal monolithic causal
+    attention; the per-step backward with the global lse/delta (lse in the loss too) accumulated
+    into fp32 buffers equals the monolithic gradients. This is exactly how ring attention uses
+    flash_attn_forward / flash_attn_bwd_preprocess / flash_attn_backward."""
+    torch.manual_seed(6)
+    docs, world, hq, hk, d = [32, 16], 2, 2, 1, 16
+    total = sum(docs)
+    q, k, v = torch.randn(total, hq, d), torch.randn(total, hk, d), torch.randn(total, hk, d)
+    cu_full = torch.tensor([0, 32, 48], dtype=torch.int32)
+    ref_leaves = [t.to(F64).requires_grad_() for t in (q, k, v)]
+    doc, pos = token_meta(cu_full, None)
+    ref_out, ref_lse = naive_attention(*ref_leaves, doc, doc, pos, pos, True, 1 / math.sqrt(d))
+    w_out, w_lse = loss_weights(ref_out.shape, ref_lse.shape)
+    ref_grads = torch.autograd.grad(finite_lse_loss(ref_out, ref_lse, w_out, w_lse), ref_leaves)
+
+    shards = [zigzag_shard_meta(docs, world, r) for r in range(world)]
+    kw = dict(causal=True, backend=backend)
+    merged = []
+    for iq, pos_q, cu in shards:
+        acc_out, acc_lse = None, None
+        for ik, pos_k, _ in shards:
+            out, lse = flash_attn_forward(
+                q[iq], k[ik], v[ik], cu_seqlens=cu, q_positions=pos_q, k_positions=pos_k, **kw
+            )
+            if acc_out is None:
+                acc_out, acc_lse = out.float(), lse
+            else:
+                acc_out, acc_lse = merge_attn_states(acc_out, acc_lse, out, lse)
+        merged.append((acc_out, acc_lse))
+    for (iq, _, _), (out, lse) in zip(shards, merged):
+        assert rel_err(out, ref_out[iq]) < 1e-5 and rel_err(lse, ref_lse[:, iq]) < 1e-5
+
+    dq = torch.zeros(total, hq, d)
+    dk = torch.zeros(total, hk, d)
+    dv = torch.zeros(total, hk, d)
+    for (iq, pos_q, cu), (out, lse) in zip(shards, merged):
+        do = w_out[iq].float()
+        delta = flash_attn_bwd_preprocess(out, do) - w_lse[:, iq].float()  # dlse enters through delta
+        dq_acc = torch.zeros(len(iq), hq, d)
+        for ik, pos_k, _ in shards:
+            dk_acc, dv_acc = torch.zeros(len(ik), hk, d), torch.zeros(len(ik), hk, d)
+            flash_attn_backward(
+                do, q[iq], k[ik], v[ik], out, lse, delta, cu_seqlens=cu, q_positions=pos_q,
+                k_positions=pos_k, dq_accum=dq_acc, dk_accum=dk_acc, dv_accum=dv_acc, **kw,
+            )
+            dk[ik] += dk_acc
+            dv[ik] += dv_acc
+        dq[iq] = dq_acc
+    for name, g, ref in zip("qkv", (dq, dk, dv), ref_grads):
+        assert rel_err(g, ref) < 1e-5, f"d{name}"
+
+
+def test_triton_backward_accumulates(poisoned):
+    """flash_attn_backward adds into caller fp32 buffers (random start values, not zeros)."""
+    torch.manual_seed(7)
+    q, k, v = torch.randn(1, 40, 2, 16), torch.randn(1, 40, 2, 16), torch.randn(1, 40, 2, 16)
+    do = torch.randn(1, 40, 2, 16)
+    out, lse = flash_attn_forward(q, k, v, causal=True, backend="triton")
+    delta = flash_attn_bwd_preprocess(out, do)
+    fresh = flash_attn_backward(do, q, k, v, out, lse, delta, causal=True, backend="triton")
+    starts = [torch.randn(t.shape) for t in (q, k, v)]
+    accs = [s.clone() for s in starts]
+    returned = flash_attn_backward(
+        do, q, k, v, out, lse, delta, causal=True, backend="triton",
+        dq_accum=accs[0], dk_accum=accs[1], dv_accum=accs[2],
+    )
+    ref = flash_attn_backward(do, *(t.double() for t in (q, k, v)), out.double(), lse.double(),
+                              delta.double(), causal=True, backend="reference")
+    for acc, ret, start, g, r in zip(accs, returned, starts, fresh, ref):
+        assert ret is acc
+        assert rel_err(g, r) < 1e-5
+        assert rel_err(acc - start, r) < 1e-5
