@@ -193,13 +193,15 @@ class Attention(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         max_seqlen: int | None = None,
     ) -> torch.Tensor:
-        batch, seq, _ = hidden.shape
-        # -1 heads: under tensor parallelism the projections hold only this rank's heads.
-        heads_shape = (batch, seq, -1, self.head_dim)
         if self.merge_qkv:
             q, k, v = self.qkv_proj(hidden).split(self.qkv_split, dim=-1)
         else:
             q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
+        # Shapes come from the projections, not from ``hidden``: under tensor parallelism they hold only
+        # this rank's heads (-1), and under sequence parallelism ``hidden`` is this rank's sequence shard
+        # while q/k/v cover the whole sequence.
+        batch, seq = q.shape[:2]
+        heads_shape = (batch, seq, -1, self.head_dim)
         q, k, v = q.view(heads_shape), k.view(heads_shape), v.view(heads_shape)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
