@@ -115,7 +115,9 @@ def check_not_divisible_error() -> str:
 def check_ep_times_fsdp(num_experts, top_k) -> dict:
     """EP=2 x FSDP=2 on 4 ranks: mesh ("ep_fsdp", "ep"), experts sharded by fully_shard over ep_fsdp."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import FSDPModule
+
+    from xorl.plans.expert_parallel import shard_experts_with_fsdp
 
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep_fsdp", "ep"))
@@ -127,7 +129,9 @@ def check_ep_times_fsdp(num_experts, top_k) -> dict:
     (ref(x_ref) * grad).sum().backward()
 
     ep = _build(num_experts, top_k, None, ep_group=mesh.get_group("ep"), seed=3)
-    fully_shard(ep.experts, mesh=mesh["ep_fsdp"])
+    holder = torch.nn.ModuleDict({"moe": ep})
+    assert shard_experts_with_fsdp(holder, mesh) == 1
+    assert isinstance(ep.experts, FSDPModule)
     x_ep = x[mine].clone().requires_grad_()
     out = ep(x_ep)
     (out * grad[mine]).sum().backward()
@@ -135,14 +139,67 @@ def check_ep_times_fsdp(num_experts, top_k) -> dict:
     report = {"out": _rel_err(out, ref(x[mine]).detach()), "x_grad": _rel_err(x_ep.grad, x_ref.grad[mine])}
     ep_group = mesh.get_group("ep")
     for name in ("gate_proj", "up_proj", "down_proj"):
-        # FSDP averages over the 2 ep_fsdp ranks; the full local-experts gradient is the sum.
-        local = getattr(ep.experts, name).grad.full_tensor() * mesh["ep_fsdp"].size()
+        # The reduce-scatter divides by ep_fsdp * ep = 4 (the data-parallel mean); undo it.
+        local = getattr(ep.experts, name).grad.full_tensor() * world
         gathered = [torch.empty_like(local) for _ in range(mesh["ep"].size())]
         dist.all_gather(gathered, local.contiguous(), group=ep_group)
         report[name] = _rel_err(torch.cat(gathered), _expert_grads(ref)[name])
     gate_grad = ep.gate.weight.grad.clone()
     dist.all_reduce(gate_grad)
     report["gate_grad"] = _rel_err(gate_grad, ref.gate.weight.grad)
+    return report
+
+
+def check_plan_on_qwen3_moe_model(num_experts) -> dict:
+    """apply_expert_parallel on the xorl Qwen3-MoE model: logits and every gradient equal the
+    unmodified model's on all ranks' tokens."""
+    import transformers
+
+    from xorl.models import build_model
+    from xorl.plans.expert_parallel import apply_expert_parallel
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=num_experts,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        router_aux_loss_coef=0.01,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+        initializer_range=0.2,
+    )
+    torch.manual_seed(0)
+    ref = build_model(config)
+    torch.manual_seed(0)
+    model = build_model(config)
+    replaced = apply_expert_parallel(model, dist.group.WORLD)
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 97, (world, 6), generator=gen)
+    grad = torch.randn(world, 6, 97, generator=gen)
+
+    logits_ref = ref(ids).logits
+    (logits_ref * grad).sum().backward()
+    logits = model(ids[rank : rank + 1]).logits
+    (logits * grad[rank : rank + 1]).sum().backward()
+
+    report = {"replaced": replaced, "logits": _rel_err(logits, logits_ref[rank : rank + 1])}
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        g = p.grad.clone()
+        if ".experts." in name:
+            parts = [torch.empty_like(g) for _ in range(world)]
+            dist.all_gather(parts, g.contiguous())
+            g = torch.cat(parts)
+        else:
+            dist.all_reduce(g)  # replicated parameter: sum of the per-rank token gradients
+        report[name] = _rel_err(g, ref_params[name].grad)
     return report
 
 
@@ -193,6 +250,15 @@ def test_ep_matches_single_process(gloo_world, world_size):
     if world_size == 2:
         assert max(world.run(check_ep1_groups)) < 1e-6
     assert all("not divisible" in e for e in errors), errors
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_plan_swaps_model_blocks_and_keeps_parity(gloo_world, world_size):
+    reports = gloo_world(world_size).run(check_plan_on_qwen3_moe_model, 4, timeout_s=120)
+    for rank, rep in enumerate(reports):
+        assert rep.pop("replaced") == ["model.layers.0.mlp", "model.layers.1.mlp"]
+        for key, value in rep.items():
+            assert value < 1e-5, (rank, key, rep)
 
 
 def test_ep2_times_fsdp2(gloo_world):

@@ -49,9 +49,7 @@ def _all_to_all_rows(x, output_splits: list[int], input_splits: list[int], group
     return out
 
 
-def all_to_all_rows(
-    x: torch.Tensor, output_splits: list[int], input_splits: list[int], group
-) -> torch.Tensor:
+def all_to_all_rows(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
     """Differentiable uneven all_to_all over dim 0: send ``input_splits[r]`` rows to rank r."""
     return _AllToAllRows.apply(x, output_splits, input_splits, group)
 

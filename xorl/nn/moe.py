@@ -132,9 +132,7 @@ class MoE(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if hidden_states.shape[-1] != self.hidden_size:
-            raise ValueError(
-                f"hidden_states last dim must be {self.hidden_size}, got {tuple(hidden_states.shape)}"
-            )
+            raise ValueError(f"hidden_states last dim must be {self.hidden_size}, got {tuple(hidden_states.shape)}")
         x = hidden_states.reshape(-1, self.hidden_size)
         routed = self.gate(x)
         out = expert_parallel_moe(
@@ -148,15 +146,22 @@ class MoE(nn.Module):
         if self.shared_expert is not None:
             shared = self.shared_expert(x) * torch.sigmoid(self.shared_expert_gate(x))
             out = out + shared
-        self.last_aux_loss = (
-            self.aux_loss_coef * routed.load_balancing_loss + self.z_loss_coef * routed.z_loss
-        )
+        self.last_aux_loss = self.aux_loss_coef * routed.load_balancing_loss + self.z_loss_coef * routed.z_loss
         self.last_stats = {
             "load_balancing_loss": routed.load_balancing_loss.detach(),
             "z_loss": routed.z_loss.detach(),
             "tokens_per_expert": routed.tokens_per_expert,
         }
         return out.view(hidden_states.shape)
+
+    @torch.no_grad()
+    def init_weights(self, std: float) -> None:
+        """normal(0, std) for the router, the experts and the shared expert (the xorl model calls this)."""
+        self.gate.init_weights(std)
+        self.experts.init_weights(std)
+        if self.shared_expert is not None:
+            for linear in (*self.shared_expert.children(), self.shared_expert_gate):
+                nn.init.normal_(linear.weight, std=std)
 
     # -- loading --------------------------------------------------------------------------------
     def _slice_full_experts(self, state_dict, prefix, *args, **kwargs):

@@ -10,7 +10,8 @@ Supported layouts (the expert weights are returned as [E, in, out], the xorl lay
   ``down_proj`` ([out, in] weights).
 
 Router settings are looked up on the block, its ``gate`` and its ``config`` (``top_k`` or
-``num_experts_per_tok``; ``norm_topk_prob``); a Qwen2-MoE shared expert is picked up when present.
+``num_experts_per_tok``; ``norm_topk_prob``; ``scoring``; ``aux_loss_coef`` / ``z_loss_coef``); a
+Qwen2-MoE shared expert is picked up when present.
 """
 
 from __future__ import annotations
@@ -58,9 +59,7 @@ def describe_block(block: nn.Module) -> dict:
     router_weight = block.gate.weight.detach()
     num_experts, hidden_size, inter = gate.shape
     if router_weight.shape != (num_experts, hidden_size):
-        raise ValueError(
-            f"gate.weight is {tuple(router_weight.shape)}, expected ({num_experts}, {hidden_size})"
-        )
+        raise ValueError(f"gate.weight is {tuple(router_weight.shape)}, expected ({num_experts}, {hidden_size})")
     spec: dict = {"hidden_size": hidden_size, "num_experts": num_experts, "moe_intermediate_size": inter}
     top_k = _lookup(block, ("top_k", "num_experts_per_tok"))
     if top_k is not _MISSING:
@@ -68,6 +67,16 @@ def describe_block(block: nn.Module) -> dict:
     norm = _lookup(block, ("norm_topk_prob",))
     if norm is not _MISSING:
         spec["norm_topk_prob"] = bool(norm)
+    scoring = _lookup(block, ("score_func", "scoring", "router_scoring"))
+    if scoring is not _MISSING:
+        spec["score_func"] = str(scoring)
+    for ours, names in (
+        ("aux_loss_coef", ("aux_loss_coef", "router_aux_loss_coef")),
+        ("z_loss_coef", ("z_loss_coef", "router_z_loss_coef")),
+    ):
+        coef = _lookup(block, names)
+        if coef is not _MISSING:
+            spec[ours] = float(coef)
     weights = {"gate": router_weight, "gate_proj": gate, "up_proj": up, "down_proj": down}
     bias = getattr(block.gate, "e_score_correction_bias", None)
     if isinstance(bias, torch.Tensor):
@@ -80,7 +89,5 @@ def describe_block(block: nn.Module) -> dict:
         weights["shared_expert_gate"] = block.shared_expert_gate.weight.detach()
     spec["_weights"] = weights
     if "top_k" not in spec:
-        raise ValueError(
-            f"could not find top_k on {type(block).__name__}; pass MoE.from_block(block, top_k=...)"
-        )
+        raise ValueError(f"could not find top_k on {type(block).__name__}; pass MoE.from_block(block, top_k=...)")
     return spec

@@ -29,9 +29,7 @@ def swiglu_experts(x_sorted, gate_proj, up_proj, down_proj, tokens_per_expert):
 class GroupedExperts(nn.Module):
     """``num_experts`` SwiGLU experts evaluated with ``xorl_kernels.grouped_gemm``."""
 
-    def __init__(
-        self, num_experts: int, hidden_size: int, moe_intermediate_size: int, device=None, dtype=None
-    ):
+    def __init__(self, num_experts: int, hidden_size: int, moe_intermediate_size: int, device=None, dtype=None):
         super().__init__()
         self.num_experts = num_experts
         self.hidden_size = hidden_size
@@ -42,9 +40,10 @@ class GroupedExperts(nn.Module):
         self.down_proj = nn.Parameter(
             torch.empty(num_experts, moe_intermediate_size, hidden_size, device=device, dtype=dtype)
         )
-        self.reset_parameters()
+        self.init_weights()
 
-    def reset_parameters(self, std: float = 0.02) -> None:
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02) -> None:
         for p in (self.gate_proj, self.up_proj, self.down_proj):
             nn.init.normal_(p, std=std)
 

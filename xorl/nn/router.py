@@ -92,7 +92,6 @@ class Router(nn.Module):
         self.norm_topk_prob = norm_topk_prob
         self.bias_update_rate = bias_update_rate
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, device=device, dtype=dtype))
-        nn.init.normal_(self.weight, std=hidden_size**-0.5)
         if expert_bias:
             # Persistent: the bias is training state and must survive a checkpoint (DeepSeek-V3 name).
             self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, device=device))
@@ -104,12 +103,19 @@ class Router(nn.Module):
         else:
             self.e_score_correction_bias = None
             self.load_since_update = None
+        self.init_weights(hidden_size**-0.5)
+
+    @torch.no_grad()
+    def init_weights(self, std: float) -> None:
+        nn.init.normal_(self.weight, std=std)
+        if self.e_score_correction_bias is not None:
+            self.e_score_correction_bias.zero_()
+            self.load_since_update.zero_()
 
     def forward(self, hidden_states: torch.Tensor) -> RouterOutput:
         if hidden_states.shape[-1] != self.hidden_size:
             raise ValueError(
-                f"hidden_states last dim must be hidden_size={self.hidden_size}, "
-                f"got shape {tuple(hidden_states.shape)}"
+                f"hidden_states last dim must be hidden_size={self.hidden_size}, got shape {tuple(hidden_states.shape)}"
             )
         x = hidden_states.reshape(-1, self.hidden_size)
         # The matmul runs in the activation dtype (as in transformers); everything after it in fp32.
@@ -122,9 +128,7 @@ class Router(nn.Module):
             probs = scores / scores.sum(dim=-1, keepdim=True)
 
         with torch.no_grad():
-            selection = (
-                scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
-            )
+            selection = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
             expert_ids = torch.topk(selection, self.top_k, dim=-1).indices
         weights = scores.gather(1, expert_ids)
         if self.norm_topk_prob:
