@@ -61,7 +61,7 @@ def poison_outputs(monkeypatch):
 def backend(request, monkeypatch):
     """Run each test on the torch path and on the Triton kernels (interpreter on CPU)."""
     if request.param == "triton":
-        monkeypatch.setattr(permute_mod, "_use_triton", lambda t: True)
+        monkeypatch.setattr(permute_mod, "_backend", lambda t: "triton")
     return request.param
 
 
@@ -163,8 +163,14 @@ def test_clear_errors():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("gpu_backend", ["csrc", "triton", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_matches_reference_without_host_sync(dtype):
+def test_cuda_matches_reference_without_host_sync(dtype, gpu_backend, monkeypatch):
+    from xorl_kernels import has_cuda_ext
+
+    if gpu_backend == "csrc" and not has_cuda_ext():
+        pytest.skip("xorl_kernels._C not built")
+    monkeypatch.setenv("XORL_PERMUTE_BACKEND", gpu_backend)
     num_tokens, top_k, num_experts, hidden = 4096, 8, 64, 512
     x, ids, w = make_case(num_tokens, top_k, num_experts, hidden, dtype, seed=7)
     x, ids, w = x.cuda().requires_grad_(), ids.cuda(), w.cuda().requires_grad_()

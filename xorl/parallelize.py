@@ -61,10 +61,11 @@ def apply_fsdp(model: nn.Module, state, reshard_after_forward: bool = True, bf16
     kw = {"reshard_after_forward": reshard_after_forward}
     if bf16_compute:  # bf16 compute, fp32 master weights and fp32 gradient reduction
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    expert_mesh = _expert_fsdp_mesh(state) if state.ep_size > 1 else None
     for layer in decoder_layers(model):
         experts = getattr(getattr(_unwrap(layer), "mlp", None), "experts", None)
-        if experts is not None and state.ep_size > 1 and state.ep_fsdp_mesh is not None:
-            fully_shard(experts, mesh=state.ep_fsdp_mesh, **kw)
+        if experts is not None and expert_mesh is not None:
+            fully_shard(experts, mesh=expert_mesh, **kw)
         fully_shard(layer, mesh=mesh, **kw)
     fully_shard(model, mesh=mesh, **kw)
     for module in model.modules():
@@ -72,15 +73,23 @@ def apply_fsdp(model: nn.Module, state, reshard_after_forward: bool = True, bf16
             _sum_gradients(module)
 
 
+def _expert_fsdp_mesh(state):
+    """Experts are sharded over "ep_fsdp" and, under HSDP, replicated over dp_replicate."""
+    if state.dp_replicate_size > 1:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        return DeviceMesh._concatenate([state.dp_replicate_mesh, state.ep_fsdp_mesh])
+    return state.ep_fsdp_mesh
+
+
 def _unwrap(layer: nn.Module) -> nn.Module:
     return getattr(layer, "_checkpoint_wrapped_module", layer)
 
 
 def _sum_gradients(module: FSDPModule) -> None:
-    if hasattr(module, "set_gradient_divide_factor"):
-        module.set_gradient_divide_factor(1.0)
-    else:  # older torch spelling
-        module.set_reduce_scatter_divide_factor(1.0)
+    module.set_gradient_divide_factor(1.0)
+    # Plain SUM collectives: gloo has no PREMUL_SUM, and NCCL's zero-copy path wants SUM too.
+    module.set_force_sum_reduction_for_comms(True)
 
 
 @torch.no_grad()

@@ -14,8 +14,9 @@ Both are differentiable; the backward of one is the other: grad_x = unpermute(gr
 row_map, 1); grad_y_sorted[row_map[t, k]] = weights[t, k] * grad_y[t]; and the weights get
 grad_w[t, k] = <grad_y[t], y_sorted[row_map[t, k]]> (fp32 dot).
 
-Dispatch: csrc kernels (CUDA tensors, extension built) -> Triton (CUDA tensors) -> torch (CPU, or
-XORL_FORCE_REFERENCE=1). No path reads a device value on the host: expert ids are range-checked
+Dispatch: csrc kernels (CUDA tensors, extension built: routing metadata, row gather, weighted
+combine) -> Triton (CUDA tensors; always for the unpermute backward, which fuses the weight
+gradient) -> torch (CPU, or XORL_FORCE_REFERENCE=1). No path reads a device value on the host: expert ids are range-checked
 only for CPU tensors (a check on GPU would sync), so out-of-range ids on GPU are undefined.
 All row addressing is int64 (T*K*H may exceed 2^31).
 """
@@ -53,11 +54,12 @@ def routing_metadata_reference(expert_ids: torch.Tensor, num_experts: int):
 
 
 def _routing_metadata(expert_ids: torch.Tensor, num_experts: int):
-    if expert_ids.is_cuda and _use_ext():
-        from xorl_kernels import routing_metadata as rm
+    """(sorted_slots, row_map, tokens_per_expert): the csrc counting sort on CUDA, else torch."""
+    if _backend(expert_ids) == "csrc":
+        from xorl_kernels import _ext, routing_metadata
 
-        if hasattr(rm, "routing_metadata"):
-            return rm.routing_metadata(expert_ids, num_experts)
+        if num_experts <= _ext._C.routing_max_experts():
+            return routing_metadata.routing_metadata(expert_ids, num_experts)
     return routing_metadata_reference(expert_ids, num_experts)
 
 
@@ -103,9 +105,7 @@ def scatter_weighted_reference(grad_y, row_map, weights, y_sorted, need_weight_g
     grad_sorted.index_copy_(0, row_map.reshape(-1), scaled.reshape(-1, grad_y.shape[-1]).to(y_sorted.dtype))
     grad_w = None
     if need_weight_grad:
-        rows = (
-            y_sorted.index_select(0, row_map.reshape(-1)).view(num_tokens, top_k, y_sorted.shape[1]).to(acc)
-        )
+        rows = y_sorted.index_select(0, row_map.reshape(-1)).view(num_tokens, top_k, y_sorted.shape[1]).to(acc)
         grad_w = (rows * g).sum(-1)
     return grad_sorted, grad_w
 
@@ -115,26 +115,31 @@ def scatter_weighted_reference(grad_y, row_map, weights, y_sorted, need_weight_g
 # ---------------------------------------------------------------------------------------------
 
 
-def _force_reference() -> bool:
-    return os.environ.get("XORL_FORCE_REFERENCE", "0") not in ("", "0")
+_BACKENDS = ("csrc", "triton", "torch")
 
 
-def _use_ext() -> bool:
-    if _force_reference():
-        return False
-    try:
-        from xorl_kernels._ext import has_cuda_ext
-    except ImportError:
-        return False
-    return has_cuda_ext()
+def _backend(t: torch.Tensor) -> str:
+    """csrc (CUDA tensor, extension built) -> triton (CUDA tensor) -> torch. XORL_FORCE_REFERENCE=1
+    forces torch; XORL_PERMUTE_BACKEND=triton|csrc|torch picks one for CUDA tensors (benchmarks)."""
+    if not t.is_cuda or os.environ.get("XORL_FORCE_REFERENCE", "0") not in ("", "0"):
+        return "torch"
+    forced = os.environ.get("XORL_PERMUTE_BACKEND", "")
+    if forced:
+        if forced not in _BACKENDS:
+            raise ValueError(f"XORL_PERMUTE_BACKEND must be one of {_BACKENDS}, got {forced!r}")
+        return forced
+    from xorl_kernels._ext import has_cuda_ext
 
-
-def _use_triton(t: torch.Tensor) -> bool:
-    return t.is_cuda and not _force_reference()
+    return "csrc" if has_cuda_ext() else "triton"
 
 
 def _gather_rows(src, index):
-    if _use_triton(src):
+    backend = _backend(src)
+    if backend == "csrc":
+        from xorl_kernels._ext import ext_permute_rows
+
+        return ext_permute_rows(src, index, out=new_empty((index.numel(), src.shape[1]), src.dtype, src.device))
+    if backend == "triton":
         from xorl_kernels import permute_triton
 
         return permute_triton.gather_rows(src, index)
@@ -142,7 +147,14 @@ def _gather_rows(src, index):
 
 
 def _combine(y_sorted, row_map, weights):
-    if _use_triton(y_sorted):
+    backend = _backend(y_sorted)
+    if backend == "csrc" and y_sorted.dtype in (torch.float32, torch.float16, torch.bfloat16):
+        from xorl_kernels._ext import ext_unpermute_combine
+
+        w = torch.ones(row_map.shape, device=y_sorted.device) if weights is None else weights.float()
+        out = new_empty((row_map.shape[0], y_sorted.shape[1]), y_sorted.dtype, y_sorted.device)
+        return ext_unpermute_combine(y_sorted, row_map, w.contiguous(), out=out)
+    if backend in ("csrc", "triton"):
         from xorl_kernels import permute_triton
 
         return permute_triton.combine(y_sorted, row_map, weights)
@@ -150,7 +162,8 @@ def _combine(y_sorted, row_map, weights):
 
 
 def _scatter_weighted(grad_y, row_map, sorted_slots, weights, y_sorted, need_weight_grad):
-    if _use_triton(grad_y):
+    # No csrc kernel for this one (a weighted gather fused with the weight-gradient dot): Triton.
+    if _backend(grad_y) in ("csrc", "triton"):
         from xorl_kernels import permute_triton
 
         return permute_triton.scatter_weighted(grad_y, sorted_slots, weights, y_sorted, need_weight_grad)
@@ -186,9 +199,7 @@ class _UnpermuteFn(torch.autograd.Function):
     def backward(ctx, grad_y):
         y_sorted, row_map, sorted_slots, weights = ctx.saved_tensors
         need_w = weights is not None and ctx.needs_input_grad[3]
-        grad_sorted, grad_w = _scatter_weighted(
-            grad_y.contiguous(), row_map, sorted_slots, weights, y_sorted, need_w
-        )
+        grad_sorted, grad_w = _scatter_weighted(grad_y.contiguous(), row_map, sorted_slots, weights, y_sorted, need_w)
         if grad_w is not None:
             grad_w = grad_w.to(ctx.weights_dtype)
         return grad_sorted, None, None, grad_w
@@ -208,9 +219,7 @@ def permute_tokens(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int):
     if x.dim() != 2:
         raise ValueError(f"x must be [tokens, hidden], got shape {tuple(x.shape)}; reshape(-1, hidden) first")
     if expert_ids.dim() != 2 or expert_ids.shape[0] != x.shape[0]:
-        raise ValueError(
-            f"expert_ids must be [tokens, top_k] with tokens={x.shape[0]}, got {tuple(expert_ids.shape)}"
-        )
+        raise ValueError(f"expert_ids must be [tokens, top_k] with tokens={x.shape[0]}, got {tuple(expert_ids.shape)}")
     if expert_ids.dtype.is_floating_point or expert_ids.dtype == torch.bool:
         raise TypeError(f"expert_ids must be an integer tensor, got {expert_ids.dtype}")
     if not x.dtype.is_floating_point:
@@ -222,9 +231,7 @@ def permute_tokens(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int):
     if not expert_ids.is_cuda and expert_ids.numel() > 0:
         lo, hi = int(expert_ids.min()), int(expert_ids.max())
         if lo < 0 or hi >= num_experts:
-            raise ValueError(
-                f"expert_ids must lie in [0, num_experts={num_experts}), found values in [{lo}, {hi}]"
-            )
+            raise ValueError(f"expert_ids must lie in [0, num_experts={num_experts}), found values in [{lo}, {hi}]")
     sorted_slots, row_map, tokens_per_expert = _routing_metadata(expert_ids, num_experts)
     x_sorted = _PermuteFn.apply(x.contiguous(), sorted_slots, row_map)
     return x_sorted, row_map, tokens_per_expert
@@ -248,9 +255,7 @@ def unpermute_tokens(y_sorted: torch.Tensor, row_map: torch.Tensor, weights: tor
         raise TypeError(f"y_sorted must be a floating-point tensor, got {y_sorted.dtype}")
     if weights is not None:
         if weights.shape != row_map.shape:
-            raise ValueError(
-                f"weights must have row_map's shape {tuple(row_map.shape)}, got {tuple(weights.shape)}"
-            )
+            raise ValueError(f"weights must have row_map's shape {tuple(row_map.shape)}, got {tuple(weights.shape)}")
         if not weights.dtype.is_floating_point:
             raise TypeError(f"weights must be floating point, got {weights.dtype}")
         weights = weights.contiguous()
