@@ -207,7 +207,8 @@ def test_packed_documents_match_each_document_alone(family, tmp_path):
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
 def test_our_save_loads_in_transformers(family, tmp_path):
-    hf_config = llama_config() if family == "llama" else qwen_config()
+    # Qwen: MoE on odd layers only (decoder_sparse_step=2), merged qkv split on save.
+    hf_config = llama_config() if family == "llama" else qwen_config(decoder_sparse_step=2, mlp_only_layers=[])
     our_config = xorl_model_config(hf_config, merge_qkv=family == "qwen3_moe")
     torch.manual_seed(5)
     ours = build_model(our_config).eval()
@@ -219,6 +220,9 @@ def test_our_save_loads_in_transformers(family, tmp_path):
     cls = transformers.LlamaForCausalLM if family == "llama" else transformers.Qwen3MoeForCausalLM
     hf = cls.from_pretrained(str(folder), attn_implementation="eager").eval()
     assert hf.config.tie_word_embeddings == hf_config.tie_word_embeddings
+    if family == "qwen3_moe":
+        assert [hasattr(layer.mlp, "experts") for layer in ours.model.layers] == [False, True, False]
+        assert [hasattr(layer.mlp, "experts") for layer in hf.model.layers] == [False, True, False]
     gen = torch.Generator().manual_seed(6)
     input_ids = torch.randint(0, hf_config.vocab_size, (2, 9), generator=gen)
     with torch.no_grad():
@@ -259,16 +263,16 @@ def test_router_losses_match_transformers_and_float64(tmp_path):
         assert abs(stats["z_loss"][row].item() - z64.item()) < 1e-5 * z64.item()
         assert torch.equal(stats["tokens_per_expert"][row], counts.long())
     expected = 0.01 * stats["load_balancing_loss"].sum() + 0.03 * stats["z_loss"].sum()
-    assert abs(out.aux_loss.item() - expected.item()) < 1e-6
+    assert abs(out.router_loss.item() - expected.item()) < 1e-6
     # The aux loss is differentiable through the router.
-    out.aux_loss.backward()
+    out.router_loss.backward()
     assert ours.model.layers[0].mlp.gate.weight.grad.abs().sum() > 0
 
 
 def test_dense_model_has_no_router_outputs():
     ours = build_model(xorl_model_config(llama_config()))
     out = ours(torch.randint(0, 97, (1, 6)))
-    assert out.aux_loss is None and out.router_stats == {} and out.loss is None
+    assert out.router_loss is None and out.router_stats == {} and out.loss is None
 
 
 def test_meta_build_then_materialise():
@@ -314,3 +318,45 @@ def test_bad_inputs_raise_clear_errors():
         build_model(xorl_model_config(llama_config(), model_type="gpt2"))
     with pytest.raises(ValueError, match="num_experts_per_tok"):
         build_model(xorl_model_config(qwen_config(), num_experts_per_tok=7))
+
+
+@pytest.mark.parametrize("scoring, norm_topk_prob", [("softmax", False), ("sigmoid", True)])
+def test_reference_moe_block_matches_float64_formula(scoring, norm_topk_prob):
+    """The block alone, including what transformers' Qwen3-MoE lacks (sigmoid scores, shared expert)."""
+    from xorl.models.moe_reference import ReferenceMoE
+
+    hidden, num_experts, top_k = 16, 5, 2
+    block = ReferenceMoE(
+        hidden, num_experts, top_k, intermediate_size=8, norm_topk_prob=norm_topk_prob, scoring=scoring,
+        aux_loss_coef=0.1, z_loss_coef=0.01, shared_expert_intermediate_size=12,
+    )
+    randomize_(block, seed=10)
+    x = torch.randn(3, 7, hidden, generator=torch.Generator().manual_seed(11))
+    out = block(x)
+
+    p = {name: t.detach().double() for name, t in block.named_parameters()}
+    xs = x.reshape(-1, hidden).double()
+    logits = xs @ p["gate.weight"].t()
+    scores = logits.softmax(-1) if scoring == "softmax" else logits.sigmoid()
+    weights, ids = scores.topk(top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(-1, keepdim=True)
+    ref = torch.zeros_like(xs)
+    for t in range(xs.shape[0]):
+        for slot in range(top_k):
+            e = ids[t, slot]
+            h = torch.nn.functional.silu(xs[t] @ p["experts.gate_proj"][e]) * (xs[t] @ p["experts.up_proj"][e])
+            ref[t] += weights[t, slot] * (h @ p["experts.down_proj"][e])
+    shared = torch.nn.functional.silu(xs @ p["shared_expert.gate_proj.weight"].t()) * (
+        xs @ p["shared_expert.up_proj.weight"].t()
+    )
+    ref += torch.sigmoid(xs @ p["shared_expert_gate.weight"].t()) * (shared @ p["shared_expert.down_proj.weight"].t())
+    assert rel_err(out.reshape(-1, hidden), ref) < TOL
+
+    probs = scores / scores.sum(-1, keepdim=True)
+    counts = torch.bincount(ids.reshape(-1), minlength=num_experts).double()
+    lb = num_experts * (counts / ids.numel() * probs.mean(0)).sum()
+    z = torch.logsumexp(logits, -1).pow(2).mean()
+    assert abs(block.last_stats["load_balancing_loss"].item() - lb.item()) < 1e-6 * lb.item()
+    assert abs(block.last_aux_loss.item() - (0.1 * lb + 0.01 * z).item()) < 1e-6 * (0.1 * lb + 0.01 * z).item()
+    assert torch.equal(block.last_stats["tokens_per_expert"], counts.long())

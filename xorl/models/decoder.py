@@ -45,9 +45,9 @@ class CausalLMOutput:
     loss              mean cross-entropy over label tokens != -100 (fp32); None without labels.
                       Contains NO router loss.
     num_label_tokens  number of label tokens that entered ``loss`` (so loss * num_label_tokens is the sum)
-    aux_loss          MoE only: sum over this forward's MoE layers of each block's ``last_aux_loss``
+    router_loss       MoE only: sum over this forward's MoE layers of each block's ``last_aux_loss``
                       = router_aux_loss_coef * load_balancing_loss + router_z_loss_coef * z_loss
-                      (already weighted, differentiable: add it to ``loss``); None on dense models
+                      (already weighted, differentiable: add it to the LM loss); None on dense models
     router_stats      MoE only, detached, one row per MoE layer of this forward:
                       "moe_layers" (layer indices), "load_balancing_loss" [L] (Switch loss,
                       uniform routing = 1; see moe_reference.router_losses), "z_loss" [L],
@@ -57,7 +57,7 @@ class CausalLMOutput:
     logits: torch.Tensor
     loss: torch.Tensor | None = None
     num_label_tokens: torch.Tensor | None = None
-    aux_loss: torch.Tensor | None = None
+    router_loss: torch.Tensor | None = None
     router_stats: dict = field(default_factory=dict)
 
 
@@ -190,10 +190,9 @@ class DecoderForCausalLM(nn.Module):
             moe_layers.append(idx)
             aux_losses.append(aux)
             stats.append(layer.mlp.last_stats)
-            layer.mlp.last_aux_loss = None  # read once; do not keep this step's graph alive on the module
         if not moe_layers:
             return
-        output.aux_loss = torch.stack(aux_losses).sum()
+        output.router_loss = torch.stack(aux_losses).sum()
         output.router_stats = {"moe_layers": moe_layers}
         for key in ("load_balancing_loss", "z_loss", "tokens_per_expert"):
             output.router_stats[key] = torch.stack([s[key] for s in stats])

@@ -137,10 +137,9 @@ def _load_targets(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, 
 
 def _fit_to_target(model: nn.Module, raw_name: str, full: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Slice this rank's experts out of a full [E, ...] tensor for an expert-parallel MoE block."""
-    if full.shape == target.shape:
+    if full.shape == target.shape or not _STACKED_EXPERT.match(clean_name(raw_name)):
         return full
-    owner_name = raw_name.rsplit(".", 2)[0]  # "...mlp.experts.gate_proj" -> "...mlp"
-    owner = model.get_submodule(owner_name) if "." in raw_name else None
+    owner = model.get_submodule(raw_name.rsplit(".", 2)[0])  # "...mlp.experts.gate_proj" -> "...mlp"
     expert_range = getattr(owner, "local_expert_range", None)
     if expert_range is not None and full.shape[1:] == target.shape[1:]:
         first, last = expert_range

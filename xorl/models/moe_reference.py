@@ -5,6 +5,8 @@ Parameter layout (shared with the fast ``xorl.nn.MoE`` so either can be swapped 
     experts.gate_proj    [num_experts, hidden, moe_intermediate]  ([groups, in, out], the layout
     experts.up_proj      [num_experts, hidden, moe_intermediate]   xorl_kernels.grouped_gemm takes)
     experts.down_proj    [num_experts, moe_intermediate, hidden]
+    shared_expert.{gate,up,down}_proj.weight, shared_expert_gate.weight   (optional, Qwen2-MoE:
+                         out += sigmoid(shared_expert_gate(x)) * shared_expert(x))
 
 Routing (as transformers' Qwen3-MoE): scores = softmax(router_logits) in fp32 (or sigmoid with
 router_scoring="sigmoid"), top-k of the scores, optionally renormalised to sum to 1
@@ -21,6 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from xorl.models.layers import SwiGLUMLP
 
 
 def route(
@@ -112,6 +116,7 @@ class ReferenceMoE(nn.Module):
         scoring: str = "softmax",
         aux_loss_coef: float = 0.0,
         z_loss_coef: float = 0.0,
+        shared_expert_intermediate_size: int = 0,
     ):
         super().__init__()
         self.top_k = top_k
@@ -122,6 +127,12 @@ class ReferenceMoE(nn.Module):
         self.z_loss_coef = z_loss_coef
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
         self.experts = ReferenceExperts(num_experts, hidden_size, intermediate_size)
+        if shared_expert_intermediate_size > 0:
+            self.shared_expert = SwiGLUMLP(hidden_size, shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+        else:
+            self.shared_expert = None
+            self.shared_expert_gate = None
         self.last_aux_loss: torch.Tensor | None = None
         self.last_stats: dict[str, torch.Tensor] = {}
 
@@ -130,6 +141,8 @@ class ReferenceMoE(nn.Module):
         router_logits = self.gate(x)
         topk_weights, topk_ids, scores = route(router_logits, self.top_k, self.norm_topk_prob, self.scoring)
         out = self.experts(x, topk_ids, topk_weights)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         lb_loss, z_loss, tokens_per_expert = router_losses(router_logits, scores, topk_ids, self.num_experts)
         self.last_aux_loss = self.aux_loss_coef * lb_loss + self.z_loss_coef * z_loss
         self.last_stats = {

@@ -30,6 +30,7 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
             scoring=spec.router_scoring,
             aux_loss_coef=spec.router_aux_loss_coef,
             z_loss_coef=spec.router_z_loss_coef,
+            shared_expert_intermediate_size=spec.shared_expert_intermediate_size,
         )
 
 
@@ -39,6 +40,11 @@ def hf_config_dict(spec: ModelSpec) -> dict[str, Any]:
         raise ValueError(
             f"router_scoring={spec.router_scoring!r} has no transformers Qwen3MoeForCausalLM equivalent "
             "(it routes with softmax); use router_scoring='softmax' to export"
+        )
+    if spec.shared_expert_intermediate_size:
+        raise ValueError(
+            f"shared_expert_intermediate_size={spec.shared_expert_intermediate_size}: transformers' "
+            "Qwen3MoeForCausalLM has no shared expert, so this model cannot be exported as one"
         )
     return {
         "architectures": ["Qwen3MoeForCausalLM"],

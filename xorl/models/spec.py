@@ -60,6 +60,7 @@ class ModelSpec:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     router_scoring: str = "softmax"
+    shared_expert_intermediate_size: int = 0  # > 0: a Qwen2-MoE-style gated shared expert
     router_aux_loss_coef: float = 0.0
     router_z_loss_coef: float = 0.0
     decoder_sparse_step: int = 1
@@ -116,12 +117,6 @@ class ModelSpec:
         hidden_act = _get(config, "hidden_act", "silu")
         if hidden_act != "silu":
             raise ValueError(f"hidden_act={hidden_act!r} is not supported; xorl.models uses SwiGLU (silu)")
-        shared = _get(config, "shared_expert_intermediate_size", 0)
-        if shared:
-            raise ValueError(
-                f"shared_expert_intermediate_size={shared}: shared experts are not part of the qwen3_moe "
-                "reference model; set it to 0"
-            )
         kwargs: dict[str, Any] = {}
         if model_type == "qwen3_moe":
             num_experts = int(_get(config, "num_experts", 0))
@@ -144,6 +139,7 @@ class ModelSpec:
                 moe_intermediate_size=int(config.moe_intermediate_size),
                 norm_topk_prob=bool(_get(config, "norm_topk_prob", False)),
                 router_scoring=scoring,
+                shared_expert_intermediate_size=int(_get(config, "shared_expert_intermediate_size", 0)),
                 router_aux_loss_coef=float(_get(config, "router_aux_loss_coef", 0.0)),
                 router_z_loss_coef=float(_get(config, "router_z_loss_coef", 0.0)),
                 decoder_sparse_step=sparse_step,
