@@ -63,8 +63,10 @@ class CMakeBuild(build_ext):
         build_dir.mkdir(parents=True, exist_ok=True)
         configure = [
             cmake,
-            "-S", str(ROOT),
-            "-B", str(build_dir),
+            "-S",
+            str(ROOT),
+            "-B",
+            str(build_dir),
             "-DCMAKE_BUILD_TYPE=Release",
             f"-DCMAKE_CUDA_COMPILER={ext.nvcc}",
             f"-DCMAKE_CUDA_ARCHITECTURES={os.environ.get('XORL_CUDA_ARCHS', DEFAULT_CUDA_ARCHS)}",
@@ -91,7 +93,9 @@ class CMakeBuild(build_ext):
 
 nvcc = find_nvcc()
 if nvcc is None:
-    print("xorl: nvcc not found (or XORL_SKIP_CUDA_EXT=1): installing without xorl_kernels._C", file=sys.stderr)
+    print(
+        "xorl: nvcc not found (or XORL_SKIP_CUDA_EXT=1): installing without xorl_kernels._C", file=sys.stderr
+    )
 
 setup(
     ext_modules=[CMakeExtension("xorl_kernels._C", nvcc)] if nvcc else [],

@@ -38,15 +38,18 @@ struct ZigzagMap {
     const int64_t j = row - o * local_rows;
     const int64_t q = rank_begin + j / local_len;
     const int64_t g = global_row(q, j % local_len);
+    // cu_seqlens lives on the device and is validated there asynchronously (zigzag_gather.py);
+    // a malformed one must still not make this kernel touch memory outside the tensors.
+    const bool in_range = g >= 0 && g < seq_len;
     const int64_t full_off = (o * seq_len + g) * row_bytes;
     const int64_t local_off = (o * local_rows + j) * row_bytes;
     if (full_dst != nullptr) {
       dst = full_dst + full_off;
       src = local_src + local_off;
-    } else {
-      dst = local_dst + local_off;
-      src = full_src + full_off;
+      return in_range ? row_bytes : 0;
     }
+    dst = local_dst + local_off;
+    src = in_range ? full_src + full_off : nullptr;  // nullptr: zero-fill
     return row_bytes;
   }
 };
