@@ -7,6 +7,12 @@ M, K and N are not multiples of the tiles, and groups are empty, single-row, or 
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -183,6 +189,106 @@ def test_tile_heuristic_by_shape_class(monkeypatch):
     assert fine_few_rows.block_m == 64
     assert forward_config(4096, 4096, 4096, 8, torch.float32).block_k == 32
     assert weight_grad_config(16384, 768, 2048, 128, torch.bfloat16).block_k == 128
+
+
+H100_SHARED_MEMORY_BYTES = 227 * 1024
+
+
+def compile_for_sm90() -> dict:
+    """Compile the kernels for sm_90 with the GPU tile configs, no GPU needed (ptxas ships with triton).
+
+    Runs in a subprocess with the interpreter off. Pointers and strides carry the 16-byte
+    divisibility the launcher would see for real MoE shapes. Returns per-kernel shared memory and
+    whether the K loop was software-pipelined (async copies).
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from xorl_kernels import grouped_gemm_triton as kernels
+
+    def build(kernel, pointers, unit_strides, aligned, constexprs, cfg):
+        names = kernel.arg_names
+        signature = {}
+        for name in names:
+            if name in pointers:
+                signature[name] = "*bf16"
+            elif name == "sizes_ptr":
+                signature[name] = "*i32"
+            elif name in constexprs or name in unit_strides:
+                signature[name] = "constexpr"
+            else:
+                signature[name] = "i32"
+        constants = {**constexprs, **{name: 1 for name in unit_strides}}
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+        src = ASTSource(kernel, signature, constants, attrs=attrs)
+        options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+        return {"shared": compiled.metadata.shared, "pipelined": "async_copy" in compiled.asm["ttgir"]}
+
+    m, n, k, groups = 32768, 14336, 4096, 8  # Mixtral-8x7B up-projection, top-2 of 16K tokens
+    out = {}
+    cfg = kernels.forward_config(m, n, k, groups, torch.bfloat16)
+    fwd_constexprs = dict(
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        BLOCK_G=16,
+        GROUP_M=cfg.group_m,
+        EVEN_K=True,
+        INPUT_PRECISION="tf32",
+        DOT_IN_FP32=False,
+    )
+    fwd_pointers = ("a_ptr", "b_ptr", "c_ptr")
+    aligned = ["a_ptr", "b_ptr", "c_ptr", "sizes_ptr", "N", "K", "stride_am", "stride_bg", "stride_cm"]
+    for name, unit_b in (("forward", "stride_bn"), ("dgrad", "stride_bk")):
+        other_b = "stride_bk" if unit_b == "stride_bn" else "stride_bn"
+        out[name] = build(
+            kernels._grouped_gemm_fwd_kernel,
+            fwd_pointers,
+            ("stride_ak", unit_b, "stride_cn"),
+            aligned + [other_b],
+            fwd_constexprs,
+            cfg,
+        )
+    cfg = kernels.weight_grad_config(m, n, k, groups, torch.bfloat16)
+    wgrad_constexprs = dict(
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        BLOCK_G=16,
+        INPUT_PRECISION="tf32",
+        DOT_IN_FP32=False,
+    )
+    out["wgrad"] = build(
+        kernels._grouped_gemm_wgrad_kernel,
+        ("x_ptr", "dy_ptr", "dw_ptr"),
+        ("stride_xk", "stride_dyn", "stride_wn"),
+        ["x_ptr", "dy_ptr", "dw_ptr", "sizes_ptr", "N", "K", "stride_xm", "stride_dym", "stride_wg", "stride_wk"],
+        wgrad_constexprs,
+        cfg,
+    )
+    return out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the gpu tests run the kernels for real")
+def test_kernels_compile_for_h100_with_pipelined_k_loop():
+    """The interpreter accepts code the GPU compiler rejects: compile for sm_90 to catch that."""
+    code = (
+        "import json, tests.test_grouped_gemm as t\n"
+        "try:\n    print(json.dumps(t.compile_for_sm90()))\n"
+        "except (ImportError, TypeError) as e:\n    print('API', e); raise SystemExit(3)\n"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True)
+    if proc.returncode == 3:
+        pytest.skip(f"this triton's AOT compile API differs: {proc.stdout.strip()}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stats = json.loads(proc.stdout.strip().splitlines()[-1])
+    for kernel, info in stats.items():
+        assert info["pipelined"], f"{kernel}: K loop not software-pipelined"
+        assert 0 < info["shared"] <= H100_SHARED_MEMORY_BYTES, f"{kernel}: {info['shared']} B shared memory"
 
 
 @pytest.mark.gpu

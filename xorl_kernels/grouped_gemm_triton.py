@@ -95,7 +95,8 @@ def _group_of_tile(sizes_ptr, G, M, tile_m, BLOCK_M: tl.constexpr, BLOCK_G: tl.c
     return total_tiles, group, tile_row_start, rows_left
 
 
-@triton.jit
+# M changes every step in MoE training: not specialising on it avoids recompiling per step.
+@triton.jit(do_not_specialize=["M", "num_tiles_m_bound"])
 def _grouped_gemm_fwd_kernel(
     a_ptr, b_ptr, c_ptr, sizes_ptr,
     M, N, K, G, num_tiles_m_bound,
@@ -150,7 +151,7 @@ def _grouped_gemm_fwd_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _grouped_gemm_wgrad_kernel(
     x_ptr, dy_ptr, dw_ptr, sizes_ptr,
     M, N, K, G,
