@@ -25,5 +25,6 @@ class ConfigError(ValueError):
 
 def did_you_mean(name: str, candidates: Iterable[str]) -> str:
     """`` (did you mean 'x'?)`` for the closest candidate, or an empty string when none is close."""
-    match = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
-    return f" (did you mean {match[0]!r}?)" if match else ""
+    by_lower = {c.lower(): c for c in candidates}  # case-insensitive: "1f1b" -> "1F1B"
+    match = difflib.get_close_matches(name.lower(), list(by_lower), n=1, cutoff=0.6)
+    return f" (did you mean {by_lower[match[0]]!r}?)" if match else ""
