@@ -8,6 +8,8 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from xorl.distributed.zigzag import prepare_context_parallel_batch, zigzag_shard
+
 _GROUPS: dict[tuple[int, int], tuple] = {}
 
 
@@ -104,3 +106,68 @@ class SendCounter:
             yield self
         finally:
             dist.batch_isend_irecv, dist.all_to_all_single = orig_batch, orig_a2a
+
+
+# ----------------------------------------------------------------------------------------------
+# one attention case, sharded like the real data path
+# ----------------------------------------------------------------------------------------------
+DOC_LENS = [13, 30, 5]  # not divisible by 2P: padded per document
+FULL_DOCS = [0, 32, 48, 64]  # divisible by 16: for full (non-causal) attention, which padding would change
+
+
+def _case_tensors(seed, batch, total, hq, hkv, d=8):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, total, hq, d, generator=g)
+    k = torch.randn(batch, total, hkv, d, generator=g)
+    v = torch.randn(batch, total, hkv, d, generator=g)
+    do = torch.randn(batch, total, hq, d, generator=g)
+    return q, k, v, do
+
+
+def local_inputs(case, ring, ulysses=None, seed=0):
+    """This rank's (q, k, v, dout) shards, the same shards of the float64 reference (out, dq, dk, dv),
+    a mask of the real (non-pad) local tokens, and the global cu_seqlens / max_seqlen to pass.
+
+    ``case`` = (name, causal, batch, kind, layout, heads_q, heads_kv), kind "padded" (layout =
+    document lengths, padded by prepare_context_parallel_batch), "packed" (layout = boundaries) or
+    "batched" (layout = seq length)."""
+    _, causal, batch, kind, layout, hq, hkv = case
+    if kind == "padded":
+        total = sum(layout)
+        cu = torch.tensor([0, *torch.tensor(layout).cumsum(0).tolist()])
+        # Token ids 1..total tell which real token each padded local slot holds (0 = pad).
+        ids = torch.arange(1, total + 1)[None]
+        batch_cp = prepare_context_parallel_batch(ids, cu_seqlens=cu, ring=ring, ulysses=ulysses, pad_token_id=0)
+        src = batch_cp.input_ids[0] - 1
+        real = src >= 0
+        cp_cu, cp_max = batch_cp.cu_seqlens, batch_cp.max_seqlen
+    else:
+        total = layout[-1] if kind == "packed" else layout
+        cu = torch.tensor(layout) if kind == "packed" else None
+        src = zigzag_shard(torch.arange(total)[None], 1, ring, cu, ulysses=ulysses)[0]
+        real = torch.ones_like(src, dtype=torch.bool)
+        cp_cu, cp_max = cu, None
+    q, k, v, do = _case_tensors(seed, batch, total, hq, hkv)
+    qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
+    ref = reference_attention(qd, kd, vd, cu, causal)
+    ref.backward(do.double())
+
+    g = torch.Generator().manual_seed(seed + 1000)
+
+    def local(t, fill=None):
+        out = t[:, src.clamp(min=0)].clone()
+        out[:, ~real] = torch.randn(out[:, ~real].shape, generator=g) if fill is None else fill
+        return out
+
+    inputs = [local(q), local(k), local(v), local(do, fill=0.0)]
+    refs = [t[:, src.clamp(min=0)] for t in (ref.detach(), qd.grad, kd.grad, vd.grad)]
+    return inputs, refs, real, cp_cu, cp_max
+
+
+def run_case(attn, case, ring, ulysses=None, seed=0):
+    """[(‖err‖², ‖ref‖²) for out, dq, dk, dv] of this rank's real tokens."""
+    (q, k, v, do), refs, real, cu, max_seqlen = local_inputs(case, ring, ulysses, seed)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = attn(q, k, v, cu_seqlens=cu, max_seqlen=max_seqlen)
+    out.backward(do)
+    return [sq_err(a[:, real], b[:, real]) for a, b in zip((out, q.grad, k.grad, v.grad), refs)]
