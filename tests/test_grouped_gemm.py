@@ -126,6 +126,21 @@ def test_strided_inputs():
     y_ref, dx_ref, dw_ref = _float64_loop(x.detach(), w.detach(), sizes, dy)
     assert _rel_err(y, y_ref) < 1e-5 and _rel_err(dx, dx_ref) < 1e-5 and _rel_err(dw, dw_ref) < 1e-5
 
+    # y.sum() hands backward an expanded dy (all strides 0).
+    dx, dw = torch.autograd.grad(grouped_gemm(x, w, group_sizes, backend="triton").sum(), (x, w))
+    _, dx_ref, dw_ref = _float64_loop(x.detach(), w.detach(), sizes, torch.ones(sum(sizes), 36))
+    assert _rel_err(dx, dx_ref) < 1e-5 and _rel_err(dw, dw_ref) < 1e-5
+
+
+def test_autocast_casts_inputs_like_linear():
+    sizes = [5, 0, 12]
+    x, w, _ = _inputs(sizes, 20, 18, torch.float32, seed=8)
+    group_sizes = torch.tensor(sizes)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = grouped_gemm(x, w, group_sizes, backend="triton")
+    y_ref, _, _ = _float64_loop(x.bfloat16(), w.bfloat16(), sizes, torch.zeros(17, 18))
+    assert y.dtype == torch.bfloat16 and _rel_err(y, y_ref) < 1e-2
+
 
 @pytest.mark.parametrize(
     "make, error, match",

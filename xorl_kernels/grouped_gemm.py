@@ -49,9 +49,7 @@ def _check_inputs(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -
             "flatten the leading dimensions first (x.reshape(-1, x.shape[-1]))"
         )
     if w.dim() != 3:
-        raise ValueError(
-            f"grouped_gemm: w must be 3-D [groups, in_features, out_features], got shape {tuple(w.shape)}"
-        )
+        raise ValueError(f"grouped_gemm: w must be 3-D [groups, in_features, out_features], got shape {tuple(w.shape)}")
     if group_sizes.dim() != 1:
         raise ValueError(f"grouped_gemm: group_sizes must be 1-D [groups], got shape {tuple(group_sizes.shape)}")
     if group_sizes.dtype not in (torch.int32, torch.int64):
@@ -101,6 +99,16 @@ def _resolve_backend(backend: str, x: torch.Tensor) -> str:
     return backend
 
 
+def _apply_autocast(x, w):
+    if not (isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor)):
+        return x, w  # _check_inputs names the bad argument
+    device_type = x.device.type
+    if not (x.is_floating_point() and w.is_floating_point() and torch.is_autocast_enabled(device_type)):
+        return x, w
+    dtype = torch.get_autocast_dtype(device_type)
+    return x.to(dtype), w.to(dtype)
+
+
 class _GroupedGemmTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
@@ -123,14 +131,14 @@ class _GroupedGemmTriton(torch.autograd.Function):
         return dx, dw, None
 
 
-def grouped_gemm(
-    x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor, *, backend: str = "auto"
-) -> torch.Tensor:
+def grouped_gemm(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     """``y[rows of g] = x[rows of g] @ w[g]`` for x [M, K] sorted by group, w [G, K, N] -> y [M, N].
 
     ``group_sizes`` [G] (int32/int64, same device as x) gives the rows per group and must sum to
     M. ``backend``: "auto" (CUDA -> Triton, CPU -> reference), "triton" or "reference".
+    Under autocast, x and w are cast to the autocast dtype first, as ``F.linear`` would be.
     """
+    x, w = _apply_autocast(x, w)
     _check_inputs(x, w, group_sizes)
     chosen = _resolve_backend(backend, x)
     if chosen == "reference":
