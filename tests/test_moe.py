@@ -28,8 +28,7 @@ def loop_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     leaves) so gradients can be compared."""
     w_gate = moe.gate.weight.detach().double().requires_grad_()
     experts = {
-        n: getattr(moe.experts, n).detach().double().requires_grad_()
-        for n in ("gate_proj", "up_proj", "down_proj")
+        n: getattr(moe.experts, n).detach().double().requires_grad_() for n in ("gate_proj", "up_proj", "down_proj")
     }
     x64 = x.detach().double().requires_grad_()
     probs = (x64 @ w_gate.t()).softmax(-1)
@@ -167,3 +166,26 @@ def test_clear_errors():
         MoE(16, 4, 2, 8)(torch.randn(3, 8))
     with pytest.raises(ValueError, match="expected"):
         MoE(16, 4, 2, 8).load_experts(torch.randn(3, 16, 8), torch.randn(4, 16, 8), torch.randn(4, 8, 16))
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_layer_matches_fp32_without_host_sync():
+    moe = random_moe(seed=8, hidden_size=256, num_experts=16, top_k=4, moe_intermediate_size=128)
+    x = torch.randn(512, 256)
+    grad = torch.randn(512, 256)
+    x_ref = x.clone().requires_grad_()
+    ref = moe(x_ref)
+    ref.backward(grad)
+    gpu = random_moe(seed=8, hidden_size=256, num_experts=16, top_k=4, moe_intermediate_size=128)
+    gpu = gpu.cuda().to(torch.bfloat16)
+    x_gpu = x.cuda().bfloat16().requires_grad_()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # the EP=1 layer must never wait on the device
+    try:
+        out = gpu(x_gpu)
+        out.backward(grad.cuda().bfloat16())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert rel_err(out.float().cpu(), ref) < 3e-2
+    assert rel_err(x_gpu.grad.float().cpu(), x_ref.grad) < 3e-2
+    assert rel_err(gpu.experts.down_proj.grad.float().cpu(), moe.experts.down_proj.grad) < 3e-2
