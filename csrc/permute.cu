@@ -32,6 +32,8 @@ template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(f
   return __float2bfloat16_rn(v);
 }
 
+constexpr int kRowsInFlight = 4;
+
 template <typename T, int N>
 struct alignas(sizeof(T) * N) Pack {
   T v[N];
@@ -57,13 +59,28 @@ __global__ void __launch_bounds__(kBlockThreads)
       float acc[N];
 #pragma unroll
       for (int e = 0; e < N; ++e) acc[e] = 0.f;
-      for (int64_t k = 0; k < top_k; ++k) {
-        const int64_t r = rows[k];
-        if (r < 0 || r >= num_rows) continue;
-        const float wk = w[k];
-        const Pack<T, N> v = reinterpret_cast<const Pack<T, N>*>(y + r * hidden)[p];
+      // Up to kRowsInFlight rows are loaded before any is summed (memory-level parallelism);
+      // the sum itself is still one fmaf per row in k order, so the result is the same.
+      for (int64_t k0 = 0; k0 < top_k; k0 += kRowsInFlight) {
+        Pack<T, N> v[kRowsInFlight];
+        float wk[kRowsInFlight];
+        bool valid[kRowsInFlight];
 #pragma unroll
-        for (int e = 0; e < N; ++e) acc[e] = fmaf(wk, to_float(v.v[e]), acc[e]);
+        for (int u = 0; u < kRowsInFlight; ++u) {
+          const int64_t k = k0 + u;
+          const int64_t r = k < top_k ? rows[k] : -1;
+          valid[u] = r >= 0 && r < num_rows;  // past the end or a dropped slot: nothing to add
+          if (valid[u]) {
+            wk[u] = w[k];
+            v[u] = reinterpret_cast<const Pack<T, N>*>(y + r * hidden)[p];
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kRowsInFlight; ++u) {
+          if (!valid[u]) continue;
+#pragma unroll
+          for (int e = 0; e < N; ++e) acc[e] = fmaf(wk[u], to_float(v[u].v[e]), acc[e]);
+        }
       }
       Pack<T, N> o;
 #pragma unroll
