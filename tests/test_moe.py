@@ -127,6 +127,35 @@ def test_shared_expert_matches_transformers_qwen2_moe_block():
     assert rel_err(moe.shared_expert.up_proj.weight.grad, block.shared_expert.up_proj.weight.grad) < 1e-5
 
 
+def test_plan_swaps_transformers_model_blocks():
+    import transformers
+
+    from xorl.plans.expert_parallel import apply_expert_parallel
+
+    torch.manual_seed(9)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        initializer_range=0.2,
+        attn_implementation="eager",
+    )
+    hf = transformers.Qwen3MoeForCausalLM(config).eval()
+    ids = torch.randint(0, 61, (2, 7))
+    ref = hf(ids).logits
+    assert apply_expert_parallel(hf, None) == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    assert isinstance(hf.model.layers[1].mlp, MoE)
+    assert rel_err(hf(ids).logits, ref) < 1e-5
+
+
 def test_state_dict_names_layouts_and_aux_losses():
     moe = random_moe(seed=4, aux_loss_coef=0.01, z_loss_coef=0.001)
     sd = moe.state_dict()

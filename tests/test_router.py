@@ -96,6 +96,11 @@ def test_expert_bias_steers_selection_only_and_updates_towards_balance():
     assert router.load_since_update.sum() == 0  # no accumulation outside training
 
 
+def test_no_tokens_gives_zero_losses_not_nan():
+    out = Router(8, 4, 2)(torch.randn(0, 8))
+    assert out.expert_ids.shape == (0, 2) and out.load_balancing_loss == 0 and out.z_loss == 0
+
+
 def test_clear_errors():
     with pytest.raises(ValueError, match="top_k must be in"):
         Router(8, 4, 5)

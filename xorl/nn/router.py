@@ -135,10 +135,12 @@ class Router(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
 
         tokens_per_expert = count_tokens_per_expert(expert_ids, self.num_experts)
-        num_slots = max(expert_ids.numel(), 1)
-        fraction_routed = tokens_per_expert.float() / num_slots
-        load_balancing_loss = self.num_experts * (fraction_routed * probs.mean(dim=0)).sum()
-        z_loss = torch.logsumexp(logits, dim=-1).square().mean()
+        # Sums over max(T, 1) rather than means: a rank with no tokens gets 0 losses, not NaN.
+        num_tokens = max(x.shape[0], 1)
+        fraction_routed = tokens_per_expert.float() / (num_tokens * self.top_k)
+        mean_probs = probs.sum(dim=0) / num_tokens
+        load_balancing_loss = self.num_experts * (fraction_routed * mean_probs).sum()
+        z_loss = torch.logsumexp(logits, dim=-1).square().sum() / num_tokens
 
         if self.load_since_update is not None and self.training:
             self.load_since_update += tokens_per_expert
