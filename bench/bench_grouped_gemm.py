@@ -80,22 +80,29 @@ def _grouped_mm_calls(x, w, dy, group_sizes):
     if torch.cuda.get_device_capability(x.device) < (9, 0) or x.dtype != torch.bfloat16:
         return None, "torch._grouped_mm needs sm_90+ and bf16"
     offs = torch.cumsum(group_sizes, 0, dtype=torch.int32)  # end row of each group
-    w_t = w.transpose(1, 2)
+    refusals = []
+    # Which weight layout torch._grouped_mm accepts (and is fast with) differs across versions:
+    # try w as given, then a column-major copy (as torchtitan stores [G, out, in] weights).
+    for layout in ("row-major w", "column-major w"):
+        w_fwd = w if layout == "row-major w" else w.transpose(1, 2).contiguous().transpose(1, 2)
+        w_bwd = w_fwd.transpose(1, 2)
 
-    def forward():
-        return torch._grouped_mm(x, w, offs=offs)
+        def forward(w_fwd=w_fwd):
+            return torch._grouped_mm(x, w_fwd, offs=offs)
 
-    def backward():
-        dx = torch._grouped_mm(dy, w_t, offs=offs)
-        dw = torch._grouped_mm(x.t(), dy, offs=offs)  # 2D x 2D, groups along the reduction dim
-        return dx, dw
+        def backward(w_bwd=w_bwd):
+            dx = torch._grouped_mm(dy, w_bwd, offs=offs)
+            dw = torch._grouped_mm(x.t(), dy, offs=offs)  # 2D x 2D, groups along the reduction dim
+            return dx, dw
 
-    try:
-        forward()
-        backward()
-    except RuntimeError as err:  # layout / alignment / arch refusals differ across torch versions
-        return None, f"torch._grouped_mm refused these inputs: {str(err).splitlines()[0][:160]}"
-    return (forward, backward), ""
+        try:
+            forward()
+            backward()
+        except RuntimeError as err:  # layout / alignment / arch refusals differ across torch versions
+            refusals.append(f"{layout}: {str(err).splitlines()[0][:120]}")
+            continue
+        return (forward, backward), f"torch._grouped_mm with {layout}"
+    return None, "torch._grouped_mm refused these inputs: " + "; ".join(refusals)
 
 
 def _bench_one(
@@ -163,15 +170,12 @@ def _bench_one(
         "empty_groups": sum(s == 0 for s in sizes_host),
         "backend": "triton" if ctx.on_gpu else "reference (CPU)",
     }
-    if note:
-        params["grouped_mm_note"] = note
+    params["grouped_mm_note"] = note
     if rel_err is not None:
         params["rel_err_vs_grouped_mm"] = rel_err
 
     peak = ctx.peaks.get("matmul_tflops")
-    dense_anchor = (
-        "dense cuBLAS matmul, equal FLOPs" if ctx.on_gpu else "dense torch matmul (CPU), equal FLOPs"
-    )
+    dense_anchor = "dense cuBLAS matmul, equal FLOPs" if ctx.on_gpu else "dense torch matmul (CPU), equal FLOPs"
     results = []
     for pass_name, flops in (("fwd", forward_flops), ("bwd", 2 * forward_flops)):
         ours = _tflops(flops, seconds[pass_name]["ours"])
