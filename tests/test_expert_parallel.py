@@ -50,11 +50,16 @@ def _build(num_experts, top_k, forced_experts, ep_group=None, seed=0) -> MoE:
     return sharded
 
 
-def _inputs(world_size, seed=1):
+def _inputs(world_size, seed=1, uneven=False):
+    """All ranks' tokens, their output gradient, and this rank's slice. Uneven: rank r holds
+    r * TOKENS_PER_RANK // 2 + r tokens, so rank 0 has none (it still joins every collective)."""
+    counts = [r * TOKENS_PER_RANK // 2 + r if uneven else TOKENS_PER_RANK for r in range(world_size)]
+    starts = [sum(counts[:r]) for r in range(world_size)]
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(world_size * TOKENS_PER_RANK, HIDDEN, generator=gen)
-    grad = torch.randn(world_size * TOKENS_PER_RANK, HIDDEN, generator=gen)
-    return x, grad
+    x = torch.randn(sum(counts), HIDDEN, generator=gen)
+    grad = torch.randn(sum(counts), HIDDEN, generator=gen)
+    rank = dist.get_rank()
+    return x, grad, slice(starts[rank], starts[rank] + counts[rank])
 
 
 def _expert_grads(moe: MoE) -> dict[str, torch.Tensor]:
@@ -64,11 +69,10 @@ def _expert_grads(moe: MoE) -> dict[str, torch.Tensor]:
 def check_ep_matches_single_process(cases) -> list[dict]:
     """On every rank, for each (num_experts, top_k, forced_experts): EP over the whole world vs the
     single-process MoE on all ranks' tokens (computed locally). Returns relative errors."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     reports = []
-    for num_experts, top_k, forced in cases:
-        x, grad = _inputs(world)
-        mine = slice(rank * TOKENS_PER_RANK, (rank + 1) * TOKENS_PER_RANK)
+    for num_experts, top_k, forced, uneven in cases:
+        x, grad, mine = _inputs(world, uneven=uneven)
 
         ref = _build(num_experts, top_k, forced)
         x_ref = x.clone().requires_grad_()
@@ -84,7 +88,7 @@ def check_ep_matches_single_process(cases) -> list[dict]:
         gate_grad = ep.gate.weight.grad.clone()
         dist.all_reduce(gate_grad)
         report = {
-            "case": (num_experts, top_k, forced),
+            "case": (num_experts, top_k, forced, uneven),
             "out": _rel_err(out, out_ref[mine]),
             "x_grad": _rel_err(x_ep.grad, x_ref.grad[mine]),
             "gate_grad": _rel_err(gate_grad, ref.gate.weight.grad),
@@ -119,10 +123,9 @@ def check_ep_times_fsdp(num_experts, top_k) -> dict:
 
     from xorl.plans.expert_parallel import shard_experts_with_fsdp
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep_fsdp", "ep"))
-    x, grad = _inputs(world, seed=5)
-    mine = slice(rank * TOKENS_PER_RANK, (rank + 1) * TOKENS_PER_RANK)
+    x, grad, mine = _inputs(world, seed=5)
 
     ref = _build(num_experts, top_k, None, seed=3)
     x_ref = x.clone().requires_grad_()
@@ -204,9 +207,10 @@ def check_plan_on_qwen3_moe_model(num_experts) -> dict:
 
 
 CASES = [
-    (8, 2, None),  # balanced-ish random routing
-    (8, 1, (0,)),  # every token to expert 0: all other ranks receive nothing
-    (8, 2, (0, 1)),  # both choices on rank 0's experts
+    (8, 2, None, False),  # balanced-ish random routing
+    (8, 1, (0,), False),  # every token to expert 0: all other ranks receive nothing
+    (8, 2, (0, 1), False),  # both choices on rank 0's experts
+    (8, 2, None, True),  # uneven tokens per rank, rank 0 has none
 ]
 
 
@@ -224,8 +228,7 @@ def check_ep1_groups() -> float:
     """EP = 1 inside a multi-rank world: a one-rank EP group per rank, own tokens only."""
     rank, world = dist.get_rank(), dist.get_world_size()
     groups = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
-    x, grad = _inputs(world)
-    mine = slice(rank * TOKENS_PER_RANK, (rank + 1) * TOKENS_PER_RANK)
+    x, grad, mine = _inputs(world)
     ref = _build(8, 2, None)
     ep = _build(8, 2, None, ep_group=groups[rank])
     assert ep.ep_size == 1 and ep.num_local_experts == 8
@@ -241,7 +244,7 @@ def check_ep1_groups() -> float:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_ep_matches_single_process(gloo_world, world_size):
     world = gloo_world(world_size)
-    cases = CASES + ([(4, 2, None)] if world_size == 4 else [])  # 1 expert per rank
+    cases = CASES + ([(4, 2, None, False)] if world_size == 4 else [])  # 1 expert per rank
     reports = world.run(check_ep_matches_single_process, cases, timeout_s=120)
     _assert_reports(reports)
     # The skewed cases really left experts (and whole ranks) without tokens.
