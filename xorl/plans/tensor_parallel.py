@@ -1,0 +1,198 @@
+"""The tensor-parallel plan: shard attention and MLP projections of an HF-style causal LM.
+
+    apply_tensor_parallel(model, tp_mesh, sequence_parallel=True, overlap=True)
+
+On every present ``model.model.layers[i]`` (entries may be None under pipeline parallelism):
+
+* ``self_attn.{q,k,v}_proj`` -> ColumnParallelLinear (heads split over TP; the attention module
+  reshapes with -1 heads, and integer head-count attributes, if any, are divided by TP);
+  ``self_attn.o_proj`` -> RowParallelLinear. q/k/v share one gathered input.
+* ``mlp.{gate,up}_proj`` -> ColumnParallelLinear (sharing one gathered input), ``mlp.down_proj``
+  -> RowParallelLinear.
+* Everything else stays replicated and becomes a ``Replicate()`` DTensor on the TP mesh
+  (xorl/nn/tp_replicated.py): embeddings, norms, lm_head, q/k norms.
+
+Sequence parallel (SP) region = the decoder layers. The hidden state entering the first present
+layer is split to this rank's sequence shard (backward: all-gather), the one leaving the last
+present layer is gathered again (backward: keep this rank's chunk, because everything after it,
+final norm, lm_head and loss, runs identically on every TP rank). Inside the region the norms and
+residual adds run on the shard; the column layers all-gather along the sequence, the row layers
+reduce-scatter along it. Replicated parameters used inside the region on a shard of the data have
+their gradients summed over TP: input/post-attention norms under SP, q/k norms always (each rank
+normalises only its own heads).
+
+MoE models: only attention is tensor-parallel; experts are expert parallelism's job. A layer
+whose ``mlp`` is not a gate/up/down SwiGLU MLP is left replicated: every TP rank runs the whole
+block on the same tokens (its parameters stay plain tensors for the EP / FSDP plans, which run
+after this one). Under SP the block's input is gathered to the full sequence and its output split
+back (hooks installed on whatever module sits at ``layer.mlp`` at forward time, so an EP swap
+after this plan is covered). This costs TP-fold redundant MoE compute: prefer EP over TP there.
+
+Requirements: ``merge_qkv`` off (q, k, v separate), query and KV head counts divisible by TP,
+intermediate size divisible by TP, every rank holding the same full weights before the call
+(same seed or the same checkpoint), and under SP every sequence length divisible by TP.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from xorl.nn.tensor_parallel import ColumnParallelLinear, RowParallelLinear, SharedInputColumnGroup
+from xorl.nn.tp_comm import TPGroup
+from xorl.nn.tp_overlap import DEFAULT_OVERLAP_MIN_NUMEL
+from xorl.nn.tp_regions import gather_from_shards, split_to_shard
+from xorl.nn.tp_replicated import replicate_on_tp
+
+_HEAD_COUNT_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads")
+_SEQ_DIM = -2
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = True, overlap: bool = True, *,
+                          overlap_min_numel: int = DEFAULT_OVERLAP_MIN_NUMEL,
+                          share_gathered_inputs: bool = True) -> nn.Module:
+    """Shard ``model`` in place over the 1-D ``tp_mesh``; returns the model. TP size 1: unchanged."""
+    tp = TPGroup.from_mesh(tp_mesh)
+    if tp.size == 1:
+        return model
+    decoder = getattr(model, "model", None)
+    layers = getattr(decoder, "layers", None)
+    if layers is None:
+        raise ValueError(
+            "apply_tensor_parallel expects an HF-style causal LM (model.model.layers[i].self_attn / .mlp); "
+            f"got {type(model).__name__}"
+        )
+    linear_kw = {"sequence_parallel": bool(sequence_parallel), "overlap": bool(overlap),
+                 "overlap_min_numel": int(overlap_min_numel)}
+    memo: dict[int, nn.Parameter] = {}
+    present = [(i, layer) for i, layer in enumerate(layers) if layer is not None]
+    for i, layer in present:
+        prefix = f"model.layers.{i}"
+        _parallelize_attention(layer.self_attn, tp_mesh, tp, f"{prefix}.self_attn", linear_kw, memo,
+                               share_gathered_inputs)
+        if not _parallelize_dense_mlp(layer.mlp, tp_mesh, tp, f"{prefix}.mlp", linear_kw, share_gathered_inputs):
+            _keep_block_replicated(layer, tp, sequence_parallel)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            replicate_on_tp(getattr(layer, norm), tp_mesh, tp, sum_grads=sequence_parallel, memo=memo)
+    # Outside the SP region: full, identical activations on every TP rank, identical gradients.
+    for module in (getattr(decoder, "embed_tokens", None), getattr(decoder, "norm", None),
+                   getattr(model, "lm_head", None)):
+        if module is not None:
+            replicate_on_tp(module, tp_mesh, tp, sum_grads=False, memo=memo)
+    if sequence_parallel and present:
+        _install_sequence_parallel_region(present[0][1], present[-1][1], tp)
+    _check_every_parameter_placed(model)
+    return model
+
+
+def _parallelize_attention(attn: nn.Module, tp_mesh, tp: TPGroup, prefix: str, linear_kw: dict,
+                           memo: dict, share: bool) -> None:
+    if getattr(attn, "qkv_proj", None) is not None:
+        raise ValueError(
+            f"{prefix}: tensor parallel shards q, k and v by heads and needs them as separate projections; "
+            "set model.merge_qkv: false"
+        )
+    head_dim = attn.head_dim
+    q_heads, kv_heads = attn.q_proj.out_features // head_dim, attn.k_proj.out_features // head_dim
+    if q_heads % tp.size or kv_heads % tp.size:
+        raise ValueError(
+            f"{prefix}: {q_heads} query heads and {kv_heads} key/value heads must both be divisible by "
+            f"tensor_parallel_size={tp.size}; use a tensor_parallel_size dividing {kv_heads}"
+        )
+    names = ("q_proj", "k_proj", "v_proj")
+    for name in names:
+        layer = ColumnParallelLinear.from_linear(getattr(attn, name), tp_mesh, **linear_kw)
+        layer.name = f"{prefix}.{name}"
+        setattr(attn, name, layer)
+    attn.o_proj = RowParallelLinear.from_linear(attn.o_proj, tp_mesh, **linear_kw)
+    attn.o_proj.name = f"{prefix}.o_proj"
+    if share:
+        SharedInputColumnGroup([getattr(attn, n) for n in names], name=f"{prefix}.qkv_proj")
+    for attr in _HEAD_COUNT_ATTRS:
+        value = getattr(attn, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            setattr(attn, attr, value // tp.size)
+    for norm in ("q_norm", "k_norm"):  # per-head norms: each rank sees only its own heads
+        module = getattr(attn, norm, None)
+        if module is not None:
+            replicate_on_tp(module, tp_mesh, tp, sum_grads=True, memo=memo)
+
+
+def _parallelize_dense_mlp(mlp: nn.Module, tp_mesh, tp: TPGroup, prefix: str, linear_kw: dict,
+                           share: bool) -> bool:
+    """gate/up column, down row; False when ``mlp`` is not a plain SwiGLU MLP (e.g. a MoE block)."""
+    names = ("gate_proj", "up_proj", "down_proj")
+    if not all(type(getattr(mlp, n, None)) is nn.Linear for n in names):
+        return False
+    if mlp.gate_proj.out_features % tp.size:
+        raise ValueError(
+            f"{prefix}: intermediate_size={mlp.gate_proj.out_features} must be divisible by "
+            f"tensor_parallel_size={tp.size}"
+        )
+    for name in ("gate_proj", "up_proj"):
+        layer = ColumnParallelLinear.from_linear(getattr(mlp, name), tp_mesh, **linear_kw)
+        layer.name = f"{prefix}.{name}"
+        setattr(mlp, name, layer)
+    mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, tp_mesh, **linear_kw)
+    mlp.down_proj.name = f"{prefix}.down_proj"
+    if share:
+        SharedInputColumnGroup([mlp.gate_proj, mlp.up_proj], name=f"{prefix}.gate_up_proj")
+    return True
+
+
+def _keep_block_replicated(layer: nn.Module, tp: TPGroup, sequence_parallel: bool) -> None:
+    """A non-dense MLP (MoE) runs whole on every TP rank; under SP it sees the gathered sequence."""
+    if not sequence_parallel:
+        return  # its input is already the full, replicated hidden state
+
+    def gather_input(module, args, kwargs):
+        if args:
+            return (gather_from_shards(args[0], tp, _SEQ_DIM), *args[1:]), kwargs
+        raise TypeError(f"{type(module).__name__}: tensor-parallel SP expects the hidden state as first argument")
+
+    def split_output(module, args, output):
+        return split_to_shard(output, tp, _SEQ_DIM)
+
+    def ensure_hooks(decoder_layer, args):
+        # Installed lazily on the module found at forward time: the EP plan may swap layer.mlp later.
+        mlp = decoder_layer.mlp
+        if not getattr(mlp, "_xorl_tp_sp_hooks", False):
+            mlp.register_forward_pre_hook(gather_input, with_kwargs=True)
+            mlp.register_forward_hook(split_output)
+            mlp._xorl_tp_sp_hooks = True
+
+    layer.register_forward_pre_hook(ensure_hooks)
+
+
+def _install_sequence_parallel_region(first: nn.Module, last: nn.Module, tp: TPGroup) -> None:
+    def enter(module, args, kwargs):
+        if args:
+            return (split_to_shard(args[0], tp, _SEQ_DIM), *args[1:]), kwargs
+        for key in ("hidden", "hidden_states", "x"):
+            if key in kwargs:
+                return args, {**kwargs, key: split_to_shard(kwargs[key], tp, _SEQ_DIM)}
+        raise TypeError(f"{type(module).__name__}: cannot find the hidden state argument to shard")
+
+    def leave(module, args, output):
+        if not isinstance(output, torch.Tensor):
+            raise TypeError(f"{type(module).__name__}: sequence parallel expects a tensor output, got {type(output)}")
+        return gather_from_shards(output, tp, _SEQ_DIM)
+
+    first.register_forward_pre_hook(enter, with_kwargs=True)
+    last.register_forward_hook(leave)
+
+
+def _check_every_parameter_placed(model: nn.Module) -> None:
+    """Every parameter outside replicated MoE blocks must now be a DTensor on the TP mesh."""
+    moe_prefixes = []
+    for name, module in model.named_modules():
+        if name.endswith(".mlp") and not isinstance(getattr(module, "down_proj", None), RowParallelLinear):
+            moe_prefixes.append(name + ".")
+    missing = [n for n, p in model.named_parameters()
+               if not isinstance(p, DTensor) and not any(n.startswith(pre) for pre in moe_prefixes)]
+    if missing:
+        raise ValueError(
+            f"apply_tensor_parallel does not know how to place these parameters: {missing[:8]}"
+            f"{' ...' if len(missing) > 8 else ''}; extend xorl/plans/tensor_parallel.py for this module type"
+        )
