@@ -40,6 +40,13 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("cuda_runtime_version", &xorl_cuda_runtime_version,
         "CUDA runtime version the extension was built against (e.g. 13000).");
+  m.def(
+      "cuda_probe",
+      []() {
+        const int status = xorl_cuda_probe();
+        return std::make_tuple(status, std::string(xorl_cuda_error_string(status)));
+      },
+      "(status, message) of cudaGetDeviceCount through the extension's own runtime (0 = usable).");
   m.def("routing_max_experts", &xorl_routing_max_experts);
   m.def("routing_workspace_elems", &xorl_routing_workspace_elems, py::arg("num_slots"), py::arg("num_experts"),
         "int64 elements of scratch the routing-metadata kernel needs.");

@@ -12,3 +12,9 @@ extern "C" int xorl_cuda_runtime_version(void) {
   cudaRuntimeGetVersion(&version);
   return version;
 }
+
+extern "C" int xorl_cuda_probe(void) {
+  // Fails (e.g. cudaErrorInsufficientDriver) where the driver is older than the runtime linked in.
+  int count = 0;
+  return cudaGetDeviceCount(&count);
+}

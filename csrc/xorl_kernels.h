@@ -18,6 +18,7 @@ typedef struct CUstream_st* cudaStream_t;
 
 const char* xorl_cuda_error_string(int code);
 int xorl_cuda_runtime_version(void);
+int xorl_cuda_probe(void);  // cudaGetDeviceCount's status: can this runtime talk to the driver?
 
 // Zig-zag context-parallel shard copy, byte-wise (dtype-agnostic).
 // The full tensor is viewed as [outer, seq_len, row_bytes]; a rank's shard as

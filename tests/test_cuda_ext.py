@@ -13,6 +13,7 @@ import shutil
 import pytest
 import torch
 
+from tests.csrc_helpers import require_cuda_ext
 from xorl_kernels import _ext
 
 needs_ext = pytest.mark.skipif(not _ext.has_cuda_ext(), reason="xorl_kernels._C not built (no nvcc)")
@@ -61,3 +62,19 @@ def test_dispatch_uses_the_reference_on_cpu(monkeypatch):
     monkeypatch.setenv("XORL_FORCE_REFERENCE", "1")
     assert _ext.force_reference()
     assert not _ext.use_cuda_ext()
+
+
+@pytest.mark.gpu
+def test_extension_runs_on_this_gpu():
+    require_cuda_ext()
+    status, message = _ext._C.cuda_probe()
+    assert status == 0, message
+    # A launch on a side stream lands on that stream (the wrappers pass torch's current stream).
+    x = torch.randn(64, 48, device="cuda")
+    src = torch.randperm(64, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out = _ext.ext_permute_rows(x, src)
+    side.synchronize()
+    assert torch.equal(out, x[src])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.csrc_helpers import require_cuda_ext
 from xorl_kernels.ulysses_transpose import (
     ulysses_pack,
     ulysses_pack_reference,
@@ -94,10 +95,9 @@ def test_csrc_kernels_match_references(dtype, heads, kv_heads, head_dim, v_dim, 
         ext_ulysses_pack_reverse,
         ext_ulysses_unpack,
         ext_ulysses_unpack_reverse,
-        has_cuda_ext,
     )
 
-    assert has_cuda_ext(), "the CUDA extension must be built on a GPU machine"
+    require_cuda_ext()
     gen = torch.Generator(device="cuda").manual_seed(11)
     xs = qkv(gen, 2, 64, heads, kv_heads, head_dim, v_dim, dtype, "cuda")
     shapes = [tuple(t.shape) for t in xs]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.csrc_helpers import require_cuda_ext
 from xorl_kernels.zigzag_gather import (
     zigzag_gather,
     zigzag_gather_reference,
@@ -124,9 +125,7 @@ GPU_CASES = [
 @pytest.mark.parametrize("shape,dim,world,docs,dtype", GPU_CASES)
 @pytest.mark.parametrize("cu_on_gpu", [False, True])
 def test_csrc_kernel_matches_reference(shape, dim, world, docs, dtype, cu_on_gpu):
-    from xorl_kernels._ext import has_cuda_ext
-
-    assert has_cuda_ext(), "the CUDA extension must be built on a GPU machine"
+    require_cuda_ext()
     gen = torch.Generator(device="cuda").manual_seed(2)
     x = (torch.rand(shape, generator=gen, device="cuda") * 100).to(dtype)
     cu = None if docs is None else cu_of(docs).to("cuda" if cu_on_gpu else "cpu")

@@ -14,6 +14,7 @@ ulysses_transpose.py, permute.py) hold the plain-torch references and the docume
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -46,10 +47,41 @@ def force_reference() -> bool:
 
 
 def use_cuda_ext(*tensors: torch.Tensor | None) -> bool:
-    """Dispatch test: the extension is built, every given tensor is on CUDA, no forced reference."""
+    """Dispatch test: the extension is built and can run on the tensors' GPU, every given tensor is
+    on CUDA, and no reference is forced."""
     if _C is None or force_reference():
         return False
-    return all(t is None or t.is_cuda for t in tensors)
+    devices = {t.device for t in tensors if t is not None}
+    if not devices or any(d.type != "cuda" for d in devices):
+        return False
+    return all(cuda_ext_runs_on(d) for d in devices)
+
+
+# The kernels are compiled for sm_80 (SASS + PTX, so later GPUs JIT it) and sm_90a.
+_MIN_CAPABILITY = (8, 0)
+_RUNS_ON: dict[int, bool] = {}
+
+
+def cuda_ext_runs_on(device: torch.device) -> bool:
+    """Whether the extension can launch on ``device``: its runtime talks to the driver (a runtime
+    newer than the driver cannot) and the GPU is sm_80 or newer. Checked once per device; when it
+    cannot, a warning says why and the ops fall back to their Triton / torch paths."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _RUNS_ON:
+        status, message = _C.cuda_probe()
+        capability = torch.cuda.get_device_capability(index)
+        reason = None
+        if status != 0:
+            reason = f"its CUDA runtime {_C.cuda_runtime_version()} cannot use this driver ({message})"
+        elif capability < _MIN_CAPABILITY:
+            reason = f"the GPU is sm_{capability[0]}{capability[1]}, the kernels need sm_80 or newer"
+        if reason is not None:
+            warnings.warn(
+                f"xorl_kernels._C is built but not used on cuda:{index}: {reason}; ops fall back to Triton / torch",
+                stacklevel=2,
+            )
+        _RUNS_ON[index] = reason is None
+    return _RUNS_ON[index]
 
 
 # ---------------------------------------------------------------------------------------------
