@@ -299,7 +299,11 @@ def test_triton_backward_accumulates(poisoned):
     q, k, v = torch.randn(1, 40, 2, 16), torch.randn(1, 40, 2, 16), torch.randn(1, 40, 2, 16)
     do = torch.randn(1, 40, 2, 16)
     out, lse = flash_attn_forward(q, k, v, causal=True, backend="triton")
-    delta = flash_attn_bwd_preprocess(out, do)
+    delta = flash_attn_bwd_preprocess(out, do, backend="triton")
+    ref_delta = (out.double() * do.double()).sum(-1).transpose(1, 2)
+    assert delta.shape == (1, 2, 40) and rel_err(delta, ref_delta) < 1e-6
+    packed_delta = flash_attn_bwd_preprocess(out[0], do[0], backend="triton")
+    assert packed_delta.shape == (2, 40) and rel_err(packed_delta, ref_delta[0]) < 1e-6
     fresh = flash_attn_backward(do, q, k, v, out, lse, delta, causal=True, backend="triton")
     starts = [torch.randn(t.shape) for t in (q, k, v)]
     accs = [s.clone() for s in starts]

@@ -319,12 +319,20 @@ def flash_attn_forward(
     return _out_to_public(out, p), _lse_to_public(lse, p)
 
 
-def flash_attn_bwd_preprocess(out: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
-    """delta = rowsum(dO·O) in fp32, in lse layout ([batch, heads, seq] or [heads, total])."""
+def flash_attn_bwd_preprocess(out: torch.Tensor, do: torch.Tensor, backend: str | None = None) -> torch.Tensor:
+    """delta = rowsum(dO·O) in fp32, in lse layout ([batch, heads, seq] or [heads, total]).
+
+    Triton (CUDA): one pass over out/do with no fp32 temporaries; reference: plain torch
+    (fp64 for fp64 inputs).
+    """
     if out.shape != do.shape:
         raise ValueError(f"out and do must have the same shape, got {tuple(out.shape)} and {tuple(do.shape)}")
     if out.dim() not in (3, 4):
         raise ValueError(f"out must be [batch, seq, heads, head_dim] or [total, heads, head_dim], got {out.dim()}-D")
+    if out.dtype != torch.float64 and do.dtype != torch.float64 and _use_triton(backend, out):
+        from .flash_attn_bwd_triton import triton_bwd_preprocess
+
+        return triton_bwd_preprocess(out, do)
     return reference_bwd_preprocess(out, do)
 
 
@@ -383,7 +391,7 @@ class _FlashAttnFunction(torch.autograd.Function):
         if dout is None and dlse is None:
             return None, None, None, None
         dout = torch.zeros_like(out) if dout is None else dout
-        delta = flash_attn_bwd_preprocess(out, dout)
+        delta = flash_attn_bwd_preprocess(out, dout, backend=ctx.backend)
         if dlse is not None:
             delta = delta - dlse.to(delta.dtype)
         dq, dk, dv = flash_attn_backward(dout, q, k, v, out, lse, delta, backend=ctx.backend, **ctx.kwargs)
