@@ -6,13 +6,12 @@ import torch
 import torch.distributed as dist
 
 from tests.cp_helpers import DOC_LENS, FULL_DOCS, SendCounter, local_inputs, rel_err, run_case
-from xorl.nn.ulysses_attention import (
-    UlyssesAttention,
-    kv_head_index,
-    pack_head_to_seq,
-    pack_seq_to_head,
-    unpack_head_to_seq,
-    unpack_seq_to_head,
+from xorl.nn.ulysses_attention import UlyssesAttention, kv_head_index
+from xorl_kernels.ulysses_transpose import (
+    ulysses_pack,
+    ulysses_pack_reverse,
+    ulysses_unpack,
+    ulysses_unpack_reverse,
 )
 
 TOL = 1e-5
@@ -31,21 +30,23 @@ def _simulated_all_to_all(sends):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_pack_unpack_move_sequence_pieces_and_head_groups(world):
+    """The layout contract the module relies on, through a simulated all-to-all."""
     g = torch.Generator().manual_seed(world)
     b, s, d, heads = 2, 3, 5, [2 * world, world, world]  # q, k, v heads (all ranks)
     pieces = [[torch.randn(b, s, h, d, generator=g) for h in heads] for _ in range(world)]  # per rank
-    recvs = _simulated_all_to_all([pack_seq_to_head(p, world) for p in pieces])
+    shapes = [tuple(t.shape) for t in pieces[0]]
+    recvs = _simulated_all_to_all([ulysses_pack(p, world) for p in pieces])
+    head_sharded = [ulysses_unpack(recvs[r], world, shapes) for r in range(world)]
     for rank in range(world):
-        got = unpack_seq_to_head(recvs[rank], [h // world for h in heads])
         for i, h in enumerate(heads):
             hl = h // world
             full_seq = torch.cat([pieces[src][i] for src in range(world)], dim=1)
-            assert torch.equal(got[i], full_seq[:, :, rank * hl : (rank + 1) * hl])
+            assert torch.equal(head_sharded[rank][i], full_seq[:, :, rank * hl : (rank + 1) * hl])
     # And back: head-sharded full sequence -> sequence pieces with all heads.
-    head_sharded = [unpack_seq_to_head(recvs[r], [h // world for h in heads]) for r in range(world)]
-    back = _simulated_all_to_all([pack_head_to_seq(t, world) for t in head_sharded])
+    back_shapes = [tuple(t.shape) for t in head_sharded[0]]
+    back = _simulated_all_to_all([ulysses_pack_reverse(t, world) for t in head_sharded])
     for rank in range(world):
-        for got, want in zip(unpack_head_to_seq(back[rank], [h // world for h in heads]), pieces[rank]):
+        for got, want in zip(ulysses_unpack_reverse(back[rank], world, back_shapes), pieces[rank]):
             assert torch.equal(got, want)
 
 

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from xorl_kernels.zigzag_gather import zigzag_gather
+
 
 # ----------------------------------------------------------------------------------------------
 # group specs
@@ -142,10 +144,6 @@ def zigzag_positions(
 # ----------------------------------------------------------------------------------------------
 # shard / unshard
 # ----------------------------------------------------------------------------------------------
-def _gather(x: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
-    return x.index_select(dim, index.to(x.device))
-
-
 def zigzag_shard(x, dim: int = 1, group=None, cu_seqlens=None, ulysses=None):
     """This rank's zig-zag shard of ``x`` along ``dim`` (see the module docstring for the layout).
 
@@ -160,13 +158,24 @@ def zigzag_shard(x, dim: int = 1, group=None, cu_seqlens=None, ulysses=None):
     total_len = tensors[0].shape[dim]
     for t in tensors:
         if t.shape[dim] != total_len:
-            raise ValueError(
-                f"all tensors must have the same length along dim={dim}: {t.shape[dim]} vs {total_len}"
-            )
-    index = zigzag_local_indices(
-        total_len, cu_seqlens, group_rank_size(group, "group"), group_rank_size(ulysses, "ulysses")
-    )
-    out = [_gather(t, dim, index) for t in tensors]
+            raise ValueError(f"all tensors must have the same length along dim={dim}: {t.shape[dim]} vs {total_len}")
+    ring_rank, ring_size = group_rank_size(group, "group")
+    ulysses_rank, ulysses_size = group_rank_size(ulysses, "ulysses")
+    _, total_multiple = _min_lengths(ring_size, ulysses_size)
+    if total_len % total_multiple:
+        raise ValueError(
+            f"sequence length {total_len} is not divisible by {total_multiple} (2 × ring size {ring_size} "
+            f"× ulysses size {ulysses_size}); pad with prepare_context_parallel_batch"
+        )
+    cu = None if cu_seqlens is None else torch.as_tensor(_as_int_list(cu_seqlens), dtype=torch.long)
+    if cu is not None:
+        _check_cu_seqlens(cu.tolist(), total_len)
+    piece = total_len // (ring_size * ulysses_size)
+    out = []
+    for t in tensors:
+        # Ring level: the zig-zag gather kernel (csrc on GPU, index_select on CPU); Ulysses: a slice.
+        local = zigzag_gather(t, dim, ring_rank, ring_size, cu) if ring_size > 1 else t
+        out.append(local.narrow(dim, ulysses_rank * piece, piece).contiguous())
     return type(x)(out) if isinstance(x, (list, tuple)) else out[0]
 
 
@@ -177,16 +186,13 @@ def zigzag_unshard_from_shards(
     (``ring_rank * ulysses_size + ulysses_rank``)."""
     if len(shards) != ring_size * ulysses_size:
         raise ValueError(
-            f"need {ring_size * ulysses_size} shards (ring {ring_size} × ulysses {ulysses_size}), "
-            f"got {len(shards)}"
+            f"need {ring_size * ulysses_size} shards (ring {ring_size} × ulysses {ulysses_size}), got {len(shards)}"
         )
     total_len = sum(s.shape[dim] for s in shards)
     out = shards[0].new_empty(*shards[0].shape[:dim], total_len, *shards[0].shape[dim + 1 :])
     for flat, shard in enumerate(shards):
         ring_rank, ulysses_rank = divmod(flat, ulysses_size)
-        index = zigzag_local_indices(
-            total_len, cu_seqlens, (ring_rank, ring_size), (ulysses_rank, ulysses_size)
-        )
+        index = zigzag_local_indices(total_len, cu_seqlens, (ring_rank, ring_size), (ulysses_rank, ulysses_size))
         out.index_copy_(dim, index.to(out.device), shard)
     return out
 
@@ -273,9 +279,7 @@ def prepare_context_parallel_batch(
     doc_lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
     labels = input_ids if labels is None else labels
     if position_ids is None:
-        position_ids = torch.cat([torch.arange(n, device=input_ids.device) for n in doc_lens]).expand(
-            batch, -1
-        )
+        position_ids = torch.cat([torch.arange(n, device=input_ids.device) for n in doc_lens]).expand(batch, -1)
     for name, t in (("labels", labels), ("position_ids", position_ids)):
         if t.shape != input_ids.shape:
             raise ValueError(f"{name} shape {tuple(t.shape)} must match input_ids {tuple(input_ids.shape)}")

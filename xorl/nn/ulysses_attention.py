@@ -24,59 +24,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+
 # ----------------------------------------------------------------------------------------------
-# pack / unpack around the all-to-all (plain torch; the swap point for a fused kernel)
+# the two directions: pack (xorl_kernels.ulysses_transpose: csrc kernel on GPU, torch on CPU),
+# one all-to-all, unpack. Q, K and V share one buffer, so they travel in one message.
 # ----------------------------------------------------------------------------------------------
-# Buffer layout on the wire: [U, b, s_piece, H_total, d], dim 0 = destination (send) / source
-# (receive) rank. Several tensors (Q, K, V) share the buffer along the head dim so they travel
-# in one message.
-
-
-def pack_seq_to_head(tensors: list[torch.Tensor], world: int) -> torch.Tensor:
-    """[b, s, world·h_i, d] each -> send buffer [world, b, s, Σh_i, d] (dest rank = head group)."""
-    b, s, _, d = tensors[0].shape
-    heads = [t.shape[2] // world for t in tensors]
-    buf = tensors[0].new_empty(world, b, s, sum(heads), d)
-    start = 0
-    for t, h in zip(tensors, heads):
-        buf[:, :, :, start : start + h].copy_(t.view(b, s, world, h, d).permute(2, 0, 1, 3, 4))
-        start += h
-    return buf
-
-
-def unpack_seq_to_head(recv: torch.Tensor, heads: list[int]) -> list[torch.Tensor]:
-    """Receive buffer [world (seq piece), b, s, Σh_i, d] -> [b, world·s, h_i, d] each."""
-    world, b, s, _, d = recv.shape
-    out, start = [], 0
-    for h in heads:
-        out.append(recv[:, :, :, start : start + h].permute(1, 0, 2, 3, 4).reshape(b, world * s, h, d))
-        start += h
-    return out
-
-
-def pack_head_to_seq(tensors: list[torch.Tensor], world: int) -> torch.Tensor:
-    """[b, world·s, h_i, d] each -> send buffer [world, b, s, Σh_i, d] (dest rank = seq piece)."""
-    b, full, _, d = tensors[0].shape
-    s = full // world
-    heads = [t.shape[2] for t in tensors]
-    buf = tensors[0].new_empty(world, b, s, sum(heads), d)
-    start = 0
-    for t, h in zip(tensors, heads):
-        buf[:, :, :, start : start + h].copy_(t.view(b, world, s, h, d).permute(1, 0, 2, 3, 4))
-        start += h
-    return buf
-
-
-def unpack_head_to_seq(recv: torch.Tensor, heads: list[int]) -> list[torch.Tensor]:
-    """Receive buffer [world (head group), b, s, Σh_i, d] -> [b, s, world·h_i, d] each."""
-    world, b, s, _, d = recv.shape
-    out, start = [], 0
-    for h in heads:
-        out.append(recv[:, :, :, start : start + h].permute(1, 2, 0, 3, 4).reshape(b, s, world * h, d))
-        start += h
-    return out
-
-
 def _all_to_all(send: torch.Tensor, group) -> torch.Tensor:
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
@@ -84,15 +36,19 @@ def _all_to_all(send: torch.Tensor, group) -> torch.Tensor:
 
 
 def seq_to_head(tensors, group, world):
-    """Sequence-sharded -> head-sharded, all tensors in one all-to-all (no autograd)."""
-    heads = [t.shape[2] // world for t in tensors]
-    return unpack_seq_to_head(_all_to_all(pack_seq_to_head(tensors, world), group), heads)
+    """Sequence-sharded [b, s, H_t, d] -> head-sharded [b, world·s, H_t/world, d], one all-to-all."""
+    from xorl_kernels.ulysses_transpose import ulysses_pack, ulysses_unpack
+
+    send = ulysses_pack(tensors, world)
+    return ulysses_unpack(_all_to_all(send, group), world, [tuple(t.shape) for t in tensors])
 
 
 def head_to_seq(tensors, group, world):
-    """Head-sharded -> sequence-sharded, all tensors in one all-to-all (no autograd)."""
-    heads = [t.shape[2] for t in tensors]
-    return unpack_head_to_seq(_all_to_all(pack_head_to_seq(tensors, world), group), heads)
+    """Head-sharded [b, S, h_t, d] -> sequence-sharded [b, S/world, world·h_t, d], one all-to-all."""
+    from xorl_kernels.ulysses_transpose import ulysses_pack_reverse, ulysses_unpack_reverse
+
+    send = ulysses_pack_reverse(tensors, world)
+    return ulysses_unpack_reverse(_all_to_all(send, group), world, [tuple(t.shape) for t in tensors])
 
 
 class _SeqToHead(torch.autograd.Function):
@@ -173,9 +129,7 @@ class UlyssesAttention(nn.Module):
         if index is not None:
             index = index.to(k.device)
             k, v = k.index_select(2, index), v.index_select(2, index)
-        qh, kh, vh = _SeqToHead.apply(
-            self.ulysses_group, world, q.contiguous(), k.contiguous(), v.contiguous()
-        )
+        qh, kh, vh = _SeqToHead.apply(self.ulysses_group, world, q.contiguous(), k.contiguous(), v.contiguous())
         out = self.inner(qh, kh, vh, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
         (out,) = _HeadToSeq.apply(self.ulysses_group, world, out.contiguous())
         return out
