@@ -6,9 +6,9 @@ Module-level so they travel to the ranks by pickle (see xorl/testing/multirank.p
 from __future__ import annotations
 
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from xorl.config import Config
+from xorl.export import full_state_dict
 
 
 def tiny_config(output_dir: str, model_type: str = "llama", **train) -> Config:
@@ -39,13 +39,13 @@ def train_and_report(config: Config) -> dict:
 
     trainer = Trainer(config)
     results = trainer.train()
-    full = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full = full_state_dict(trainer.model, trainer.state.ep_group if trainer.state.ep_size > 1 else None)
     if dist.get_rank() != 0:
         return {}
     return {
         "losses": [r.loss for r in results],
         "grad_norms": [r.grad_norm for r in results],
-        "weights": {k: v.detach().clone() for k, v in full.items()},
+        "weights": {k: v.detach().cpu().clone() for k, v in full.items()},
     }
 
 

@@ -22,7 +22,8 @@ class MetricsLogger:
             return
         os.makedirs(output_dir, exist_ok=True)
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
-        self._bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True)
+        self._bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True,
+                         disable=None)  # None: off when stderr is not a terminal (CI logs)
         try:
             from torch.utils.tensorboard import SummaryWriter
 

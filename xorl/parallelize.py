@@ -73,6 +73,16 @@ def apply_fsdp(model: nn.Module, state, reshard_after_forward: bool = True, bf16
             _sum_gradients(module)
 
 
+def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """Parameters that hold only this EP rank's experts (summed over the EP group for norms)."""
+    params = []
+    for layer in decoder_layers(model):
+        experts = getattr(getattr(_unwrap(layer), "mlp", None), "experts", None)
+        if experts is not None:
+            params.extend(experts.parameters())
+    return params
+
+
 def _expert_fsdp_mesh(state):
     """Experts are sharded over "ep_fsdp" and, under HSDP, replicated over dp_replicate."""
     if state.dp_replicate_size > 1:

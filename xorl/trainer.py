@@ -21,6 +21,7 @@ from torch import nn
 
 from xorl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from xorl.config import Config
+from xorl.config_error import ConfigError
 from xorl.data.loader import MicrobatchLoader, PackedDataset
 from xorl.distributed.init import init_distributed, world_size_from_env
 from xorl.distributed.parallel_config import ParallelConfig
@@ -30,7 +31,7 @@ from xorl.loss import count_label_tokens, token_loss_sum
 from xorl.metrics import MetricsLogger
 from xorl.models.registry import build_model
 from xorl.optim import build_optimizer
-from xorl.parallelize import all_reduce_gradients, parallelize_model
+from xorl.parallelize import all_reduce_gradients, expert_parameters, parallelize_model
 
 
 class NonFiniteLossError(RuntimeError):
@@ -63,22 +64,38 @@ def build_initial_model(config: Config) -> nn.Module:
     return model.to(torch.float32)
 
 
+def check_trainer_support(config: Config) -> None:
+    """Layouts the config accepts but this trainer cannot run yet: refused before any process group."""
+    t = config.train
+    problems = []
+    if t.pipeline_parallel_size > 1:
+        problems.append(
+            "train.pipeline_parallel_size > 1: the trainer does not run pipeline schedules yet; "
+            "use pipeline_parallel_size: 1 (fold those ranks into data_parallel_shard_size)"
+        )
+    if t.expert_parallel_size > 1 and (t.save_steps or t.resume or t.export_hf):
+        problems.append(
+            "train.expert_parallel_size > 1 with checkpoints (save_steps / resume / export_hf): each EP rank "
+            "holds different experts under one parameter name, which checkpoints do not gather yet; "
+            "set save_steps: 0, resume: false and export_hf: false, or expert_parallel_size: 1"
+        )
+    if problems:
+        raise ConfigError(problems)
+
+
 class Trainer:
     def __init__(self, config: Config):
         self.config = config
         world_size = world_size_from_env()
         config.validate(world_size)  # every rule, before any process group exists
+        check_trainer_support(config)
         self.device = init_distributed()
         self.parallel_config = ParallelConfig.from_config(config, world_size)
         self.state = init_parallel_state(self.parallel_config, device_type=self.device.type)
         self.rank = dist.get_rank()
-        if self.state.pp_size > 1:
-            raise NotImplementedError(
-                "train.pipeline_parallel_size > 1 is not wired into the trainer yet: "
-                "set --train.pipeline_parallel_size=1 (tracked in the trainer issue)"
-            )
         model = build_initial_model(config)
         self.model = parallelize_model(model.to(self.device), self.state, config)
+        self.expert_params = expert_parameters(self.model) if self.state.ep_size > 1 else []
         self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), config.train)
         self.dataset = PackedDataset(config.data, vocab_size=config.model.vocab_size)
         self.loader = MicrobatchLoader(
@@ -150,7 +167,10 @@ class Trainer:
                 dist.all_reduce(aux_sum, group=state.dp_cp_group)
         if self.config.train.data_parallel_mode != "fsdp2" and state.dp_cp_size > 1:
             all_reduce_gradients(self.model.parameters(), state.dp_cp_group)
-        grad_norm = clip_grad_norm_(self.model.parameters(), self.config.train.max_grad_norm, state.pp_group)
+        grad_norm = clip_grad_norm_(
+            self.model.parameters(), self.config.train.max_grad_norm, state.pp_group,
+            expert_params=self.expert_params, ep_group=state.ep_group,
+        )
         loss_value = float(loss_sum) / max(n_tok, 1)
         if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
             raise NonFiniteLossError(
