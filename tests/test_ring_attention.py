@@ -83,3 +83,84 @@ def test_bad_inputs_raise_clear_errors():
         attn(q, q[:, :, :3], q[:, :, :3])
     with pytest.raises(ValueError, match="attn_backend"):
         RingAttention(None, attn_backend="cudnn")
+
+
+# ----------------------------------------------------------------------------------------------
+# attn_backend="flash_attn": the package is not installed here, so a stand-in with flash-attn's
+# varlen signatures (computing through the xorl reference) checks our zig-zag-to-varlen mapping.
+# ----------------------------------------------------------------------------------------------
+def _install_fake_flash_attn():
+    import sys
+    import types
+
+    from xorl_kernels.flash_attn_reference import reference_backward, reference_bwd_preprocess, reference_forward
+
+    def fwd(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size_left=-1,
+        window_size_right=-1,
+        softcap=0.0,
+        alibi_slopes=None,
+        return_softmax=False,
+    ):
+        assert q.shape[0] == int(cu_seqlens_q[-1]) and k.shape[0] == int(cu_seqlens_k[-1])
+        assert max_seqlen_q >= int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+        out, lse = reference_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale)
+        return out, lse, None, None
+
+    def bwd(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        softmax_lse,
+        dq,
+        dk,
+        dv,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size_left,
+        window_size_right,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        rng_state=None,
+    ):
+        delta = reference_bwd_preprocess(out, dout)
+        grads = reference_backward(dout, q, k, v, softmax_lse, delta, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale)
+        for buf, grad in zip((dq, dk, dv), grads):
+            buf.copy_(grad)
+        return delta
+
+    interface = types.ModuleType("flash_attn.flash_attn_interface")
+    interface._flash_attn_varlen_forward, interface._flash_attn_varlen_backward = fwd, bwd
+    package = types.ModuleType("flash_attn")
+    package.flash_attn_interface = interface
+    sys.modules["flash_attn"], sys.modules["flash_attn.flash_attn_interface"] = package, interface
+
+
+def _flash_attn_backend_errors():
+    _install_fake_flash_attn()
+    group = dist.group.WORLD
+    return [run_case(RingAttention(group, causal=c[1], attn_backend="flash_attn"), c, group) for c in CASES]
+
+
+def test_flash_attn_package_backend_maps_zigzag_steps_to_varlen_calls(gloo_world):
+    per_case = _errors_per_case(gloo_world(4).run(_flash_attn_backend_errors))
+    for (name, *_), errs in zip(CASES, per_case):
+        assert max(errs) < TOL, f"flash_attn backend, {name}: rel err out/dq/dk/dv = {errs}"
