@@ -33,6 +33,22 @@ cudaStream_t stream_of(std::uintptr_t handle) { return reinterpret_cast<cudaStre
 using Segment = std::tuple<std::uintptr_t, std::uintptr_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                            int64_t>;
 
+std::vector<xorl_block_copy_segment> to_segments(const std::vector<Segment>& segments, const char* kernel) {
+  if (segments.size() > XORL_MAX_SEGMENTS) {
+    throw std::invalid_argument(std::string("xorl_kernels._C.") + kernel + ": at most " +
+                                std::to_string(XORL_MAX_SEGMENTS) + " segments per launch, got " +
+                                std::to_string(segments.size()));
+  }
+  std::vector<xorl_block_copy_segment> raw(segments.size());
+  for (size_t i = 0; i < segments.size(); ++i) {
+    const Segment& s = segments[i];
+    raw[i] = xorl_block_copy_segment{ptr<const void>(std::get<0>(s)), ptr<void>(std::get<1>(s)), std::get<2>(s),
+                                     std::get<3>(s), std::get<4>(s), std::get<5>(s), std::get<6>(s), std::get<7>(s),
+                                     std::get<8>(s)};
+  }
+  return raw;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -66,6 +82,18 @@ PYBIND11_MODULE(_C, m) {
       py::arg("scatter"), py::arg("stream"));
 
   m.def(
+      "zigzag_copy_host",
+      [](std::uintptr_t full, std::uintptr_t local, int64_t outer, int64_t seq_len, int64_t row_bytes,
+         std::uintptr_t cu_seqlens, int64_t num_docs, int64_t rank_begin, int64_t num_ranks, int64_t world,
+         bool scatter) {
+        check(xorl_zigzag_copy_host(ptr<const void>(full), ptr<void>(local), outer, seq_len, row_bytes,
+                                    ptr<const int64_t>(cu_seqlens), num_docs, rank_begin, num_ranks, world,
+                                    scatter ? 1 : 0),
+              "zigzag_copy_host");
+      },
+      "zigzag_copy on host memory (tests of the index map without a GPU).");
+
+  m.def(
       "routing_metadata",
       [](std::uintptr_t expert_ids, bool ids_int64, int64_t num_slots, int64_t top_k, int64_t num_experts,
          std::uintptr_t workspace, std::uintptr_t tokens_per_expert, std::uintptr_t expert_offsets,
@@ -92,6 +120,16 @@ PYBIND11_MODULE(_C, m) {
       py::arg("row_bytes"), py::arg("stream"));
 
   m.def(
+      "permute_rows_host",
+      [](std::uintptr_t x, std::uintptr_t src_row, std::uintptr_t out, int64_t num_src_rows, int64_t num_out_rows,
+         int64_t row_bytes) {
+        check(xorl_permute_rows_host(ptr<const void>(x), ptr<const int64_t>(src_row), ptr<void>(out), num_src_rows,
+                                     num_out_rows, row_bytes),
+              "permute_rows_host");
+      },
+      "permute_rows on host memory (tests of the index map without a GPU).");
+
+  m.def(
       "unpermute_combine",
       [](std::uintptr_t y, std::uintptr_t row_of_slot, std::uintptr_t weights, std::uintptr_t out, int64_t num_rows,
          int64_t tokens, int64_t top_k, int64_t hidden, int dtype, std::uintptr_t stream) {
@@ -105,21 +143,17 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "block_transpose",
       [](const std::vector<Segment>& segments, std::uintptr_t stream) {
-        if (segments.size() > XORL_MAX_SEGMENTS) {
-          throw std::invalid_argument("xorl_kernels._C.block_transpose: at most " +
-                                      std::to_string(XORL_MAX_SEGMENTS) + " segments per launch, got " +
-                                      std::to_string(segments.size()));
-        }
-        std::vector<xorl_block_copy_segment> raw(segments.size());
-        for (size_t i = 0; i < segments.size(); ++i) {
-          const Segment& s = segments[i];
-          raw[i] = xorl_block_copy_segment{ptr<const void>(std::get<0>(s)), ptr<void>(std::get<1>(s)), std::get<2>(s),
-                                           std::get<3>(s), std::get<4>(s), std::get<5>(s), std::get<6>(s),
-                                           std::get<7>(s), std::get<8>(s)};
-        }
+        const std::vector<xorl_block_copy_segment> raw = to_segments(segments, "block_transpose");
         check(xorl_block_transpose(raw.data(), static_cast<int>(raw.size()), stream_of(stream)), "block_transpose");
       },
       py::arg("segments"), py::arg("stream"),
       "segments: (src, dst, a_count, b_count, bytes, src_stride_a, src_stride_b, dst_stride_a, dst_stride_b)");
+  m.def(
+      "block_transpose_host",
+      [](const std::vector<Segment>& segments) {
+        const std::vector<xorl_block_copy_segment> raw = to_segments(segments, "block_transpose_host");
+        check(xorl_block_transpose_host(raw.data(), static_cast<int>(raw.size())), "block_transpose_host");
+      },
+      py::arg("segments"), "block_transpose on host memory (tests of the index map without a GPU).");
   m.attr("max_segments") = XORL_MAX_SEGMENTS;
 }

@@ -14,7 +14,7 @@ struct GatherRowsMap {
   const int64_t* index;
   int64_t num_src_rows, row_bytes;
 
-  __device__ int64_t operator()(int64_t row, char*& d, const char*& s) const {
+  __host__ __device__ int64_t operator()(int64_t row, char*& d, const char*& s) const {
     const int64_t i = index[row];
     d = dst + row * row_bytes;
     s = (i >= 0 && i < num_src_rows) ? src + i * row_bytes : nullptr;
@@ -114,13 +114,29 @@ cudaError_t launch_combine(const void* y, const int64_t* row_of_slot, const floa
 }  // namespace
 }  // namespace xorl
 
+namespace xorl {
+namespace {
+
+template <bool kHost>
+int permute_rows(const void* x, const int64_t* src_row, void* out, int64_t num_src_rows, int64_t num_out_rows,
+                 int64_t row_bytes, cudaStream_t stream) {
+  if (num_src_rows < 0 || num_out_rows < 0 || row_bytes < 0) return cudaErrorInvalidValue;
+  const GatherRowsMap map{static_cast<const char*>(x), static_cast<char*>(out), src_row, num_src_rows, row_bytes};
+  const int width = vector_width({addr(x), addr(out), uint64_t(row_bytes)});
+  return run_row_copy<kHost>(map, num_out_rows, row_bytes, width, stream);
+}
+
+}  // namespace
+}  // namespace xorl
+
 extern "C" int xorl_permute_rows(const void* x, const int64_t* src_row, void* out, int64_t num_src_rows,
                                  int64_t num_out_rows, int64_t row_bytes, cudaStream_t stream) {
-  if (num_src_rows < 0 || num_out_rows < 0 || row_bytes < 0) return cudaErrorInvalidValue;
-  const xorl::GatherRowsMap map{static_cast<const char*>(x), static_cast<char*>(out), src_row, num_src_rows,
-                                row_bytes};
-  const int width = xorl::vector_width({xorl::addr(x), xorl::addr(out), uint64_t(row_bytes)});
-  return xorl::launch_row_copy(map, num_out_rows, row_bytes, width, stream);
+  return xorl::permute_rows<false>(x, src_row, out, num_src_rows, num_out_rows, row_bytes, stream);
+}
+
+extern "C" int xorl_permute_rows_host(const void* x, const int64_t* src_row, void* out, int64_t num_src_rows,
+                                      int64_t num_out_rows, int64_t row_bytes) {
+  return xorl::permute_rows<true>(x, src_row, out, num_src_rows, num_out_rows, row_bytes, nullptr);
 }
 
 extern "C" int xorl_unpermute_combine(const void* y, const int64_t* row_of_slot, const float* weights,

@@ -11,6 +11,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstring>
 #include <initializer_list>
 
 namespace xorl {
@@ -66,7 +67,7 @@ __device__ __forceinline__ void copy_row(char* dst_bytes, const char* src_bytes,
   for (; i < nvec; i += lanes) dst[i] = src[i];
 }
 
-// Map: `__device__ int64_t operator()(int64_t row, char*& dst, const char*& src) const` sets the
+// Map: `__host__ __device__ int64_t operator()(int64_t row, char*& dst, const char*& src) const` sets the
 // row's addresses and returns its length in bytes (a multiple of sizeof(Vec)).
 template <typename Vec, typename Map>
 __global__ void __launch_bounds__(kBlockThreads) row_copy_kernel(Map map, int64_t rows, int lanes_log2) {
@@ -108,6 +109,32 @@ cudaError_t launch_row_copy(const Map& map, int64_t rows, int64_t max_row_bytes,
       break;
   }
   return cudaGetLastError();
+}
+
+// The same maps run on the CPU over host memory: how the index arithmetic is tested on machines
+// without a GPU (the *_host entry points in xorl_kernels.h).
+template <typename Map>
+void host_row_copy(const Map& map, int64_t rows) {
+  for (int64_t row = 0; row < rows; ++row) {
+    char* dst;
+    const char* src;
+    const int64_t bytes = map(row, dst, src);
+    if (src != nullptr) {
+      std::memcpy(dst, src, static_cast<size_t>(bytes));
+    } else {
+      std::memset(dst, 0, static_cast<size_t>(bytes));
+    }
+  }
+}
+
+template <bool kHost, typename Map>
+cudaError_t run_row_copy(const Map& map, int64_t rows, int64_t max_row_bytes, int width, cudaStream_t stream) {
+  if constexpr (kHost) {
+    host_row_copy(map, rows);
+    return cudaSuccess;
+  } else {
+    return launch_row_copy(map, rows, max_row_bytes, width, stream);
+  }
 }
 
 inline uint64_t addr(const void* p) { return reinterpret_cast<uintptr_t>(p); }

@@ -11,7 +11,7 @@ struct BlockTransposeMap {
   int64_t first_row[XORL_MAX_SEGMENTS + 1];  // rows of segment s: [first_row[s], first_row[s+1])
   int num_segments;
 
-  __device__ int64_t operator()(int64_t row, char*& dst, const char*& src) const {
+  __host__ __device__ int64_t operator()(int64_t row, char*& dst, const char*& src) const {
     int s = 0;
     while (s + 1 < num_segments && row >= first_row[s + 1]) ++s;
     const xorl_block_copy_segment& g = seg[s];
@@ -24,13 +24,10 @@ struct BlockTransposeMap {
   }
 };
 
-}  // namespace
-}  // namespace xorl
-
-extern "C" int xorl_block_transpose(const xorl_block_copy_segment* segments, int num_segments,
-                                    cudaStream_t stream) {
+template <bool kHost>
+int block_transpose(const xorl_block_copy_segment* segments, int num_segments, cudaStream_t stream) {
   if (num_segments < 0 || num_segments > XORL_MAX_SEGMENTS) return cudaErrorInvalidValue;
-  xorl::BlockTransposeMap map{};
+  BlockTransposeMap map{};
   map.num_segments = num_segments;
   int64_t rows = 0, max_bytes = 0;
   uint64_t width = 16;
@@ -41,10 +38,22 @@ extern "C" int xorl_block_transpose(const xorl_block_copy_segment* segments, int
     map.first_row[s] = rows;
     rows += g.a_count * g.b_count;
     if (g.bytes > max_bytes) max_bytes = g.bytes;
-    width = xorl::vector_width({width, xorl::addr(g.src), xorl::addr(g.dst), uint64_t(g.bytes),
+    width = vector_width({width, addr(g.src), addr(g.dst), uint64_t(g.bytes),
                                 uint64_t(g.src_stride_a), uint64_t(g.src_stride_b), uint64_t(g.dst_stride_a),
                                 uint64_t(g.dst_stride_b)});
   }
   map.first_row[num_segments] = rows;
-  return xorl::launch_row_copy(map, rows, max_bytes, static_cast<int>(width), stream);
+  return run_row_copy<kHost>(map, rows, max_bytes, static_cast<int>(width), stream);
+}
+
+}  // namespace
+}  // namespace xorl
+
+extern "C" int xorl_block_transpose(const xorl_block_copy_segment* segments, int num_segments,
+                                    cudaStream_t stream) {
+  return xorl::block_transpose<false>(segments, num_segments, stream);
+}
+
+extern "C" int xorl_block_transpose_host(const xorl_block_copy_segment* segments, int num_segments) {
+  return xorl::block_transpose<true>(segments, num_segments, nullptr);
 }

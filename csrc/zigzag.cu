@@ -15,7 +15,7 @@ struct ZigzagMap {
   int64_t num_docs, rank_begin, world;
 
   // Global row (within the sequence) of local row t of rank q.
-  __device__ int64_t global_row(int64_t q, int64_t t) const {
+  __host__ __device__ int64_t global_row(int64_t q, int64_t t) const {
     int64_t start = 0, length = seq_len;
     if (cu_seqlens != nullptr) {
       // The document whose local part contains t: the last d with cu[d] / world <= t. Empty
@@ -33,7 +33,7 @@ struct ZigzagMap {
     return start + (u < chunk ? q * chunk + u : (2 * world - 1 - q) * chunk + (u - chunk));
   }
 
-  __device__ int64_t operator()(int64_t row, char*& dst, const char*& src) const {
+  __host__ __device__ int64_t operator()(int64_t row, char*& dst, const char*& src) const {
     const int64_t o = row / local_rows;
     const int64_t j = row - o * local_rows;
     const int64_t q = rank_begin + j / local_len;
@@ -54,18 +54,15 @@ struct ZigzagMap {
   }
 };
 
-}  // namespace
-}  // namespace xorl
-
-extern "C" int xorl_zigzag_copy(const void* full, void* local, int64_t outer, int64_t seq_len,
-                                int64_t row_bytes, const int64_t* cu_seqlens, int64_t num_docs,
-                                int64_t rank_begin, int64_t num_ranks, int64_t world, int scatter,
-                                cudaStream_t stream) {
+template <bool kHost>
+int zigzag_copy(const void* full, void* local, int64_t outer, int64_t seq_len, int64_t row_bytes,
+                const int64_t* cu_seqlens, int64_t num_docs, int64_t rank_begin, int64_t num_ranks, int64_t world,
+                int scatter, cudaStream_t stream) {
   if (world < 1 || seq_len % (2 * world) != 0 || rank_begin < 0 || num_ranks < 0 ||
       rank_begin + num_ranks > world || outer < 0 || row_bytes < 0 || (cu_seqlens && num_docs < 1)) {
     return cudaErrorInvalidValue;
   }
-  xorl::ZigzagMap map{};
+  ZigzagMap map{};
   if (scatter) {
     map.full_dst = static_cast<char*>(const_cast<void*>(full));
     map.local_src = static_cast<const char*>(local);
@@ -81,6 +78,24 @@ extern "C" int xorl_zigzag_copy(const void* full, void* local, int64_t outer, in
   map.num_docs = num_docs;
   map.rank_begin = rank_begin;
   map.world = world;
-  const int width = xorl::vector_width({xorl::addr(full), xorl::addr(local), uint64_t(row_bytes)});
-  return xorl::launch_row_copy(map, outer * map.local_rows, row_bytes, width, stream);
+  const int width = vector_width({addr(full), addr(local), uint64_t(row_bytes)});
+  return run_row_copy<kHost>(map, outer * map.local_rows, row_bytes, width, stream);
+}
+
+}  // namespace
+}  // namespace xorl
+
+extern "C" int xorl_zigzag_copy(const void* full, void* local, int64_t outer, int64_t seq_len,
+                                int64_t row_bytes, const int64_t* cu_seqlens, int64_t num_docs,
+                                int64_t rank_begin, int64_t num_ranks, int64_t world, int scatter,
+                                cudaStream_t stream) {
+  return xorl::zigzag_copy<false>(full, local, outer, seq_len, row_bytes, cu_seqlens, num_docs, rank_begin,
+                                  num_ranks, world, scatter, stream);
+}
+
+extern "C" int xorl_zigzag_copy_host(const void* full, void* local, int64_t outer, int64_t seq_len,
+                                     int64_t row_bytes, const int64_t* cu_seqlens, int64_t num_docs,
+                                     int64_t rank_begin, int64_t num_ranks, int64_t world, int scatter) {
+  return xorl::zigzag_copy<true>(full, local, outer, seq_len, row_bytes, cu_seqlens, num_docs, rank_begin,
+                                 num_ranks, world, scatter, nullptr);
 }

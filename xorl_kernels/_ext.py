@@ -106,10 +106,13 @@ def _check(
     device: torch.device | None = None,
     dtypes: Sequence[torch.dtype] | None = None,
     dim: int | None = None,
+    host: bool = False,
 ) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if not t.is_cuda:
+    if host and t.is_cuda:
+        raise ValueError(f"{op}: host emulation runs on CPU tensors, got {name} on {t.device}")
+    if not host and not t.is_cuda:
         raise ValueError(
             f"{op}: {name} must be a CUDA tensor, got one on {t.device}; CPU tensors use the reference"
         )
@@ -126,17 +129,29 @@ def _check(
 
 
 def _check_out(
-    out: torch.Tensor, shape: Sequence[int], dtype: torch.dtype, device: torch.device, op: str
+    out: torch.Tensor,
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    device: torch.device,
+    op: str,
+    host: bool = False,
 ) -> None:
-    _check(out, "out", op, device=device, dtypes=[dtype])
+    _check(out, "out", op, device=device, dtypes=[dtype], host=host)
     if tuple(out.shape) != tuple(shape):
         raise ValueError(f"{op}: out must have shape {tuple(shape)}, got {tuple(out.shape)}")
 
 
-def _launch(device: torch.device, kernel, *args) -> None:
-    """Run ``kernel(*args, stream)`` on ``device`` and its current torch stream."""
+def _launch(device: torch.device, kernel: str, host: bool, *args) -> None:
+    """Run ``_C.<kernel>(*args, stream)`` on ``device`` and its current torch stream.
+
+    ``host=True`` runs ``_C.<kernel>_host(*args)`` instead: the same index map on CPU memory, which
+    is how the address arithmetic (here and in csrc) is tested on machines without a GPU.
+    """
+    if host:
+        getattr(_C, f"{kernel}_host")(*args)
+        return
     with torch.cuda.device(device):
-        kernel(*args, torch.cuda.current_stream(device).cuda_stream)
+        getattr(_C, kernel)(*args, torch.cuda.current_stream(device).cuda_stream)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,30 +179,42 @@ def ext_zigzag_copy(
     world: int,
     cu_seqlens: torch.Tensor | None,
     scatter: bool,
+    *,
+    host_emulation: bool = False,
 ) -> None:
     """local <- full at the zig-zag rows of ranks [rank_begin, rank_begin+num_ranks) (or the inverse).
 
     ``full`` and ``local`` agree on every dim but ``dim``, where full has seq_len rows and local
     num_ranks * seq_len / world. ``cu_seqlens``: int64 on the same device, or None. The argument
     rules (divisibility, document lengths) are checked by zigzag_gather.py.
+    ``host_emulation``: run the kernel's index map on CPU tensors (tests without a GPU).
     """
     op = "zigzag_scatter" if scatter else "zigzag_gather"
-    ext = _require_ext(op)
-    _check(full, "full tensor", op)
-    _check(local, "local shard", op, device=full.device, dtypes=[full.dtype], dim=full.dim())
+    _require_ext(op)
+    host = host_emulation
+    _check(full, "full tensor", op, host=host)
+    _check(local, "local shard", op, device=full.device, dtypes=[full.dtype], dim=full.dim(), host=host)
     seq_len = full.shape[dim]
+    if world < 1 or seq_len % (2 * world) != 0 or not 0 <= rank_begin <= rank_begin + num_ranks <= world:
+        raise ValueError(
+            f"{op}: need world >= 1 dividing seq_len / 2 and 0 <= rank_begin <= rank_begin + num_ranks <= world; "
+            f"got seq_len={seq_len}, world={world}, rank_begin={rank_begin}, num_ranks={num_ranks}"
+        )
     expected = list(full.shape)
     expected[dim] = num_ranks * (seq_len // world)
     if list(local.shape) != expected:
         raise ValueError(f"{op}: the local shard must have shape {tuple(expected)}, got {tuple(local.shape)}")
     cu_ptr, num_docs = 0, 0
     if cu_seqlens is not None:
-        _check(cu_seqlens, "cu_seqlens", op, device=full.device, dtypes=[torch.int64], dim=1)
+        _check(cu_seqlens, "cu_seqlens", op, device=full.device, dtypes=[torch.int64], dim=1, host=host)
+        if cu_seqlens.numel() < 2:
+            raise ValueError(f"{op}: cu_seqlens needs num_docs + 1 >= 2 entries, got {cu_seqlens.numel()}")
         cu_ptr, num_docs = cu_seqlens.data_ptr(), cu_seqlens.numel() - 1
     outer, row_bytes = _zigzag_view(full, dim)
     _launch(
         full.device,
-        ext.zigzag_copy,
+        "zigzag_copy",
+        host,
         full.data_ptr(),
         local.data_ptr(),
         outer,
@@ -235,7 +262,8 @@ def ext_routing_metadata(expert_ids: torch.Tensor, num_experts: int):
     sorted_tokens = torch.empty(num_slots, dtype=torch.int64, device=dev)
     _launch(
         dev,
-        ext.routing_metadata,
+        "routing_metadata",
+        False,
         expert_ids.data_ptr(),
         expert_ids.dtype == torch.int64,
         num_slots,
@@ -251,21 +279,29 @@ def ext_routing_metadata(expert_ids: torch.Tensor, num_experts: int):
     return sorted_slots, row_map, tokens_per_expert, expert_offsets, sorted_tokens
 
 
-def ext_permute_rows(x: torch.Tensor, src_row: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def ext_permute_rows(
+    x: torch.Tensor,
+    src_row: torch.Tensor,
+    out: torch.Tensor | None = None,
+    *,
+    host_emulation: bool = False,
+) -> torch.Tensor:
     """out[r] = x[src_row[r]] for x [T, H] (any dtype), src_row [R] int64; an index outside [0, T) gives a zero row."""
     op = "permute_rows"
-    ext = _require_ext(op)
-    _check(x, "x", op, dim=2)
-    _check(src_row, "src_row", op, device=x.device, dtypes=[torch.int64], dim=1)
+    _require_ext(op)
+    host = host_emulation
+    _check(x, "x", op, dim=2, host=host)
+    _check(src_row, "src_row", op, device=x.device, dtypes=[torch.int64], dim=1, host=host)
     shape = (src_row.shape[0], x.shape[1])
     if out is None:
         out = torch.empty(shape, dtype=x.dtype, device=x.device)
     else:
-        _check_out(out, shape, x.dtype, x.device, op)
+        _check_out(out, shape, x.dtype, x.device, op, host=host)
     row_bytes = x.shape[1] * x.element_size()
     _launch(
         x.device,
-        ext.permute_rows,
+        "permute_rows",
+        host,
         x.data_ptr(),
         src_row.data_ptr(),
         out.data_ptr(),
@@ -285,7 +321,7 @@ def ext_unpermute_combine(
     [0, R) contributes nothing (a dropped slot).
     """
     op = "unpermute_combine"
-    ext = _require_ext(op)
+    _require_ext(op)
     _check(y, "y", op, dtypes=list(_COMBINE_DTYPES), dim=2)
     _check(row_of_slot, "row_of_slot", op, device=y.device, dtypes=[torch.int64], dim=2)
     _check(weights, "weights", op, device=y.device, dtypes=[torch.float32], dim=2)
@@ -301,7 +337,8 @@ def ext_unpermute_combine(
         _check_out(out, shape, y.dtype, y.device, op)
     _launch(
         y.device,
-        ext.unpermute_combine,
+        "unpermute_combine",
+        False,
         y.data_ptr(),
         row_of_slot.data_ptr(),
         weights.data_ptr(),
@@ -318,23 +355,6 @@ def ext_unpermute_combine(
 # ---------------------------------------------------------------------------------------------
 # Ulysses pack / unpack (layouts: ulysses_transpose.py)
 # ---------------------------------------------------------------------------------------------
-
-
-def _ulysses_inputs(tensors: Sequence[torch.Tensor], op: str) -> torch.Tensor:
-    if not 1 <= len(tensors) <= 4:
-        raise ValueError(f"{op}: pass 1 to 4 tensors (e.g. q, k, v), got {len(tensors)}")
-    _require_ext(op)
-    first = tensors[0]
-    for i, t in enumerate(tensors):
-        _check(t, f"tensors[{i}]", op, device=first.device, dtypes=[first.dtype], dim=4)
-    return first
-
-
-def _ulysses_buffer(out, world, width, dtype, device, op) -> torch.Tensor:
-    if out is None:
-        return torch.empty(world, width, dtype=dtype, device=device)
-    _check_out(out, (world, width), dtype, device, op)
-    return out
 
 
 def ulysses_piece_numels(shapes: Sequence[Sequence[int]], world: int, split_dim: int, op: str) -> list[int]:
@@ -364,39 +384,72 @@ def ulysses_piece_numels(shapes: Sequence[Sequence[int]], world: int, split_dim:
     return numels
 
 
-def _check_recv(recv: torch.Tensor, world: int, numels: list[int], op: str) -> None:
-    _check(recv, "recv", op, dim=2)
+def _pack_inputs(tensors: Sequence[torch.Tensor], world: int, split_dim: int, op: str, host: bool):
+    """(first tensor, per-destination element counts) after checking the tensors to pack."""
+    _require_ext(op)
+    numels = ulysses_piece_numels([tuple(t.shape) for t in tensors], world, split_dim, op)
+    first = tensors[0]
+    for i, t in enumerate(tensors):
+        _check(t, f"tensors[{i}]", op, device=first.device, dtypes=[first.dtype], dim=4, host=host)
+    return first, numels
+
+
+def _pack_buffer(out, world, numels, like: torch.Tensor, op: str, host: bool) -> torch.Tensor:
+    shape = (world, sum(numels))
+    if out is None:
+        return torch.empty(shape, dtype=like.dtype, device=like.device)
+    _check_out(out, shape, like.dtype, like.device, op, host=host)
+    return out
+
+
+def _unpack_inputs(recv, world, shapes, split_dim, outs, op, host):
+    """(per-source element counts, out tensors or Nones) after checking the received buffer."""
+    _require_ext(op)
+    numels = ulysses_piece_numels(shapes, world, split_dim, op)
+    _check(recv, "recv", op, dim=2, host=host)
     if tuple(recv.shape) != (world, sum(numels)):
         raise ValueError(
             f"{op}: recv must be [world, sum of piece sizes] = {(world, sum(numels))} for these shapes, "
             f"got {tuple(recv.shape)}; pass the shapes every rank packed"
         )
+    outs = list(outs) if outs is not None else [None] * len(shapes)
+    if len(outs) != len(shapes):
+        raise ValueError(f"{op}: pass one out tensor per shape ({len(shapes)}), got {len(outs)}")
+    return numels, outs
 
 
-def _run_block_transpose(device: torch.device, segments: list[tuple]) -> None:
-    ext = _require_ext("ulysses transpose")
-    _launch(device, ext.block_transpose, segments)
+def _unpack_output(out, shape, recv, op, host) -> torch.Tensor:
+    if out is None:
+        return torch.empty(shape, dtype=recv.dtype, device=recv.device)
+    _check_out(out, shape, recv.dtype, recv.device, op, host=host)
+    return out
+
+
+# Every segment below is (src, dst, a_count, b_count, bytes, src_stride_a, src_stride_b,
+# dst_stride_a, dst_stride_b): `bytes` bytes move from src + a*src_stride_a + b*src_stride_b to
+# dst + a*dst_stride_a + b*dst_stride_b (csrc/xorl_kernels.h). `chunk` is one destination's row
+# of the [world, D] buffer in bytes; `offset` is where a tensor's piece starts inside that row.
 
 
 def ext_ulysses_pack(
-    tensors: Sequence[torch.Tensor], world: int, out: torch.Tensor | None = None
+    tensors: Sequence[torch.Tensor],
+    world: int,
+    out: torch.Tensor | None = None,
+    *,
+    host_emulation: bool = False,
 ) -> torch.Tensor:
     """Seq-sharded [b, s, H_t, d_t] tensors -> the all-to-all send buffer [world, D] (head group p to rank p)."""
-    op = "ulysses_pack"
-    first = _ulysses_inputs(tensors, op)
-    shapes = [tuple(t.shape) for t in tensors]
-    numels = ulysses_piece_numels(shapes, world, 2, op)
-    buf = _ulysses_buffer(out, world, sum(numels), first.dtype, first.device, op)
+    op, host = "ulysses_pack", host_emulation
+    first, numels = _pack_inputs(tensors, world, 2, op, host)
+    buf = _pack_buffer(out, world, numels, first, op, host)
     es = first.element_size()
-    chunk_bytes = sum(numels) * es
-    segments, offset = [], 0
-    for t, (b, s, h, d), n in zip(tensors, shapes, numels):
-        c = (h // world) * d * es  # one token's heads for one destination
-        segments.append(
-            (t.data_ptr(), buf.data_ptr() + offset, b * s, world, c, world * c, c, c, chunk_bytes)
-        )
+    chunk, offset, segments = sum(numels) * es, 0, []
+    for t, n in zip(tensors, numels):
+        b, s, h, d = t.shape
+        c = (h // world) * d * es  # a = token (b*s of them), b = destination p: one token's head group
+        segments.append((t.data_ptr(), buf.data_ptr() + offset, b * s, world, c, world * c, c, c, chunk))
         offset += n * es
-    _run_block_transpose(first.device, segments)
+    _launch(first.device, "block_transpose", host, segments)
     return buf
 
 
@@ -405,50 +458,43 @@ def ext_ulysses_unpack(
     world: int,
     shapes: Sequence[Sequence[int]],
     outs: Sequence[torch.Tensor] | None = None,
+    *,
+    host_emulation: bool = False,
 ) -> list[torch.Tensor]:
     """Received [world, D] -> [b, world*s, H_t/world, d_t] per segment; ``shapes``: what every rank packed."""
-    op = "ulysses_unpack"
-    numels = ulysses_piece_numels(shapes, world, 2, op)
-    _check_recv(recv, world, numels, op)
+    op, host = "ulysses_unpack", host_emulation
+    numels, outs = _unpack_inputs(recv, world, shapes, 2, outs, op, host)
     es = recv.element_size()
-    chunk_bytes = sum(numels) * es
-    outs = list(outs) if outs is not None else [None] * len(shapes)
-    if len(outs) != len(shapes):
-        raise ValueError(f"{op}: pass one out tensor per shape ({len(shapes)}), got {len(outs)}")
-    results, segments, offset = [], [], 0
+    chunk, offset, segments, results = sum(numels) * es, 0, [], []
     for (b, s, h, d), n, out in zip(shapes, numels, outs):
-        shape = (b, world * s, h // world, d)
-        y = torch.empty(shape, dtype=recv.dtype, device=recv.device) if out is None else out
-        _check_out(y, shape, recv.dtype, recv.device, op)
-        run = s * (h // world) * d * es  # one batch row of one source's piece
-        segments.append(
-            (recv.data_ptr() + offset, y.data_ptr(), world, b, run, chunk_bytes, run, run, world * run)
-        )
+        y = _unpack_output(out, (b, world * s, h // world, d), recv, op, host)
+        run = s * (h // world) * d * es  # a = source p, b = batch row: one source's sequence chunk
+        segments.append((recv.data_ptr() + offset, y.data_ptr(), world, b, run, chunk, run, run, world * run))
         results.append(y)
         offset += n * es
-    _run_block_transpose(recv.device, segments)
+    _launch(recv.device, "block_transpose", host, segments)
     return results
 
 
 def ext_ulysses_pack_reverse(
-    tensors: Sequence[torch.Tensor], world: int, out: torch.Tensor | None = None
+    tensors: Sequence[torch.Tensor],
+    world: int,
+    out: torch.Tensor | None = None,
+    *,
+    host_emulation: bool = False,
 ) -> torch.Tensor:
     """Head-sharded [b, S, h_t, d_t] tensors -> the send buffer [world, D] (sequence chunk p to rank p)."""
-    op = "ulysses_pack_reverse"
-    first = _ulysses_inputs(tensors, op)
-    shapes = [tuple(t.shape) for t in tensors]
-    numels = ulysses_piece_numels(shapes, world, 1, op)
-    buf = _ulysses_buffer(out, world, sum(numels), first.dtype, first.device, op)
+    op, host = "ulysses_pack_reverse", host_emulation
+    first, numels = _pack_inputs(tensors, world, 1, op, host)
+    buf = _pack_buffer(out, world, numels, first, op, host)
     es = first.element_size()
-    chunk_bytes = sum(numels) * es
-    segments, offset = [], 0
-    for t, (b, s, h, d), n in zip(tensors, shapes, numels):
-        run = (s // world) * h * d * es
-        segments.append(
-            (t.data_ptr(), buf.data_ptr() + offset, world, b, run, run, world * run, chunk_bytes, run)
-        )
+    chunk, offset, segments = sum(numels) * es, 0, []
+    for t, n in zip(tensors, numels):
+        b, s, h, d = t.shape
+        run = (s // world) * h * d * es  # a = destination p, b = batch row: one sequence chunk
+        segments.append((t.data_ptr(), buf.data_ptr() + offset, world, b, run, run, world * run, chunk, run))
         offset += n * es
-    _run_block_transpose(first.device, segments)
+    _launch(first.device, "block_transpose", host, segments)
     return buf
 
 
@@ -457,26 +503,21 @@ def ext_ulysses_unpack_reverse(
     world: int,
     shapes: Sequence[Sequence[int]],
     outs: Sequence[torch.Tensor] | None = None,
+    *,
+    host_emulation: bool = False,
 ) -> list[torch.Tensor]:
     """Received [world, D] -> [b, S/world, world*h_t, d_t] per segment; ``shapes``: what every rank packed."""
-    op = "ulysses_unpack_reverse"
-    numels = ulysses_piece_numels(shapes, world, 1, op)
-    _check_recv(recv, world, numels, op)
+    op, host = "ulysses_unpack_reverse", host_emulation
+    numels, outs = _unpack_inputs(recv, world, shapes, 1, outs, op, host)
     es = recv.element_size()
-    chunk_bytes = sum(numels) * es
-    outs = list(outs) if outs is not None else [None] * len(shapes)
-    if len(outs) != len(shapes):
-        raise ValueError(f"{op}: pass one out tensor per shape ({len(shapes)}), got {len(outs)}")
-    results, segments, offset = [], [], 0
+    chunk, offset, segments, results = sum(numels) * es, 0, [], []
     for (b, s, h, d), n, out in zip(shapes, numels, outs):
-        shape = (b, s // world, world * h, d)
-        x = torch.empty(shape, dtype=recv.dtype, device=recv.device) if out is None else out
-        _check_out(x, shape, recv.dtype, recv.device, op)
-        c = h * d * es  # one token's heads from one source
+        x = _unpack_output(out, (b, s // world, world * h, d), recv, op, host)
+        c = h * d * es  # a = token (b*s/world of them), b = source p: one source's head group
         segments.append(
-            (recv.data_ptr() + offset, x.data_ptr(), b * (s // world), world, c, c, chunk_bytes, world * c, c)
+            (recv.data_ptr() + offset, x.data_ptr(), b * (s // world), world, c, c, chunk, world * c, c)
         )
         results.append(x)
         offset += n * es
-    _run_block_transpose(recv.device, segments)
+    _launch(recv.device, "block_transpose", host, segments)
     return results
