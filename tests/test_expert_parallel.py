@@ -116,8 +116,9 @@ def check_not_divisible_error() -> str:
     return "no error"
 
 
-def check_ep_times_fsdp(num_experts, top_k) -> dict:
-    """EP=2 x FSDP=2 on 4 ranks: mesh ("ep_fsdp", "ep"), experts sharded by fully_shard over ep_fsdp."""
+def check_ep_times_fsdp(num_experts, top_k, as_dtensor) -> dict:
+    """EP=2 x FSDP=2 on 4 ranks: mesh ("ep_fsdp", "ep"), experts sharded by fully_shard over ep_fsdp;
+    as_dtensor: the experts are first DTensors over "ep" (2-D sharding, global [E, ...] shapes)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule
 
@@ -132,6 +133,8 @@ def check_ep_times_fsdp(num_experts, top_k) -> dict:
     (ref(x_ref) * grad).sum().backward()
 
     ep = _build(num_experts, top_k, None, ep_group=mesh.get_group("ep"), seed=3)
+    if as_dtensor:
+        ep.experts.distribute_over(mesh["ep"])
     holder = torch.nn.ModuleDict({"moe": ep})
     assert shard_experts_with_fsdp(holder, mesh) == 1
     assert isinstance(ep.experts, FSDPModule)
@@ -143,17 +146,25 @@ def check_ep_times_fsdp(num_experts, top_k) -> dict:
     ep_group = mesh.get_group("ep")
     for name in ("gate_proj", "up_proj", "down_proj"):
         # The reduce-scatter divides by ep_fsdp * ep = 4 (the data-parallel mean); undo it.
-        local = getattr(ep.experts, name).grad.full_tensor() * world
-        gathered = [torch.empty_like(local) for _ in range(mesh["ep"].size())]
-        dist.all_gather(gathered, local.contiguous(), group=ep_group)
-        report[name] = _rel_err(torch.cat(gathered), _expert_grads(ref)[name])
+        full = getattr(ep.experts, name).grad.full_tensor() * world
+        if not as_dtensor:  # full_tensor() gathered ep_fsdp only: this EP rank's experts
+            gathered = [torch.empty_like(full) for _ in range(mesh["ep"].size())]
+            dist.all_gather(gathered, full.contiguous(), group=ep_group)
+            full = torch.cat(gathered)
+        report[name] = _rel_err(full, _expert_grads(ref)[name])
+    if as_dtensor:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        sd = get_model_state_dict(holder, options=StateDictOptions(full_state_dict=True))
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            report[f"state_dict {name}"] = _rel_err(sd[f"moe.experts.{name}"], getattr(ref.experts, name))
     gate_grad = ep.gate.weight.grad.clone()
     dist.all_reduce(gate_grad)
     report["gate_grad"] = _rel_err(gate_grad, ref.gate.weight.grad)
     return report
 
 
-def check_plan_on_qwen3_moe_model(num_experts) -> dict:
+def check_plan_on_qwen3_moe_model(num_experts, use_mesh) -> dict:
     """apply_expert_parallel on the xorl Qwen3-MoE model: logits and every gradient equal the
     unmodified model's on all ranks' tokens."""
     import transformers
@@ -182,7 +193,13 @@ def check_plan_on_qwen3_moe_model(num_experts) -> dict:
     ref = build_model(config)
     torch.manual_seed(0)
     model = build_model(config)
-    replaced = apply_expert_parallel(model, dist.group.WORLD)
+    if use_mesh:  # expert weights become DTensors over the 1-D "ep" mesh
+        from torch.distributed.device_mesh import init_device_mesh
+
+        ep = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    else:
+        ep = dist.group.WORLD
+    replaced = apply_expert_parallel(model, ep)
     gen = torch.Generator().manual_seed(2)
     ids = torch.randint(0, 97, (world, 6), generator=gen)
     grad = torch.randn(world, 6, 97, generator=gen)
@@ -196,7 +213,9 @@ def check_plan_on_qwen3_moe_model(num_experts) -> dict:
     ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():
         g = p.grad.clone()
-        if ".experts." in name:
+        if use_mesh and ".experts." in name:
+            g = g.full_tensor()
+        elif ".experts." in name:
             parts = [torch.empty_like(g) for _ in range(world)]
             dist.all_gather(parts, g.contiguous())
             g = torch.cat(parts)
@@ -255,9 +274,9 @@ def test_ep_matches_single_process(gloo_world, world_size):
     assert all("not divisible" in e for e in errors), errors
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_plan_swaps_model_blocks_and_keeps_parity(gloo_world, world_size):
-    reports = gloo_world(world_size).run(check_plan_on_qwen3_moe_model, 4, timeout_s=120)
+@pytest.mark.parametrize("world_size,use_mesh", [(2, False), (4, True)])
+def test_plan_swaps_model_blocks_and_keeps_parity(gloo_world, world_size, use_mesh):
+    reports = gloo_world(world_size).run(check_plan_on_qwen3_moe_model, 4, use_mesh, timeout_s=120)
     for rank, rep in enumerate(reports):
         assert rep.pop("replaced") == ["model.layers.0.mlp", "model.layers.1.mlp"]
         for key, value in rep.items():
@@ -266,7 +285,8 @@ def test_plan_swaps_model_blocks_and_keeps_parity(gloo_world, world_size):
 
 def test_ep2_times_fsdp2(gloo_world):
     world = gloo_world(4)
-    reports = world.run(check_ep_times_fsdp, 8, 2, timeout_s=120)
+    reports = world.run(check_ep_times_fsdp, 8, 2, False, timeout_s=120)
+    reports += world.run(check_ep_times_fsdp, 8, 2, True, timeout_s=120)
     for rank, rep in enumerate(reports):
         for key, value in rep.items():
             assert value < 1e-5, (rank, key, rep)

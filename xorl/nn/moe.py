@@ -10,7 +10,11 @@ State-dict names follow the xorl / HF Qwen3-MoE block so checkpoints load unchan
     gate.e_score_correction_bias                            (only with expert_bias=True)
 
 With an EP group of size ep the module holds only this rank's E/ep experts; loading a state dict
-with the full [E, ...] expert tensors slices out the local experts automatically.
+with the full [E, ...] expert tensors slices out the local experts automatically. After
+``moe.experts.distribute_over(ep_mesh["ep"])`` (what ``apply_expert_parallel`` does when given the
+EP DeviceMesh) the expert weights are DTensors of global shape [E, ...] sharded on dim 0, so
+``state_dict()`` / DCP checkpoints see every expert once, under one name, and ``full_tensor()``
+of a gradient is the full [E, ...] gradient.
 
 ``forward(hidden_states [..., hidden]) -> [..., hidden]`` (the same tensor shape, like
 ``transformers``' ``Qwen3MoeSparseMoeBlock``). The auxiliary losses of the last forward are kept on
@@ -30,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from xorl.nn.expert_parallel import expert_parallel_moe
 from xorl.nn.moe_experts import GroupedExperts
@@ -170,7 +175,14 @@ class MoE(nn.Module):
         for name in _EXPERT_PARAMS:
             key = f"{prefix}experts.{name}"
             value = state_dict.get(key)
-            if value is not None and value.shape[0] == self.num_experts != self.num_local_experts:
+            if value is None or isinstance(value, DTensor) or value.shape[0] != self.num_experts:
+                continue
+            param = getattr(self.experts, name)
+            if isinstance(param, DTensor):
+                if param.device_mesh.ndim == 1:  # experts distributed over the EP mesh only
+                    state_dict[key] = DTensor.from_local(value[first:last], param.device_mesh, param.placements)
+                # Further sharded (FSDP): load with torch.distributed.checkpoint's set_model_state_dict.
+            elif self.num_experts != self.num_local_experts:
                 state_dict[key] = value[first:last]
 
     @torch.no_grad()

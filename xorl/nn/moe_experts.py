@@ -15,8 +15,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from xorl_kernels.grouped_gemm import grouped_gemm
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    """This rank's experts: the local shard when the weight is a DTensor sharded over the EP mesh
+    (differentiable: the gradient comes back as a DTensor with the same placement)."""
+    return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
 def swiglu_experts(x_sorted, gate_proj, up_proj, down_proj, tokens_per_expert):
@@ -47,6 +54,21 @@ class GroupedExperts(nn.Module):
         for p in (self.gate_proj, self.up_proj, self.down_proj):
             nn.init.normal_(p, std=std)
 
+    def distribute_over(self, ep_mesh) -> None:
+        """Turn the local expert weights into DTensors of global shape [E, ...] sharded on dim 0 over
+        the 1-D EP mesh (rank r of the mesh holds experts [r*E_local, (r+1)*E_local)). Forward uses the
+        local shard; FSDP2 over the ep_fsdp dim of the same parent mesh composes with it (2-D)."""
+        from torch.distributed.tensor import Shard
+
+        if ep_mesh.ndim != 1:
+            raise ValueError(f"distribute_over needs the 1-D EP mesh (ep_mesh['ep']), got a {ep_mesh.ndim}-D mesh")
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            local = getattr(self, name)
+            if isinstance(local, DTensor):
+                raise RuntimeError(f"experts.{name} is already a DTensor; distribute_over runs once")
+            dt = DTensor.from_local(local.detach(), ep_mesh, [Shard(0)], run_check=False)
+            setattr(self, name, nn.Parameter(dt, requires_grad=local.requires_grad))
+
     def forward(self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x_sorted [N, hidden] grouped by local expert, tokens_per_expert [num_experts] -> [N, hidden]."""
         if tokens_per_expert.shape != (self.num_experts,):
@@ -54,7 +76,8 @@ class GroupedExperts(nn.Module):
                 f"tokens_per_expert must be [{self.num_experts}] (one count per local expert), "
                 f"got {tuple(tokens_per_expert.shape)}"
             )
-        return swiglu_experts(x_sorted, self.gate_proj, self.up_proj, self.down_proj, tokens_per_expert)
+        weights = [_local(w) for w in (self.gate_proj, self.up_proj, self.down_proj)]
+        return swiglu_experts(x_sorted, *weights, tokens_per_expert)
 
     def extra_repr(self) -> str:
         return (

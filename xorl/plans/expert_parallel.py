@@ -6,6 +6,11 @@ sparse block) by an ``xorl.nn.MoE`` holding only this rank's ``num_experts / ep_
 copying the router, the local experts and the shared expert. ``ep`` is the EP process group or the
 EP DeviceMesh (``ParallelState.ep_mesh``, dims ("ep_fsdp", "ep"); its "ep" dim is used).
 
+Prefer the mesh: the expert weights then become DTensors of global shape [E, ...] sharded over
+"ep" (``GroupedExperts.distribute_over``), so checkpoints (DCP) and gradient-norm clipping see each
+expert exactly once. With a plain group they stay local [E/ep, ...] tensors that share one
+parameter name across EP ranks: a DCP save would then keep only one rank's experts.
+
 Every rank of an EP group must call it (the blocks must hold the same full weights on each rank,
 e.g. loaded from the same checkpoint or initialised with the same seed). A model built on the meta
 device stays on meta (nothing to copy); initialise it afterwards with ``model.init_weights()``.
@@ -34,6 +39,14 @@ def _ep_group(ep) -> dist.ProcessGroup | None:
     raise TypeError(f"ep must be a ProcessGroup or a DeviceMesh with an 'ep' dim (ParallelState.ep_mesh), got {ep!r}")
 
 
+def _ep_dim_mesh(ep):
+    """The 1-D "ep" mesh when ``ep`` is a DeviceMesh, else None (a plain group: local tensors)."""
+    if ep is None or isinstance(ep, dist.ProcessGroup):
+        return None
+    names = getattr(ep, "mesh_dim_names", None)
+    return ep["ep"] if names and "ep" in names and ep.ndim > 1 else ep
+
+
 def is_sparse_moe_block(module: nn.Module) -> bool:
     """A block with a router ``gate`` and an ``experts`` container (xorl or transformers layout)."""
     if isinstance(module, MoE):
@@ -51,6 +64,7 @@ def apply_expert_parallel(model: nn.Module, ep, **moe_overrides) -> list[str]:
     ``moe_overrides`` are passed to ``MoE.from_block`` (e.g. ``aux_loss_coef``, ``expert_bias``).
     """
     group = _ep_group(ep)
+    ep_dim_mesh = _ep_dim_mesh(ep)
     ep_size = 1 if group is None else dist.get_world_size(group)
     targets = [(name, module) for name, module in model.named_modules() if is_sparse_moe_block(module)]
     if not targets:
@@ -61,6 +75,8 @@ def apply_expert_parallel(model: nn.Module, ep, **moe_overrides) -> list[str]:
     replaced = []
     for name, block in targets:
         moe = MoE.from_block(block, ep_group=group, **moe_overrides)
+        if ep_dim_mesh is not None and ep_size > 1:
+            moe.experts.distribute_over(ep_dim_mesh)
         if moe.num_experts % ep_size:  # MoE checks too; this names the layer
             raise ValueError(f"{name}: num_experts={moe.num_experts} is not divisible by EP size {ep_size}")
         moe.train(block.training)
