@@ -232,7 +232,7 @@ def test_fsdp2_x_tp_adamw_clip_and_dcp_match_single_process(gloo_world, tmp_path
             assert l_err <= TOL, f"rank {rank} step {step}: loss rel err {l_err:.2e}"
             assert n_err <= TOL, f"rank {rank} step {step}: clip total norm rel err {n_err:.2e}"
         for name, err in r["params"].items():
-            assert err <= 1e-4, f"rank {rank}: parameter {name} after AdamW steps rel err {err:.2e}"
+            assert err <= 2e-5, f"rank {rank}: parameter {name} after AdamW steps rel err {err:.2e}"
         assert r["dcp_before"] > 0.1  # the fresh model really differed before loading
         assert r["dcp_logits"] <= TOL, f"rank {rank}: DCP reload logits rel err {r['dcp_logits']:.2e}"
 
@@ -270,3 +270,33 @@ def test_plan_errors_are_clear(gloo_world):
     assert m["merge_qkv"] and "merge_qkv: false" in m["merge_qkv"]
     assert m["not_causal_lm"] and "HF-style causal LM" in m["not_causal_lm"]
     assert m["seq"] and "pad" in m["seq"]
+
+
+def check_meta_build_then_init() -> dict:
+    """Build on meta, apply TP, to_empty, init_weights: a usable init, identical on every rank."""
+    from xorl.models.registry import build_model
+    from xorl.plans.tensor_parallel import apply_tensor_parallel
+
+    with torch.device("meta"):
+        model = build_model(llama_config(tie=True))
+    apply_tensor_parallel(model, tp_mesh(2), sequence_parallel=True, overlap_min_numel=0)
+    model.to_empty(device="cpu")
+    torch.manual_seed(5)
+    model.init_weights()
+    full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in model.named_parameters()}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, full)
+    spread = max((g[n] - full[n]).abs().max().item() for g in gathered for n in full)
+    return {"spread": spread, "std": {n: t.std().item() for n, t in full.items()},
+            "tied": model.lm_head.weight is model.model.embed_tokens.weight}
+
+
+def test_meta_build_tp_then_init_weights(gloo_world):
+    world = gloo_world(4)
+    r = world.run(check_meta_build_then_init)[0]
+    assert r["spread"] == 0.0 and r["tied"]
+    for name, std in r["std"].items():
+        if "norm" in name:
+            assert std == 0.0, name  # ones
+        else:
+            assert 0.015 < std < 0.025, (name, std)  # normal(0, initializer_range=0.02)

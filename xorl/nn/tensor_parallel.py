@@ -128,6 +128,20 @@ class _TPLinearBase(nn.Module):
         self.load_full_(full_w, full_b)
 
     @torch.no_grad()
+    def init_weights(self, std: float) -> None:
+        """normal(0, std) weight and zero bias, as the models' ``init_weights`` does for nn.Linear.
+
+        The full matrix is drawn, then sharded, so a model built on the meta device, made tensor
+        parallel and initialised gets the same values as the same model initialised in one process.
+        """
+        local_w = self.weight.to_local()
+        full_w = torch.empty(self.out_features, self.in_features, device=local_w.device, dtype=local_w.dtype)
+        torch.nn.init.normal_(full_w, mean=0.0, std=std)
+        full_b = None if self.bias is None else torch.zeros(self.out_features, device=local_w.device,
+                                                            dtype=local_w.dtype)
+        self.load_full_(full_w, full_b)
+
+    @torch.no_grad()
     def load_full_(self, full_weight: torch.Tensor, full_bias: torch.Tensor | None = None) -> None:
         """Copy this rank's shard of the full (unsharded) weight / bias into the parameters."""
         if tuple(full_weight.shape) != (self.out_features, self.in_features):
