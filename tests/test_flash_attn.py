@@ -217,12 +217,13 @@ def test_triton_varlen_uneven(poisoned):
         assert torch.isneginf(lse[:, 41:44]).all() and (out[41:44] == 0).all()
 
 
-@pytest.mark.parametrize("q_rank,k_rank", [(1, 1), (0, 1)])
-def test_triton_zigzag_step(poisoned, q_rank, k_rank):
-    """One ring step of zig-zag CP (P=2): q of one rank against k/v of another, true positions."""
+@pytest.mark.parametrize("q_rank,k_rank,docs", [(1, 1, [32, 16]), (0, 1, [32, 16]), (1, 0, [128, 64])])
+def test_triton_zigzag_step(poisoned, q_rank, k_rank, docs):
+    """One ring step of zig-zag CP (P=2): q of one rank against k/v of another, true positions.
+    Long chunks ([128, 64]) give mask-free, masked and skipped tiles in one launch."""
     torch.manual_seed(4)
-    docs, world = [32, 16], 2
-    full_q, full_k, full_v = torch.randn(48, 2, 16), torch.randn(48, 1, 16), torch.randn(48, 1, 16)
+    world, total = 2, sum(docs)
+    full_q, full_k, full_v = torch.randn(total, 2, 16), torch.randn(total, 1, 16), torch.randn(total, 1, 16)
     iq, pos_q, cu = zigzag_shard_meta(docs, world, q_rank)
     ik, pos_k, _ = zigzag_shard_meta(docs, world, k_rank)
     out, lse, _ = run_packed_case(
@@ -230,6 +231,17 @@ def test_triton_zigzag_step(poisoned, q_rank, k_rank):
     )
     if (q_rank, k_rank) == (0, 1):  # chunk 0 of each document precedes all of rank 1's keys
         assert torch.isneginf(lse[:, :8]).all() and (out[:8] == 0).all()
+
+
+def test_triton_arbitrary_positions(poisoned):
+    """Unsorted positions with repeats and gaps: the loop bounds derived from positions stay exact."""
+    torch.manual_seed(8)
+    cu_q = torch.tensor([0, 50, 90], dtype=torch.int32)
+    cu_k = torch.tensor([0, 70, 100], dtype=torch.int32)
+    q, k, v = torch.randn(90, 2, 16), torch.randn(100, 2, 16), torch.randn(100, 2, 16)
+    pos_q = torch.cat([torch.randint(0, 60, (50,)), torch.randint(0, 30, (40,))]).int()
+    pos_k = torch.cat([torch.sort(torch.randint(0, 60, (70,))).values, torch.randint(10, 40, (30,))]).int()
+    run_packed_case("triton", torch.float32, q, k, v, cu_q, cu_k, True, pos_q, pos_k)
 
 
 def test_triton_bf16(poisoned):

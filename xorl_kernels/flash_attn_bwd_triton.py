@@ -34,9 +34,12 @@ from .flash_attn_triton_common import (
     block_head_dim,
     check_device,
     dot_precision,
+    end_of_pos_at_most,
+    first_pos_above,
     last_dim_contiguous,
     load_positions,
     load_tile,
+    scan_block,
     seq_bucket,
     store_tile,
     upcast_16bit,
@@ -105,7 +108,8 @@ def _flash_attn_bwd_dkdv_kernel(
     stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lse_h,
     sm_scale, sm_scale_log2, heads_kv, group, seq_bucket,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_POS: tl.constexpr,
-    ACCUMULATE: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ACCUMULATE: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, SCAN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_dh = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -130,55 +134,56 @@ def _flash_attn_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
-    if HAS_POS:
-        k_lo = tl.min(tl.where(n_valid, k_pos, POS_HIGH))
-    else:
-        # Causal by index: rows before this key block's first key see none of it; rows at or past
-        # its last key see all of it (no mask needed there, except the final partial row block).
-        if IS_CAUSAL:
-            first_row = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M
-            diag_end = tl.minimum(tl.cdiv((pid_n + 1) * BLOCK_N, BLOCK_M) * BLOCK_M, q_len)
+    # Query rows [lo, mid) need the mask (rows before lo see none of this key block), rows
+    # [mid, full_hi) see all of it (mask-free), and the last partial row block is masked again.
+    if IS_CAUSAL:
+        if HAS_POS:
+            k_lo = tl.min(tl.where(n_valid, k_pos, POS_HIGH))
+            k_hi = tl.max(tl.where(n_valid, k_pos, POS_LOW))
+            lo = (first_pos_above(QPOS, q_start, q_len, k_lo - 1, SCAN) // BLOCK_M) * BLOCK_M
+            mid = tl.cdiv(end_of_pos_at_most(QPOS, q_start, q_len, k_hi - 1, SCAN), BLOCK_M) * BLOCK_M
         else:
-            first_row = 0
-            diag_end = 0
-        full_end = tl.maximum((q_len // BLOCK_M) * BLOCK_M, diag_end)
-        # Full blocks also need every key of this block in bounds.
-        full_end = tl.where((pid_n + 1) * BLOCK_N <= k_len, full_end, diag_end)
+            lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M
+            mid = tl.cdiv((pid_n + 1) * BLOCK_N, BLOCK_M) * BLOCK_M
+        mid = tl.minimum(tl.maximum(mid, lo), q_len)
+    else:
+        lo = 0
+        mid = 0
+    # Mask-free tiles also need every key of this block in bounds.
+    full_hi = tl.where((pid_n + 1) * BLOCK_N <= k_len, tl.maximum((q_len // BLOCK_M) * BLOCK_M, mid), mid)
 
     for g in range(0, group):
         head = kv_head * group + g
         Q_base = Q + q_start.to(tl.int64) * stride_qt + head * stride_qh
         DO_base = DO + q_start.to(tl.int64) * stride_dot + head * stride_doh
-        if HAS_POS:
-            for start_m in range(0, q_len, BLOCK_M):
+        for start_m in range(lo, mid, BLOCK_M):
+            if HAS_POS:
                 rows = start_m + offs_m_base
                 q_pos = load_positions(QPOS, q_start, rows, rows < q_len, True)
-                q_hi = tl.max(tl.where(rows < q_len, q_pos, POS_LOW))
-                if q_hi >= k_lo:
+                if tl.max(tl.where(rows < q_len, q_pos, POS_LOW)) >= k_lo:
                     dk, dv = _dkdv_block(
                         dk, dv, k, v, k_pos, n_valid, Q_base, DO_base, LSE, DELTA, QPOS, head, stride_lse_h,
                         q_start, start_m, q_len, stride_qt, stride_dot, sm_scale_log2, offs_m_base, offs_d,
-                        True, True, True, HEAD_DIM, BLOCK_D, DOT_PREC, UPCAST,
+                        True, IS_CAUSAL, HAS_POS, HEAD_DIM, BLOCK_D, DOT_PREC, UPCAST,
                     )
-        else:
-            for start_m in range(first_row, diag_end, BLOCK_M):
+            else:
                 dk, dv = _dkdv_block(
                     dk, dv, k, v, k_pos, n_valid, Q_base, DO_base, LSE, DELTA, QPOS, head, stride_lse_h,
                     q_start, start_m, q_len, stride_qt, stride_dot, sm_scale_log2, offs_m_base, offs_d,
-                    True, IS_CAUSAL, False, HEAD_DIM, BLOCK_D, DOT_PREC, UPCAST,
+                    True, IS_CAUSAL, HAS_POS, HEAD_DIM, BLOCK_D, DOT_PREC, UPCAST,
                 )
-            for start_m in range(diag_end, full_end, BLOCK_M):
-                dk, dv = _dkdv_block(
-                    dk, dv, k, v, k_pos, n_valid, Q_base, DO_base, LSE, DELTA, QPOS, head, stride_lse_h,
-                    q_start, start_m, q_len, stride_qt, stride_dot, sm_scale_log2, offs_m_base, offs_d,
-                    False, IS_CAUSAL, False, HEAD_DIM, BLOCK_D, DOT_PREC, UPCAST,
-                )
-            for start_m in range(full_end, q_len, BLOCK_M):
-                dk, dv = _dkdv_block(
-                    dk, dv, k, v, k_pos, n_valid, Q_base, DO_base, LSE, DELTA, QPOS, head, stride_lse_h,
-                    q_start, start_m, q_len, stride_qt, stride_dot, sm_scale_log2, offs_m_base, offs_d,
-                    True, IS_CAUSAL, False, HEAD_DIM, BLOCK_D, DOT_PREC, UPCAST,
-                )
+        for start_m in range(mid, full_hi, BLOCK_M):
+            dk, dv = _dkdv_block(
+                dk, dv, k, v, k_pos, n_valid, Q_base, DO_base, LSE, DELTA, QPOS, head, stride_lse_h,
+                q_start, start_m, q_len, stride_qt, stride_dot, sm_scale_log2, offs_m_base, offs_d,
+                False, IS_CAUSAL, HAS_POS, HEAD_DIM, BLOCK_D, DOT_PREC, UPCAST,
+            )
+        for start_m in range(full_hi, q_len, BLOCK_M):
+            dk, dv = _dkdv_block(
+                dk, dv, k, v, k_pos, n_valid, Q_base, DO_base, LSE, DELTA, QPOS, head, stride_lse_h,
+                q_start, start_m, q_len, stride_qt, stride_dot, sm_scale_log2, offs_m_base, offs_d,
+                True, IS_CAUSAL, HAS_POS, HEAD_DIM, BLOCK_D, DOT_PREC, UPCAST,
+            )
 
     DK_base = DK + k_start.to(tl.int64) * stride_dkt + kv_head * stride_dkh
     DV_base = DV + k_start.to(tl.int64) * stride_dvt + kv_head * stride_dvh
@@ -223,7 +228,8 @@ def _flash_attn_bwd_dq_kernel(
     stride_dqt, stride_dqh, stride_lse_h,
     sm_scale, sm_scale_log2, heads_q, group, seq_bucket,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_POS: tl.constexpr,
-    ACCUMULATE: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ACCUMULATE: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, SCAN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_dh = tl.program_id(0)
     pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
@@ -251,37 +257,41 @@ def _flash_attn_bwd_dq_kernel(
     q_pos = load_positions(QPOS, q_start, offs_m, m_valid, HAS_POS)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    if HAS_POS:
-        q_hi = tl.max(tl.where(m_valid, q_pos, POS_LOW))
-        for start_n in range(0, k_len, BLOCK_N):
+    # Loop bounds exactly as in the forward (see flash_attn_fwd_triton).
+    if IS_CAUSAL:
+        if HAS_POS:
+            q_lo = tl.min(tl.where(m_valid, q_pos, POS_HIGH))
+            q_hi = tl.max(tl.where(m_valid, q_pos, POS_LOW))
+            full_end = (first_pos_above(KPOS, k_start, k_len, q_lo, SCAN) // BLOCK_N) * BLOCK_N
+            end = end_of_pos_at_most(KPOS, k_start, k_len, q_hi, SCAN)
+        else:
+            full_end = (tl.minimum(pid_m * BLOCK_M + 1, k_len) // BLOCK_N) * BLOCK_N
+            end = tl.minimum(k_len, tl.minimum(q_len, (pid_m + 1) * BLOCK_M))
+    else:
+        full_end = (k_len // BLOCK_N) * BLOCK_N
+        end = k_len
+    # Padded query rows (past q_len) produce garbage only in rows that are never stored.
+    for start_n in range(0, full_end, BLOCK_N):
+        dq = _dq_block(
+            dq, q, do, lse, delta, q_pos, m_valid, K_base, V_base, KPOS, k_start, start_n, k_len,
+            stride_kt, stride_vt, sm_scale_log2, offs_n, offs_d,
+            False, IS_CAUSAL, HAS_POS, HEAD_DIM, BLOCK_D, DOT_PREC, UPCAST,
+        )
+    for start_n in range(full_end, end, BLOCK_N):
+        if HAS_POS:
             cols = start_n + offs_n
-            k_pos = load_positions(KPOS, k_start, cols, cols < k_len, True)
-            k_lo = tl.min(tl.where(cols < k_len, k_pos, POS_HIGH))
+            k_lo = tl.min(tl.where(cols < k_len, load_positions(KPOS, k_start, cols, cols < k_len, True), POS_HIGH))
             if k_lo <= q_hi:
                 dq = _dq_block(
                     dq, q, do, lse, delta, q_pos, m_valid, K_base, V_base, KPOS, k_start, start_n, k_len,
                     stride_kt, stride_vt, sm_scale_log2, offs_n, offs_d,
-                    True, True, True, HEAD_DIM, BLOCK_D, DOT_PREC, UPCAST,
+                    True, IS_CAUSAL, HAS_POS, HEAD_DIM, BLOCK_D, DOT_PREC, UPCAST,
                 )
-    else:
-        if IS_CAUSAL:
-            full_end = (tl.minimum(pid_m * BLOCK_M + 1, k_len) // BLOCK_N) * BLOCK_N
-            end = tl.minimum(k_len, tl.minimum(q_len, (pid_m + 1) * BLOCK_M))
         else:
-            full_end = (k_len // BLOCK_N) * BLOCK_N
-            end = k_len
-        # Padded query rows (past q_len) produce garbage only in rows that are never stored.
-        for start_n in range(0, full_end, BLOCK_N):
             dq = _dq_block(
                 dq, q, do, lse, delta, q_pos, m_valid, K_base, V_base, KPOS, k_start, start_n, k_len,
                 stride_kt, stride_vt, sm_scale_log2, offs_n, offs_d,
-                False, IS_CAUSAL, False, HEAD_DIM, BLOCK_D, DOT_PREC, UPCAST,
-            )
-        for start_n in range(full_end, end, BLOCK_N):
-            dq = _dq_block(
-                dq, q, do, lse, delta, q_pos, m_valid, K_base, V_base, KPOS, k_start, start_n, k_len,
-                stride_kt, stride_vt, sm_scale_log2, offs_n, offs_d,
-                True, IS_CAUSAL, False, HEAD_DIM, BLOCK_D, DOT_PREC, UPCAST,
+                True, IS_CAUSAL, HAS_POS, HEAD_DIM, BLOCK_D, DOT_PREC, UPCAST,
             )
 
     DQ_base = DQ + q_start.to(tl.int64) * stride_dqt + head * stride_dqh
@@ -373,7 +383,7 @@ def triton_backward(
         dv = common.alloc_output(v.shape, v.dtype, v.device)
     flags = dict(
         HEAD_DIM=head_dim, BLOCK_D=block_head_dim(head_dim), IS_CAUSAL=bool(causal), HAS_POS=has_pos,
-        DOT_PREC=dot_precision(q.dtype), UPCAST=upcast_16bit(q.dtype),
+        DOT_PREC=dot_precision(q.dtype), UPCAST=upcast_16bit(q.dtype), SCAN=scan_block(),
     )
 
     def grid_kv(meta):

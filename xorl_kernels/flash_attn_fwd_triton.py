@@ -6,9 +6,13 @@ blocks with the online softmax (exp2 domain, fp32 accumulators). Masking:
 - non-causal: only the document's own keys (the last, partial key block is bounds-masked);
 - causal without positions: key index <= query index inside the document; blocks left of the
   diagonal run without any mask, blocks right of it are never visited;
-- causal with positions (a zig-zag ring step): key visible iff k_pos <= q_pos. Each key block's
-  min position is compared with the query block's max position and fully masked blocks are
-  skipped, so both halves of a zig-zag step cost what their visible area costs.
+- causal with positions (a zig-zag ring step): key visible iff k_pos <= q_pos. The program
+  first scans the document's key positions (vectorised, SCAN at a time) for two bounds: keys
+  before the first k_pos > min(q_pos) run mask-free, keys after the last k_pos <= max(q_pos)
+  are never read; blocks in between are masked, and skipped when their min k_pos exceeds the
+  block's max q_pos. Correct for any positions; for zig-zag shards (positions ascending inside
+  each document) the masked range is just the diagonal, so a step costs what a monolithic
+  causal attention spends on the same tiles.
 
 Rows that see no key end with l = 0: out = 0 and lse = -inf (the running max is clamped to 0 for
 the exp so nothing turns into NaN).
@@ -33,9 +37,12 @@ from .flash_attn_triton_common import (
     block_head_dim,
     check_device,
     dot_precision,
+    end_of_pos_at_most,
+    first_pos_above,
     last_dim_contiguous,
     load_positions,
     load_tile,
+    scan_block,
     seq_bucket,
     store_tile,
     upcast_16bit,
@@ -89,7 +96,8 @@ def _flash_attn_fwd_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lse_h,
     sm_scale_log2, heads_q, group, seq_bucket,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_POS: tl.constexpr,
-    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, SCAN: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     pid_dh = tl.program_id(0)
     pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
@@ -117,37 +125,43 @@ def _flash_attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
 
-    if HAS_POS:
-        # Zig-zag step: visibility is decided per block from position ranges; no static diagonal.
-        q_hi = tl.max(tl.where(m_valid, q_pos, POS_LOW))
-        for start_n in range(0, k_len, BLOCK_N):
-            k_pos = load_positions(KPOS, k_start, start_n + offs_n, start_n + offs_n < k_len, True)
-            k_lo = tl.min(tl.where(start_n + offs_n < k_len, k_pos, POS_HIGH))
+    # Key range [0, full_end) is visible to every row (no mask); [full_end, end) needs the mask;
+    # keys past end are visible to no row of this block and are never read.
+    if IS_CAUSAL:
+        if HAS_POS:
+            q_lo = tl.min(tl.where(m_valid, q_pos, POS_HIGH))
+            q_hi = tl.max(tl.where(m_valid, q_pos, POS_LOW))
+            full_end = (first_pos_above(KPOS, k_start, k_len, q_lo, SCAN) // BLOCK_N) * BLOCK_N
+            end = end_of_pos_at_most(KPOS, k_start, k_len, q_hi, SCAN)
+        else:
+            full_end = (tl.minimum(pid_m * BLOCK_M + 1, k_len) // BLOCK_N) * BLOCK_N
+            end = tl.minimum(k_len, tl.minimum(q_len, (pid_m + 1) * BLOCK_M))
+    else:
+        full_end = (k_len // BLOCK_N) * BLOCK_N
+        end = k_len
+    for start_n in range(0, full_end, BLOCK_N):
+        acc, l_i, m_i = _fwd_block(
+            acc, l_i, m_i, q, q_pos, K_base, V_base, k_start, start_n, k_len, KPOS,
+            stride_kt, stride_vt, sm_scale_log2, offs_n, offs_d,
+            False, IS_CAUSAL, HAS_POS, HEAD_DIM, BLOCK_D, DOT_PREC, UPCAST,
+        )
+    for start_n in range(full_end, end, BLOCK_N):
+        if HAS_POS:
+            # Arbitrary positions: a block in the masked range may still be fully masked; skip it.
+            # (Zig-zag shards keep positions sorted per document, so this range is the diagonal.)
+            cols = start_n + offs_n
+            k_lo = tl.min(tl.where(cols < k_len, load_positions(KPOS, k_start, cols, cols < k_len, True), POS_HIGH))
             if k_lo <= q_hi:
                 acc, l_i, m_i = _fwd_block(
                     acc, l_i, m_i, q, q_pos, K_base, V_base, k_start, start_n, k_len, KPOS,
                     stride_kt, stride_vt, sm_scale_log2, offs_n, offs_d,
-                    True, True, True, HEAD_DIM, BLOCK_D, DOT_PREC, UPCAST,
+                    True, IS_CAUSAL, HAS_POS, HEAD_DIM, BLOCK_D, DOT_PREC, UPCAST,
                 )
-    else:
-        if IS_CAUSAL:
-            # Keys <= the block's first row are visible to every row; keys past its last row to none.
-            full_end = (tl.minimum(pid_m * BLOCK_M + 1, k_len) // BLOCK_N) * BLOCK_N
-            end = tl.minimum(k_len, tl.minimum(q_len, (pid_m + 1) * BLOCK_M))
         else:
-            full_end = (k_len // BLOCK_N) * BLOCK_N
-            end = k_len
-        for start_n in range(0, full_end, BLOCK_N):
             acc, l_i, m_i = _fwd_block(
                 acc, l_i, m_i, q, q_pos, K_base, V_base, k_start, start_n, k_len, KPOS,
                 stride_kt, stride_vt, sm_scale_log2, offs_n, offs_d,
-                False, IS_CAUSAL, False, HEAD_DIM, BLOCK_D, DOT_PREC, UPCAST,
-            )
-        for start_n in range(full_end, end, BLOCK_N):
-            acc, l_i, m_i = _fwd_block(
-                acc, l_i, m_i, q, q_pos, K_base, V_base, k_start, start_n, k_len, KPOS,
-                stride_kt, stride_vt, sm_scale_log2, offs_n, offs_d,
-                True, IS_CAUSAL, False, HEAD_DIM, BLOCK_D, DOT_PREC, UPCAST,
+                True, IS_CAUSAL, HAS_POS, HEAD_DIM, BLOCK_D, DOT_PREC, UPCAST,
             )
 
     empty = l_i == 0.0
@@ -194,6 +208,6 @@ def triton_forward(
         out.stride(0), out.stride(1), lse.stride(0),
         softmax_scale * LOG2E, heads_q, heads_q // k.shape[1], seq_bucket(max_seqlen_k),
         HEAD_DIM=head_dim, BLOCK_D=block_head_dim(head_dim), IS_CAUSAL=bool(causal), HAS_POS=has_pos,
-        DOT_PREC=dot_precision(q.dtype), UPCAST=upcast_16bit(q.dtype),
+        DOT_PREC=dot_precision(q.dtype), UPCAST=upcast_16bit(q.dtype), SCAN=scan_block(),
     )
     return out, lse

@@ -106,3 +106,34 @@ def load_positions(POS, doc_start, offs, valid, HAS_POS: tl.constexpr):
     else:
         pos = offs
     return pos
+
+
+@triton.jit
+def first_pos_above(POS, start, length, threshold, SCAN: tl.constexpr):
+    """Smallest i in [0, length) with POS[start + i] > threshold, or length if there is none.
+
+    With it a block's loop bounds come from positions: every key before the first key with
+    k_pos > min(q_pos) is visible to every query row (mask-free tiles), whatever the positions.
+    """
+    result = length
+    for s in range(0, length, SCAN):
+        idx = s + tl.arange(0, SCAN)
+        pos = tl.load(POS + start + idx, mask=idx < length, other=POS_LOW)
+        result = tl.minimum(result, tl.min(tl.where(pos > threshold, idx, length)))
+    return result
+
+
+@triton.jit
+def end_of_pos_at_most(POS, start, length, threshold, SCAN: tl.constexpr):
+    """1 + the largest i in [0, length) with POS[start + i] <= threshold, or 0 if there is none."""
+    result = length * 0
+    for s in range(0, length, SCAN):
+        idx = s + tl.arange(0, SCAN)
+        pos = tl.load(POS + start + idx, mask=idx < length, other=POS_HIGH)
+        result = tl.maximum(result, tl.max(tl.where(pos <= threshold, idx + 1, 0)))
+    return result
+
+
+def scan_block() -> int:
+    """Positions read per step when a program derives its loop bounds from positions."""
+    return 64 if INTERPRET else 1024
