@@ -329,3 +329,63 @@ def test_triton_backward_accumulates(poisoned):
         assert ret is acc
         assert rel_err(g, r) < 1e-5
         assert rel_err(acc - start, r) < 1e-5
+
+
+# -- compiled Triton on a GPU (skipped on CPU) -----------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("head_dim", [64, 128, 96])
+def test_gpu_triton_zigzag_varlen(poisoned, dtype, head_dim):
+    """Autotuned kernels on CUDA: a zig-zag step over uneven packed documents, GQA, lse in the loss,
+    then the same step's backward accumulated into fp32 buffers (autotune must not double-add)."""
+    torch.manual_seed(9)
+    docs, world = [1024, 512, 256], 4
+    total = sum(docs)
+    q, k, v = torch.randn(total, 8, head_dim), torch.randn(total, 2, head_dim), torch.randn(total, 2, head_dim)
+    iq, pos_q, cu = zigzag_shard_meta(docs, world, 2)
+    ik, pos_k, _ = zigzag_shard_meta(docs, world, 1)
+    q, k, v = q[iq], k[ik], v[ik]
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    kw = dict(causal=True, cu_seqlens=cu.cuda(), q_positions=pos_q.cuda(), k_positions=pos_k.cuda())
+    leaves = [t.to("cuda", dtype).requires_grad_() for t in (q, k, v)]
+    out, lse = flash_attn_with_lse(*leaves, **kw)
+    w_out, w_lse = loss_weights(out.shape, lse.shape)
+    grads = torch.autograd.grad(finite_lse_loss(out, lse, w_out.cuda(), w_lse.cuda()), leaves)
+
+    ref_leaves = [t.to(dtype).to(F64).requires_grad_() for t in (q, k, v)]
+    doc, _ = token_meta(cu, None)
+    ref_out, ref_lse = naive_attention(*ref_leaves, doc, doc, pos_q.long(), pos_k.long(), True, head_dim**-0.5)
+    ref_grads = torch.autograd.grad(finite_lse_loss(ref_out, ref_lse, w_out, w_lse), ref_leaves)
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isneginf(lse.cpu()), ~finite)
+    assert rel_err(out.cpu(), ref_out) < tol and rel_err(lse.cpu()[finite], ref_lse[finite]) < tol
+    for g, ref in zip(grads, ref_grads):
+        assert rel_err(g.cpu(), ref) < tol
+
+    plain = [t.detach() for t in leaves]
+    do = w_out.to("cuda", dtype)
+    delta = flash_attn_bwd_preprocess(out.detach(), do) - w_lse.cuda().float()
+    starts = [torch.randn(t.shape, device="cuda") for t in plain]
+    accs = [s.clone() for s in starts]
+    flash_attn_backward(do, *plain, out.detach(), lse.detach(), delta, dq_accum=accs[0], dk_accum=accs[1],
+                        dv_accum=accs[2], **kw)
+    for acc, start, ref in zip(accs, starts, ref_grads):
+        assert rel_err((acc - start).cpu(), ref) < tol
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_triton_batched_vs_sdpa(causal):
+    torch.manual_seed(10)
+    q, k, v = (torch.randn(2, 1000, 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    out = flash_attn(q, k, v, causal=causal)
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    ref_in = [t.detach().double().transpose(1, 2).requires_grad_() for t in (q, k, v)]
+    ref = torch.nn.functional.scaled_dot_product_attention(*ref_in, is_causal=causal)
+    ref_grads = torch.autograd.grad(ref, ref_in, do.double().transpose(1, 2))
+    assert rel_err(out, ref.transpose(1, 2)) < 1e-2
+    for g, r in zip(grads, ref_grads):
+        assert rel_err(g, r.transpose(1, 2)) < 1e-2
