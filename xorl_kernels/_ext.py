@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -26,6 +27,30 @@ except ImportError as _err:  # not built: pure-Python install, or built for anot
     _IMPORT_ERROR: ImportError | None = _err
 else:
     _IMPORT_ERROR = None
+
+
+def _warn_if_stale() -> None:
+    """In a source checkout, say so when csrc/ changed after the extension was built: an editable
+    install does not rebuild it by itself."""
+    built = Path(_C.__file__)
+    csrc = Path(__file__).resolve().parent.parent / "csrc"
+    if not csrc.is_dir():
+        return
+    sources = [p for p in csrc.iterdir() if p.suffix in (".cu", ".cuh", ".cpp", ".h")]
+    newer = sorted(p.name for p in sources if p.stat().st_mtime > built.stat().st_mtime)
+    if newer:
+        warnings.warn(
+            f"xorl_kernels._C is older than csrc/{', csrc/'.join(newer)}; rebuild it with "
+            "`pip install -e . --no-deps` or `python setup.py build_ext --inplace`",
+            stacklevel=2,
+        )
+
+
+if _C is not None:
+    try:
+        _warn_if_stale()
+    except OSError:
+        pass
 
 _COMBINE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _ID_DTYPES = (torch.int32, torch.int64)
