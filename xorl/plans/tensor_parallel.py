@@ -28,6 +28,10 @@ after this one). Under SP the block's input is gathered to the full sequence and
 back (hooks installed on whatever module sits at ``layer.mlp`` at forward time, so an EP swap
 after this plan is covered). This costs TP-fold redundant MoE compute: prefer EP over TP there.
 
+Communication record: ``xorl.nn.tp_comm.overlap_report()`` after a step, keyed by module path:
+``model.layers.{i}.self_attn.qkv_proj`` / ``.o_proj`` and ``model.layers.{i}.mlp.gate_up_proj`` /
+``.down_proj`` (shared-input groups report under the group's name).
+
 Requirements: ``merge_qkv`` off (q, k, v separate), query and KV head counts divisible by TP,
 intermediate size divisible by TP, every rank holding the same full weights before the call
 (same seed or the same checkpoint), and under SP every sequence length divisible by TP.
