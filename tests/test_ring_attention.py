@@ -155,9 +155,19 @@ def _install_fake_flash_attn():
 
 
 def _flash_attn_backend_errors():
+    import sys
+
+    saved = {name: sys.modules.get(name) for name in ("flash_attn", "flash_attn.flash_attn_interface")}
     _install_fake_flash_attn()
-    group = dist.group.WORLD
-    return [run_case(RingAttention(group, causal=c[1], attn_backend="flash_attn"), c, group) for c in CASES]
+    try:
+        group = dist.group.WORLD
+        return [run_case(RingAttention(group, causal=c[1], attn_backend="flash_attn"), c, group) for c in CASES]
+    finally:  # the rank processes are reused: later checks (transformers) must not see the stand-in
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
 
 
 def test_flash_attn_package_backend_maps_zigzag_steps_to_varlen_calls(gloo_world):
