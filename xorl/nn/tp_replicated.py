@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 
-import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
@@ -84,23 +83,3 @@ def replicate_on_tp(module: nn.Module, tp_mesh, tp: TPGroup, sum_grads: bool,
 
 def is_replicated_on_tp(module: nn.Module) -> bool:
     return bool(getattr(module, _WRAPPED_FLAG, False))
-
-
-def tp_grad_sum_modules(model: nn.Module) -> list[str]:
-    """Names of the modules whose replicated parameters have their gradients summed over TP."""
-    return [n for n, m in model.named_modules() if is_replicated_on_tp(m) and m._xorl_tp_sum_grads]
-
-
-@torch.no_grad()
-def check_replicated_in_sync(model: nn.Module, tp: TPGroup) -> float:
-    """Largest |difference| between this rank's replicated parameters and TP rank 0's (debugging aid)."""
-    import torch.distributed as dist
-
-    worst = 0.0
-    for p in model.parameters():
-        if isinstance(p, DTensor) and all(isinstance(pl, Replicate) for pl in p.placements[-1:]):
-            local = p.to_local().detach().clone()
-            ref = local.clone()
-            dist.broadcast(ref, dist.get_global_rank(tp.group, 0), group=tp.group)
-            worst = max(worst, (local - ref).abs().max().item() if local.numel() else 0.0)
-    return worst
