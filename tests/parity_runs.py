@@ -58,3 +58,44 @@ def weights_rel_diff(a: dict, b: dict) -> float:
     num = sum(float((a[k].double() - b[k].double()).norm() ** 2) for k in a)
     den = sum(float(b[k].double().norm() ** 2) for k in b)
     return (num / den) ** 0.5
+
+
+def train_losses(config: Config, stop_at: int | None = None) -> list[float]:
+    """Run the trainer (stopping early after ``stop_at`` steps); return the losses of its steps."""
+    from xorl.trainer import Trainer
+
+    return [r.loss for r in Trainer(config).train(stop_at)]
+
+
+def train_with_nan_at(config: Config, bad_step: int) -> str:
+    """Make the loss NaN at ``bad_step``; return the error message the trainer stops with."""
+    import xorl.trainer as trainer_module
+
+    original = trainer_module.token_loss_sum
+    trainer = trainer_module.Trainer(config)
+
+    def poisoned(logits, labels):
+        out = original(logits, labels)
+        return out * float("nan") if trainer.step == bad_step else out
+
+    trainer_module.token_loss_sum = poisoned
+    try:
+        trainer.train()
+    except trainer_module.NonFiniteLossError as err:
+        return str(err)
+    finally:
+        trainer_module.token_loss_sum = original
+    raise AssertionError("the trainer did not stop on a NaN loss")
+
+
+def train_with_rank_dying(config: Config, dying_rank: int, at_step: int) -> None:
+    """Rank ``dying_rank`` exits abruptly at ``at_step``; the others must fail, not hang."""
+    import os
+
+    from xorl.trainer import Trainer
+
+    trainer = Trainer(config)
+    while trainer.step < config.train.max_steps:
+        if trainer.step == at_step and dist.get_rank() == dying_rank:
+            os._exit(17)
+        trainer.train_step()

@@ -95,9 +95,28 @@ def save_checkpoint(output_dir: str, step: int, models: list[torch.nn.Module],
     return final
 
 
+@torch.no_grad()
+def _materialise_optimizer_state(models, optimizers) -> None:
+    """Create Adam's moment tensors (a step with zero gradients at lr 0) so DCP has slots to load into."""
+    for model, optim in zip(models, optimizers):
+        if optim.state:
+            continue
+        lrs = [group["lr"] for group in optim.param_groups]
+        for group in optim.param_groups:
+            group["lr"] = 0.0
+        for p in model.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        for group, lr in zip(optim.param_groups, lrs):
+            group["lr"] = lr
+
+
 def load_checkpoint(path: str, models: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer],
                     extra_template: dict) -> dict:
     """Load into the (already parallelised) models and optimizers; return the saved ``extra``."""
+    _materialise_optimizer_state(models, optimizers)
     model_sd, optim_sd = _state(models, optimizers)
     state = {"extra": dict(extra_template), "model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)

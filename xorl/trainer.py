@@ -113,7 +113,8 @@ class Trainer:
         path = resume if isinstance(resume, str) else latest_checkpoint(self.config.train.output_dir)
         if path is None:
             return
-        extra = load_checkpoint(path, [self.model], [self.optimizer], {"step": 0, "scheduler": {}})
+        template = {"step": 0, "scheduler": self.scheduler.state_dict()}  # DCP loads the keys it is given
+        extra = load_checkpoint(path, [self.model], [self.optimizer], template)
         self.step = int(extra["step"])
         self.scheduler.load_state_dict(extra["scheduler"])
 
@@ -187,12 +188,15 @@ class Trainer:
         return result
 
     # -- the loop --------------------------------------------------------------------------
-    def train(self) -> list[StepResult]:
+    def train(self, stop_at: int | None = None) -> list[StepResult]:
+        """Run to ``train.max_steps``, or stop early after step ``stop_at`` (as a preempted job would;
+        the learning-rate schedule still follows max_steps)."""
         train = self.config.train
+        last = train.max_steps if stop_at is None else min(stop_at, train.max_steps)
         logger = MetricsLogger(train.output_dir, train.max_steps, self.step, enabled=self.rank == 0)
         results = []
         try:
-            while self.step < train.max_steps:
+            while self.step < last:
                 t0 = time.perf_counter()
                 result = self.train_step()
                 dt = time.perf_counter() - t0

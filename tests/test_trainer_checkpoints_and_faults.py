@@ -1,0 +1,91 @@
+"""Trainer checkpoints (resume = uninterrupted, across a layout change, atomic saves) and faults."""
+
+import os
+import time
+
+import pytest
+
+import xorl.checkpoint as ckpt
+from tests.parity_runs import (
+    max_rel_diff,
+    tiny_config,
+    train_losses,
+    train_with_nan_at,
+    train_with_rank_dying,
+)
+from xorl.config_error import ConfigError
+from xorl.testing.multirank import GlooWorld, RankError
+from xorl.trainer import check_trainer_support
+
+FSDP2 = dict(data_parallel_shard_size=2, gradient_accumulation_steps=2)
+
+
+def test_resume_logs_the_same_losses_as_an_uninterrupted_run(gloo_world, tmp_path):
+    world = gloo_world(2)
+    full = world.run(train_losses, tiny_config(str(tmp_path / "full"), max_steps=6, **FSDP2))[0]
+    run = str(tmp_path / "stopped")
+    first = world.run(train_losses, tiny_config(run, max_steps=6, save_steps=3, **FSDP2), 3)[0]
+    assert ckpt.latest_checkpoint(run).endswith("step_00000003")
+    resumed = world.run(train_losses, tiny_config(run, max_steps=6, resume=True, **FSDP2))[0]
+    assert len(resumed) == 3
+    assert max_rel_diff(first + resumed, full) <= 1e-6
+
+
+def test_resume_across_a_layout_change(gloo_world, tmp_path):
+    """Saved under TP=2 (sequence parallel), resumed with FSDP only on the same 2 ranks."""
+    tp2 = dict(data_parallel_shard_size=1, tensor_parallel_size=2, sequence_parallel=True,
+               gradient_accumulation_steps=4)
+    world = gloo_world(2)
+    full = world.run(train_losses, tiny_config(str(tmp_path / "full"), max_steps=6, **FSDP2))[0]
+    run = str(tmp_path / "tp")
+    first = world.run(train_losses, tiny_config(run, max_steps=6, save_steps=3, **tp2), 3)[0]
+    resumed = world.run(train_losses, tiny_config(run, max_steps=6, resume=True, **FSDP2))[0]
+    assert max_rel_diff(first + resumed, full) <= 1e-5
+
+
+def test_a_crash_during_save_keeps_the_last_good_checkpoint(gloo_world, tmp_path, monkeypatch):
+    world = gloo_world(1)
+    run = str(tmp_path / "run")
+    world.run(train_losses, tiny_config(run, max_steps=4, save_steps=2), 2)
+    good = ckpt.latest_checkpoint(run)
+    files_before = sorted(os.listdir(good))
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full (planted)")
+
+    monkeypatch.setattr(ckpt.dcp, "save", crash)
+    import torch.distributed as dist
+
+    from xorl.distributed.init import init_distributed
+
+    os.environ.update(MASTER_PORT="29777")
+    init_distributed()
+    try:
+        with pytest.raises(OSError, match="planted"):
+            ckpt.save_checkpoint(run, 4, [], [], {"step": 4})
+    finally:
+        dist.destroy_process_group()
+    assert ckpt.latest_checkpoint(run) == good
+    assert sorted(os.listdir(good)) == files_before
+
+
+def test_nan_loss_stops_with_the_step_number(gloo_world, tmp_path):
+    world = gloo_world(2)
+    messages = world.run(train_with_nan_at, tiny_config(str(tmp_path), max_steps=5, **FSDP2), 3)
+    assert all("step 3" in m and "loss=nan" in m for m in messages)
+
+
+def test_a_dying_rank_makes_the_others_fail_not_hang(tmp_path):
+    with GlooWorld(2, timeout_s=120) as world:
+        start = time.monotonic()
+        with pytest.raises(RankError) as info:
+            world.run(train_with_rank_dying, tiny_config(str(tmp_path), max_steps=5, **FSDP2), 1, 2)
+        assert time.monotonic() - start < 100
+        assert "rank 1" in str(info.value)
+
+
+def test_layouts_the_trainer_cannot_run_are_refused_up_front(tmp_path):
+    with pytest.raises(ConfigError, match="pipeline_parallel_size"):
+        check_trainer_support(tiny_config(str(tmp_path), pipeline_parallel_size=2))
+    with pytest.raises(ConfigError, match="expert_parallel_size"):
+        check_trainer_support(tiny_config(str(tmp_path), "qwen3_moe", expert_parallel_size=2, save_steps=5))
