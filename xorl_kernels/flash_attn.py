@@ -8,7 +8,7 @@ Public (differentiable w.r.t. q, k, v):
 Lower level, no autograd (what ring attention calls once per step):
 
     out, lse = flash_attn_forward(q, k, v, ...)
-    delta = flash_attn_bwd_preprocess(out, do)     # rowsum(dO·O), once per backward
+    delta = flash_attn_bwd_preprocess(out, do)     # rowsum(dO·O) fp32, once per backward
     dq, dk, dv = flash_attn_backward(do, q, k, v, out, lse, delta, ...,
                                      dq_accum=None, dk_accum=None, dv_accum=None)
 
@@ -36,7 +36,14 @@ SDPA ``is_causal``). ``q_positions`` [total_q] / ``k_positions`` [total_k] (int3
 them — e.g. a zig-zag ring step holds two runs of each document per rank, and one call with
 their true positions computes both halves. In the batched layout positions may also be [seq]
 (shared by every batch row). A row that sees no key gets out = 0 and lse = -inf (never NaN),
-and its gradients are finite (zero).
+and its gradients are finite (zero). Without ``causal`` positions are ignored (documents still
+separate tokens).
+
+Cost: the Triton kernels derive each block's loop bounds from the positions, so keys visible to
+every row of a query block run mask-free and keys visible to none are never read. Any positions
+are correct; positions ascending inside each document (zig-zag shards are) make the masked part
+just the diagonal, so the P² steps of a zig-zag ring visit exactly the tiles of one monolithic
+causal attention (when chunk lengths are multiples of the block sizes).
 
 Gradients through lse
 ---------------------
