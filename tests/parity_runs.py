@@ -39,7 +39,7 @@ def train_and_report(config: Config) -> dict:
 
     trainer = Trainer(config)
     results = trainer.train()
-    full = full_state_dict(trainer.model, trainer.state.ep_group if trainer.state.ep_size > 1 else None)
+    full = full_state_dict(trainer.model)
     if dist.get_rank() != 0:
         return {}
     return {

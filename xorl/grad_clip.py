@@ -3,10 +3,10 @@
 Parameters live on different meshes (FSDP shards, TP shards, EP experts on the EP mesh) and,
 under pipeline parallelism, on different ranks altogether. The total norm is assembled from the
 squared norm of each parameter's gradient: a DTensor's norm is already global over its own mesh;
-a plain tensor is whole on this rank. Expert weights under expert parallelism are different
-experts on each EP rank, so their squares are summed over the EP group; pipeline stages hold
-disjoint parameters, so all squares are summed over the pipeline group. Every rank then scales
-by the same factor.
+a plain tensor is whole on this rank (expert weights under EP are DTensors of global shape
+[E, ...] sharded over "ep", so they are covered by the first case). Pipeline stages hold disjoint
+parameters, so the squares are summed over the pipeline group. Every rank then scales by the
+same factor.
 """
 
 from __future__ import annotations
@@ -35,18 +35,14 @@ def _sum_over(t: torch.Tensor, group) -> torch.Tensor:
 
 
 @torch.no_grad()
-def total_grad_norm(params, pp_group=None, expert_params=(), ep_group=None) -> torch.Tensor:
-    expert_ids = {id(p) for p in expert_params}
-    sq = _squared_norm(p for p in params if id(p) not in expert_ids)
-    if expert_ids:
-        sq = sq + _sum_over(_squared_norm(expert_params), ep_group)
-    return _sum_over(sq, pp_group).sqrt()
+def total_grad_norm(params, pp_group=None) -> torch.Tensor:
+    return _sum_over(_squared_norm(params), pp_group).sqrt()
 
 
 @torch.no_grad()
-def clip_grad_norm_(params, max_norm: float, pp_group=None, expert_params=(), ep_group=None) -> float:
+def clip_grad_norm_(params, max_norm: float, pp_group=None) -> float:
     params = [p for p in params if p.grad is not None]
-    norm = total_grad_norm(params, pp_group, list(expert_params), ep_group)
+    norm = total_grad_norm(params, pp_group)
     if max_norm > 0 and torch.isfinite(norm):
         scale = min(1.0, max_norm / (float(norm) + 1e-6))
         if scale < 1.0:

@@ -27,7 +27,9 @@ def parallelize_model(model: nn.Module, state, config) -> nn.Module:
     if getattr(config.model, "num_experts", 0):
         from xorl.plans.expert_parallel import apply_expert_parallel
 
-        apply_expert_parallel(model, state.ep_group if state.ep_size > 1 else None)
+        # The EP mesh (not just its group): expert weights become DTensors of global shape [E, ...]
+        # sharded over "ep", so checkpoints and norms see every expert exactly once.
+        apply_expert_parallel(model, state.ep_mesh if state.ep_size > 1 else None)
     if train.activation_checkpointing:
         apply_activation_checkpointing(model)
     if train.data_parallel_mode == "fsdp2":
@@ -71,16 +73,6 @@ def apply_fsdp(model: nn.Module, state, reshard_after_forward: bool = True, bf16
     for module in model.modules():
         if isinstance(module, FSDPModule):
             _sum_gradients(module)
-
-
-def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """Parameters that hold only this EP rank's experts (summed over the EP group for norms)."""
-    params = []
-    for layer in decoder_layers(model):
-        experts = getattr(getattr(_unwrap(layer), "mlp", None), "experts", None)
-        if experts is not None:
-            params.extend(experts.parameters())
-    return params
 
 
 def _expert_fsdp_mesh(state):

@@ -31,7 +31,7 @@ from xorl.loss import count_label_tokens, token_loss_sum
 from xorl.metrics import MetricsLogger
 from xorl.models.registry import build_model
 from xorl.optim import build_optimizer
-from xorl.parallelize import all_reduce_gradients, expert_parameters, parallelize_model
+from xorl.parallelize import all_reduce_gradients, parallelize_model
 
 
 class NonFiniteLossError(RuntimeError):
@@ -73,12 +73,6 @@ def check_trainer_support(config: Config) -> None:
             "train.pipeline_parallel_size > 1: the trainer does not run pipeline schedules yet; "
             "use pipeline_parallel_size: 1 (fold those ranks into data_parallel_shard_size)"
         )
-    if t.expert_parallel_size > 1 and (t.save_steps or t.resume or t.export_hf):
-        problems.append(
-            "train.expert_parallel_size > 1 with checkpoints (save_steps / resume / export_hf): each EP rank "
-            "holds different experts under one parameter name, which checkpoints do not gather yet; "
-            "set save_steps: 0, resume: false and export_hf: false, or expert_parallel_size: 1"
-        )
     if problems:
         raise ConfigError(problems)
 
@@ -95,7 +89,6 @@ class Trainer:
         self.rank = dist.get_rank()
         model = build_initial_model(config)
         self.model = parallelize_model(model.to(self.device), self.state, config)
-        self.expert_params = expert_parameters(self.model) if self.state.ep_size > 1 else []
         self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), config.train)
         self.dataset = PackedDataset(config.data, vocab_size=config.model.vocab_size)
         self.loader = MicrobatchLoader(
@@ -168,10 +161,7 @@ class Trainer:
                 dist.all_reduce(aux_sum, group=state.dp_cp_group)
         if self.config.train.data_parallel_mode != "fsdp2" and state.dp_cp_size > 1:
             all_reduce_gradients(self.model.parameters(), state.dp_cp_group)
-        grad_norm = clip_grad_norm_(
-            self.model.parameters(), self.config.train.max_grad_norm, state.pp_group,
-            expert_params=self.expert_params, ep_group=state.ep_group,
-        )
+        grad_norm = clip_grad_norm_(self.model.parameters(), self.config.train.max_grad_norm, state.pp_group)
         loss_value = float(loss_sum) / max(n_tok, 1)
         if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
             raise NonFiniteLossError(
