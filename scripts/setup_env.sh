@@ -16,7 +16,7 @@ fi
 . "$venv/bin/activate"
 
 # Reinstall when the project's install recipe changed since the last install.
-want="$(cat "$root/pyproject.toml" "$root/setup.py" "$root/CMakeLists.txt" 2>/dev/null | sha1sum | cut -c1-40)"
+want="$(cat "$root/pyproject.toml" "$root/setup.py" "$root/CMakeLists.txt" "$root"/csrc/* 2>/dev/null | sha1sum | cut -c1-40)"
 have="$(cat "$stamp" 2>/dev/null || true)"
 if [ "$want" != "$have" ]; then
   python -m pip install -q --upgrade pip
