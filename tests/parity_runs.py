@@ -39,7 +39,7 @@ def train_and_report(config: Config) -> dict:
 
     trainer = Trainer(config)
     results = trainer.train()
-    full = full_state_dict(trainer.model)
+    full = full_state_dict(trainer.parts, trainer.state.pp_group)
     if dist.get_rank() != 0:
         return {}
     return {

@@ -98,5 +98,5 @@ def test_a_dying_rank_makes_the_others_fail_not_hang(tmp_path):
 
 
 def test_layouts_the_trainer_cannot_run_are_refused_up_front(tmp_path):
-    with pytest.raises(ConfigError, match="pipeline_parallel_size"):
-        check_trainer_support(tiny_config(str(tmp_path), pipeline_parallel_size=2))
+    with pytest.raises(ConfigError, match="ringattn_parallel_size"):
+        check_trainer_support(tiny_config(str(tmp_path), pipeline_parallel_size=2, ringattn_parallel_size=2))

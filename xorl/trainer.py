@@ -32,6 +32,7 @@ from xorl.metrics import MetricsLogger
 from xorl.models.registry import build_model
 from xorl.optim import build_optimizer
 from xorl.parallelize import all_reduce_gradients, parallelize_model
+from xorl.pipeline import build_schedule, split_into_stages
 
 
 class NonFiniteLossError(RuntimeError):
@@ -68,10 +69,11 @@ def check_trainer_support(config: Config) -> None:
     """Layouts the config accepts but this trainer cannot run yet: refused before any process group."""
     t = config.train
     problems = []
-    if t.pipeline_parallel_size > 1:
+    if t.pipeline_parallel_size > 1 and t.ringattn_parallel_size > 1:
         problems.append(
-            "train.pipeline_parallel_size > 1: the trainer does not run pipeline schedules yet; "
-            "use pipeline_parallel_size: 1 (fold those ranks into data_parallel_shard_size)"
+            "train.pipeline_parallel_size > 1 with ringattn_parallel_size > 1: pipeline stages exchange "
+            "fixed-shape activations, but ring attention pads each document, so shard lengths vary per "
+            "microbatch; use ulysses_parallel_size for context parallelism under pipelining"
         )
     if problems:
         raise ConfigError(problems)
@@ -88,8 +90,18 @@ class Trainer:
         self.state = init_parallel_state(self.parallel_config, device_type=self.device.type)
         self.rank = dist.get_rank()
         model = build_initial_model(config)
-        self.model = parallelize_model(model.to(self.device), self.state, config)
-        self.optimizer, self.scheduler = build_optimizer(self.model.parameters(), config.train)
+        self.pipeline = None
+        if self.state.pp_size > 1:
+            stage_ids, stages, self.pp_inputs = split_into_stages(model, self.state, config)
+            del model
+            self.parts = [parallelize_model(s.to(self.device), self.state, config) for s in stages]
+            self.pipeline = self._build_schedule(stage_ids)
+        else:
+            self.parts = [parallelize_model(model.to(self.device), self.state, config)]
+        # One optimizer (and schedule) per model part, so optimizer state keys map to parameter names.
+        pairs = [build_optimizer(part.parameters(), config.train) for part in self.parts]
+        self.optimizers = [o for o, _ in pairs]
+        self.schedulers = [s for _, s in pairs]
         self.dataset = PackedDataset(config.data, vocab_size=config.model.vocab_size)
         self.loader = MicrobatchLoader(
             self.dataset, config.data.micro_batch_size, config.train.gradient_accumulation_steps,
@@ -106,14 +118,38 @@ class Trainer:
         path = resume if isinstance(resume, str) else latest_checkpoint(self.config.train.output_dir)
         if path is None:
             return
-        template = {"step": 0, "scheduler": self.scheduler.state_dict()}  # DCP loads the keys it is given
-        extra = load_checkpoint(path, [self.model], [self.optimizer], template)
+        template = {"step": 0, "scheduler": self.schedulers[0].state_dict()}  # DCP loads the keys it is given
+        extra = load_checkpoint(path, self.parts, self.optimizers, template)
         self.step = int(extra["step"])
-        self.scheduler.load_state_dict(extra["scheduler"])
+        for scheduler in self.schedulers:
+            scheduler.load_state_dict(extra["scheduler"])
 
     def save(self) -> str:
-        extra = {"step": self.step, "scheduler": self.scheduler.state_dict()}
-        return save_checkpoint(self.config.train.output_dir, self.step, [self.model], [self.optimizer], extra)
+        extra = {"step": self.step, "scheduler": self.schedulers[0].state_dict()}
+        return save_checkpoint(self.config.train.output_dir, self.step, self.parts, self.optimizers, extra)
+
+    @property
+    def model(self) -> nn.Module:
+        """The model (without pipeline parallelism; else the first of this rank's stages)."""
+        return self.parts[0]
+
+    def parameters(self):
+        return [p for part in self.parts for p in part.parameters()]
+
+    def _build_schedule(self, stage_ids: list[int]):
+        config, state = self.config, self.state
+        tokens = config.data.micro_batch_size * config.data.seq_len // state.cp_size
+        self._step_tokens = 1
+
+        def loss_fn(logits, labels):
+            return token_loss_sum(logits, labels) / self._step_tokens
+
+        example = torch.zeros((1, tokens), dtype=torch.int64)
+        return build_schedule(
+            stage_ids, self.parts, state, config, self.device, example,
+            hidden_shape=(1, tokens, config.model.hidden_size),
+            output_shape=(1, tokens, config.model.vocab_size), loss_fn=loss_fn,
+        )
 
     # -- one optimizer step ----------------------------------------------------------------
     def _shard_for_context_parallel(self, mb: dict) -> dict:
@@ -132,8 +168,41 @@ class Trainer:
     def train_step(self) -> StepResult:
         state = self.state
         microbatches = [self._shard_for_context_parallel(mb) for mb in self.loader.microbatches(self.step)]
-        global_tokens = count_label_tokens(microbatches, state.dp_cp_group)
-        n_tok = int(global_tokens)
+        n_tok = int(count_label_tokens(microbatches, state.dp_cp_group))
+        if self.pipeline is not None:
+            loss_sum, aux_sum, has_aux = self._pipelined_forward_backward(microbatches, n_tok)
+        else:
+            loss_sum, aux_sum, has_aux = self._forward_backward(microbatches, n_tok)
+        if state.dp_cp_size > 1:
+            dist.all_reduce(loss_sum, group=state.dp_cp_group)
+            if has_aux:
+                dist.all_reduce(aux_sum, group=state.dp_cp_group)
+        if state.pp_size > 1:  # only the last stage computed the loss; each stage its own router losses
+            dist.all_reduce(loss_sum, group=state.pp_group)
+            if has_aux:
+                dist.all_reduce(aux_sum, group=state.pp_group)
+        if self.config.train.data_parallel_mode != "fsdp2" and state.dp_cp_size > 1:
+            all_reduce_gradients(self.parameters(), state.dp_cp_group)
+        grad_norm = clip_grad_norm_(self.parameters(), self.config.train.max_grad_norm, state.pp_group)
+        loss_value = float(loss_sum) / max(n_tok, 1)
+        if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
+            raise NonFiniteLossError(
+                f"step {self.step}: loss={loss_value} grad_norm={grad_norm}; stopping with the last "
+                f"good checkpoint left in {self.config.train.output_dir}"
+            )
+        lr = self.schedulers[0].get_last_lr()[0]
+        for optimizer, scheduler in zip(self.optimizers, self.schedulers):
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+        ga = len(microbatches)
+        result = StepResult(self.step, loss_value, grad_norm, lr, n_tok,
+                            float(aux_sum) / (ga * state.dp_cp_size) if has_aux else None)
+        self.step += 1
+        return result
+
+    def _forward_backward(self, microbatches: list[dict], n_tok: int):
+        state = self.state
         loss_sum = torch.zeros((), dtype=torch.float64)
         aux_sum = torch.zeros((), dtype=torch.float64)
         has_aux = False
@@ -155,28 +224,31 @@ class Trainer:
                 has_aux = True
             loss.backward()
             loss_sum += local_sum.detach().double().cpu()
-        if state.dp_cp_size > 1:
-            dist.all_reduce(loss_sum, group=state.dp_cp_group)
-            if has_aux:
-                dist.all_reduce(aux_sum, group=state.dp_cp_group)
-        if self.config.train.data_parallel_mode != "fsdp2" and state.dp_cp_size > 1:
-            all_reduce_gradients(self.model.parameters(), state.dp_cp_group)
-        grad_norm = clip_grad_norm_(self.model.parameters(), self.config.train.max_grad_norm, state.pp_group)
-        loss_value = float(loss_sum) / max(n_tok, 1)
-        if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
-            raise NonFiniteLossError(
-                f"step {self.step}: loss={loss_value} grad_norm={grad_norm}; stopping with the last "
-                f"good checkpoint left in {self.config.train.output_dir}"
-            )
-        lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        result = StepResult(self.step, loss_value, grad_norm, lr, n_tok,
-                            float(aux_sum) / (ga * state.dp_cp_size) if has_aux else None)
-        self.step += 1
-        return result
+        return loss_sum, aux_sum, has_aux
 
+    def _pipelined_forward_backward(self, microbatches: list[dict], n_tok: int):
+        """One schedule step over the microbatches; returns this rank's loss sum (last stage only)."""
+        state = self.state
+        ga = len(microbatches)
+        side = [{"position_ids": mb["position_ids"].to(self.device), "cu_seqlens": mb["cu_seqlens"].to(self.device),
+                 "max_seqlen": mb["max_seqlen"]} for mb in microbatches]
+        self.pp_inputs.start_step(side, aux_scale=1.0 / (ga * state.dp_cp_size))
+        for part in self.parts:
+            part.reset_microbatch_counter()
+        self._step_tokens = max(n_tok, 1)
+        first, last = state.is_first_stage, state.is_last_stage
+        if len(self.parts) > 1:  # looped / V schedules: stage 0 and the last stage may both be here
+            first = any(isinstance(getattr(p.model, "embed_tokens", None), nn.Module) for p in self.parts)
+            last = any(p.lm_head is not None for p in self.parts)
+        args = (torch.cat([mb["input_ids"] for mb in microbatches]).to(self.device),) if first else ()
+        target = torch.cat([mb["labels"] for mb in microbatches]).to(self.device) if last else None
+        losses: list[torch.Tensor] = []
+        self.pipeline.step(*args, target=target, losses=losses)
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for loss in losses:  # each is this microbatch's token-loss sum / n_tok
+            loss_sum += loss.detach().double().cpu() * self._step_tokens
+        aux = torch.tensor(self.pp_inputs.router_loss_sum, dtype=torch.float64)
+        return loss_sum, aux, self.config.model.num_experts > 0
     # -- the loop --------------------------------------------------------------------------
     def train(self, stop_at: int | None = None) -> list[StepResult]:
         """Run to ``train.max_steps``, or stop early after step ``stop_at`` (as a preempted job would;
@@ -215,5 +287,5 @@ def run_training(config: Config) -> list[StepResult]:
     if config.train.export_hf:
         from xorl.export import export_hf
 
-        export_hf(trainer.model, config, os.path.join(config.train.output_dir, "hf"))
+        export_hf(trainer.parts, config, os.path.join(config.train.output_dir, "hf"), trainer.state.pp_group)
     return results

@@ -1,0 +1,174 @@
+"""Pipeline parallelism: cut the model into stages and run a torch.distributed.pipelining schedule.
+
+Stages keep the full model's parameter names: a stage is the whole model object with the layers
+it does not own set to None (and the embedding, final norm or lm_head removed where another
+stage owns them), so checkpoints and exports never depend on the split.
+
+Per-microbatch side inputs (position ids, document boundaries) are not passed between stages:
+every pipeline rank reads the same data, so each stage looks them up by microbatch index, which
+the schedule visits in increasing order on every stage. The stage's forward hook turns the
+model's output into the one tensor the schedule passes on (hidden states, or logits on the last
+stage) and attaches MoE router losses to it so their gradients flow without a second loss path.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
+
+SCHEDULES = {
+    "1F1B": Schedule1F1B,
+    "GPipe": ScheduleGPipe,
+    "Interleaved1F1B": ScheduleInterleaved1F1B,
+    "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
+    "ZBVZeroBubble": ScheduleZBVZeroBubble,
+}
+SINGLE_STAGE_SCHEDULES = ("1F1B", "GPipe")
+
+
+def stage_indices(pp_rank: int, pp_size: int, virtual_stages: int, schedule: str) -> list[int]:
+    """The stages this pipeline rank runs: looped (rank, rank + P, ...) or V-shaped for ZBV."""
+    if schedule in SINGLE_STAGE_SCHEDULES:
+        return [pp_rank]
+    if schedule == "ZBVZeroBubble":
+        return [pp_rank, 2 * pp_size - 1 - pp_rank]
+    return [pp_rank + v * pp_size for v in range(virtual_stages)]
+
+
+def num_stages(pp_size: int, virtual_stages: int, schedule: str) -> int:
+    if schedule in SINGLE_STAGE_SCHEDULES:
+        return pp_size
+    return 2 * pp_size if schedule == "ZBVZeroBubble" else pp_size * virtual_stages
+
+
+def layer_ranges(num_layers: int, stages: int) -> list[tuple[int, int]]:
+    """Split layers as evenly as possible; earlier stages take the remainder (they also hold no head)."""
+    if num_layers < stages:
+        raise ValueError(
+            f"model.num_hidden_layers={num_layers} is fewer than the {stages} pipeline stages; "
+            "lower pipeline_parallel_size or virtual_pipeline_stages"
+        )
+    base, extra = divmod(num_layers, stages)
+    ranges, start = [], 0
+    for s in range(stages):
+        n = base + (1 if s < extra else 0)
+        ranges.append((start, start + n))
+        start += n
+    return ranges
+
+
+class AttachAuxLoss(torch.autograd.Function):
+    """Identity on ``hidden``; in backward also sends gradient ``scale`` into ``aux_loss``.
+
+    Why: under pipelining the schedule backpropagates only from the last stage's loss, so a
+    router loss computed on an earlier stage joins the graph through the tensor it passes on.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, aux_loss, scale: float):
+        ctx.scale = scale
+        ctx.aux_shape = aux_loss.shape
+        ctx.aux_dtype = aux_loss.dtype
+        return hidden.clone()  # a fresh tensor: FSDP warns that in-place ops on a returned view lose hooks
+
+    @staticmethod
+    def backward(ctx, grad):
+        aux_grad = torch.full(ctx.aux_shape, ctx.scale, dtype=ctx.aux_dtype, device=grad.device)
+        return grad, aux_grad, None
+
+
+class MicrobatchInputs:
+    """The side inputs of this step's microbatches, and a per-stage visit counter."""
+
+    def __init__(self) -> None:
+        self.kwargs: list[dict] = []
+        self.aux_scale = 0.0
+        self.router_loss_sum = 0.0
+
+    def start_step(self, kwargs: list[dict], aux_scale: float) -> None:
+        self.kwargs = kwargs
+        self.aux_scale = aux_scale
+        self.router_loss_sum = 0.0
+
+
+def _prune(model: nn.Module, first_layer: int, last_layer: int, is_first: bool, is_last: bool) -> nn.Module:
+    stage = copy.deepcopy(model)
+    layers = stage.model.layers
+    for i in range(len(layers)):
+        if not first_layer <= i < last_layer:
+            layers[i] = None
+    if not is_first:
+        stage.model.embed_tokens = None
+    if not is_last:
+        stage.model.norm = None
+        stage.lm_head = None
+    return stage
+
+
+def _install_stage_hooks(stage: nn.Module, inputs: MicrobatchInputs) -> None:
+    calls = {"n": 0}
+
+    def pre(module, args, kwargs):
+        index = calls["n"] % max(len(inputs.kwargs), 1)
+        calls["n"] += 1
+        return args, {**kwargs, **inputs.kwargs[index]}
+
+    def post(module, args, output):
+        out = output.logits
+        if output.router_loss is not None:
+            inputs.router_loss_sum += float(output.router_loss.detach())
+            out = AttachAuxLoss.apply(out, output.router_loss, inputs.aux_scale)
+        return out
+
+    def reset():
+        calls["n"] = 0
+
+    stage.register_forward_pre_hook(pre, with_kwargs=True)
+    stage.register_forward_hook(post)
+    stage.reset_microbatch_counter = reset
+
+
+def split_into_stages(model: nn.Module, state, config) -> tuple[list[int], list[nn.Module], MicrobatchInputs]:
+    """This pipeline rank's stage modules (full-model parameter names kept) and their side inputs."""
+    train = config.train
+    total = num_stages(state.pp_size, train.virtual_pipeline_stages, train.pipeline_parallel_schedule)
+    ranges = layer_ranges(len(model.model.layers), total)
+    ids = stage_indices(state.pp_rank, state.pp_size, train.virtual_pipeline_stages, train.pipeline_parallel_schedule)
+    inputs = MicrobatchInputs()
+    stages = []
+    for s in ids:
+        stage = _prune(model, *ranges[s], is_first=s == 0, is_last=s == total - 1)
+        _install_stage_hooks(stage, inputs)
+        stages.append(stage)
+    return ids, stages, inputs
+
+
+def build_schedule(stage_ids: list[int], stage_modules: list[nn.Module], state, config, device,
+                   example_input: torch.Tensor, hidden_shape: tuple[int, ...], output_shape: tuple[int, ...],
+                   loss_fn):
+    """PipelineStages with static shapes (no shape-inference forward) and the configured schedule."""
+    train = config.train
+    total = num_stages(state.pp_size, train.virtual_pipeline_stages, train.pipeline_parallel_schedule)
+    # requires_grad: static stage metadata decides from it whether gradients flow back to the sender.
+    hidden = torch.empty(hidden_shape, device="meta", requires_grad=True)
+    stages = []
+    for s, module in zip(stage_ids, stage_modules):
+        inp = torch.empty(example_input.shape, dtype=example_input.dtype, device="meta") if s == 0 else hidden
+        out = torch.empty(output_shape, device="meta") if s == total - 1 else hidden
+        stages.append(PipelineStage(module, s, total, device, input_args=(inp,), output_args=(out,),
+                                    group=state.pp_group))
+    cls = SCHEDULES[train.pipeline_parallel_schedule]
+    # scale_grads=False: the loss is already normalised by the global token count (xorl/loss.py).
+    if train.pipeline_parallel_schedule in SINGLE_STAGE_SCHEDULES:
+        return cls(stages[0], n_microbatches=train.gradient_accumulation_steps, loss_fn=loss_fn, scale_grads=False)
+    return cls(stages, n_microbatches=train.gradient_accumulation_steps, loss_fn=loss_fn, scale_grads=False)
