@@ -56,6 +56,17 @@ def test_resume_across_a_layout_change(gloo_world, tmp_path):
     assert max_rel_diff(first + resumed, full) <= 1e-5
 
 
+def test_resume_from_pipeline_stages_into_fsdp(gloo_world, tmp_path):
+    """Saved by 2 pipeline stages (each holding half the layers), resumed with FSDP over 2 ranks."""
+    pp2 = dict(data_parallel_shard_size=1, pipeline_parallel_size=2, gradient_accumulation_steps=4)
+    world = gloo_world(2)
+    full = world.run(train_losses, tiny_config(str(tmp_path / "full"), max_steps=6, **FSDP2))[0]
+    run = str(tmp_path / "pp")
+    first = world.run(train_losses, tiny_config(run, max_steps=6, save_steps=3, **pp2), 3)[0]
+    resumed = world.run(train_losses, tiny_config(run, max_steps=6, resume=True, **FSDP2))[0]
+    assert max_rel_diff(first + resumed, full) <= 1e-5
+
+
 def test_a_crash_during_save_keeps_the_last_good_checkpoint(gloo_world, tmp_path, monkeypatch):
     world = gloo_world(1)
     run = str(tmp_path / "run")
