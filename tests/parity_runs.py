@@ -99,3 +99,19 @@ def train_with_rank_dying(config: Config, dying_rank: int, at_step: int) -> None
         if trainer.step == at_step and dist.get_rank() == dying_rank:
             os._exit(17)
         trainer.train_step()
+
+
+def train_export_and_report(config: Config) -> dict:
+    """Run with export_hf; return rank 0's final full weights (for comparing with the export)."""
+    from xorl.trainer import run_training
+
+    results = run_training(config)
+    return {"losses": [r.loss for r in results]}
+
+
+def initial_weights(config: Config) -> dict:
+    """The weights a Trainer starts from (after sharding), gathered whole."""
+    from xorl.trainer import Trainer
+
+    trainer = Trainer(config)
+    return full_state_dict(trainer.parts, trainer.state.pp_group) if dist.get_rank() == 0 else {}

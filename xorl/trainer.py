@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from xorl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from xorl.config import Config
@@ -29,6 +30,7 @@ from xorl.distributed.parallel_state import init_parallel_state
 from xorl.grad_clip import clip_grad_norm_
 from xorl.loss import count_label_tokens, token_loss_sum
 from xorl.metrics import MetricsLogger
+from xorl.mfu import mfu
 from xorl.models.registry import build_model
 from xorl.optim import build_optimizer
 from xorl.parallelize import all_reduce_gradients, parallelize_model
@@ -49,11 +51,11 @@ class StepResult:
     aux_loss: float | None = None
 
 
-def build_initial_model(config: Config) -> nn.Module:
-    """The full model with its initial weights, identical on every rank.
+def initial_state_dict(config: Config) -> dict[str, torch.Tensor]:
+    """The full initial weights (built on rank 0 only): a local HF folder, or a seeded init.
 
-    Weights come from ``model.model_path`` (a local HF folder) when given, else from a seeded
-    initialisation; either way every rank holds the same numbers before the plans shard them.
+    The seeded init is the single-process one, so every layout starts from the same numbers.
+    fp32 master weights always; bf16 compute comes from FSDP's mixed-precision policy on GPU.
     """
     torch.manual_seed(config.train.seed)
     model = build_model(config.model)
@@ -61,8 +63,21 @@ def build_initial_model(config: Config) -> nn.Module:
         from xorl.models.hf_io import load_hf_weights
 
         load_hf_weights(model, config.model.model_path)
-    # fp32 master weights always; bf16 compute comes from FSDP's mixed-precision policy on GPU.
-    return model.to(torch.float32)
+    return {k: v.to(torch.float32) for k, v in model.state_dict().items()}
+
+
+def materialise(parts: list[nn.Module], config: Config, device: torch.device) -> None:
+    """Allocate the (already sharded) meta parameters and fill them from rank 0's full weights.
+
+    Why this way: no rank but rank 0 ever holds the whole model, and each rank receives exactly
+    the shards its parts own (the state-dict helper broadcasts, then slices into every DTensor).
+    """
+    full = initial_state_dict(config) if dist.get_rank() == 0 else {}
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+    for part in parts:
+        part.to_empty(device=device)
+        # A fresh dict per part: loading replaces the dict's entries with this part's shards.
+        set_model_state_dict(part, dict(full), options=options)
 
 
 def check_trainer_support(config: Config) -> None:
@@ -89,15 +104,18 @@ class Trainer:
         self.parallel_config = ParallelConfig.from_config(config, world_size)
         self.state = init_parallel_state(self.parallel_config, device_type=self.device.type)
         self.rank = dist.get_rank()
-        model = build_initial_model(config)
+        # Build on the meta device, split for PP, then TP -> CP -> EP -> AC -> FSDP2, then allocate.
+        with torch.device("meta"):
+            model = build_model(config.model)
         self.pipeline = None
         if self.state.pp_size > 1:
             stage_ids, stages, self.pp_inputs = split_into_stages(model, self.state, config)
-            del model
-            self.parts = [parallelize_model(s.to(self.device), self.state, config) for s in stages]
-            self.pipeline = self._build_schedule(stage_ids)
+            self.parts = [parallelize_model(stage, self.state, config) for stage in stages]
         else:
-            self.parts = [parallelize_model(model.to(self.device), self.state, config)]
+            self.parts = [parallelize_model(model, self.state, config)]
+        materialise(self.parts, config, self.device)
+        if self.state.pp_size > 1:
+            self.pipeline = self._build_schedule(stage_ids)
         # One optimizer (and schedule) per model part, so optimizer state keys map to parameter names.
         pairs = [build_optimizer(part.parameters(), config.train) for part in self.parts]
         self.optimizers = [o for o, _ in pairs]
@@ -264,8 +282,13 @@ class Trainer:
                 dt = time.perf_counter() - t0
                 results.append(result)
                 if self.step % max(train.log_steps, 1) == 0 or self.step == train.max_steps:
+                    # result.tokens counts label tokens of the global batch (the whole world's work).
                     metrics = {"loss": result.loss, "grad_norm": result.grad_norm, "lr": result.lr,
                                "tokens_per_s": result.tokens / dt, **self._memory_metrics()}
+                    utilisation = mfu(result.tokens / dt, self.config.model, self.config.data.seq_len,
+                                      dist.get_world_size(), self.device)
+                    if utilisation is not None:
+                        metrics["mfu"] = utilisation
                     if result.aux_loss is not None:
                         metrics["router_loss"] = result.aux_loss
                     logger.log(result.step, metrics)

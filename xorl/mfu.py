@@ -1,0 +1,45 @@
+"""Model FLOPs utilisation: achieved training FLOP/s over the GPUs' peak bf16 dense FLOP/s.
+
+FLOPs per token follow the usual 6·N + attention estimate (PaLM appendix B): forward + backward
+of every matmul weight touched by a token (for MoE, only the top-k experts it is routed to), plus
+12·layers·heads·head_dim·seq_len for the attention scores and values (halved under a causal mask).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# Dense bf16 tensor-core peaks, TFLOP/s, by device-name substring (no sparsity).
+_PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "B200": 2250.0}
+
+
+def peak_tflops(device: torch.device) -> float | None:
+    """XORL_PEAK_TFLOPS overrides; else a table by device name; None when unknown (or on CPU)."""
+    if "XORL_PEAK_TFLOPS" in os.environ:
+        return float(os.environ["XORL_PEAK_TFLOPS"])
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in _PEAK_BF16_TFLOPS.items() if k in name), None)
+
+
+def flops_per_token(model_config, seq_len: int) -> float:
+    m = model_config
+    head_dim = m.head_dim or m.hidden_size // m.num_attention_heads
+    attn = m.hidden_size * head_dim * (2 * m.num_attention_heads + 2 * m.num_key_value_heads)
+    if m.num_experts:
+        mlp = 3 * m.hidden_size * m.moe_intermediate_size * m.num_experts_per_tok + m.hidden_size * m.num_experts
+    else:
+        mlp = 3 * m.hidden_size * m.intermediate_size
+    params = m.num_hidden_layers * (attn + mlp) + m.hidden_size * m.vocab_size  # lm_head; embedding is a lookup
+    attention_scores = 12 * m.num_hidden_layers * m.num_attention_heads * head_dim * seq_len / 2  # causal
+    return 6 * params + attention_scores
+
+
+def mfu(tokens_per_s: float, model_config, seq_len: int, world_size: int, device: torch.device) -> float | None:
+    peak = peak_tflops(device)
+    if peak is None:
+        return None
+    return tokens_per_s * flops_per_token(model_config, seq_len) / (world_size * peak * 1e12)
