@@ -17,6 +17,7 @@ LAYOUTS = [
     ("fsdp", 4, "llama", dict(data_parallel_shard_size=4)),
     ("hsdp", 4, "llama", dict(data_parallel_replicate_size=2, data_parallel_shard_size=2)),
     ("ddp", 2, "llama", dict(data_parallel_mode="ddp", data_parallel_shard_size=2)),
+    ("fsdp+activation checkpointing", 2, "llama", dict(data_parallel_shard_size=2, activation_checkpointing=True)),
     ("fsdp+ring", 4, "llama", dict(data_parallel_shard_size=2, ringattn_parallel_size=2)),
     ("fsdp+ulysses", 4, "llama", dict(data_parallel_shard_size=2, ulysses_parallel_size=2)),
     ("ring x ulysses", 4, "llama", dict(data_parallel_shard_size=1, ringattn_parallel_size=2,
