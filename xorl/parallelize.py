@@ -23,7 +23,10 @@ def parallelize_model(model: nn.Module, state, config) -> nn.Module:
     if state.cp_size > 1:
         from xorl.plans.context_parallel import apply_context_parallel
 
-        apply_context_parallel(model, ring_group=state.ring_group, ulysses_group=state.ulysses_group)
+        # attn_implementation flash_attn: the flash-attn package computes each ring step (if installed).
+        backend = "flash_attn" if config.model.attn_implementation == "flash_attn" else None
+        apply_context_parallel(model, ring_group=state.ring_group, ulysses_group=state.ulysses_group,
+                               attn_backend=backend)
     if getattr(config.model, "num_experts", 0):
         from xorl.plans.expert_parallel import apply_expert_parallel
 
