@@ -1,5 +1,6 @@
 """Trainer checkpoints (resume = uninterrupted, across a layout change, atomic saves) and faults."""
 
+import importlib.util
 import os
 import time
 
@@ -111,3 +112,8 @@ def test_a_dying_rank_makes_the_others_fail_not_hang(tmp_path):
 def test_layouts_the_trainer_cannot_run_are_refused_up_front(tmp_path):
     with pytest.raises(ConfigError, match="ringattn_parallel_size"):
         check_trainer_support(tiny_config(str(tmp_path), pipeline_parallel_size=2, ringattn_parallel_size=2))
+    if importlib.util.find_spec("flash_attn") is None:
+        config = tiny_config(str(tmp_path))
+        config.model.attn_implementation = "flash_attn"
+        with pytest.raises(ConfigError, match="flash-attn package is not installed"):
+            check_trainer_support(config)

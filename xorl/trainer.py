@@ -10,6 +10,7 @@ Reads top to bottom. What makes every layout log the losses of one process:
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import time
@@ -89,6 +90,11 @@ def check_trainer_support(config: Config) -> None:
             "train.pipeline_parallel_size > 1 with ringattn_parallel_size > 1: pipeline stages exchange "
             "fixed-shape activations, but ring attention pads each document, so shard lengths vary per "
             "microbatch; use ulysses_parallel_size for context parallelism under pipelining"
+        )
+    if config.model.attn_implementation == "flash_attn" and importlib.util.find_spec("flash_attn") is None:
+        problems.append(
+            "model.attn_implementation='flash_attn' but the flash-attn package is not installed; "
+            "use attn_implementation: xorl (our Triton kernels) or pip install flash-attn"
         )
     if problems:
         raise ConfigError(problems)
