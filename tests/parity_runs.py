@@ -114,4 +114,5 @@ def initial_weights(config: Config) -> dict:
     from xorl.trainer import Trainer
 
     trainer = Trainer(config)
-    return full_state_dict(trainer.parts, trainer.state.pp_group) if dist.get_rank() == 0 else {}
+    full = full_state_dict(trainer.parts, trainer.state.pp_group)  # a collective: every rank calls it
+    return full if dist.get_rank() == 0 else {}
