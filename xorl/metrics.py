@@ -21,7 +21,8 @@ class MetricsLogger:
         if not enabled:
             return
         os.makedirs(output_dir, exist_ok=True)
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        # A resumed run continues its file; a fresh run starts a new one.
+        self._file = open(self.path, "a" if start_step > 0 else "w", encoding="utf-8")  # noqa: SIM115
         self._bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True,
                          disable=None)  # None: off when stderr is not a terminal (CI logs)
         try:
