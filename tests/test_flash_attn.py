@@ -14,14 +14,14 @@ import pytest
 import torch
 
 from xorl_kernels import flash_attn_triton_common as common
-from xorl_kernels.flash_attn import (
+from xorl_kernels.attn_state_merge import merge_attn_states
+from xorl_kernels.flash_attention import (
     flash_attn,
     flash_attn_backward,
     flash_attn_bwd_preprocess,
     flash_attn_forward,
     flash_attn_with_lse,
 )
-from xorl_kernels.merge_attn_states import merge_attn_states
 
 F64 = torch.float64
 

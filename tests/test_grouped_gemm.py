@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from xorl_kernels.grouped_gemm import _resolve_backend, grouped_gemm
+from xorl_kernels.grouped_gemm_op import _resolve_backend, grouped_gemm
 from xorl_kernels.grouped_gemm_triton import (
     forward_config,
     grouped_gemm_forward,

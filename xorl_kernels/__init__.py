@@ -9,10 +9,10 @@ with XORL_FORCE_REFERENCE=1).
 from xorl._lazy import lazy_getattr
 
 _EXPORTS = {
-    "flash_attn": ".flash_attn",
-    "flash_attn_with_lse": ".flash_attn",
-    "merge_attn_states": ".merge_attn_states",
-    "grouped_gemm": ".grouped_gemm",
+    "flash_attn": ".flash_attention",
+    "flash_attn_with_lse": ".flash_attention",
+    "merge_attn_states": ".attn_state_merge",
+    "grouped_gemm": ".grouped_gemm_op",
     "permute_tokens": ".permute",
     "unpermute_tokens": ".permute",
     "has_cuda_ext": "._ext",
