@@ -61,6 +61,30 @@ class CausalLMOutput:
     router_stats: dict = field(default_factory=dict)
 
 
+def hf_decoder_config(spec: ModelSpec, architecture: str, model_type: str) -> dict:
+    """The config.json fields every transformers decoder family here shares (Llama, Qwen3-MoE)."""
+    return {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "vocab_size": spec.vocab_size,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_hidden_layers,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_key_value_heads,
+        "head_dim": spec.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": spec.max_position_embeddings,
+        "initializer_range": spec.initializer_range,
+        "rms_norm_eps": spec.rms_norm_eps,
+        "rope_theta": spec.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta},
+        "tie_word_embeddings": spec.tie_word_embeddings,
+        "attention_bias": spec.attention_bias,
+        "attention_dropout": 0.0,
+    }
+
+
 def positions_from_cu_seqlens(cu_seqlens: torch.Tensor, seq_len: int) -> torch.Tensor:
     """[seq_len] positions restarting at 0 at each document start."""
     positions = torch.arange(seq_len, device=cu_seqlens.device)

@@ -11,7 +11,7 @@ from typing import Any
 
 from torch import nn
 
-from xorl.models.decoder import DecoderForCausalLM
+from xorl.models.decoder import DecoderForCausalLM, hf_decoder_config
 from xorl.models.layers import SwiGLUMLP
 from xorl.models.moe_reference import ReferenceMoE
 from xorl.models.spec import ModelSpec
@@ -47,24 +47,7 @@ def hf_config_dict(spec: ModelSpec) -> dict[str, Any]:
             "Qwen3MoeForCausalLM has no shared expert, so this model cannot be exported as one"
         )
     return {
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "model_type": "qwen3_moe",
-        "vocab_size": spec.vocab_size,
-        "hidden_size": spec.hidden_size,
-        "intermediate_size": spec.intermediate_size,
-        "num_hidden_layers": spec.num_hidden_layers,
-        "num_attention_heads": spec.num_attention_heads,
-        "num_key_value_heads": spec.num_key_value_heads,
-        "head_dim": spec.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": spec.max_position_embeddings,
-        "initializer_range": spec.initializer_range,
-        "rms_norm_eps": spec.rms_norm_eps,
-        "rope_theta": spec.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta},
-        "tie_word_embeddings": spec.tie_word_embeddings,
-        "attention_bias": spec.attention_bias,
-        "attention_dropout": 0.0,
+        **hf_decoder_config(spec, "Qwen3MoeForCausalLM", "qwen3_moe"),
         "use_sliding_window": False,
         "sliding_window": None,
         "num_experts": spec.num_experts,
