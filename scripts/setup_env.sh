@@ -1,16 +1,32 @@
 #!/usr/bin/env bash
 # Creates (or reuses) the project's virtual environment in .venv and installs xorl into it.
 # Sourced by scripts/train.sh and scripts/test.sh, so each README command does all its own set-up.
-# Why torch is pinned on machines without a GPU: an unpinned `torch` pulls a multi-GB CUDA build,
-# while torch==2.13.0 resolves to the local CPU build there.
+#
+# Two ways, chosen automatically:
+# - A python3 that already has a CUDA build of torch (a GPU machine's image, often with no access to
+#   a package registry): the venv sees the system packages (--system-site-packages) and xorl is
+#   installed without network: no build isolation, no dependency resolution. Force this way with
+#   XORL_OFFLINE=1 (it then needs torch, setuptools, wheel and pybind11 installed already).
+# - Otherwise: a fresh venv, torch pinned to the local CPU build on machines without a GPU (an
+#   unpinned `torch` pulls a multi-GB CUDA build; torch==2.13.0 resolves to the local CPU build),
+#   then `pip install -e .[test]`.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${XORL_VENV:-$root/.venv}"
 stamp="$venv/.xorl-installed"
 py="${PYTHON:-python3}"
 
+offline="${XORL_OFFLINE:-}"
+if [ -z "$offline" ] && "$py" -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)" 2>/dev/null; then
+  offline=1
+fi
+
 if [ ! -x "$venv/bin/python" ]; then
-  "$py" -m venv "$venv"
+  if [ -n "$offline" ]; then
+    "$py" -m venv --system-site-packages "$venv"
+  else
+    "$py" -m venv "$venv"
+  fi
 fi
 # shellcheck disable=SC1091
 . "$venv/bin/activate"
@@ -19,14 +35,18 @@ fi
 want="$(cat "$root/pyproject.toml" "$root/setup.py" "$root/CMakeLists.txt" "$root"/csrc/* 2>/dev/null | sha1sum | cut -c1-40)"
 have="$(cat "$stamp" 2>/dev/null || true)"
 if [ "$want" != "$have" ]; then
-  python -m pip install -q --upgrade pip
-  if ! python -c "import torch" 2>/dev/null; then
-    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-      python -m pip install -q torch
-    else
-      python -m pip install -q "torch==${XORL_CPU_TORCH:-2.13.0}"
+  if [ -n "$offline" ]; then
+    python -m pip install -q --no-index --no-build-isolation --no-deps -e "$root"
+  else
+    python -m pip install -q --upgrade pip
+    if ! python -c "import torch" 2>/dev/null; then
+      if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+        python -m pip install -q torch  # a GPU machine with a registry: the default CUDA build
+      else
+        python -m pip install -q "torch==${XORL_CPU_TORCH:-2.13.0}"
+      fi
     fi
+    python -m pip install -q -e "$root[test]"
   fi
-  python -m pip install -q -e "$root[test]"
   echo "$want" >"$stamp"
 fi

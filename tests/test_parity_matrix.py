@@ -36,6 +36,8 @@ LAYOUTS = [
     ("pp zero-bubble v", 2, "llama", dict(data_parallel_shard_size=1, pipeline_parallel_size=2,
                                           pipeline_parallel_schedule="ZBVZeroBubble", virtual_pipeline_stages=2)),
     ("pp+fsdp", 4, "llama", dict(data_parallel_shard_size=2, pipeline_parallel_size=2)),
+    ("pp zero-bubble v+fsdp", 4, "llama", dict(data_parallel_shard_size=2, pipeline_parallel_size=2,
+                                               pipeline_parallel_schedule="ZBVZeroBubble", virtual_pipeline_stages=2)),
     ("moe pp2 x ep4 over ulysses4", 8, "qwen3_moe", dict(data_parallel_shard_size=1, pipeline_parallel_size=2,
                                                          ulysses_parallel_size=4, expert_parallel_size=4)),
     ("3d pp2 x tp2 x fsdp2", 8, "llama", dict(data_parallel_shard_size=2, pipeline_parallel_size=2,

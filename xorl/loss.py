@@ -16,13 +16,18 @@ import torch.nn.functional as F
 IGNORE_INDEX = -100
 
 
-def count_label_tokens(microbatches: list[dict], group) -> torch.Tensor:
-    """Label tokens of the whole optimizer step over the data × context-parallel ranks (int64)."""
+def count_label_tokens(microbatches: list[dict], group, device: torch.device) -> torch.Tensor:
+    """Label tokens of the whole optimizer step over the data × context-parallel ranks (int64).
+
+    The labels come from the loader on the host, so counting them reads no device memory; the sum
+    over ranks runs on ``device`` (NCCL serves device tensors only) and stays there: the loss
+    divides by it on the device, so the step never waits for it.
+    """
     local = sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in microbatches)
-    total = torch.tensor([local], dtype=torch.int64)
+    total = torch.tensor([local], dtype=torch.int64).to(device, non_blocking=True)
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(total, group=group)
-    return total
+    return total[0]
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,13 @@ def parallelize_model(model: nn.Module, state, config) -> nn.Module:
         apply_activation_checkpointing(model)
     if train.data_parallel_mode == "fsdp2":
         bf16 = train.dtype == "bfloat16" and torch.cuda.is_available()
-        apply_fsdp(model, state, reshard_after_forward=state.pp_size == 1, bf16_compute=bf16)
+        # Reshard after forward under pipelining too: each stage then holds its parameters sharded,
+        # plus the blocks in flight (xorl/pipeline.py keeps FSDP's per-microbatch reduce-scatter).
+        # Zero-bubble schedules are the exception: their weight pass needs the stage unsharded.
+        from xorl.pipeline import SPLIT_BACKWARD_SCHEDULES
+
+        split = state.pp_size > 1 and train.pipeline_parallel_schedule in SPLIT_BACKWARD_SCHEDULES
+        apply_fsdp(model, state, reshard_after_forward=not split, bf16_compute=bf16)
     return model
 
 

@@ -13,10 +13,12 @@ stage) and attaches MoE router losses to it so their gradients flow without a se
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import (
     Schedule1F1B,
@@ -34,6 +36,8 @@ SCHEDULES = {
     "ZBVZeroBubble": ScheduleZBVZeroBubble,
 }
 SINGLE_STAGE_SCHEDULES = ("1F1B", "GPipe")
+# Schedules whose backward is an input pass and a later weight pass (see ShardedGradPipelineStage).
+SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble")
 
 
 def stage_indices(pp_rank: int, pp_size: int, virtual_stages: int, schedule: str) -> list[int]:
@@ -93,12 +97,62 @@ class MicrobatchInputs:
     def __init__(self) -> None:
         self.kwargs: list[dict] = []
         self.aux_scale = 0.0
-        self.router_loss_sum = 0.0
+        self.router_loss_sum = torch.zeros((), dtype=torch.float64)
 
-    def start_step(self, kwargs: list[dict], aux_scale: float) -> None:
+    def start_step(self, kwargs: list[dict], aux_scale: float, device: torch.device) -> None:
         self.kwargs = kwargs
         self.aux_scale = aux_scale
-        self.router_loss_sum = 0.0
+        # A device tensor: the stages add their router losses without reading them on the host.
+        self.router_loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+
+
+_FSDP_MICROBATCH_SETTERS = ("set_is_last_backward", "set_reshard_after_backward", "set_requires_gradient_sync")
+
+
+@contextlib.contextmanager
+def _fsdp_per_microbatch(module: FSDPModule):
+    """Keep FSDP2's own per-microbatch behaviour through one backward of a pipeline stage.
+
+    Why: torch's PipelineStage calls set_reshard_after_backward(False) and
+    set_requires_gradient_sync(False) before every microbatch's backward and reduces once at the
+    end of the step, so each stage would hold all its unsharded parameters and unsharded fp32
+    gradients for the whole step (for a 70B model at PP=4: 17.5B parameters, ~105 GB per rank).
+    With FSDP's defaults each block reshards after its backward and reduce-scatters its gradient
+    into the sharded gradient right away: memory stays at the sharded size plus the blocks in
+    flight, for one reduce-scatter per block per microbatch. The stage's own calls to those
+    setters are made no-ops while its backward runs.
+    """
+    module.set_is_last_backward(True)
+    module.set_reshard_after_backward(True)
+    module.set_requires_gradient_sync(True)
+    for name in _FSDP_MICROBATCH_SETTERS:
+        module.__dict__[name] = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        for name in _FSDP_MICROBATCH_SETTERS:
+            del module.__dict__[name]
+
+
+class ShardedGradPipelineStage(PipelineStage):
+    """A PipelineStage whose FSDP2 blocks reshard and reduce-scatter after every microbatch.
+
+    Only for schedules with one full backward per microbatch. The zero-bubble schedules split it
+    into an input pass and a later weight pass, and the weight pass finds the stage's parameters
+    through ``module.parameters()`` as they were at the input pass, so they must stay unsharded in
+    between: there the stage keeps torch's behaviour (parallelize.py then does not reshard after
+    forward, and the stage reduces its gradients once per step).
+    """
+
+    def __init__(self, *args, reshard_per_microbatch: bool, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.reshard_per_microbatch = reshard_per_microbatch
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        if not (self.reshard_per_microbatch and isinstance(self.submod, FSDPModule)):
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
+        with _fsdp_per_microbatch(self.submod):
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
 
 
 def _prune(model: nn.Module, first_layer: int, last_layer: int, is_first: bool, is_last: bool) -> nn.Module:
@@ -126,7 +180,7 @@ def _install_stage_hooks(stage: nn.Module, inputs: MicrobatchInputs) -> None:
     def post(module, args, output):
         out = output.logits
         if output.router_loss is not None:
-            inputs.router_loss_sum += float(output.router_loss.detach())
+            inputs.router_loss_sum += output.router_loss.detach().double()
             out = AttachAuxLoss.apply(out, output.router_loss, inputs.aux_scale)
         return out
 
@@ -165,8 +219,10 @@ def build_schedule(stage_ids: list[int], stage_modules: list[nn.Module], state, 
     for s, module in zip(stage_ids, stage_modules):
         inp = torch.empty(example_input.shape, dtype=example_input.dtype, device="meta") if s == 0 else hidden
         out = torch.empty(output_shape, device="meta") if s == total - 1 else hidden
-        stages.append(PipelineStage(module, s, total, device, input_args=(inp,), output_args=(out,),
-                                    group=state.pp_group))
+        stages.append(ShardedGradPipelineStage(
+            module, s, total, device, input_args=(inp,), output_args=(out,), group=state.pp_group,
+            reshard_per_microbatch=train.pipeline_parallel_schedule not in SPLIT_BACKWARD_SCHEDULES,
+        ))
     cls = SCHEDULES[train.pipeline_parallel_schedule]
     # scale_grads=False: the loss is already normalised by the global token count (xorl/loss.py).
     if train.pipeline_parallel_schedule in SINGLE_STAGE_SCHEDULES:

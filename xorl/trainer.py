@@ -33,7 +33,7 @@ from xorl.loss import count_label_tokens, token_loss_sum
 from xorl.metrics import MetricsLogger
 from xorl.mfu import mfu
 from xorl.models.registry import build_model
-from xorl.optim import build_optimizer
+from xorl.optim import build_optimizer, set_schedule_step
 from xorl.parallelize import all_reduce_gradients, parallelize_model
 from xorl.pipeline import build_schedule, split_into_stages
 
@@ -142,14 +142,16 @@ class Trainer:
         path = resume if isinstance(resume, str) else latest_checkpoint(self.config.train.output_dir)
         if path is None:
             return
-        template = {"step": 0, "scheduler": self.schedulers[0].state_dict()}  # DCP loads the keys it is given
+        template = {"step": 0}  # DCP loads the keys it is given
         extra = load_checkpoint(path, self.parts, self.optimizers, template)
         self.step = int(extra["step"])
+        # The schedule is a function of the step alone; its state dict would also carry one entry per
+        # parameter group, and the groups differ between layouts (they follow the DTensor meshes).
         for scheduler in self.schedulers:
-            scheduler.load_state_dict(extra["scheduler"])
+            set_schedule_step(scheduler, self.step)
 
     def save(self) -> str:
-        extra = {"step": self.step, "scheduler": self.schedulers[0].state_dict()}
+        extra = {"step": self.step}
         return save_checkpoint(self.config.train.output_dir, self.step, self.parts, self.optimizers, extra)
 
     @property
@@ -189,90 +191,104 @@ class Trainer:
         return {"input_ids": cp.input_ids, "labels": cp.labels, "position_ids": cp.position_ids,
                 "cu_seqlens": cp.cu_seqlens, "max_seqlen": cp.max_seqlen}
 
+    def _to_device(self, mb: dict) -> dict:
+        """Host batch -> compute device: pinned memory and non-blocking copies, so the host runs ahead."""
+        if self.device.type != "cuda":
+            return mb
+        return {k: v.pin_memory().to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+                for k, v in mb.items()}
+
     def train_step(self) -> StepResult:
+        """One optimizer step. The host reads the device once, after the optimizer step is queued.
+
+        Why: every read (.item(), float(t), .cpu()) stalls the host until the GPU has caught up, and
+        the GPU then idles while the host queues the next kernels. The loss sums, token count, router
+        losses and gradient norm stay device tensors until the one read at the end, which also
+        checks that the loss and norm are finite.
+        """
         state = self.state
-        microbatches = [self._shard_for_context_parallel(mb) for mb in self.loader.microbatches(self.step)]
-        n_tok = int(count_label_tokens(microbatches, state.dp_cp_group))
+        host_mbs = [self._shard_for_context_parallel(mb) for mb in self.loader.microbatches(self.step)]
+        n_tok = count_label_tokens(host_mbs, state.dp_cp_group, self.device)
+        microbatches = [self._to_device(mb) for mb in host_mbs]
         if self.pipeline is not None:
-            loss_sum, aux_sum, has_aux = self._pipelined_forward_backward(microbatches, n_tok)
+            loss_sum, aux_sum = self._pipelined_forward_backward(microbatches, n_tok)
         else:
-            loss_sum, aux_sum, has_aux = self._forward_backward(microbatches, n_tok)
+            loss_sum, aux_sum = self._forward_backward(microbatches, n_tok)
+        sums = torch.stack([loss_sum, aux_sum])  # one collective for both
         if state.dp_cp_size > 1:
-            dist.all_reduce(loss_sum, group=state.dp_cp_group)
-            if has_aux:
-                dist.all_reduce(aux_sum, group=state.dp_cp_group)
+            dist.all_reduce(sums, group=state.dp_cp_group)
         if state.pp_size > 1:  # only the last stage computed the loss; each stage its own router losses
-            dist.all_reduce(loss_sum, group=state.pp_group)
-            if has_aux:
-                dist.all_reduce(aux_sum, group=state.pp_group)
+            dist.all_reduce(sums, group=state.pp_group)
         if self.config.train.data_parallel_mode != "fsdp2" and state.dp_cp_size > 1:
             all_reduce_gradients(self.parameters(), state.dp_cp_group)
         grad_norm = clip_grad_norm_(self.parameters(), self.config.train.max_grad_norm, state.pp_group)
-        loss_value = float(loss_sum) / max(n_tok, 1)
-        if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
-            raise NonFiniteLossError(
-                f"step {self.step}: loss={loss_value} grad_norm={grad_norm}; stopping with the last "
-                f"good checkpoint left in {self.config.train.output_dir}"
-            )
         lr = self.schedulers[0].get_last_lr()[0]
         for optimizer, scheduler in zip(self.optimizers, self.schedulers):
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
         ga = len(microbatches)
-        result = StepResult(self.step, loss_value, grad_norm, lr, n_tok,
-                            float(aux_sum) / (ga * state.dp_cp_size) if has_aux else None)
+        loss_total, aux_total, norm, tokens = torch.stack(
+            [sums[0], sums[1], grad_norm.double(), n_tok.double()]
+        ).tolist()  # the step's one host read
+        loss_value = loss_total / max(tokens, 1)
+        if not (math.isfinite(loss_value) and math.isfinite(norm)):
+            raise NonFiniteLossError(
+                f"step {self.step}: loss={loss_value} grad_norm={norm}; stopping with the last "
+                f"good checkpoint left in {self.config.train.output_dir}"
+            )
+        has_aux = self.config.model.num_experts > 0
+        result = StepResult(self.step, loss_value, norm, lr, int(tokens),
+                            aux_total / (ga * state.dp_cp_size) if has_aux else None)
         self.step += 1
         return result
 
-    def _forward_backward(self, microbatches: list[dict], n_tok: int):
+    def _forward_backward(self, microbatches: list[dict], n_tok: torch.Tensor):
+        """Forward and backward of each microbatch; returns (label-loss sum, router-loss sum) on device."""
         state = self.state
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        aux_sum = torch.zeros((), dtype=torch.float64)
-        has_aux = False
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        aux_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         ga = len(microbatches)
+        denominator = n_tok.clamp(min=1).to(torch.float32)
         for mb in microbatches:
             out = self.model(
-                mb["input_ids"].to(self.device),
-                position_ids=mb["position_ids"].to(self.device),
-                cu_seqlens=mb["cu_seqlens"].to(self.device),
+                mb["input_ids"], position_ids=mb["position_ids"], cu_seqlens=mb["cu_seqlens"],
                 max_seqlen=mb["max_seqlen"],
             )
-            local_sum = token_loss_sum(out.logits, mb["labels"].to(self.device))
-            loss = local_sum / max(n_tok, 1)
+            local_sum = token_loss_sum(out.logits, mb["labels"])
+            loss = local_sum / denominator
             if out.router_loss is not None:
                 # Router losses are per-rank means; sum over ranks and microbatches of 1/(ga·dp_cp)
                 # of each is their mean, matching the "micro-batch local" definition.
                 loss = loss + out.router_loss / (ga * state.dp_cp_size)
-                aux_sum += out.router_loss.detach().double().cpu()
-                has_aux = True
+                aux_sum += out.router_loss.detach().double()
             loss.backward()
-            loss_sum += local_sum.detach().double().cpu()
-        return loss_sum, aux_sum, has_aux
+            loss_sum += local_sum.detach().double()
+        return loss_sum, aux_sum
 
-    def _pipelined_forward_backward(self, microbatches: list[dict], n_tok: int):
-        """One schedule step over the microbatches; returns this rank's loss sum (last stage only)."""
+    def _pipelined_forward_backward(self, microbatches: list[dict], n_tok: torch.Tensor):
+        """One schedule step over the microbatches; returns this rank's (loss sum, router-loss sum)."""
         state = self.state
         ga = len(microbatches)
-        side = [{"position_ids": mb["position_ids"].to(self.device), "cu_seqlens": mb["cu_seqlens"].to(self.device),
+        side = [{"position_ids": mb["position_ids"], "cu_seqlens": mb["cu_seqlens"],
                  "max_seqlen": mb["max_seqlen"]} for mb in microbatches]
-        self.pp_inputs.start_step(side, aux_scale=1.0 / (ga * state.dp_cp_size))
+        self.pp_inputs.start_step(side, aux_scale=1.0 / (ga * state.dp_cp_size), device=self.device)
         for part in self.parts:
             part.reset_microbatch_counter()
-        self._step_tokens = max(n_tok, 1)
+        self._step_tokens = n_tok.clamp(min=1).to(torch.float32)
         first, last = state.is_first_stage, state.is_last_stage
         if len(self.parts) > 1:  # looped / V schedules: stage 0 and the last stage may both be here
             first = any(isinstance(getattr(p.model, "embed_tokens", None), nn.Module) for p in self.parts)
             last = any(p.lm_head is not None for p in self.parts)
-        args = (torch.cat([mb["input_ids"] for mb in microbatches]).to(self.device),) if first else ()
-        target = torch.cat([mb["labels"] for mb in microbatches]).to(self.device) if last else None
+        args = (torch.cat([mb["input_ids"] for mb in microbatches]),) if first else ()
+        target = torch.cat([mb["labels"] for mb in microbatches]) if last else None
         losses: list[torch.Tensor] = []
         self.pipeline.step(*args, target=target, losses=losses)
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for loss in losses:  # each is this microbatch's token-loss sum / n_tok
-            loss_sum += loss.detach().double().cpu() * self._step_tokens
-        aux = torch.tensor(self.pp_inputs.router_loss_sum, dtype=torch.float64)
-        return loss_sum, aux, self.config.model.num_experts > 0
+            loss_sum += loss.detach().double() * self._step_tokens.double()
+        return loss_sum, self.pp_inputs.router_loss_sum
+
     # -- the loop --------------------------------------------------------------------------
     def train(self, stop_at: int | None = None) -> list[StepResult]:
         """Run to ``train.max_steps``, or stop early after step ``stop_at`` (as a preempted job would;

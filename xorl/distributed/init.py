@@ -19,13 +19,23 @@ def init_distributed(timeout_s: float = 600.0) -> torch.device:
     Why a timeout on every collective: when a rank dies, the others must fail with an error inside
     the collective timeout instead of hanging (NCCL also needs async error handling for that).
     """
+    # XORL_DIST_BACKEND overrides the backend, e.g. "cuda:gloo" (scripts/gpu_check.sh): a process
+    # group that serves CUDA tensors only, like NCCL, which several ranks can share on one GPU.
+    override = os.environ.get("XORL_DIST_BACKEND")
     if torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local_rank)
-        device, backend = torch.device("cuda", local_rank), "nccl"
+        visible = torch.cuda.device_count()
+        if local_rank >= visible and override is None:
+            raise RuntimeError(
+                f"LOCAL_RANK={local_rank} but only {visible} GPU(s) are visible: launch at most {visible} "
+                "processes per node (torchrun --nproc_per_node)"
+            )
+        device, backend = torch.device("cuda", local_rank % visible), "nccl"
+        torch.cuda.set_device(device)
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
     else:
         device, backend = torch.device("cpu"), "gloo"
+    backend = override or backend
     if dist.is_initialized():
         return device
     if "RANK" not in os.environ:  # a plain `python -m xorl.cli.train`: a world of one

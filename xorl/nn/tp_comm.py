@@ -18,12 +18,14 @@ stream wait for the transfer). On gloo the ops run on gloo's threads while Pytho
 
 The record (``overlap_report()``): per layer name, the P2P ops issued, the chunked GEMMs, the
 plain collectives, and on GPU the milliseconds the compute stream stood waiting at the wait
-points (CUDA events recorded just before and after each wait; resolved when the report is read,
-so the step itself never synchronises). On CPU exposed time is not recorded (``None``).
+points (CUDA events recorded just before and after each wait, once ``record_exposed_time()`` turned
+it on; resolved when the report is read, so the step itself never synchronises). Otherwise, and on
+CPU, exposed time is not recorded (``None``).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -64,19 +66,35 @@ class LayerCommStats:
     ring_steps: int = 0  # ring exchanges (P-1 per ring)
     chunk_gemms: int = 0  # GEMMs issued on one sequence chunk
     collectives: int = 0  # plain (non-decomposed) collectives
-    _events: list = field(default_factory=list, repr=False)  # (start, end) CUDA event pairs
+    _events: deque = field(default_factory=deque, repr=False)  # (start, end) CUDA event pairs in flight
     exposed_ms_resolved: float = 0.0
 
     def exposed_ms(self) -> float:
         if self._events:
             torch.cuda.synchronize()
-            self.exposed_ms_resolved += sum(s.elapsed_time(e) for s, e in self._events)
-            self._events.clear()
+            self._resolve(block=True)
         return self.exposed_ms_resolved
+
+    def _resolve(self, block: bool) -> None:
+        """Fold finished event pairs into the total (without waiting unless ``block``)."""
+        while self._events and (block or self._events[0][1].query()):
+            start, end = self._events.popleft()
+            self.exposed_ms_resolved += start.elapsed_time(end)
 
 
 _STATS: dict[str, LayerCommStats] = {}
 _ON_GPU_SEEN = {"cuda": False}
+# Exposed-time recording is opt-in (benchmarks, profiling): each wait then records two CUDA events.
+_TIMING = {"enabled": False}
+
+
+def record_exposed_time(enabled: bool = True) -> None:
+    """Turn on (or off) the per-wait CUDA-event timing read by ``overlap_report()["exposed_ms"]``.
+
+    Off by default, so a training step creates no events; when on, finished pairs are folded into
+    the total as new ones are recorded, so the list stays at the pairs still in flight.
+    """
+    _TIMING["enabled"] = enabled
 
 
 def layer_stats(name: str) -> LayerCommStats:
@@ -99,7 +117,7 @@ def overlap_report(reset: bool = False) -> dict[str, dict]:
             "ring_steps": s.ring_steps,
             "chunk_gemms": s.chunk_gemms,
             "collectives": s.collectives,
-            "exposed_ms": s.exposed_ms() if _ON_GPU_SEEN["cuda"] else None,
+            "exposed_ms": s.exposed_ms() if _ON_GPU_SEEN["cuda"] and _TIMING["enabled"] else None,
         }
     if reset:
         _STATS.clear()
@@ -110,7 +128,7 @@ def wait_all(works, stats: LayerCommStats, on_gpu: bool) -> None:
     """Wait for ``works``; on GPU measure how long the compute stream stood still doing so."""
     if not works:
         return
-    if on_gpu:
+    if on_gpu and _TIMING["enabled"]:
         _ON_GPU_SEEN["cuda"] = True
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
@@ -118,6 +136,7 @@ def wait_all(works, stats: LayerCommStats, on_gpu: bool) -> None:
         for work in works:
             work.wait()
         end.record()
+        stats._resolve(block=False)
         stats._events.append((start, end))
     else:
         for work in works:

@@ -127,8 +127,10 @@ class UlyssesAttention(nn.Module):
             )
         index = kv_head_index(q.shape[2], k.shape[2], world)
         if index is not None:
-            index = index.to(k.device)
-            k, v = k.index_select(2, index), v.index_select(2, index)
+            # index = arange(world) // repeats: repeat each KV head in place, with no index tensor
+            # to copy from host memory in every layer.
+            repeats = world // k.shape[2]
+            k, v = k.repeat_interleave(repeats, dim=2), v.repeat_interleave(repeats, dim=2)
         qh, kh, vh = _SeqToHead.apply(self.ulysses_group, world, q.contiguous(), k.contiguous(), v.contiguous())
         out = self.inner(qh, kh, vh, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
         (out,) = _HeadToSeq.apply(self.ulysses_group, world, out.contiguous())

@@ -1,0 +1,123 @@
+"""The checks of scripts/gpu_check.sh that need a GPU: training smoke runs and the host-sync check.
+
+    python scripts/gpu_check.py smoke --model dense|moe --out FILE.json
+    python scripts/gpu_check.py sync --model dense|moe --out FILE.json
+
+``smoke``: bf16 training on one GPU through xorl's kernels (Triton flash attention; for MoE the
+csrc permute / unpermute and the grouped GEMM); the loss must fall and stay finite; reports
+tokens per second and peak memory. ``sync``: one training step (after a warm-up step) with
+``torch.cuda.set_sync_debug_mode("warn")`` on from the first forward to the optimizer step's end,
+every warning recorded; any synchronising call there fails the check (the step's one read of the
+loss and norm comes after the optimizer step). Under EP the split sizes are one sync per MoE layer
+per microbatch by design; the check counts them apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import warnings
+
+import torch
+
+
+def _config(model: str, steps: int, out_dir: str):
+    from xorl.cli.train import DEFAULT_CONFIG
+    from xorl.config import load_config
+
+    overrides = [
+        "--model.vocab_size=32000", "--model.hidden_size=2048", "--model.num_hidden_layers=4",
+        "--model.num_attention_heads=16", "--model.num_key_value_heads=4", "--model.head_dim=128",
+        "--model.intermediate_size=5632", "--model.attn_implementation=xorl",
+        "--data.seq_len=4096", "--data.micro_batch_size=1",
+        "--train.data_parallel_shard_size=1", "--train.ringattn_parallel_size=1",
+        "--train.gradient_accumulation_steps=2", "--train.dtype=bfloat16", "--train.lr=1e-3",
+        "--train.warmup_steps=2", f"--train.max_steps={steps}", "--train.save_steps=0",
+        f"--train.output_dir={out_dir}",
+    ]
+    if model == "moe":
+        overrides += ["--model.model_type=qwen3_moe", "--model.num_experts=16", "--model.num_experts_per_tok=4",
+                      "--model.moe_intermediate_size=1024", "--train.expert_parallel_size=1"]
+    else:
+        overrides += ["--model.model_type=llama", "--model.num_experts=0", "--train.expert_parallel_size=1"]
+    return load_config(DEFAULT_CONFIG, overrides)
+
+
+def smoke(model: str, out_dir: str, steps: int = 30) -> dict:
+    from xorl.trainer import Trainer
+
+    trainer = Trainer(_config(model, steps, out_dir))
+    losses, times, tokens = [], [], 0
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        result = trainer.train_step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        losses.append(result.loss)
+        tokens = result.tokens
+    timed = times[5:]  # warm-up: Triton autotuning and allocator growth
+    report = {
+        "model": model, "steps": steps, "loss_first": losses[0], "loss_last": losses[-1],
+        "tokens_per_step": tokens, "tokens_per_s": tokens * len(timed) / sum(timed),
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "ok": all(map(_finite, losses)) and losses[-1] < losses[0] - 0.5,
+    }
+    return report
+
+
+def _finite(x: float) -> bool:
+    return x == x and abs(x) != float("inf")
+
+
+def sync(model: str, out_dir: str) -> dict:
+    from xorl.trainer import Trainer
+
+    trainer = Trainer(_config(model, 4, out_dir))
+    trainer.train_step()  # warm-up: autotuning and lazy initialisation may synchronise
+    state = {"active": False}
+
+    def start(module, args, kwargs):
+        if not state["active"]:
+            state["active"] = True
+            torch.cuda.set_sync_debug_mode("warn")
+
+    def stop(optimizer, args, kwargs):
+        torch.cuda.set_sync_debug_mode(0)
+
+    hooks = [part.register_forward_pre_hook(start, with_kwargs=True, prepend=True) for part in trainer.parts]
+    hooks += [trainer.optimizers[-1].register_step_post_hook(stop)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train_step()
+    torch.cuda.set_sync_debug_mode(0)
+    for hook in hooks:
+        hook.remove()
+    syncs = [str(w.message).splitlines()[0] + " @ " + f"{w.filename}:{w.lineno}" for w in caught
+             if "synchroniz" in str(w.message)]
+    ep_splits = [s for s in syncs if "expert_parallel.py" in s]
+    others = [s for s in syncs if "expert_parallel.py" not in s]
+    return {"model": model, "syncs": others, "ep_split_syncs": len(ep_splits), "ok": not others}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="scripts/gpu_check.py")
+    parser.add_argument("check", choices=["smoke", "sync"])
+    parser.add_argument("--model", choices=["dense", "moe"], default="dense")
+    parser.add_argument("--out", required=True, help="JSON file for the report")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_check.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    out_dir = f"/tmp/xorl-gpu-check-{args.check}-{args.model}"
+    report = (smoke if args.check == "smoke" else sync)(args.model, out_dir)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+    print(json.dumps(report))
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
