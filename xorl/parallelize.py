@@ -104,10 +104,29 @@ def _sum_gradients(module: FSDPModule) -> None:
 
 
 @torch.no_grad()
-def all_reduce_gradients(params, group) -> None:
-    """data_parallel_mode ddp: replicas sum their gradients (same normalisation as FSDP above)."""
-    import torch.distributed as dist
+def all_reduce_gradients(params, group, bucket_bytes: int = 64 * 2**20) -> None:
+    """data_parallel_mode ddp: replicas sum their gradients (same normalisation as FSDP above).
 
+    Why buckets: one all-reduce per parameter would be hundreds of small collectives per step (723
+    for a 70B model); gradients are flattened into buckets of up to ``bucket_bytes`` per dtype, one
+    all-reduce each, and copied back.
+    """
+    import torch.distributed as dist
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    by_dtype: dict = {}
     for p in params:
         if p.grad is not None:
-            dist.all_reduce(p.grad, group=group)
+            by_dtype.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+    for grads in by_dtype.values():
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for i, grad in enumerate(grads):
+            bucket.append(grad)
+            size += grad.numel() * grad.element_size()
+            if size >= bucket_bytes or i == len(grads) - 1:
+                flat = _flatten_dense_tensors(bucket)
+                dist.all_reduce(flat, group=group)
+                for g, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                    g.copy_(reduced)
+                bucket, size = [], 0
