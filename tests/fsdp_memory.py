@@ -50,11 +50,16 @@ def held_bytes(parts) -> dict[str, int]:
 
 
 def group_bytes(parts) -> dict[str, int]:
-    """Full (unsharded) and sharded parameter bytes: the largest FSDP group's, and the totals on this rank."""
-    sizes = [sum(fp._orig_size.numel() * fp.sharded_param.element_size() for fp in group.fsdp_params)
-             for _, group in _param_groups(parts)]
+    """Full (unsharded) parameter bytes: the largest FSDP group's, the root's, all groups'; and the sharded total."""
+    sizes, root = [], 0
+    for module, group in _param_groups(parts):
+        size = sum(fp._orig_size.numel() * fp.sharded_param.element_size() for fp in group.fsdp_params)
+        sizes.append(size)
+        if any(module is part for part in parts):
+            root += size
     sharded = sum(_storage_bytes(fp.sharded_param) for _, group in _param_groups(parts) for fp in group.fsdp_params)
-    return {"largest_group": max(sizes), "all_groups": sum(sizes), "sharded_params": sharded}
+    return {"largest_group": max(sizes), "all_groups": sum(sizes), "root_group": root, "groups": len(sizes),
+            "sharded_params": sharded}
 
 
 def peak_held_in_step(config, steps: int = 2) -> dict:
@@ -81,3 +86,21 @@ def peak_held_in_step(config, steps: int = 2) -> dict:
     for hook in hooks:
         hook.remove()
     return {"peak": peak, **group_bytes(trainer.parts)}
+
+
+def held_after_forward(config) -> dict:
+    """One training step; what is held unsharded right after the model's forward (before backward)."""
+    from xorl.trainer import Trainer
+
+    trainer = Trainer(config)
+    trainer.train_step()
+    seen: dict = {}
+
+    def after_forward(module, args, output):
+        if not seen:
+            seen.update(held_bytes(trainer.parts))
+
+    hook = trainer.parts[0].register_forward_hook(after_forward)
+    trainer.train_step()
+    hook.remove()
+    return {"held": seen, **group_bytes(trainer.parts)}

@@ -95,7 +95,14 @@ class TrainConfig(ParallelFields):
     max_grad_norm: float = 1.0  # 0: no clipping
     seed: int = 0
     dtype: Literal["float32", "bfloat16"] = "float32"
-    activation_checkpointing: bool = False
+    # none | full | selective (keep matmul / attention / collective outputs, recompute the rest);
+    # true / false read as full / none. Full checkpointing applies to every n-th decoder block.
+    activation_checkpointing: Literal["none", "full", "selective"] | bool = "none"
+    activation_checkpointing_every_n_layers: int = 1
+    # FSDP2 sharding level: "always" frees each block's gathered parameters after its forward
+    # (ZeRO-3), "never" keeps them to the backward (ZeRO-2: less all-gather, more memory);
+    # "default" is always, except for zero-bubble pipeline schedules, which need never.
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     output_dir: str = "outputs"
     save_steps: int = 0  # 0: no periodic checkpoints
     resume: bool | str = False  # true: latest checkpoint in output_dir; a path: that checkpoint

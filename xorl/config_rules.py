@@ -23,7 +23,7 @@ import os
 from typing import Any
 
 from xorl.config_error import ConfigError
-from xorl.distributed.parallel_config import ParallelConfig
+from xorl.distributed.parallel_config import SPLIT_BACKWARD_SCHEDULES, ParallelConfig
 
 
 def validate_config(config: Any, world_size: int) -> None:
@@ -247,6 +247,31 @@ def _train_problems(t: Any) -> list[str]:
         problems.append(f"train.adam_eps={t.adam_eps} must be > 0")
     if not t.max_grad_norm >= 0:
         problems.append(f"train.max_grad_norm={t.max_grad_norm} must be >= 0 (0 disables clipping)")
+    if t.activation_checkpointing_every_n_layers < 1:
+        problems.append(
+            f"train.activation_checkpointing_every_n_layers={t.activation_checkpointing_every_n_layers} "
+            "must be >= 1 (1: every decoder block)"
+        )
+    elif t.activation_checkpointing_every_n_layers > 1 and t.activation_checkpointing in ("selective", "none", False):
+        problems.append(
+            f"train.activation_checkpointing_every_n_layers={t.activation_checkpointing_every_n_layers} applies to "
+            f"activation_checkpointing: full, not {t.activation_checkpointing!r}; set activation_checkpointing: full "
+            "or activation_checkpointing_every_n_layers: 1"
+        )
+    if t.fsdp_reshard_after_forward == "always" and t.pipeline_parallel_size > 1 and \
+            t.pipeline_parallel_schedule in SPLIT_BACKWARD_SCHEDULES:
+        problems.append(
+            "train.fsdp_reshard_after_forward: always with pipeline_parallel_schedule: "
+            f"{t.pipeline_parallel_schedule}: "
+            "zero-bubble schedules run each microbatch's weight gradients in a later pass that needs the stage's "
+            "parameters still gathered; use fsdp_reshard_after_forward: default (or never), or the 1F1B / "
+            "Interleaved1F1B schedule"
+        )
+    if t.fsdp_reshard_after_forward != "default" and t.data_parallel_mode != "fsdp2":
+        problems.append(
+            f"train.fsdp_reshard_after_forward={t.fsdp_reshard_after_forward!r} needs data_parallel_mode: fsdp2 "
+            f"(it is {t.data_parallel_mode!r}); remove the setting or use fsdp2"
+        )
     if isinstance(t.resume, str) and not os.path.exists(t.resume):
         problems.append(
             f"train.resume={t.resume!r}: no such checkpoint; use true (latest in output_dir) or false"

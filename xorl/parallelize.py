@@ -8,9 +8,13 @@ mesh) on the data-parallel dims.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from xorl.distributed.parallel_config import SPLIT_BACKWARD_SCHEDULES
 
 
 def parallelize_model(model: nn.Module, state, config) -> nn.Module:
@@ -33,32 +37,92 @@ def parallelize_model(model: nn.Module, state, config) -> nn.Module:
         # The EP mesh (not just its group): expert weights become DTensors of global shape [E, ...]
         # sharded over "ep", so checkpoints and norms see every expert exactly once.
         apply_expert_parallel(model, state.ep_mesh if state.ep_size > 1 else None)
-    if train.activation_checkpointing:
-        apply_activation_checkpointing(model)
+    mode = checkpointing_mode(train.activation_checkpointing)
+    if mode != "none":
+        apply_activation_checkpointing(model, mode, train.activation_checkpointing_every_n_layers)
     if train.data_parallel_mode == "fsdp2":
         bf16 = train.dtype == "bfloat16" and torch.cuda.is_available()
-        # Reshard after forward under pipelining too: each stage then holds its parameters sharded,
-        # plus the blocks in flight (xorl/pipeline.py keeps FSDP's per-microbatch reduce-scatter).
-        # Zero-bubble schedules are the exception: their weight pass needs the stage unsharded.
-        from xorl.pipeline import SPLIT_BACKWARD_SCHEDULES
-
-        split = state.pp_size > 1 and train.pipeline_parallel_schedule in SPLIT_BACKWARD_SCHEDULES
-        apply_fsdp(model, state, reshard_after_forward=not split, bf16_compute=bf16)
+        apply_fsdp(model, state, reshard_after_forward=reshard_after_forward(train, state.pp_size),
+                   bf16_compute=bf16)
     return model
+
+
+def reshard_after_forward(train, pp_size: int) -> bool:
+    """train.fsdp_reshard_after_forward as FSDP2's flag.
+
+    "default" reshards (ZeRO-3), under pipelining too: each stage then holds its parameters
+    sharded plus the blocks in flight (xorl/pipeline.py keeps FSDP's per-microbatch
+    reduce-scatter). Zero-bubble schedules are the exception: their weight pass needs the stage's
+    parameters still gathered, so "default" keeps them ("always" is refused there up front).
+    """
+    if train.fsdp_reshard_after_forward == "default":
+        return not (pp_size > 1 and train.pipeline_parallel_schedule in SPLIT_BACKWARD_SCHEDULES)
+    return train.fsdp_reshard_after_forward == "always"
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return [layer for layer in model.model.layers if layer is not None]
 
 
-def apply_activation_checkpointing(model: nn.Module) -> None:
-    """Recompute each decoder block in backward (full activation checkpointing per block)."""
+def checkpointing_mode(setting) -> str:
+    """train.activation_checkpointing as none / full / selective (true / false read as full / none)."""
+    if setting is True:
+        return "full"
+    if setting is False:
+        return "none"
+    return setting
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str = "full", every_n_layers: int = 1) -> None:
+    """Recompute decoder blocks in backward.
+
+    full: every ``every_n_layers``-th block keeps only its input and recomputes everything.
+    selective (torchtitan's op-level policy): every block saves the outputs of its matmuls,
+    attention kernels and collectives, and recomputes the cheap element-wise ops between them
+    (norms, rotary, SwiGLU's activation and products), which hold most of the activation bytes
+    for the fewest FLOPs.
+    """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+    kwargs = {}
+    if mode == "selective":
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        policy = functools.partial(_selective_policy, _save_ops())
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, policy)
+    elif mode != "full":
+        raise ValueError(f"activation checkpointing mode {mode!r}: use none, full or selective")
     layers = model.model.layers
-    for i, layer in enumerate(layers):
-        if layer is not None:
-            layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
+    blocks = [i for i, layer in enumerate(layers) if layer is not None]
+    for n, i in enumerate(blocks):
+        if mode == "selective" or n % every_n_layers == 0:
+            layers[i] = checkpoint_wrapper(layers[i], preserve_rng_state=False, **kwargs)
+
+
+def _save_ops() -> set:
+    """The ops whose outputs selective checkpointing keeps (those absent from this torch are skipped)."""
+    aten, names = torch.ops.aten, []
+    names += [(aten, n) for n in ("mm", "addmm", "bmm", "_scaled_mm", "_grouped_mm",
+                                  "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                                  "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")]
+    functional = getattr(torch.ops, "_c10d_functional", None)
+    if functional is not None:
+        names += [(functional, n) for n in ("reduce_scatter_tensor", "all_gather_into_tensor", "all_to_all_single")]
+    xorl_ops = getattr(torch.ops, "xorl", None)
+    if xorl_ops is not None:  # our kernels, once registered as custom ops
+        names += [(xorl_ops, n) for n in ("flash_attn", "grouped_gemm")]
+    ops = set()
+    for namespace, name in names:
+        packet = getattr(namespace, name, None)
+        if packet is not None:
+            ops.add(packet.default)
+    return ops
+
+
+def _selective_policy(save_ops: set, ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in save_ops else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def apply_fsdp(model: nn.Module, state, reshard_after_forward: bool = True, bf16_compute: bool = False) -> None:

@@ -28,6 +28,8 @@ from torch.distributed.pipelining.schedules import (
     ScheduleZBVZeroBubble,
 )
 
+from xorl.distributed.parallel_config import SPLIT_BACKWARD_SCHEDULES
+
 SCHEDULES = {
     "1F1B": Schedule1F1B,
     "GPipe": ScheduleGPipe,
@@ -36,8 +38,6 @@ SCHEDULES = {
     "ZBVZeroBubble": ScheduleZBVZeroBubble,
 }
 SINGLE_STAGE_SCHEDULES = ("1F1B", "GPipe")
-# Schedules whose backward is an input pass and a later weight pass (see ShardedGradPipelineStage).
-SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble")
 
 
 def stage_indices(pp_rank: int, pp_size: int, virtual_stages: int, schedule: str) -> list[int]:

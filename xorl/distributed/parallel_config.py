@@ -23,6 +23,8 @@ PIPELINE_SCHEDULES = ("1F1B", "Interleaved1F1B", "GPipe", "InterleavedZeroBubble
 MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
 # Interleaved schedules in torch.distributed.pipelining run microbatches in rounds of PP.
 ROUND_BASED_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble")
+# Backward split into an input pass and a later weight pass (needs the stage's parameters gathered).
+SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble")
 
 DataParallelMode = Literal["fsdp2", "ddp", "none"]
 PipelineSchedule = Literal["1F1B", "Interleaved1F1B", "GPipe", "InterleavedZeroBubble", "ZBVZeroBubble"]

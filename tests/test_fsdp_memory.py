@@ -1,0 +1,55 @@
+"""Exact per-rank accounting of what FSDP2 holds unsharded (tests/fsdp_memory.py), for the two
+FSDP sharding levels and under pipeline parallelism."""
+
+import pytest
+
+from tests.parity_runs import tiny_config
+
+PP_FSDP = [
+    ("1F1B", dict(pipeline_parallel_schedule="1F1B")),
+    ("Interleaved1F1B", dict(pipeline_parallel_schedule="Interleaved1F1B", virtual_pipeline_stages=2)),
+]
+
+
+@pytest.mark.parametrize("name,train", PP_FSDP, ids=[layout[0] for layout in PP_FSDP])
+def test_pipeline_with_fsdp_holds_one_block_unsharded(name, train, gloo_world, tmp_path):
+    """PP 2 × FSDP 2: each stage holds its parameters and gradients sharded, plus the blocks in flight.
+
+    torch's PipelineStage alone keeps every block of the stage unsharded, with unsharded fp32
+    gradients, for the whole step (5 of 5 groups here); xorl keeps FSDP's per-microbatch reshard
+    and reduce-scatter (xorl/pipeline.py).
+    """
+    from tests.fsdp_memory import peak_held_in_step
+
+    config = tiny_config(str(tmp_path), "llama", gradient_accumulation_steps=4, max_steps=3,
+                         data_parallel_shard_size=2, pipeline_parallel_size=2, **train)
+    config.model.num_hidden_layers = 8  # several blocks per stage, so "all of them" differs from "one"
+    for rank, got in enumerate(gloo_world(4).run(peak_held_in_step, config)):
+        peak = got["peak"]
+        # The root group (embedding / norm / head) and one decoder block at a time.
+        assert peak["blocks_unsharded"] <= 2, (rank, peak)
+        assert peak["unsharded_params"] <= 2 * got["largest_group"], (rank, peak, got)
+        # At most one block's gradient before its reduce-scatter; the rest is already sharded.
+        assert peak["blocks_with_unsharded_grads"] <= 1, (rank, peak)
+        assert peak["unsharded_grads"] <= got["largest_group"], (rank, peak, got)
+        assert peak["sharded_grads"] == got["sharded_params"], (rank, peak, got)
+
+
+
+@pytest.mark.parametrize("setting", ["always", "never"])
+def test_reshard_after_forward_frees_the_blocks_between_forward_and_backward(setting, gloo_world, tmp_path):
+    """FSDP 2: right after the forward, "always" (ZeRO-3) holds no decoder block gathered (at most the
+    root group: embedding, norm, head, which older FSDP2 keeps for the backward); "never" (ZeRO-2)
+    holds every group gathered until the backward."""
+    from tests.fsdp_memory import held_after_forward
+
+    config = tiny_config(str(tmp_path), "llama", gradient_accumulation_steps=2, max_steps=3,
+                         data_parallel_shard_size=2, fsdp_reshard_after_forward=setting)
+    for rank, got in enumerate(gloo_world(2).run(held_after_forward, config)):
+        held = got["held"]
+        if setting == "always":
+            assert held["unsharded_params"] in (0, got["root_group"]), (rank, got)
+            assert held["blocks_unsharded"] <= 1, (rank, got)
+        else:
+            assert held["unsharded_params"] == got["all_groups"], (rank, got)
+            assert held["blocks_unsharded"] == got["groups"], (rank, got)
