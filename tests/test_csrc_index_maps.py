@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.csrc_helpers import require_cuda_ext
 from xorl_kernels import _ext
 from xorl_kernels.routing_metadata import permute_rows_reference, unpermute_combine_reference
 from xorl_kernels.ulysses_transpose import (
@@ -183,3 +184,23 @@ def test_example_copies_fill_an_h100(what, rows, row_bytes, width):
     got = _launch(rows, row_bytes, width, sms=132)
     assert got["blocks"] >= 4 * 132, got
     assert got["lanes"] == 32, got
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("hidden", [4104, 33])  # 16-byte packs over 2-3 chunks; one feature per step
+def test_gpu_combine_equals_its_host_twin(dtype, hidden):
+    """Bit for bit: the same fmaf chain in k order and the same conversions on both sides, so the
+    CPU tests of the host twin above speak for the GPU kernel."""
+    require_cuda_ext()
+    gen = torch.Generator().manual_seed(hidden)
+    tokens, top_k = 301, 8
+    y = torch.randn(tokens * top_k, hidden, generator=gen).to(dtype)
+    rows = torch.randperm(tokens * top_k, generator=gen).view(tokens, top_k)
+    rows[::3, 5] = -1
+    w = torch.rand(tokens, top_k, generator=gen)
+    host = _ext.ext_unpermute_combine(y, rows, w, out=torch.full((tokens, hidden), float("nan"), dtype=dtype),
+                                      host_emulation=True)
+    out = torch.full((tokens, hidden), float("nan"), dtype=dtype, device="cuda")
+    _ext.ext_unpermute_combine(y.cuda(), rows.cuda(), w.cuda(), out=out)
+    assert torch.equal(out.cpu(), host)

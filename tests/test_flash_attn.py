@@ -430,6 +430,22 @@ def test_gpu_triton_zigzag_varlen(poisoned, dtype, head_dim):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 2, None])
+def test_gpu_gqa_dkdv_head_slices(poisoned, monkeypatch, splits):
+    """32 q / 4 kv heads (Llama-3-70B's ratio), bf16, two causal documents, compiled and autotuned:
+    the dK/dV kernel with no slices, 2 slices and the planned ones (here one query head per program)
+    against float64."""
+    from xorl_kernels import flash_attn_bwd_triton
+
+    if splits is not None:
+        monkeypatch.setattr(flash_attn_bwd_triton, "dkdv_head_splits", lambda *args: splits)
+    torch.manual_seed(12)
+    cu = torch.tensor([0, 512, 768], dtype=torch.int32)
+    q, k, v = torch.randn(768, 32, 128), torch.randn(768, 4, 128), torch.randn(768, 4, 128)
+    run_packed_case("triton", torch.bfloat16, q, k, v, cu, cu, True, tol=1e-2)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_triton_batched_vs_sdpa(causal):
     torch.manual_seed(10)
