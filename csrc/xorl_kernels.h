@@ -70,7 +70,8 @@ typedef struct {
 int xorl_block_transpose(const xorl_block_copy_segment* segments, int num_segments, cudaStream_t stream);
 
 // Host emulation, for tests on machines without a GPU: the same index maps, run on the CPU over
-// host pointers (one memcpy per row). Same arguments as the device launchers, minus the stream.
+// host pointers (one memcpy per (row, chunk) item of the same launch plan). Same arguments as the
+// device launchers, minus the stream.
 int xorl_zigzag_copy_host(const void* full, void* local, int64_t outer, int64_t seq_len, int64_t row_bytes,
                           const int64_t* cu_seqlens, int64_t num_docs, int64_t rank_begin, int64_t num_ranks,
                           int64_t world, int scatter);
