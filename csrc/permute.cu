@@ -90,7 +90,7 @@ __host__ __device__ __forceinline__ void combine_pack(const CombineArgs<T>& a, i
 // and its packs [begin, end).
 __host__ __device__ __forceinline__ int64_t combine_item(const RowChunks& plan, int64_t packs, int64_t item,
                                                          int64_t& begin, int64_t& end) {
-  const int64_t t = item / plan.chunks_per_row;
+  const int64_t t = plan.chunks_per_row == 1 ? item : item / plan.chunks_per_row;  // as in chunk_of
   begin = (item - t * plan.chunks_per_row) * plan.chunk_bytes;
   end = begin + plan.chunk_bytes < packs ? begin + plan.chunk_bytes : packs;
   return t;
