@@ -6,9 +6,12 @@ and against the plain-torch way (index_select / permute + cat). Routing metadata
 microseconds against torch's stable argsort + bincount (lower is better). Where the extension is
 not built (CPU) the op's own dispatch runs the torch path, so the rows still show the harness works.
 
-GPU: hidden states [1, 65536, 4096] bf16 sharded for 8 ranks over 16 packed documents; Q/K/V
-[1, 8192 per rank, 32 | 8 | 8 heads, 128] bf16 for 8 Ulysses ranks; 32K tokens, top-8 of 128
-experts. CPU (or ctx.quick): tiny shapes.
+GPU: hidden states [1, 65536, 4096] bf16 sharded for 8 ranks over 16 packed documents (gather
+and the in-place scatter back); Ulysses pack / unpack in both directions for Q/K/V [1, 8192 per
+rank, 32 | 8 | 8 heads, 128] bf16 on 8 ranks (Llama-3-8B-like) and [1, 8192 per rank, 32 | 4 | 4
+heads, 128] on 4 ranks (examples/qwen3_30b_a3b_pp2_ep4_cp4.yaml: rows of 16 MB after the
+all-to-all, the case one warp per row used to leave idle); 32K tokens, top-8 of 128 experts.
+CPU (or ctx.quick): tiny shapes.
 """
 
 from __future__ import annotations
@@ -21,10 +24,19 @@ from xorl_kernels.routing_metadata import routing_metadata_full, routing_metadat
 from xorl_kernels.ulysses_transpose import (
     ulysses_pack,
     ulysses_pack_reference,
+    ulysses_pack_reverse,
+    ulysses_pack_reverse_reference,
     ulysses_unpack,
     ulysses_unpack_reference,
+    ulysses_unpack_reverse,
+    ulysses_unpack_reverse_reference,
 )
-from xorl_kernels.zigzag_gather import zigzag_gather, zigzag_gather_reference
+from xorl_kernels.zigzag_gather import (
+    zigzag_gather,
+    zigzag_gather_reference,
+    zigzag_scatter,
+    zigzag_scatter_reference,
+)
 
 
 def _copy_gbps(ctx: BenchContext, nbytes: int) -> float:
@@ -75,7 +87,8 @@ def bench_zigzag(ctx: BenchContext, dtype: torch.dtype) -> list[Result]:
         "dtype": dtype,
         "csrc": use_cuda_ext(x),
     }
-    return _bandwidth_results(
+    shard = zigzag_gather_reference(x, 1, 3, world, cu)
+    results = _bandwidth_results(
         ctx,
         f"zigzag_gather s{seq} h{hidden} P{world} {docs} docs",
         lambda: zigzag_gather(x, 1, 3, world, cu),
@@ -83,13 +96,25 @@ def bench_zigzag(ctx: BenchContext, dtype: torch.dtype) -> list[Result]:
         shard_bytes,
         params,
     )
+    return results + _bandwidth_results(
+        ctx,
+        f"zigzag_scatter (in place) s{seq} h{hidden} P{world} {docs} docs",
+        lambda: zigzag_scatter(shard, 1, 3, world, cu, out=x),
+        lambda: zigzag_scatter_reference(shard, 1, 3, world, cu, out=x),
+        shard_bytes,
+        params,
+    )
 
 
 def bench_ulysses(ctx: BenchContext, dtype: torch.dtype) -> list[Result]:
     if ctx.on_gpu and not ctx.quick:
-        seq_local, heads, kv_heads, head_dim, world = 8192, 32, 8, 128, 8
+        cases = [(8192, 32, 8, 128, 8), (8192, 32, 4, 128, 4)]
     else:
-        seq_local, heads, kv_heads, head_dim, world = 128, 8, 4, 16, 4
+        cases = [(128, 8, 4, 16, 4)]
+    return [r for case in cases for r in _bench_ulysses_case(ctx, dtype, *case)]
+
+
+def _bench_ulysses_case(ctx, dtype, seq_local, heads, kv_heads, head_dim, world) -> list[Result]:
     shapes = [(1, seq_local, h, head_dim) for h in (heads, kv_heads, kv_heads)]
     qkv = [torch.randn(s, device=ctx.device).to(dtype) for s in shapes]
     moved = sum(t.numel() for t in qkv) * qkv[0].element_size()
@@ -116,6 +141,26 @@ def bench_ulysses(ctx: BenchContext, dtype: torch.dtype) -> list[Result]:
         f"ulysses_unpack qkv s{seq_local} h{heads}/{kv_heads} d{head_dim} P{world}",
         lambda: ulysses_unpack(recv, world, shapes),
         lambda: ulysses_unpack_reference(recv, world, shapes),
+        moved,
+        params,
+    )
+    # The reverse direction, after attention: head-sharded [1, P*s, h/P, d] back to sequence shards.
+    heads_out = ulysses_unpack_reference(recv, world, shapes)
+    rshapes = [tuple(t.shape) for t in heads_out]
+    results += _bandwidth_results(
+        ctx,
+        f"ulysses_pack_reverse qkv s{seq_local} h{heads}/{kv_heads} d{head_dim} P{world}",
+        lambda: ulysses_pack_reverse(heads_out, world),
+        lambda: ulysses_pack_reverse_reference(heads_out, world),
+        moved,
+        params,
+    )
+    rrecv = ulysses_pack_reverse_reference(heads_out, world)
+    results += _bandwidth_results(
+        ctx,
+        f"ulysses_unpack_reverse qkv s{seq_local} h{heads}/{kv_heads} d{head_dim} P{world}",
+        lambda: ulysses_unpack_reverse(rrecv, world, rshapes),
+        lambda: ulysses_unpack_reverse_reference(rrecv, world, rshapes),
         moved,
         params,
     )

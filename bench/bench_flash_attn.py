@@ -5,6 +5,9 @@
    cuDNN, whichever runs fastest on this device), plus the fraction of ctx.peaks["matmul_tflops"].
    Where the flash-attn package imports, a second anchor: flash_attn_func on the same tensors.
    FLOPs count the causal half: fwd 2·(2·B·H·S²·D)/2, fwd+bwd 3.5× that (the usual convention).
+   Plus one GQA row, 32 query / 4 KV heads at 4K tokens (Llama-3-70B's ratio per TP rank, where a
+   dK/dV grid over KV heads alone would not fill the GPU): the SDPA anchor repeats K/V to 32 heads
+   inside the timed step (what transformers' repeat_kv does), the package takes GQA natively.
 2. Ring decomposition overhead: the P² zig-zag steps of all P ranks (every rank's q shard against
    every rank's k/v shard, one launch per step with true positions, as RingAttention issues them)
    run back-to-back on one device, against one monolithic causal attention over the whole
@@ -55,6 +58,9 @@ def _sdpa_backends():
 
 def _sdpa_step(q, k, v, do, backend, backward: bool) -> None:
     sdpa = torch.nn.functional.scaled_dot_product_attention
+    if k.shape[1] != q.shape[1]:  # GQA, [B, H, S, D]: repeat K/V heads as transformers does
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     if backend is None:
         out = sdpa(q, k, v, is_causal=True)
     else:
@@ -93,11 +99,16 @@ def _flash_attn_package():
     return flash_attn_func
 
 
-def _bench_seq(ctx: BenchContext, seq: int, tokens: int, heads: int, head_dim: int, dtype) -> list[Result]:
+def _bench_seq(
+    ctx: BenchContext, seq: int, tokens: int, heads: int, head_dim: int, dtype, kv_heads: int | None = None,
+    phases: tuple[str, ...] = ("fwd", "fwd+bwd"),
+) -> list[Result]:
     batch = max(1, tokens // seq)
+    kv_heads = kv_heads or heads
     gen = torch.Generator(device=ctx.device).manual_seed(seq)
     q, k, v, do = (
-        torch.randn(batch, seq, heads, head_dim, device=ctx.device, dtype=dtype, generator=gen) for _ in range(4)
+        torch.randn(batch, seq, h, head_dim, device=ctx.device, dtype=dtype, generator=gen)
+        for h in (heads, kv_heads, kv_heads, heads)
     )
     for t in (q, k, v):
         t.requires_grad_(True)
@@ -105,15 +116,19 @@ def _bench_seq(ctx: BenchContext, seq: int, tokens: int, heads: int, head_dim: i
     sdpa_do = do.transpose(1, 2).contiguous()
     fwd_flops = 2 * 2 * batch * heads * seq * seq * head_dim / 2
     peak = ctx.peaks.get("matmul_tflops")
-    params = dict(batch=batch, seq=seq, heads=heads, head_dim=head_dim, dtype=str(dtype), causal=True)
+    params = dict(batch=batch, seq=seq, heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=str(dtype),
+                  causal=True)
     package = _flash_attn_package() if ctx.on_gpu else None
+    gqa = f" GQA {heads}/{kv_heads}" if kv_heads != heads else ""
     results = []
     for phase, flops, backward in (("fwd", fwd_flops, False), ("fwd+bwd", 3.5 * fwd_flops, True)):
+        if phase not in phases:
+            continue
         with torch.set_grad_enabled(backward):
             ours_s = ctx.time(partial(_attn_step, flash_attn, q, k, v, do, backward))
             sdpa_s, sdpa_name = _time_sdpa_best(ctx, *sdpa_in, sdpa_do, backward)
         tflops = flops / ours_s / 1e12
-        name = f"flash_attn {phase} causal hd{head_dim} s{seq}"
+        name = f"flash_attn {phase} causal{gqa} hd{head_dim} s{seq}"
         results.append(Result(
             name=name, value=tflops, unit="TFLOP/s", anchor=f"torch SDPA best backend ({sdpa_name})",
             anchor_value=flops / sdpa_s / 1e12, peak_fraction=tflops / peak if peak else None, params=params,
@@ -226,6 +241,8 @@ def run(ctx: BenchContext) -> list[Result]:
     results = []
     for seq in seqs:
         results += _bench_seq(ctx, seq, tokens, heads, head_dim, dtype)
+    gqa_seq, gqa_heads = (seqs[0], (4, 1)) if small else (4096, (32, 4))
+    results += _bench_seq(ctx, gqa_seq, gqa_seq, gqa_heads[0], head_dim, dtype, gqa_heads[1], phases=("fwd+bwd",))
     results += _bench_ring(ctx, ring_seq, CPU_RING_SIZES if small else RING_SIZES, heads, head_dim, dtype)
     return results + _ring_tiles()
 

@@ -141,6 +141,33 @@ PYBIND11_MODULE(_C, m) {
       py::arg("top_k"), py::arg("hidden"), py::arg("dtype"), py::arg("stream"));
 
   m.def(
+      "unpermute_combine_host",
+      [](std::uintptr_t y, std::uintptr_t row_of_slot, std::uintptr_t weights, std::uintptr_t out, int64_t num_rows,
+         int64_t tokens, int64_t top_k, int64_t hidden, int dtype) {
+        check(xorl_unpermute_combine_host(ptr<const void>(y), ptr<const int64_t>(row_of_slot),
+                                          ptr<const float>(weights), ptr<void>(out), num_rows, tokens, top_k, hidden,
+                                          dtype),
+              "unpermute_combine_host");
+      },
+      "unpermute_combine on host memory (tests of the chunking and the fp32 sum without a GPU).");
+
+  m.def(
+      "row_copy_launch",
+      [](int64_t rows, int64_t max_row_bytes, int width, int sms) {
+        int64_t out[5] = {0, 0, 0, 0, 0};
+        xorl_row_copy_launch(rows, max_row_bytes, width, sms, out);
+        py::dict d;
+        d["chunk_bytes"] = out[0];
+        d["chunks_per_row"] = out[1];
+        d["lanes"] = out[2];
+        d["items"] = out[3];
+        d["blocks"] = out[4];
+        return d;
+      },
+      py::arg("rows"), py::arg("max_row_bytes"), py::arg("width"), py::arg("sms"),
+      "The copy kernels' launch shape (chunk_bytes, chunks_per_row, lanes, items, blocks), computed on the host.");
+
+  m.def(
       "block_transpose",
       [](const std::vector<Segment>& segments, std::uintptr_t stream) {
         const std::vector<xorl_block_copy_segment> raw = to_segments(segments, "block_transpose");

@@ -70,13 +70,23 @@ typedef struct {
 int xorl_block_transpose(const xorl_block_copy_segment* segments, int num_segments, cudaStream_t stream);
 
 // Host emulation, for tests on machines without a GPU: the same index maps, run on the CPU over
-// host pointers (one memcpy per row). Same arguments as the device launchers, minus the stream.
+// host pointers (one memcpy per (row, chunk) item of the same launch plan). Same arguments as the
+// device launchers, minus the stream.
 int xorl_zigzag_copy_host(const void* full, void* local, int64_t outer, int64_t seq_len, int64_t row_bytes,
                           const int64_t* cu_seqlens, int64_t num_docs, int64_t rank_begin, int64_t num_ranks,
                           int64_t world, int scatter);
 int xorl_permute_rows_host(const void* x, const int64_t* src_row, void* out, int64_t num_src_rows,
                            int64_t num_out_rows, int64_t row_bytes);
 int xorl_block_transpose_host(const xorl_block_copy_segment* segments, int num_segments);
+// Same arguments as xorl_unpermute_combine, minus the stream; the same fp32 k-order sum per pack.
+int xorl_unpermute_combine_host(const void* y, const int64_t* row_of_slot, const float* weights, void* out,
+                                int64_t num_rows, int64_t tokens, int64_t top_k, int64_t hidden, int dtype);
+
+// The launch shape the copy kernels above use for `rows` rows of at most max_row_bytes bytes with
+// `width`-byte accesses on a GPU with `sms` SMs (the combine: rows = tokens, max_row_bytes =
+// hidden / pack size, width = 1). Writes, in order: chunk_bytes, chunks_per_row, lanes per item,
+// items (rows * chunks_per_row), blocks of 256 threads. Pure host arithmetic (no GPU needed).
+void xorl_row_copy_launch(int64_t rows, int64_t max_row_bytes, int width, int sms, int64_t out[5]);
 
 #ifdef __cplusplus
 }

@@ -7,7 +7,8 @@ import os
 import pytest
 import torch
 
-# Triton kernels run on CPU through the interpreter; it must be chosen before triton is imported.
+# Without a GPU, Triton kernels run on CPU tensors through the interpreter, which must be chosen
+# before triton is imported; with one they run compiled on CUDA tensors (tests/triton_helpers.py).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

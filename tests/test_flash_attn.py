@@ -2,8 +2,10 @@
 
 The naive attention below builds one dense [total_q, total_k] mask from document ids and
 positions (independent of the reference's per-document loop and of the kernels' block logic)
-and differentiates through plain torch in float64. Triton kernels run under TRITON_INTERPRET=1 on
-CPU, so their shapes stay small; their outputs are NaN-poisoned before the kernels write them.
+and differentiates through plain torch in float64 on the CPU. Triton kernels run compiled on CUDA
+tensors where a GPU exists and under TRITON_INTERPRET=1 on CPU tensors elsewhere
+(tests/triton_helpers.py), so their shapes stay small; their outputs are NaN-poisoned before the
+kernels write them.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import math
 import pytest
 import torch
 
+from tests.triton_helpers import to_triton, triton_device
 from xorl_kernels import flash_attn_triton_common as common
 from xorl_kernels.attn_state_merge import merge_attn_states
 from xorl_kernels.flash_attention import (
@@ -27,7 +30,7 @@ F64 = torch.float64
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
     assert torch.isfinite(a).all(), "result has NaN/inf"
     denom = b.norm()
     return float(((a - b).norm() / (denom if denom > 0 else 1.0)).detach())
@@ -80,13 +83,18 @@ def poisoned(monkeypatch):
 
 
 def run_packed_case(backend, dtype, q, k, v, cu_q, cu_k, causal, pos_q=None, pos_k=None, tol=1e-5):
-    """Packed (3-D) call through flash_attn_with_lse vs naive float64: out, lse, dq, dk, dv."""
+    """Packed (3-D) call through flash_attn_with_lse vs naive float64: out, lse, dq, dk, dv.
+
+    Inputs are CPU tensors; the Triton backend gets them on triton_device(), the naive attention
+    keeps them on the CPU. Returns the kernel's out, lse and gradients (on its device)."""
     scale = 1.0 / math.sqrt(q.shape[-1])
-    leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
-    kw = dict(causal=causal, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, q_positions=pos_q, k_positions=pos_k)
+    device = triton_device() if backend == "triton" else torch.device("cpu")
+    leaves = [t.to(device, dtype).requires_grad_() for t in (q, k, v)]
+    on_dev = [None if t is None else t.to(device) for t in (cu_q, cu_k, pos_q, pos_k)]
+    kw = dict(zip(("cu_seqlens_q", "cu_seqlens_k", "q_positions", "k_positions"), on_dev), causal=causal)
     out, lse = flash_attn_with_lse(*leaves, backend=backend, **kw)
     w_out, w_lse = loss_weights(out.shape, lse.shape)
-    grads = torch.autograd.grad(finite_lse_loss(out, lse, w_out, w_lse), leaves)
+    grads = torch.autograd.grad(finite_lse_loss(out, lse, w_out.to(device), w_lse.to(device)), leaves)
 
     ref_leaves = [t.detach().to(dtype).to(F64).requires_grad_() for t in (q, k, v)]
     doc_q, p_q = token_meta(cu_q, pos_q)
@@ -94,10 +102,10 @@ def run_packed_case(backend, dtype, q, k, v, cu_q, cu_k, causal, pos_q=None, pos
     ref_out, ref_lse = naive_attention(*ref_leaves, doc_q, doc_k, p_q, p_k, causal, scale)
     ref_grads = torch.autograd.grad(finite_lse_loss(ref_out, ref_lse, w_out, w_lse), ref_leaves)
 
-    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), "rows with no visible key differ"
+    assert torch.equal(torch.isneginf(lse.cpu()), torch.isneginf(ref_lse)), "rows with no visible key differ"
     finite = torch.isfinite(ref_lse)
     assert rel_err(out, ref_out) < tol
-    assert rel_err(lse[finite], ref_lse[finite]) < tol
+    assert rel_err(lse.cpu()[finite], ref_lse[finite]) < tol
     for name, g, ref in zip("qkv", grads, ref_grads):
         assert rel_err(g, ref) < tol, f"d{name}"
     return out, lse, grads
@@ -201,7 +209,7 @@ def test_triton_batched(poisoned, b, s_q, s_k, hq, hk, d, causal):
     cu_q, cu_k = torch.arange(b + 1) * s_q, torch.arange(b + 1) * s_k
     packed = [t.reshape(-1, *t.shape[2:]) for t in (q, k, v)]
     # Batched call (its own layout handling) must equal the packed call, which is checked against naive.
-    out_b, lse_b = flash_attn_forward(q, k, v, causal=causal, backend="triton")
+    out_b, lse_b = flash_attn_forward(*to_triton(q, k, v), causal=causal, backend="triton")
     out, lse, _ = run_packed_case("triton", torch.float32, *packed, cu_q.int(), cu_k.int(), causal)
     assert torch.equal(out_b.reshape(out.shape), out.detach())
     assert torch.equal(lse_b, lse.detach().view(hq, b, s_q).transpose(0, 1))
@@ -268,7 +276,9 @@ def test_zigzag_ring_decomposition(poisoned, backend):
     w_out, w_lse = loss_weights(ref_out.shape, ref_lse.shape)
     ref_grads = torch.autograd.grad(finite_lse_loss(ref_out, ref_lse, w_out, w_lse), ref_leaves)
 
-    shards = [zigzag_shard_meta(docs, world, r) for r in range(world)]
+    dev = triton_device() if backend == "triton" else torch.device("cpu")
+    q, k, v, w_out, w_lse = (t.to(dev) for t in (q, k, v, w_out, w_lse))
+    shards = [tuple(t.to(dev) for t in zigzag_shard_meta(docs, world, r)) for r in range(world)]
     kw = dict(causal=True, backend=backend)
     merged = []
     for iq, pos_q, cu in shards:
@@ -283,17 +293,18 @@ def test_zigzag_ring_decomposition(poisoned, backend):
                 acc_out, acc_lse = merge_attn_states(acc_out, acc_lse, out, lse)
         merged.append((acc_out, acc_lse))
     for (iq, _, _), (out, lse) in zip(shards, merged):
+        iq = iq.cpu()
         assert rel_err(out, ref_out[iq]) < 1e-5 and rel_err(lse, ref_lse[:, iq]) < 1e-5
 
-    dq = torch.zeros(total, hq, d)
-    dk = torch.zeros(total, hk, d)
-    dv = torch.zeros(total, hk, d)
+    dq = torch.zeros(total, hq, d, device=dev)
+    dk = torch.zeros(total, hk, d, device=dev)
+    dv = torch.zeros(total, hk, d, device=dev)
     for (iq, pos_q, cu), (out, lse) in zip(shards, merged):
         do = w_out[iq].float()
         delta = flash_attn_bwd_preprocess(out, do) - w_lse[:, iq].float()  # dlse enters through delta
-        dq_acc = torch.zeros(len(iq), hq, d)
+        dq_acc = torch.zeros(len(iq), hq, d, device=dev)
         for ik, pos_k, _ in shards:
-            dk_acc, dv_acc = torch.zeros(len(ik), hk, d), torch.zeros(len(ik), hk, d)
+            dk_acc, dv_acc = torch.zeros(len(ik), hk, d, device=dev), torch.zeros(len(ik), hk, d, device=dev)
             flash_attn_backward(
                 do, q[iq], k[ik], v[ik], out, lse, delta, cu_seqlens=cu, q_positions=pos_q,
                 k_positions=pos_k, dq_accum=dq_acc, dk_accum=dk_acc, dv_accum=dv_acc, **kw,
@@ -308,8 +319,7 @@ def test_zigzag_ring_decomposition(poisoned, backend):
 def test_triton_backward_accumulates(poisoned):
     """flash_attn_backward adds into caller fp32 buffers (random start values, not zeros)."""
     torch.manual_seed(7)
-    q, k, v = torch.randn(1, 40, 2, 16), torch.randn(1, 40, 2, 16), torch.randn(1, 40, 2, 16)
-    do = torch.randn(1, 40, 2, 16)
+    q, k, v, do = to_triton(*(torch.randn(1, 40, 2, 16) for _ in range(4)))
     out, lse = flash_attn_forward(q, k, v, causal=True, backend="triton")
     delta = flash_attn_bwd_preprocess(out, do, backend="triton")
     ref_delta = (out.double() * do.double()).sum(-1).transpose(1, 2)
@@ -317,18 +327,62 @@ def test_triton_backward_accumulates(poisoned):
     packed_delta = flash_attn_bwd_preprocess(out[0], do[0], backend="triton")
     assert packed_delta.shape == (2, 40) and rel_err(packed_delta, ref_delta[0]) < 1e-6
     fresh = flash_attn_backward(do, q, k, v, out, lse, delta, causal=True, backend="triton")
-    starts = [torch.randn(t.shape) for t in (q, k, v)]
+    starts = [torch.randn(t.shape, device=t.device) for t in (q, k, v)]
     accs = [s.clone() for s in starts]
     returned = flash_attn_backward(
         do, q, k, v, out, lse, delta, causal=True, backend="triton",
         dq_accum=accs[0], dk_accum=accs[1], dv_accum=accs[2],
     )
-    ref = flash_attn_backward(do, *(t.double() for t in (q, k, v)), out.double(), lse.double(),
-                              delta.double(), causal=True, backend="reference")
+    ref = flash_attn_backward(*(t.double().cpu() for t in (do, q, k, v, out, lse, delta)), causal=True,
+                              backend="reference")
     for acc, ret, start, g, r in zip(accs, returned, starts, fresh, ref):
         assert ret is acc
         assert rel_err(g, r) < 1e-5
         assert rel_err(acc - start, r) < 1e-5
+
+
+def test_dkdv_head_splits_fill_an_h100():
+    """The dK/dV grid is split over query-head slices only while the key blocks alone are too few."""
+    from xorl_kernels.flash_attn_bwd_triton import dkdv_head_splits
+
+    # 32 q / 4 kv heads at 4k tokens: 4 * (32 + 1) programs without slices, 132 SMs.
+    splits = dkdv_head_splits(4096, 1, 4, 8, sms=132)
+    assert 8 % splits == 0 and 4 * (32 + 1) * splits >= 4 * 132 and splits > 1
+    assert dkdv_head_splits(4096, 1, 4, 1, sms=132) == 1  # MHA: nothing to split
+    assert dkdv_head_splits(131072, 1, 8, 4, sms=132) == 1  # long context: key blocks fill it alone
+    assert dkdv_head_splits(16, 1, 1, 6, sms=132) == 6  # tiny: one query head per program
+
+
+@pytest.mark.parametrize("splits", [1, 2, 4])
+def test_triton_dkdv_head_slices(poisoned, monkeypatch, splits):
+    """GQA group of 4 split into 1, 2 or 4 slices of query heads: varlen documents with zig-zag
+    positions (masked, mask-free and skipped tiles), lse in the loss, fp32 accumulators with random
+    start values. Every split must give the float64 gradients."""
+    from xorl_kernels import flash_attn_bwd_triton
+
+    monkeypatch.setattr(flash_attn_bwd_triton, "dkdv_head_splits", lambda *args: splits)
+    torch.manual_seed(11)
+    docs, world = [64, 32], 2
+    total = sum(docs)
+    full_q, full_k, full_v = torch.randn(total, 4, 16), torch.randn(total, 1, 16), torch.randn(total, 1, 16)
+    iq, pos_q, cu = zigzag_shard_meta(docs, world, 1)
+    ik, pos_k, _ = zigzag_shard_meta(docs, world, 0)
+    q, k, v = full_q[iq], full_k[ik], full_v[ik]
+    run_packed_case("triton", torch.float32, q, k, v, cu, cu, True, pos_q, pos_k)
+
+    meta = dict(causal=True, cu_seqlens=cu, q_positions=pos_q, k_positions=pos_k)
+    dev_meta = {**meta, **dict(zip(("cu_seqlens", "q_positions", "k_positions"), to_triton(cu, pos_q, pos_k)))}
+    q, k, v, do = to_triton(q, k, v, torch.randn(q.shape))
+    out, lse = flash_attn_forward(q, k, v, backend="triton", **dev_meta)
+    delta = flash_attn_bwd_preprocess(out, do, backend="triton")
+    starts = [torch.randn(t.shape, device=t.device) for t in (q, k, v)]
+    accs = [t.clone() for t in starts]
+    flash_attn_backward(do, q, k, v, out, lse, delta, dq_accum=accs[0], dk_accum=accs[1], dv_accum=accs[2],
+                        backend="triton", **dev_meta)
+    ref = flash_attn_backward(*(t.double().cpu() for t in (do, q, k, v, out, lse, delta)), backend="reference",
+                              **meta)
+    for name, acc, start, r in zip("qkv", accs, starts, ref):
+        assert rel_err(acc - start, r) < 1e-5, f"d{name} accumulated"
 
 
 # -- compiled Triton on a GPU (skipped on CPU) -----------------------------------------------------
@@ -373,6 +427,22 @@ def test_gpu_triton_zigzag_varlen(poisoned, dtype, head_dim):
                         dv_accum=accs[2], **kw)
     for acc, start, ref in zip(accs, starts, ref_grads):
         assert rel_err((acc - start).cpu(), ref) < tol
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 2, None])
+def test_gpu_gqa_dkdv_head_slices(poisoned, monkeypatch, splits):
+    """32 q / 4 kv heads (Llama-3-70B's ratio), bf16, two causal documents, compiled and autotuned:
+    the dK/dV kernel with no slices, 2 slices and the planned ones (here one query head per program)
+    against float64."""
+    from xorl_kernels import flash_attn_bwd_triton
+
+    if splits is not None:
+        monkeypatch.setattr(flash_attn_bwd_triton, "dkdv_head_splits", lambda *args: splits)
+    torch.manual_seed(12)
+    cu = torch.tensor([0, 512, 768], dtype=torch.int32)
+    q, k, v = torch.randn(768, 32, 128), torch.randn(768, 4, 128), torch.randn(768, 4, 128)
+    run_packed_case("triton", torch.bfloat16, q, k, v, cu, cu, True, tol=1e-2)
 
 
 @pytest.mark.gpu

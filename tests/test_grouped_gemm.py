@@ -1,4 +1,7 @@
-"""grouped_gemm: Triton kernels (interpreter on CPU) and the reference vs a float64 per-group loop.
+"""grouped_gemm: Triton kernels and the reference vs a float64 per-group loop.
+
+The Triton kernels run compiled on CUDA tensors where a GPU exists and under the interpreter on
+CPU tensors elsewhere (tests/triton_helpers.py); inputs are made and references computed on the CPU.
 
 The float64 loop below is written out here (no autograd, explicit dx/dw formulas), so it shares
 nothing with the code under test. Shapes cross the interpreter's 16/32-wide tiles on purpose:
@@ -16,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.triton_helpers import to_triton
 from xorl_kernels.grouped_gemm_op import _resolve_backend, grouped_gemm
 from xorl_kernels.grouped_gemm_triton import (
     forward_config,
@@ -55,7 +59,7 @@ def _float64_loop(x, w, sizes, dy):
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     if ref.numel() == 0:
         return 0.0
-    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    return ((out.detach().double().cpu() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def _inputs(sizes, k, n, dtype, seed):
@@ -72,15 +76,19 @@ def _inputs(sizes, k, n, dtype, seed):
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_forward_and_gradients_match_float64_loop(case, dtype, backend):
     sizes, k, n = CASES[case]
-    x, w, dy = _inputs(sizes, k, n, dtype, seed=case)
+    x_cpu, w_cpu, dy_cpu = _inputs(sizes, k, n, dtype, seed=case)
     index_dtype = torch.int32 if case % 2 else torch.int64
     group_sizes = torch.tensor(sizes, dtype=index_dtype)
+    if backend == "triton":
+        x, w, dy, group_sizes = to_triton(x_cpu, w_cpu, dy_cpu, group_sizes)
+    else:
+        x, w, dy = x_cpu.clone(), w_cpu.clone(), dy_cpu
     x.requires_grad_(True)
     w.requires_grad_(True)
 
     y = grouped_gemm(x, w, group_sizes, backend=backend)
     dx, dw = torch.autograd.grad(y, (x, w), dy)
-    y_ref, dx_ref, dw_ref = _float64_loop(x.detach(), w.detach(), sizes, dy)
+    y_ref, dx_ref, dw_ref = _float64_loop(x_cpu, w_cpu, sizes, dy_cpu)
 
     assert y.shape == (sum(sizes), n) and y.dtype == dtype
     assert dx.dtype == dtype and dw.dtype == dtype
@@ -97,10 +105,10 @@ def test_kernels_write_every_element_of_poisoned_outputs():
     """NaN-filled outputs: any row, column or zero-row group the kernels skip stays NaN and fails."""
     sizes = [3, 0, 40, 1, 0, 17]
     x, w, dy = _inputs(sizes, 40, 50, torch.float32, seed=11)
-    group_sizes = torch.tensor(sizes, dtype=torch.int32)
     y_ref, dx_ref, dw_ref = _float64_loop(x, w, sizes, dy)
+    x, w, dy, group_sizes = to_triton(x, w, dy, torch.tensor(sizes, dtype=torch.int32))
 
-    y = grouped_gemm_forward(x, w, group_sizes, out=torch.full_like(y_ref, float("nan"), dtype=x.dtype))
+    y = grouped_gemm_forward(x, w, group_sizes, out=torch.full(y_ref.shape, float("nan"), device=x.device))
     dx = grouped_gemm_forward(dy, w.transpose(1, 2), group_sizes, out=torch.full_like(x, float("nan")))
     dw = grouped_gemm_weight_grad(x, dy, group_sizes, torch.float32, out=torch.full_like(w, float("nan")))
 
@@ -114,31 +122,36 @@ def test_strided_inputs():
     """Non-contiguous x (a column slice), w (a transposed view) and dy: the kernels take strides."""
     sizes = [9, 0, 26]
     gen = torch.Generator().manual_seed(5)
-    x_wide = torch.randn(sum(sizes), 70, generator=gen)
+    x_wide, w_t, dy_t, group_sizes = to_triton(
+        torch.randn(sum(sizes), 70, generator=gen),
+        torch.randn(3, 36, 40, generator=gen),
+        torch.randn(36, sum(sizes), generator=gen),
+        torch.tensor(sizes),
+    )
     x = x_wide[:, 3:43]  # [35, 40], row stride 70
-    w = torch.randn(3, 36, 40, generator=gen).transpose(1, 2)  # [3, 40, 36], non-contiguous
-    dy = torch.randn(36, sum(sizes), generator=gen).T  # [35, 36], column-major
-    group_sizes = torch.tensor(sizes)
+    w = w_t.transpose(1, 2)  # [3, 40, 36], non-contiguous
+    dy = dy_t.T  # [35, 36], column-major
     x.requires_grad_(True)
     w.requires_grad_(True)
     y = grouped_gemm(x, w, group_sizes, backend="triton")
     dx, dw = torch.autograd.grad(y, (x, w), dy)
-    y_ref, dx_ref, dw_ref = _float64_loop(x.detach(), w.detach(), sizes, dy)
+    x_cpu, w_cpu = x.detach().cpu(), w.detach().cpu()
+    y_ref, dx_ref, dw_ref = _float64_loop(x_cpu, w_cpu, sizes, dy.cpu())
     assert _rel_err(y, y_ref) < 1e-5 and _rel_err(dx, dx_ref) < 1e-5 and _rel_err(dw, dw_ref) < 1e-5
 
     # y.sum() hands backward an expanded dy (all strides 0).
     dx, dw = torch.autograd.grad(grouped_gemm(x, w, group_sizes, backend="triton").sum(), (x, w))
-    _, dx_ref, dw_ref = _float64_loop(x.detach(), w.detach(), sizes, torch.ones(sum(sizes), 36))
+    _, dx_ref, dw_ref = _float64_loop(x_cpu, w_cpu, sizes, torch.ones(sum(sizes), 36))
     assert _rel_err(dx, dx_ref) < 1e-5 and _rel_err(dw, dw_ref) < 1e-5
 
 
 def test_autocast_casts_inputs_like_linear():
     sizes = [5, 0, 12]
     x, w, _ = _inputs(sizes, 20, 18, torch.float32, seed=8)
-    group_sizes = torch.tensor(sizes)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        y = grouped_gemm(x, w, group_sizes, backend="triton")
     y_ref, _, _ = _float64_loop(x.bfloat16(), w.bfloat16(), sizes, torch.zeros(17, 18))
+    x, w, group_sizes = to_triton(x, w, torch.tensor(sizes))
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
+        y = grouped_gemm(x, w, group_sizes, backend="triton")
     assert y.dtype == torch.bfloat16 and _rel_err(y, y_ref) < 1e-2
 
 
@@ -178,8 +191,12 @@ def test_autocast_casts_inputs_like_linear():
     ],
 )
 @pytest.mark.parametrize("backend", ["triton", "reference"])
-def test_bad_inputs_raise_clear_errors(make, error, match, backend):
+def test_bad_inputs_raise_clear_errors(make, error, match, backend, monkeypatch):
     x, w, group_sizes = make()
+    if backend == "triton":
+        # On a GPU the size values are checked only on request (a host sync): ask for it.
+        monkeypatch.setenv("XORL_CHECK_GROUP_SIZES", "1")
+        x, w, group_sizes = to_triton(x, w, group_sizes)
     with pytest.raises(error, match=match):
         grouped_gemm(x, w, group_sizes, backend=backend)
 
@@ -187,7 +204,8 @@ def test_bad_inputs_raise_clear_errors(make, error, match, backend):
 def test_dispatch(monkeypatch):
     cpu = torch.randn(2, 2)
     assert _resolve_backend("auto", cpu) == "reference"
-    assert _resolve_backend("triton", cpu) == "triton"  # the interpreter is on in the test session
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # what conftest.py sets on a machine without a GPU
+    assert _resolve_backend("triton", cpu) == "triton"
     with pytest.raises(ValueError, match="backend must be one of"):
         _resolve_backend("cublas", cpu)
     monkeypatch.setenv("TRITON_INTERPRET", "0")

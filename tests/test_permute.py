@@ -1,17 +1,20 @@
 """permute_tokens / unpermute_tokens against an independent float64 loop, forward and gradients,
-on the torch path and on the Triton kernels (interpreter on CPU)."""
+on the torch path and on the Triton kernels (compiled on a GPU, the interpreter on CPU; see
+tests/triton_helpers.py). Inputs are made on the CPU, the references computed there."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from tests.triton_helpers import triton_device
 from xorl_kernels import permute as permute_mod
 from xorl_kernels.permute import permute_tokens, unpermute_tokens
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+    out, ref = out.detach().double().cpu(), ref.detach().double().cpu()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def loop_permute(x, expert_ids, num_experts):
@@ -58,30 +61,33 @@ def poison_outputs(monkeypatch):
 
 
 @pytest.fixture(params=["torch", "triton"])
-def backend(request, monkeypatch):
-    """Run each test on the torch path and on the Triton kernels (interpreter on CPU)."""
+def dev(request, monkeypatch) -> torch.device:
+    """The device each test puts its inputs on: the CPU for the torch path, triton_device() for the
+    Triton kernels (forced, so a GPU machine runs them rather than the csrc kernels)."""
     if request.param == "triton":
         monkeypatch.setattr(permute_mod, "_backend", lambda t: "triton")
-    return request.param
+        return triton_device()
+    return torch.device("cpu")
 
 
-def test_roundtrip_with_unit_weights_is_exact(backend):
-    x, ids, _ = make_case(37, 1, 5, 24)
+def test_roundtrip_with_unit_weights_is_exact(dev):
+    x, ids, _ = (t.to(dev) for t in make_case(37, 1, 5, 24))
     x_sorted, row_map, counts = permute_tokens(x, ids, 5)
-    assert torch.equal(unpermute_tokens(x_sorted, row_map, torch.ones(37, 1)), x)
+    assert torch.equal(unpermute_tokens(x_sorted, row_map, torch.ones(37, 1, device=dev)), x)
     assert torch.equal(unpermute_tokens(x_sorted, row_map), x)
     # top-k > 1 with one-hot weights: each token's row comes back bit for bit.
-    x, ids, _ = make_case(37, 3, 6, 24, seed=1)
-    one_hot = torch.zeros(37, 3).scatter_(1, torch.randint(0, 3, (37, 1)), 1.0)
+    x, ids, _ = (t.to(dev) for t in make_case(37, 3, 6, 24, seed=1))
+    one_hot = torch.zeros(37, 3).scatter_(1, torch.randint(0, 3, (37, 1)), 1.0).to(dev)
     x_sorted, row_map, _ = permute_tokens(x, ids, 6)
     assert torch.equal(unpermute_tokens(x_sorted, row_map, one_hot), x)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_forward_matches_loop(backend, dtype):
+def test_forward_matches_loop(dev, dtype):
     num_tokens, top_k, num_experts, hidden = 29, 3, 7, 40
     x, ids, w = make_case(num_tokens, top_k, num_experts, hidden, dtype)
-    x_sorted, row_map, counts = permute_tokens(x, ids, num_experts)
+    x_sorted, row_map, counts = permute_tokens(x.to(dev), ids.to(dev), num_experts)
+    x_sorted, row_map, counts = x_sorted.cpu(), row_map.cpu(), counts.cpu()
     ref_sorted, ref_counts = loop_permute(x.double(), ids, num_experts)
     assert row_map.dtype == torch.int64 and row_map.shape == (num_tokens, top_k)
     assert torch.equal(counts, ref_counts)
@@ -91,7 +97,7 @@ def test_forward_matches_loop(backend, dtype):
             assert torch.equal(x_sorted[row_map[t, k]], x[t])
 
     y_sorted = torch.randn(num_tokens * top_k, hidden).to(dtype)
-    y_sorted_poisoned_out = unpermute_tokens(y_sorted, row_map, w)
+    y_sorted_poisoned_out = unpermute_tokens(y_sorted.to(dev), row_map.to(dev), w.to(dev))
     ref = loop_unpermute(y_sorted.double(), row_map, w.double())
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     assert y_sorted_poisoned_out.dtype == dtype
@@ -99,16 +105,17 @@ def test_forward_matches_loop(backend, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gradients_match_float64_loop(backend, dtype):
+def test_gradients_match_float64_loop(dev, dtype):
     num_tokens, top_k, num_experts, hidden = 23, 2, 5, 33
     x, ids, w = make_case(num_tokens, top_k, num_experts, hidden, dtype, seed=3)
     scale = torch.randn(num_tokens * top_k, hidden).to(dtype)  # a per-row "expert" so rows differ
     grad_out = torch.randn(num_tokens, hidden).to(dtype)
 
-    x1, w1 = x.clone().requires_grad_(), w.clone().requires_grad_()
-    x_sorted, row_map, _ = permute_tokens(x1, ids, num_experts)
-    out = unpermute_tokens(x_sorted * scale, row_map, w1)
-    out.backward(grad_out)
+    x1, w1 = x.to(dev, copy=True).requires_grad_(), w.to(dev, copy=True).requires_grad_()
+    x_sorted, row_map, _ = permute_tokens(x1, ids.to(dev), num_experts)
+    out = unpermute_tokens(x_sorted * scale.to(dev), row_map, w1)
+    out.backward(grad_out.to(dev))
+    row_map = row_map.cpu()
 
     x2, w2 = x.double().requires_grad_(), w.double().requires_grad_()
     # Reference: for every slot, x[t] * scale[row of that slot], weighted sum over k.
@@ -123,22 +130,22 @@ def test_gradients_match_float64_loop(backend, dtype):
     assert w1.grad.dtype == w.dtype
 
 
-def test_unpermute_is_deterministic(backend):
-    x, ids, w = make_case(64, 4, 8, 48, seed=5)
+def test_unpermute_is_deterministic(dev):
+    x, ids, w = (t.to(dev) for t in make_case(64, 4, 8, 48, seed=5))
     x_sorted, row_map, _ = permute_tokens(x, ids, 8)
     outs = [unpermute_tokens(x_sorted, row_map, w) for _ in range(3)]
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
-def test_experts_with_no_tokens_and_empty_input(backend):
-    x, _, _ = make_case(10, 2, 6, 16)
-    ids = torch.tensor([[4, 1]] * 10)  # experts 0, 2, 3, 5 receive nothing
+def test_experts_with_no_tokens_and_empty_input(dev):
+    x = make_case(10, 2, 6, 16)[0].to(dev)
+    ids = torch.tensor([[4, 1]] * 10, device=dev)  # experts 0, 2, 3, 5 receive nothing
     x_sorted, row_map, counts = permute_tokens(x, ids, 6)
     assert counts.tolist() == [0, 10, 0, 0, 10, 0]
     assert torch.equal(x_sorted[:10], x) and torch.equal(x_sorted[10:], x)
-    empty = torch.randn(0, 16, requires_grad=True)
-    xs, rm, c = permute_tokens(empty, torch.zeros(0, 2, dtype=torch.int64), 6)
-    out = unpermute_tokens(xs, rm, torch.rand(0, 2))
+    empty = torch.randn(0, 16, device=dev, requires_grad=True)
+    xs, rm, c = permute_tokens(empty, torch.zeros(0, 2, dtype=torch.int64, device=dev), 6)
+    out = unpermute_tokens(xs, rm, torch.rand(0, 2, device=dev))
     out.sum().backward()
     assert xs.shape == (0, 16) and c.tolist() == [0] * 6 and empty.grad.shape == (0, 16)
 

@@ -122,3 +122,25 @@ def test_csrc_kernels_match_references(dtype, heads, kv_heads, head_dim, v_dim, 
     outs = ext_ulysses_unpack_reverse(recv, world, rshapes)
     for got, ref in zip(outs, ulysses_unpack_reverse_reference(recv, world, rshapes)):
         torch.testing.assert_close(got, ref, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_csrc_unpack_rows_of_megabytes():
+    """Llama-3-8B-like Ulysses 8 (4096 tokens per rank, 32 / 8 / 8 heads, bf16): after the all-to-all
+    24 rows of up to 4 MB, cut into more (row, chunk) items than the grid has lane groups, so the
+    grid-stride loop runs; both directions, exact against the references."""
+    from xorl_kernels._ext import ext_ulysses_pack_reverse, ext_ulysses_unpack
+
+    require_cuda_ext()
+    world, gen = 8, torch.Generator(device="cuda").manual_seed(13)
+    shapes = [(1, 4096, h, 128) for h in (32, 8, 8)]
+    recv = torch.randn(world, sum(s[1] * s[2] * s[3] for s in shapes) // world, generator=gen, device="cuda")
+    recv = recv.to(torch.bfloat16)
+    outs = [torch.full((1, world * s[1], s[2] // world, s[3]), float("nan"), dtype=torch.bfloat16, device="cuda")
+            for s in shapes]
+    ext_ulysses_unpack(recv, world, shapes, outs=outs)
+    for got, ref in zip(outs, ulysses_unpack_reference(recv, world, shapes)):
+        torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    buf = torch.full_like(recv, float("nan"))
+    ext_ulysses_pack_reverse(outs, world, out=buf)
+    torch.testing.assert_close(buf, ulysses_pack_reverse_reference(outs, world), rtol=0, atol=0)

@@ -92,18 +92,23 @@ def ext_permute_rows(
 
 
 def ext_unpermute_combine(
-    y: torch.Tensor, row_of_slot: torch.Tensor, weights: torch.Tensor, out: torch.Tensor | None = None
+    y: torch.Tensor,
+    row_of_slot: torch.Tensor,
+    weights: torch.Tensor,
+    out: torch.Tensor | None = None,
+    *,
+    host_emulation: bool = False,
 ) -> torch.Tensor:
     """out[t] = sum_k weights[t, k] * y[row_of_slot[t, k]] (fp32, k order, no atomics) in y's dtype.
 
     y [R, H] fp32/fp16/bf16; row_of_slot [T, K] int64; weights [T, K] fp32. A row index outside
     [0, R) contributes nothing (a dropped slot).
     """
-    op = "unpermute_combine"
+    op, host = "unpermute_combine", host_emulation
     _require_ext(op)
-    _check(y, "y", op, dtypes=list(_COMBINE_DTYPES), dim=2)
-    _check(row_of_slot, "row_of_slot", op, device=y.device, dtypes=[torch.int64], dim=2)
-    _check(weights, "weights", op, device=y.device, dtypes=[torch.float32], dim=2)
+    _check(y, "y", op, dtypes=list(_COMBINE_DTYPES), dim=2, host=host)
+    _check(row_of_slot, "row_of_slot", op, device=y.device, dtypes=[torch.int64], dim=2, host=host)
+    _check(weights, "weights", op, device=y.device, dtypes=[torch.float32], dim=2, host=host)
     if weights.shape != row_of_slot.shape:
         raise ValueError(
             f"{op}: weights must have row_of_slot's shape {tuple(row_of_slot.shape)}, got {tuple(weights.shape)}"
@@ -113,11 +118,11 @@ def ext_unpermute_combine(
     if out is None:
         out = torch.empty(shape, dtype=y.dtype, device=y.device)
     else:
-        _check_out(out, shape, y.dtype, y.device, op)
+        _check_out(out, shape, y.dtype, y.device, op, host=host)
     _launch(
         y.device,
         "unpermute_combine",
-        False,
+        host,
         y.data_ptr(),
         row_of_slot.data_ptr(),
         weights.data_ptr(),

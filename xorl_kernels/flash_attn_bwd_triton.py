@@ -3,9 +3,15 @@
 Given lse and delta (delta = rowsum(dO·O) - dlse, computed once per backward by the caller), with
 P = exp(S·scale - lse), dP = dO·Vᵀ and dS = P ∘ (dP - delta):
 
-- ``_flash_attn_bwd_dkdv_kernel``: one program per (document, kv head, key block); it loops over
-  the query heads of its GQA group and over the visible query blocks, accumulating
-  dV = Pᵀ·dO and dK = scale·dSᵀ·Q in fp32 registers — each dk/dv row is written exactly once.
+- ``_flash_attn_bwd_dkdv_kernel``: one program per (document, kv head, query-head slice, key
+  block); it loops over the query heads of its slice of the GQA group and over the visible query
+  blocks, accumulating dV = Pᵀ·dO and dK = scale·dSᵀ·Q in fp32 registers. With one slice (MHA, or
+  enough key blocks to fill the GPU) each dk/dv row is written exactly once; with S > 1 slices
+  each program writes its fp32 partial to slice s of a [S, total_k, heads_kv, d] scratch and the
+  S partials are summed afterwards in a fixed order (deterministic, no atomics). Why slices: with
+  32 query / 4 KV heads at 4k tokens, one program per KV head and key block is 128 programs for
+  132 SMs, each looping over 8 query heads, and causal masking gives the first key block 32x the
+  work of the last; S slices give S times the programs, each doing 1/S of the heads.
 - ``_flash_attn_bwd_dq_kernel``: one program per (document, query head, query block), looping
   over visible key blocks: dQ = scale·dS·K in fp32.
 
@@ -98,23 +104,26 @@ def _dkdv_block(
 
 @triton.autotune(
     configs=_configs("BLOCK_N", "BLOCK_M"),
-    key=["seq_bucket", "HEAD_DIM", "IS_CAUSAL", "HAS_POS", "DOT_PREC", "ACCUMULATE"],
+    key=["seq_bucket", "HEAD_DIM", "IS_CAUSAL", "HAS_POS", "DOT_PREC", "ACCUMULATE", "splits"],
     restore_value=_restore(["DK", "DV"]),
 )
 @triton.jit
 def _flash_attn_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, QPOS, KPOS,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-    stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_lse_h,
-    sm_scale, sm_scale_log2, heads_kv, group, seq_bucket,
+    stride_dkt, stride_dkh, stride_dks, stride_dvt, stride_dvh, stride_dvs, stride_lse_h,
+    sm_scale, sm_scale_log2, heads_kv, group, splits, seq_bucket,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_POS: tl.constexpr,
     ACCUMULATE: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, SCAN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pid_dh = tl.program_id(0)
+    # The slices of one KV head are neighbours in launch order, so they run together and share
+    # their K/V tiles through L2.
+    pid_dhs = tl.program_id(0)
     pid_n = tl.program_id(1)
-    doc = pid_dh // heads_kv
-    kv_head = pid_dh % heads_kv
+    split = pid_dhs % splits
+    kv_head = (pid_dhs // splits) % heads_kv
+    doc = pid_dhs // (splits * heads_kv)
     k_start = tl.load(CU_K + doc)
     k_len = tl.load(CU_K + doc + 1) - k_start
     if pid_n * BLOCK_N >= k_len:
@@ -152,7 +161,8 @@ def _flash_attn_bwd_dkdv_kernel(
     # Mask-free tiles also need every key of this block in bounds.
     full_hi = tl.where((pid_n + 1) * BLOCK_N <= k_len, tl.maximum((q_len // BLOCK_M) * BLOCK_M, mid), mid)
 
-    for g in range(0, group):
+    heads_per_split = group // splits
+    for g in range(split * heads_per_split, (split + 1) * heads_per_split):
         head = kv_head * group + g
         Q_base = Q + q_start.to(tl.int64) * stride_qt + head * stride_qh
         DO_base = DO + q_start.to(tl.int64) * stride_dot + head * stride_doh
@@ -185,8 +195,8 @@ def _flash_attn_bwd_dkdv_kernel(
                 True, IS_CAUSAL, HAS_POS, HEAD_DIM, BLOCK_D, DOT_PREC, UPCAST,
             )
 
-    DK_base = DK + k_start.to(tl.int64) * stride_dkt + kv_head * stride_dkh
-    DV_base = DV + k_start.to(tl.int64) * stride_dvt + kv_head * stride_dvh
+    DK_base = DK + split.to(tl.int64) * stride_dks + k_start.to(tl.int64) * stride_dkt + kv_head * stride_dkh
+    DV_base = DV + split.to(tl.int64) * stride_dvs + k_start.to(tl.int64) * stride_dvt + kv_head * stride_dvh
     store_tile(DK_base, dk * sm_scale, offs_n, stride_dkt, offs_d, n_valid, ACCUMULATE, HEAD_DIM, BLOCK_D)
     store_tile(DV_base, dv, offs_n, stride_dvt, offs_d, n_valid, ACCUMULATE, HEAD_DIM, BLOCK_D)
 
@@ -335,6 +345,46 @@ def triton_bwd_preprocess(out: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
     return delta if batched else delta[0]
 
 
+# Programs the dK/dV grid should give the GPU at least: 4 per SM, so that the causal imbalance
+# between key blocks (the first sees every query row, the last a few) evens out over the SMs.
+_PROGRAMS_PER_SM = 4
+# The largest key block of the autotune configs: the program count below never overestimates.
+_LARGEST_BLOCK_N = 128
+_INTERPRETER_SMS = 132  # under the interpreter, plan as for an H100 (tests then cover the slices)
+
+
+def dkdv_head_splits(total_k: int, num_docs: int, heads_kv: int, group: int, sms: int) -> int:
+    """Slices of each GQA group the dK/dV kernel runs in parallel: the smallest divisor of ``group``
+    that gives at least _PROGRAMS_PER_SM programs per SM, else ``group`` (one query head each).
+
+    Programs are counted from the tokens (ceil(total_k / 128) key blocks per KV head, plus one per
+    document for its partial block), not from the padded grid: empty programs do no work. The fp32
+    scratch is splits x the size of dK and dV, and splits only exceeds 1 while the key blocks are too
+    few to fill the GPU, so it holds about _PROGRAMS_PER_SM * SMs * 128 rows (35 MB at head_dim 128
+    on an H100) per tensor whatever the sequence length; up to twice that where the divisors of
+    ``group`` are coarse.
+    """
+    if group <= 1:
+        return 1
+    programs = heads_kv * (triton.cdiv(total_k, _LARGEST_BLOCK_N) + num_docs)
+    for splits in range(1, group + 1):
+        if group % splits == 0 and programs * splits >= _PROGRAMS_PER_SM * sms:
+            return splits
+    return group
+
+
+def _device_sms(device: torch.device) -> int:
+    if INTERPRET:
+        return _INTERPRETER_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count  # cached by torch: no sync
+
+
+def _sum_partials(partials: torch.Tensor, accum: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Sum the [splits, ...] fp32 partials in slice order; add into ``accum`` when given."""
+    total = partials.sum(0)
+    return accum.add_(total) if accum is not None else total.to(dtype)
+
+
 def triton_backward(
     do: torch.Tensor,
     q: torch.Tensor,
@@ -375,27 +425,42 @@ def triton_backward(
     # only one of them has an accumulator, the other accumulates into a zeroed fp32 scratch.
     accumulate_kv = dk_accum is not None or dv_accum is not None
     dq = dq_accum if dq_accum is not None else common.alloc_output(q.shape, q.dtype, q.device)
-    if accumulate_kv:
+    flags = dict(
+        HEAD_DIM=head_dim, BLOCK_D=block_head_dim(head_dim), IS_CAUSAL=bool(causal), HAS_POS=has_pos,
+        DOT_PREC=dot_precision(q.dtype), UPCAST=upcast_16bit(q.dtype), SCAN=scan_block(),
+    )
+    group = heads_q // heads_kv
+    splits = dkdv_head_splits(k.shape[0], num_docs, heads_kv, group, _device_sms(q.device))
+    if splits > 1:
+        # fp32 partials, one per slice of query heads, summed below; the kernel writes every row.
+        dk = common.alloc_output((splits, *k.shape), torch.float32, k.device)
+        dv = common.alloc_output((splits, *v.shape), torch.float32, v.device)
+    elif accumulate_kv:
         dk = dk_accum if dk_accum is not None else torch.zeros(k.shape, dtype=torch.float32, device=k.device)
         dv = dv_accum if dv_accum is not None else torch.zeros(v.shape, dtype=torch.float32, device=v.device)
     else:
         dk = common.alloc_output(k.shape, k.dtype, k.device)
         dv = common.alloc_output(v.shape, v.dtype, v.device)
-    flags = dict(
-        HEAD_DIM=head_dim, BLOCK_D=block_head_dim(head_dim), IS_CAUSAL=bool(causal), HAS_POS=has_pos,
-        DOT_PREC=dot_precision(q.dtype), UPCAST=upcast_16bit(q.dtype), SCAN=scan_block(),
-    )
+    # Strides of the 3-D [tokens, heads, d] view, plus the slice stride (0: one slice).
+    dk_t, dv_t = (t[0] if splits > 1 else t for t in (dk, dv))
+    split_strides = (dk.stride(0), dv.stride(0)) if splits > 1 else (0, 0)
 
     def grid_kv(meta):
-        return (num_docs * heads_kv, triton.cdiv(max_seqlen_k, meta["BLOCK_N"]))
+        return (num_docs * heads_kv * splits, triton.cdiv(max_seqlen_k, meta["BLOCK_N"]))
 
     _flash_attn_bwd_dkdv_kernel[grid_kv](
         q, k, v, do, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, q_pos, k_pos,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), lse.stride(0),
-        softmax_scale, softmax_scale * LOG2E, heads_kv, heads_q // heads_kv, seq_bucket(max_seqlen_q),
-        ACCUMULATE=accumulate_kv, **flags,
+        do.stride(0), do.stride(1), dk_t.stride(0), dk_t.stride(1), split_strides[0],
+        dv_t.stride(0), dv_t.stride(1), split_strides[1], lse.stride(0),
+        softmax_scale, softmax_scale * LOG2E, heads_kv, group, splits, seq_bucket(max_seqlen_q),
+        ACCUMULATE=accumulate_kv and splits == 1, **flags,
     )
+    if splits > 1:
+        dk, dv = _sum_partials(dk, dk_accum, k.dtype), _sum_partials(dv, dv_accum, v.dtype)
+    elif accumulate_kv:
+        dk = dk if dk_accum is not None else dk.to(k.dtype)
+        dv = dv if dv_accum is not None else dv.to(v.dtype)
 
     def grid_q(meta):
         return (num_docs * heads_q, triton.cdiv(max_seqlen_q, meta["BLOCK_M"]))
@@ -407,7 +472,4 @@ def triton_backward(
         softmax_scale, softmax_scale * LOG2E, heads_q, heads_q // heads_kv, seq_bucket(max_seqlen_k),
         ACCUMULATE=dq_accum is not None, **flags,
     )
-    if accumulate_kv:
-        dk = dk if dk_accum is not None else dk.to(k.dtype)
-        dv = dv if dv_accum is not None else dv.to(v.dtype)
     return dq, dk, dv
