@@ -72,12 +72,18 @@ def expected_state(rank: int, world_size: int, layout: dict[str, Any]) -> dict[s
     return {"coords": coords, "groups": groups, "ep_mesh": ep_rows, "fsdp_mesh": fsdp_mesh, "sizes": sizes}
 
 
+# ParallelState's field prefix -> mesh view name (the fields are declared in the class; this checks them all).
+SHORT_NAMES = {
+    "pp": "pp", "dp_replicate": "dp_replicate", "dp_shard": "dp_shard", "ring": "ringattn", "ulysses": "ulysses",
+    "tp": "tp", "cp": "cp", "dp": "dp", "dp_shard_cp": "dp_shard_cp", "dp_cp": "dp_cp", "ep_fsdp": "ep_fsdp",
+    "ep": "ep",
+}
+
+
 def observe_state(state, collectives: bool) -> dict[str, Any]:
     """What a built ParallelState says about this rank (runs on the rank; returns plain data)."""
     import torch
     import torch.distributed as dist
-
-    from xorl.distributed.parallel_state import SHORT_NAMES
 
     groups, meshes, gathered = {}, {}, {}
     for short, name in SHORT_NAMES.items():

@@ -22,10 +22,10 @@ The EP mesh (always built; with expert_parallel_size 1 its "ep" dim has size 1):
 ``("ep_fsdp", "ep")`` = (dp_shard_cp / ep, ep). EP groups are consecutive in that order, so EP
 stays on the innermost (fastest) ranks; expert weights are FSDP-sharded over "ep_fsdp".
 
-Attributes, for each short name in ``pp, dp_replicate, dp_shard, ring (ringattn), ulysses, tp, cp,
-dp, dp_shard_cp, dp_cp, ep_fsdp, ep``: ``<name>_size``, ``<name>_rank`` (this rank's index in its
-group), ``<name>_group`` (ProcessGroup) and ``<name>_mesh`` (1-D DeviceMesh; except ``ep_mesh``, the
-2-D EP mesh above, whose 1-D "ep" view is ``submesh("ep")``). Prefer these views to
+Fields (declared in the class), for each short name in ``pp, dp_replicate, dp_shard, ring
+(ringattn), ulysses, tp, cp, dp, dp_shard_cp, dp_cp, ep_fsdp, ep``: ``<name>_size``, ``<name>_rank``
+(this rank's index in its group), ``<name>_group`` (ProcessGroup) and ``<name>_mesh`` (1-D
+DeviceMesh; except ``ep_mesh``, the 2-D EP mesh above, whose 1-D "ep" view is ``submesh("ep")``). Prefer these views to
 ``state.mesh["cp"]``: slicing a flattened name from the root mesh is deprecated in torch >= 2.11.
 """
 
@@ -46,25 +46,73 @@ FLATTENED_DIMS = {
     "dp_cp": ("dp_replicate", "dp_shard", "ringattn", "ulysses"),
 }
 EP_DIM_NAMES = ("ep_fsdp", "ep")
-# attribute prefix -> 1-D view name
-SHORT_NAMES = {
-    "pp": "pp",
-    "dp_replicate": "dp_replicate",
-    "dp_shard": "dp_shard",
-    "ring": "ringattn",
-    "ulysses": "ulysses",
-    "tp": "tp",
-    "cp": "cp",
-    "dp": "dp",
-    "dp_shard_cp": "dp_shard_cp",
-    "dp_cp": "dp_cp",
-    "ep_fsdp": "ep_fsdp",
-    "ep": "ep",
-}
+
+
+def _axis(view: DeviceMesh) -> tuple[DeviceMesh, dist.ProcessGroup, int, int]:
+    """(1-D mesh, its process group, its size, this rank's index in it)."""
+    return view, view.get_group(), view.size(), view.get_local_rank()
 
 
 class ParallelState:
-    """Meshes, groups, sizes and ranks of one run. Build with ``init_parallel_state``."""
+    """Meshes, groups, sizes and ranks of one run. Build with ``init_parallel_state``.
+
+    Every field is declared here, so grep and editors find where ``state.ring_group`` comes from.
+    """
+
+    config: ParallelConfig
+    mesh: DeviceMesh  # the full mesh, dims MESH_DIM_NAMES
+    fsdp_mesh: DeviceMesh  # what fully_shard takes: dp_shard_cp, or (dp_replicate, dp_shard_cp) for HSDP
+    ep_mesh: DeviceMesh  # 2-D ("ep_fsdp", "ep"); its 1-D "ep" view is ep_group's mesh
+    # One axis per mesh dim: mesh (1-D), group, size and this rank's index.
+    pp_mesh: DeviceMesh
+    pp_group: dist.ProcessGroup
+    pp_size: int
+    pp_rank: int
+    dp_replicate_mesh: DeviceMesh
+    dp_replicate_group: dist.ProcessGroup
+    dp_replicate_size: int
+    dp_replicate_rank: int
+    dp_shard_mesh: DeviceMesh
+    dp_shard_group: dist.ProcessGroup
+    dp_shard_size: int
+    dp_shard_rank: int
+    ring_mesh: DeviceMesh  # the "ringattn" dim
+    ring_group: dist.ProcessGroup
+    ring_size: int
+    ring_rank: int
+    ulysses_mesh: DeviceMesh
+    ulysses_group: dist.ProcessGroup
+    ulysses_size: int
+    ulysses_rank: int
+    tp_mesh: DeviceMesh
+    tp_group: dist.ProcessGroup
+    tp_size: int
+    tp_rank: int
+    # Flattened views (FLATTENED_DIMS).
+    cp_mesh: DeviceMesh
+    cp_group: dist.ProcessGroup
+    cp_size: int
+    cp_rank: int
+    dp_mesh: DeviceMesh
+    dp_group: dist.ProcessGroup
+    dp_size: int
+    dp_rank: int
+    dp_shard_cp_mesh: DeviceMesh
+    dp_shard_cp_group: dist.ProcessGroup
+    dp_shard_cp_size: int
+    dp_shard_cp_rank: int
+    dp_cp_mesh: DeviceMesh
+    dp_cp_group: dist.ProcessGroup
+    dp_cp_size: int
+    dp_cp_rank: int
+    # The EP mesh's dims (ep_mesh above is the 2-D mesh; its "ep" view is submesh("ep")).
+    ep_fsdp_mesh: DeviceMesh
+    ep_fsdp_group: dist.ProcessGroup
+    ep_fsdp_size: int
+    ep_fsdp_rank: int
+    ep_group: dist.ProcessGroup
+    ep_size: int
+    ep_rank: int
 
     def __init__(self, config: ParallelConfig, mesh: DeviceMesh, views: dict[str, DeviceMesh],
                  fsdp_mesh: DeviceMesh, ep_mesh: DeviceMesh):
@@ -76,13 +124,20 @@ class ParallelState:
         self.device_type = mesh.device_type
         self.world_size = dist.get_world_size()
         self.rank = dist.get_rank()
-        for short, name in SHORT_NAMES.items():
-            view = views[name]
-            if short != "ep":  # ep_mesh is the 2-D EP mesh; its 1-D "ep" view is submesh("ep")
-                setattr(self, f"{short}_mesh", view)
-            setattr(self, f"{short}_group", view.get_group())
-            setattr(self, f"{short}_size", view.size())
-            setattr(self, f"{short}_rank", view.get_local_rank())
+        self.pp_mesh, self.pp_group, self.pp_size, self.pp_rank = _axis(views["pp"])
+        (self.dp_replicate_mesh, self.dp_replicate_group, self.dp_replicate_size,
+         self.dp_replicate_rank) = _axis(views["dp_replicate"])
+        self.dp_shard_mesh, self.dp_shard_group, self.dp_shard_size, self.dp_shard_rank = _axis(views["dp_shard"])
+        self.ring_mesh, self.ring_group, self.ring_size, self.ring_rank = _axis(views["ringattn"])
+        self.ulysses_mesh, self.ulysses_group, self.ulysses_size, self.ulysses_rank = _axis(views["ulysses"])
+        self.tp_mesh, self.tp_group, self.tp_size, self.tp_rank = _axis(views["tp"])
+        self.cp_mesh, self.cp_group, self.cp_size, self.cp_rank = _axis(views["cp"])
+        self.dp_mesh, self.dp_group, self.dp_size, self.dp_rank = _axis(views["dp"])
+        (self.dp_shard_cp_mesh, self.dp_shard_cp_group, self.dp_shard_cp_size,
+         self.dp_shard_cp_rank) = _axis(views["dp_shard_cp"])
+        self.dp_cp_mesh, self.dp_cp_group, self.dp_cp_size, self.dp_cp_rank = _axis(views["dp_cp"])
+        self.ep_fsdp_mesh, self.ep_fsdp_group, self.ep_fsdp_size, self.ep_fsdp_rank = _axis(views["ep_fsdp"])
+        _, self.ep_group, self.ep_size, self.ep_rank = _axis(views["ep"])
 
     def submesh(self, name: str) -> DeviceMesh:
         """The 1-D mesh of a mesh dim, a flattened view or an EP dim, by name (e.g. "ringattn", "dp_cp")."""
