@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from xorl.nn.tensor_parallel import sum_tp_partial_grads
+
 TOL = 1e-5
 _MESHES: dict = {}
 
@@ -120,6 +122,8 @@ def check_model_parity(tp_size: int, config_name: str, cases: list[tuple]) -> di
         out = model(data["input_ids"], labels=data["labels"], **extra)
         loss = out.loss + (out.router_loss if out.router_loss is not None else 0)
         loss.backward()
+        # The partial gradients of replicated parameters (SP norms, q/k norms): one all-reduce.
+        partial_sums = sum_tp_partial_grads([model])
         errs = {"logits": rel_err(out.logits, out_ref.logits), "loss": rel_err(loss, loss_ref)}
         ref_params = dict(ref.named_parameters())
         names = [n for n, _ in model.named_parameters()]
@@ -136,6 +140,8 @@ def check_model_parity(tp_size: int, config_name: str, cases: list[tuple]) -> di
         errs["grad_norm"] = rel_err(norm, norm_ref)
         results[(sp, overlap, data_case, tie)] = {
             "errs": errs,
+            "partial_sums": partial_sums,
+            "expected_partial_sums": int(sp or config_name == "moe"),
             "spread": _replicated_grad_spread(model, mesh.get_group()),
             "dtensor_params": all(isinstance(p, DTensor) for n, p in model.named_parameters()
                                   if ".mlp." not in n or config_name != "moe"),
@@ -157,6 +163,7 @@ def test_llama_matches_single_process(gloo_world, tp_size):
             for what, err in r["errs"].items():
                 assert err <= TOL, f"rank {rank} tp={tp_size} (sp, overlap, data, tie)={case}: {what} {err:.2e}"
             assert r["spread"] == 0.0, f"replicated grads differ across TP ranks: {case} {r['spread']}"
+            assert r["partial_sums"] == r["expected_partial_sums"], (case, r["partial_sums"])
             assert r["dtensor_params"]
 
 
@@ -168,6 +175,7 @@ def test_qwen3_moe_attention_tp_matches_single_process(gloo_world):
             for what, err in r["errs"].items():
                 assert err <= TOL, f"rank {rank} moe (sp, overlap, data, tie)={case}: {what} {err:.2e}"
             assert r["spread"] == 0.0, case
+            assert r["partial_sums"] == 1, case  # q/k norms always; SP norms too: still one all-reduce
 
 
 def check_fsdp_tp_training(checkpoint_dir: str, steps: int = 3) -> dict:
@@ -195,6 +203,7 @@ def check_fsdp_tp_training(checkpoint_dir: str, steps: int = 3) -> dict:
         mine = {k: v[dp_rank:dp_rank + 1] for k, v in data.items()}
         loss = model(mine["input_ids"], labels=mine["labels"]).loss
         loss.backward()  # FSDP averages the gradients over dp
+        assert sum_tp_partial_grads([model]) == 1  # the SP norms' partial gradients, in one all-reduce
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
         opt.step()
         opt.zero_grad()

@@ -33,6 +33,7 @@ from xorl.loss import count_label_tokens, token_loss_sum
 from xorl.metrics import MetricsLogger
 from xorl.mfu import mfu
 from xorl.models.registry import build_model
+from xorl.nn.tensor_parallel import sum_tp_partial_grads
 from xorl.optim import build_optimizer, set_schedule_step
 from xorl.parallelize import all_reduce_gradients, parallelize_model
 from xorl.pipeline import build_schedule, split_into_stages
@@ -219,6 +220,9 @@ class Trainer:
             dist.all_reduce(sums, group=state.dp_cp_group)
         if state.pp_size > 1:  # only the last stage computed the loss; each stage its own router losses
             dist.all_reduce(sums, group=state.pp_group)
+        # Replicated-over-TP parameters used on a shard of the data (SP norms, q/k norms): one
+        # all-reduce per step adds up their partial gradients.
+        sum_tp_partial_grads(self.parts)
         if self.config.train.data_parallel_mode != "fsdp2" and state.dp_cp_size > 1:
             all_reduce_gradients(self.parameters(), state.dp_cp_group)
         grad_norm = clip_grad_norm_(self.parameters(), self.config.train.max_grad_norm, state.pp_group)

@@ -1,4 +1,7 @@
-"""Ring point-to-point exchange for ring attention: send to rank+1, receive from rank-1.
+"""The one ring point-to-point primitive: send to rank+1 and receive from rank-1 (or reversed).
+
+Ring attention passes K/V (and dK/dV) around its ring with it; tensor parallelism's overlapped
+all-gather and reduce-scatter (xorl/nn/tp_comm.py) pass sequence chunks and partial sums.
 
 One ``start(send, recv)`` posts ONE isend and ONE irecv in a single ``batch_isend_irecv`` (callers
 pack K and V — or dK and dV — into one buffer so a step is one message each way). The caller owns
@@ -58,16 +61,18 @@ class RingExchange:
     def _global(self, group_rank: int) -> int:
         return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
 
-    def start(self, send: torch.Tensor, recv: torch.Tensor, tag: int = 0) -> PendingExchange:
-        """Post send -> rank+1 and recv <- rank-1; both tensors must stay alive until ``wait()``.
+    def start(self, send: torch.Tensor, recv: torch.Tensor, tag: int = 0, reverse: bool = False) -> PendingExchange:
+        """Post send -> rank+1 and recv <- rank-1 (``reverse``: send -> rank-1, recv <- rank+1).
 
-        ``tag`` keeps two exchanges in flight at once apart on gloo (ring backward: K/V and dK/dV).
+        Both tensors must stay alive until ``wait()``. ``tag`` keeps two exchanges in flight at
+        once apart on gloo (ring backward: K/V and dK/dV).
         """
         if not (send.is_contiguous() and recv.is_contiguous()):
             raise ValueError("ring exchange buffers must be contiguous")
+        to_peer, from_peer = (self.recv_peer, self.send_peer) if reverse else (self.send_peer, self.recv_peer)
         ops = [
-            dist.P2POp(dist.isend, send, self.send_peer, self.group, tag),
-            dist.P2POp(dist.irecv, recv, self.recv_peer, self.group, tag),
+            dist.P2POp(dist.isend, send, to_peer, self.group, tag),
+            dist.P2POp(dist.irecv, recv, from_peer, self.group, tag),
         ]
         if not send.is_cuda:
             return PendingExchange(dist.batch_isend_irecv(ops), None)

@@ -19,24 +19,34 @@ summed over the TP ranks in backward (each rank sees only its own tokens).
 
 ``SharedInputColumnGroup`` lets several column layers that read the same input (q/k/v, gate/up)
 gather it once: the first member called computes every member's output in one fused call.
+
+Replicated parameters (``replicate_on_tp``): the parameters TP does not shard (norms, embeddings,
+lm_head, q/k norms) become ``Replicate()`` DTensors on the TP mesh, because FSDP2 then shards
+every parameter on the dp mesh into one 2-D (dp, tp) layout and clip-grad / foreach optimizers
+need them on one mesh. Inside forward the owning module computes with the local tensor
+(``param.to_local()``, differentiable back to the DTensor), swapped into its parameter slot for
+the duration of the call. Where a rank's use sees only part of the data (RMSNorm on a sequence
+shard, q/k norms on this rank's heads) each rank's gradient is a partial sum: those parameters
+are listed in a ``TPPartialGrads`` and ``sum_tp_partial_grads`` adds them up over TP once per
+optimizer step, in one flattened all-reduce (instead of one per parameter per microbatch).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from xorl.nn.tp_comm import TPGroup
+from xorl.nn.tp_comm import TPGroup, gather_from_shards, split_to_shard
 from xorl.nn.tp_overlap import (
     DEFAULT_OVERLAP_MIN_NUMEL,
     ColumnParallelMatmul,
     RowParallelMatmul,
     TPMatmulConfig,
 )
-from xorl.nn.tp_regions import gather_from_shards, split_to_shard
 
 
 def _check_divisible(value: int, tp: TPGroup, arg: str, layer: str) -> int:
@@ -319,3 +329,102 @@ class SharedInputColumnGroup:
     def clear(self) -> None:
         """Drop outputs kept for members that were not called (frees their memory)."""
         self._input, self._ready = None, {}
+
+
+# -- replicated parameters ------------------------------------------------------------------------
+
+class TPPartialGrads:
+    """Replicated parameters whose per-rank gradient is a partial sum over the TP ranks.
+
+    Held by (module, name) rather than by parameter object: FSDP2 replaces the parameters it
+    shards, and the slot always holds the current one.
+    """
+
+    def __init__(self, tp: TPGroup):
+        self.tp = tp
+        self.slots: list[tuple[nn.Module, str]] = []
+
+    def local_grads(self) -> list[torch.Tensor]:
+        grads = []
+        for module, name in self.slots:
+            grad = module._parameters[name].grad
+            if grad is not None:
+                grads.append(grad.to_local() if isinstance(grad, DTensor) else grad)
+        return grads
+
+
+@torch.no_grad()
+def sum_tp_partial_grads(models) -> int:
+    """Sum the partial gradients of every model part over TP: one all-reduce per (group, dtype).
+
+    Call once per optimizer step, after the last backward and before clipping. Returns the
+    number of all-reduces issued (0 without TP).
+    """
+    import torch.distributed as dist
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    buckets: dict = {}
+    for model in models:
+        partial = getattr(model, "tp_partial_grads", None)
+        if partial is None or partial.tp.size == 1:
+            continue
+        for grad in partial.local_grads():
+            key = (partial.tp.group, grad.device, grad.dtype)
+            buckets.setdefault(key, []).append(grad)
+    for (group, _, _), grads in buckets.items():
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=group)
+        for grad, summed in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            grad.copy_(summed)
+    return len(buckets)
+
+
+def replicate_on_tp(module: nn.Module, tp_mesh, memo: dict[int, nn.Parameter],
+                    partial_grads: TPPartialGrads | None = None) -> list[str]:
+    """Make ``module``'s own parameters Replicate DTensors on ``tp_mesh``; returns their names.
+
+    ``memo`` maps id(old parameter) -> new DTensor parameter, so a parameter shared by two modules
+    (tied embedding / lm_head) stays one parameter. ``partial_grads``: list the parameters there
+    (their per-rank gradient is a partial sum; see the module docstring).
+    """
+    if isinstance(module.forward, functools.partial) and module.forward.func is _replicated_forward:
+        raise ValueError(f"{type(module).__name__} is already prepared for tensor parallel")
+    names = []
+    for name, param in list(module._parameters.items()):
+        if param is None:
+            continue
+        if isinstance(param, DTensor):
+            raise ValueError(
+                f"{type(module).__name__}.{name} is already a DTensor ({param.placements}); "
+                "apply_tensor_parallel must run before other plans that shard parameters"
+            )
+        new = memo.get(id(param))
+        if new is None:
+            new = nn.Parameter(DTensor.from_local(param.detach(), tp_mesh, [Replicate()], run_check=False),
+                               requires_grad=param.requires_grad)
+            memo[id(param)] = new
+        module._parameters[name] = new
+        names.append(name)
+        if partial_grads is not None:
+            partial_grads.slots.append((module, name))
+    if names:
+        module.forward = functools.partial(_replicated_forward, module, module.forward, tuple(names))
+    return names
+
+
+def _replicated_forward(module: nn.Module, inner_forward, names: tuple[str, ...], *args, **kwargs):
+    """Run ``inner_forward`` with each named slot holding the local tensor of its DTensor parameter.
+
+    The slot is read at call time, so FSDP2 swapping its unsharded parameter in before forward is
+    respected; the DTensors are put back also when forward raises.
+    """
+    saved = {}
+    for name in names:
+        param = module._parameters[name]
+        if isinstance(param, DTensor):
+            saved[name] = param
+            module._parameters[name] = param.to_local()
+    try:
+        return inner_forward(*args, **kwargs)
+    finally:
+        module._parameters.update(saved)

@@ -1,4 +1,4 @@
-"""The tensor-parallel group, its ring primitives and the per-layer communication record.
+"""The tensor-parallel group, its ring collectives, region boundaries and the communication record.
 
 Two ring primitives carry every overlapped TP matmul (xorl/nn/tp_overlap.py):
 
@@ -12,9 +12,20 @@ Why point-to-point rather than a collective per chunk: a ring exchange moves exa
 per rank per step, so the transfer of step i is the same size as the GEMM it hides behind, and
 no rank ever waits for all the others (Megatron / torchtitan async-TP decompose the same way).
 
-On GPU each exchange is one ``batch_isend_irecv`` (NCCL runs it on its own stream, which waits
-for the current stream at issue time, so the buffers are ready; ``work.wait()`` makes the current
-stream wait for the transfer). On gloo the ops run on gloo's threads while Python does the GEMM.
+Each exchange goes through the one ring primitive, ``xorl.nn.ring_comm.RingExchange``: on GPU it
+is issued on a side stream that first waits for the compute stream (so the buffers are ready), and
+waiting makes the compute stream wait for the transfer; on gloo the ops run on gloo's threads while
+Python does the GEMM.
+
+Region boundaries (each says what its backward does, because that is where TP goes wrong):
+
+* ``split_to_shard(x, dim)``: x is replicated; keep this rank's chunk. Backward all-gathers, so the
+  upstream gradient is again full and identical on every rank (entering the sequence-parallel
+  region after the embedding; a row layer whose input is not yet parallel).
+* ``gather_from_shards(x, dim)``: every rank holds its chunk; return the full tensor. Backward
+  keeps this rank's chunk of the gradient: the code after the gather runs identically on every
+  rank (replicated lm_head and loss), so the gradient is already complete everywhere; summing it
+  would count it P times.
 
 The record (``overlap_report()``): per layer name, the P2P ops issued, the chunked GEMMs, the
 plain collectives, and on GPU the milliseconds the compute stream stood waiting at the wait
@@ -32,6 +43,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from xorl.nn.ring_comm import PendingExchange, RingExchange
+
 # ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` are deprecated in newer torch in favour of
 # the ``*_single`` names, which older torch (2.11 on the GPU machines) may lack.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -39,15 +52,13 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 
 class TPGroup:
-    """A tensor-parallel process group with its size, this rank's index and the ring neighbours."""
+    """A tensor-parallel process group with its size, this rank's index and its ring exchange."""
 
     def __init__(self, group: dist.ProcessGroup):
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        # P2P ops take global ranks.
-        self.next_global = dist.get_global_rank(group, (self.rank + 1) % self.size)
-        self.prev_global = dist.get_global_rank(group, (self.rank - 1) % self.size)
+        self.ring = RingExchange(group) if self.size > 1 else None
 
     @classmethod
     def from_mesh(cls, tp_mesh) -> TPGroup:
@@ -125,7 +136,8 @@ def overlap_report(reset: bool = False) -> dict[str, dict]:
 
 
 def wait_all(works, stats: LayerCommStats, on_gpu: bool) -> None:
-    """Wait for ``works``; on GPU measure how long the compute stream stood still doing so."""
+    """Wait for ``works`` (collective works or PendingExchange); on GPU, with timing on, record how
+    long the compute stream stood still doing so."""
     if not works:
         return
     if on_gpu and _TIMING["enabled"]:
@@ -143,16 +155,12 @@ def wait_all(works, stats: LayerCommStats, on_gpu: bool) -> None:
             work.wait()
 
 
-def _exchange(send: torch.Tensor, recv: torch.Tensor, to_rank: int, from_rank: int, tp: TPGroup,
-              stats: LayerCommStats) -> list:
-    """Start sending ``send`` to ``to_rank`` and receiving ``recv`` from ``from_rank`` (global ranks)."""
-    ops = [
-        dist.P2POp(dist.isend, send, to_rank, tp.group),
-        dist.P2POp(dist.irecv, recv, from_rank, tp.group),
-    ]
-    stats.p2p_ops += len(ops)
+def _exchange(send: torch.Tensor, recv: torch.Tensor, tp: TPGroup, stats: LayerCommStats,
+              reverse: bool) -> list[PendingExchange]:
+    """Start sending ``send`` to the next rank and receiving ``recv`` from the previous (``reverse``: the other way)."""
+    stats.p2p_ops += 2
     stats.ring_steps += 1
-    return dist.batch_isend_irecv(ops)
+    return [tp.ring.start(send, recv, reverse=reverse)]
 
 
 def ring_all_gather(local: torch.Tensor, tp: TPGroup, consume: Callable[[torch.Tensor, int], None],
@@ -172,7 +180,7 @@ def ring_all_gather(local: torch.Tensor, tp: TPGroup, consume: Callable[[torch.T
         works = []
         if step < size - 1:
             incoming = buffers[step % 2]
-            works = _exchange(current, incoming, tp.next_global, tp.prev_global, tp, stats)
+            works = _exchange(current, incoming, tp, stats, reverse=False)
         consume(current, (rank - step) % size)
         stats.chunk_gemms += 1
         if works:
@@ -204,7 +212,7 @@ def ring_reduce_scatter(produce: Callable[[int], torch.Tensor], tp: TPGroup,
             return partial
         if received is None:
             received = torch.empty_like(partial)
-        works = _exchange(partial, received, tp.prev_global, tp.next_global, tp, stats)
+        works = _exchange(partial, received, tp, stats, reverse=True)
         in_flight = partial  # noqa: F841 - held only to keep the send buffer alive
     raise AssertionError("unreachable: the loop returns at its last step")
 
@@ -246,3 +254,55 @@ def reduce_scatter_sequence(y: torch.Tensor, tp: TPGroup, stats: LayerCommStats)
 def all_reduce_async(x: torch.Tensor, tp: TPGroup, stats: LayerCommStats):
     stats.collectives += 1
     return dist.all_reduce(x, group=tp.group, async_op=True)
+
+
+# -- region boundaries along any dim -----------------------------------------------------------
+
+def _all_gather_dim(x: torch.Tensor, tp: TPGroup, dim: int) -> torch.Tensor:
+    dim = dim % x.dim()
+    x = x.contiguous()
+    out = x.new_empty(tp.size, *x.shape)
+    _all_gather_single(out.flatten(0, 1), x, group=tp.group)
+    return out.movedim(0, dim).flatten(dim, dim + 1)
+
+
+def _own_chunk(x: torch.Tensor, tp: TPGroup, dim: int, what: str) -> torch.Tensor:
+    if x.shape[dim] % tp.size:
+        raise ValueError(
+            f"{what}: dim {dim} has size {x.shape[dim]}, not divisible by tensor_parallel_size={tp.size}; "
+            "pad it to a multiple of the TP size"
+        )
+    shard = x.shape[dim] // tp.size
+    return x.narrow(dim, tp.rank * shard, shard).contiguous()
+
+
+class _SplitToShard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp: TPGroup, dim: int):
+        ctx.tp, ctx.dim = tp, dim
+        return _own_chunk(x, tp, dim, "split_to_shard")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_dim(grad, ctx.tp, ctx.dim), None, None
+
+
+class _GatherFromShards(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp: TPGroup, dim: int):
+        ctx.tp, ctx.dim = tp, dim
+        return _all_gather_dim(x, tp, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _own_chunk(grad, ctx.tp, ctx.dim, "gather_from_shards backward"), None, None
+
+
+def split_to_shard(x: torch.Tensor, tp: TPGroup, dim: int) -> torch.Tensor:
+    """Replicated x -> this rank's chunk along ``dim``; backward all-gathers the gradient."""
+    return x if tp.size == 1 else _SplitToShard.apply(x, tp, dim)
+
+
+def gather_from_shards(x: torch.Tensor, tp: TPGroup, dim: int) -> torch.Tensor:
+    """Per-rank chunks -> the full tensor along ``dim``; backward keeps this rank's gradient chunk."""
+    return x if tp.size == 1 else _GatherFromShards.apply(x, tp, dim)

@@ -99,14 +99,38 @@ def _mm_into(dst: torch.Tensor, a: torch.Tensor, w: torch.Tensor) -> None:
 
 
 def _accumulate_wgrad(acc: torch.Tensor | None, grad_out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
-    """acc += grad_out^T @ inp over all tokens; fp32 accumulation for 16-bit weights."""
+    """acc += grad_out^T @ inp over all tokens; one fp32 buffer for 16-bit weights.
+
+    Why one buffer: the chunked paths call this once per sequence chunk, and a 16-bit GEMM result
+    added afterwards would be a temporary the size of the whole weight shard per chunk. On CUDA
+    the GEMM accumulates straight into the fp32 buffer (``out_dtype``); elsewhere (CPU, where
+    weights are fp32 anyway, or a torch without it) the 16-bit product is added.
+    """
     g, x = _rows(grad_out), _rows(inp)
-    if acc is None:
-        acc = g.t() @ x
-        return acc.float() if acc.dtype in (torch.bfloat16, torch.float16) else acc
-    if acc.dtype == g.dtype:
-        return acc.addmm_(g.t(), x)
-    return acc.add_(g.t() @ x)
+    wide = g.dtype in (torch.bfloat16, torch.float16)
+    if not wide:
+        return g.t() @ x if acc is None else acc.addmm_(g.t(), x)
+    if g.is_cuda and _fp32_accumulating_gemm():
+        if acc is None:
+            return torch.mm(g.t(), x, out_dtype=torch.float32)
+        return torch.addmm(acc, g.t(), x, out_dtype=torch.float32, out=acc)
+    partial = (g.t() @ x).float()
+    return partial if acc is None else acc.add_(partial)
+
+
+_FP32_GEMM: dict[str, bool] = {}
+
+
+def _fp32_accumulating_gemm() -> bool:
+    """Whether this torch has mm / addmm with ``out_dtype`` (16-bit inputs, fp32 result) on CUDA."""
+    if "cuda" not in _FP32_GEMM:
+        try:
+            a = torch.ones(2, 2, dtype=torch.bfloat16, device="cuda")
+            torch.addmm(torch.zeros(2, 2, device="cuda"), a, a, out_dtype=torch.float32)
+            _FP32_GEMM["cuda"] = True
+        except (TypeError, RuntimeError, NotImplementedError):
+            _FP32_GEMM["cuda"] = False
+    return _FP32_GEMM["cuda"]
 
 
 def _bias_grad(grad_out: torch.Tensor) -> torch.Tensor:

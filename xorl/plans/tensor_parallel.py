@@ -10,7 +10,7 @@ On every present ``model.model.layers[i]`` (entries may be None under pipeline p
 * ``mlp.{gate,up}_proj`` -> ColumnParallelLinear (sharing one gathered input), ``mlp.down_proj``
   -> RowParallelLinear.
 * Everything else stays replicated and becomes a ``Replicate()`` DTensor on the TP mesh
-  (xorl/nn/tp_replicated.py): embeddings, norms, lm_head, q/k norms.
+  (``replicate_on_tp`` in xorl/nn/tensor_parallel.py): embeddings, norms, lm_head, q/k norms.
 
 Sequence parallel (SP) region = the decoder layers. The hidden state entering the first present
 layer is split to this rank's sequence shard (backward: all-gather), the one leaving the last
@@ -18,8 +18,9 @@ present layer is gathered again (backward: keep this rank's chunk, because every
 final norm, lm_head and loss, runs identically on every TP rank). Inside the region the norms and
 residual adds run on the shard; the column layers all-gather along the sequence, the row layers
 reduce-scatter along it. Replicated parameters used inside the region on a shard of the data have
-their gradients summed over TP: input/post-attention norms under SP, q/k norms always (each rank
-normalises only its own heads).
+partial gradients: input/post-attention norms under SP, q/k norms always (each rank normalises
+only its own heads). They are listed in ``model.tp_partial_grads``, and the trainer sums them over
+TP once per optimizer step (``xorl.nn.tensor_parallel.sum_tp_partial_grads``: one all-reduce).
 
 MoE models: only attention is tensor-parallel; experts are expert parallelism's job. A layer
 whose ``mlp`` is not a gate/up/down SwiGLU MLP is left replicated: every TP rank runs the whole
@@ -43,11 +44,15 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from xorl.nn.tensor_parallel import ColumnParallelLinear, RowParallelLinear, SharedInputColumnGroup
-from xorl.nn.tp_comm import TPGroup
+from xorl.nn.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    SharedInputColumnGroup,
+    TPPartialGrads,
+    replicate_on_tp,
+)
+from xorl.nn.tp_comm import TPGroup, gather_from_shards, split_to_shard
 from xorl.nn.tp_overlap import DEFAULT_OVERLAP_MIN_NUMEL
-from xorl.nn.tp_regions import gather_from_shards, split_to_shard
-from xorl.nn.tp_replicated import replicate_on_tp
 
 _HEAD_COUNT_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads")
 _SEQ_DIM = -2
@@ -70,20 +75,22 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = T
     linear_kw = {"sequence_parallel": bool(sequence_parallel), "overlap": bool(overlap),
                  "overlap_min_numel": int(overlap_min_numel)}
     memo: dict[int, nn.Parameter] = {}
+    partial = TPPartialGrads(tp)
     present = [(i, layer) for i, layer in enumerate(layers) if layer is not None]
     for i, layer in present:
         prefix = f"model.layers.{i}"
         _parallelize_attention(layer.self_attn, tp_mesh, tp, f"{prefix}.self_attn", linear_kw, memo,
-                               share_gathered_inputs)
+                               share_gathered_inputs, partial)
         if not _parallelize_dense_mlp(layer.mlp, tp_mesh, tp, f"{prefix}.mlp", linear_kw, share_gathered_inputs):
             _keep_block_replicated(layer, tp, sequence_parallel)
         for norm in ("input_layernorm", "post_attention_layernorm"):
-            replicate_on_tp(getattr(layer, norm), tp_mesh, tp, sum_grads=sequence_parallel, memo=memo)
+            replicate_on_tp(getattr(layer, norm), tp_mesh, memo, partial if sequence_parallel else None)
     # Outside the SP region: full, identical activations on every TP rank, identical gradients.
     for module in (getattr(decoder, "embed_tokens", None), getattr(decoder, "norm", None),
                    getattr(model, "lm_head", None)):
         if module is not None:
-            replicate_on_tp(module, tp_mesh, tp, sum_grads=False, memo=memo)
+            replicate_on_tp(module, tp_mesh, memo)
+    model.tp_partial_grads = partial
     if sequence_parallel and present:
         _install_sequence_parallel_region(present[0][1], present[-1][1], tp)
     _check_every_parameter_placed(model)
@@ -91,7 +98,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = T
 
 
 def _parallelize_attention(attn: nn.Module, tp_mesh, tp: TPGroup, prefix: str, linear_kw: dict,
-                           memo: dict, share: bool) -> None:
+                           memo: dict, share: bool, partial: TPPartialGrads) -> None:
     if getattr(attn, "qkv_proj", None) is not None:
         raise ValueError(
             f"{prefix}: tensor parallel shards q, k and v by heads and needs them as separate projections; "
@@ -120,7 +127,7 @@ def _parallelize_attention(attn: nn.Module, tp_mesh, tp: TPGroup, prefix: str, l
     for norm in ("q_norm", "k_norm"):  # per-head norms: each rank sees only its own heads
         module = getattr(attn, norm, None)
         if module is not None:
-            replicate_on_tp(module, tp_mesh, tp, sum_grads=True, memo=memo)
+            replicate_on_tp(module, tp_mesh, memo, partial)
 
 
 def _parallelize_dense_mlp(mlp: nn.Module, tp_mesh, tp: TPGroup, prefix: str, linear_kw: dict,
