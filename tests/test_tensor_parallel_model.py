@@ -49,9 +49,9 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def llama_config(tie: bool = False, heads: int = 4, kv_heads: int = 4):
+def llama_config(tie: bool = False, heads: int = 4, kv_heads: int = 4, vocab: int = 48):
     return types.SimpleNamespace(
-        model_type="llama", vocab_size=48, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        model_type="llama", vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=4, rms_norm_eps=1e-6,
         rope_theta=10000.0, tie_word_embeddings=tie, attn_implementation="torch", max_position_embeddings=64,
     )
@@ -109,12 +109,14 @@ def check_model_parity(tp_size: int, config_name: str, cases: list[tuple]) -> di
     mesh = tp_mesh(tp_size)
     results = {}
     for sp, overlap, data_case, tie in cases:
-        config = moe_config() if config_name == "moe" else llama_config(tie=tie)
+        # "llama-odd-vocab": 50 rows do not divide by TP 4, so embedding and lm_head stay replicated.
+        vocab = 50 if config_name == "llama-odd-vocab" else 48
+        config = moe_config() if config_name == "moe" else llama_config(tie=tie, vocab=vocab)
         base = build(config, seed=1)
         ref = copy.deepcopy(base).double()
         model = apply_tensor_parallel(copy.deepcopy(base), mesh, sequence_parallel=sp, overlap=overlap,
                                       overlap_min_numel=0)
-        data = batch(data_case, seed=2)
+        data = batch(data_case, seed=2, vocab=vocab)
         extra = {k: v for k, v in data.items() if k == "cu_seqlens"}
         out_ref = ref(data["input_ids"], labels=data["labels"], **extra)
         loss_ref = out_ref.loss + (out_ref.router_loss if out_ref.router_loss is not None else 0)
@@ -165,6 +167,17 @@ def test_llama_matches_single_process(gloo_world, tp_size):
             assert r["spread"] == 0.0, f"replicated grads differ across TP ranks: {case} {r['spread']}"
             assert r["partial_sums"] == r["expected_partial_sums"], (case, r["partial_sums"])
             assert r["dtensor_params"]
+
+
+def test_vocabulary_tp_does_not_divide_stays_replicated(gloo_world):
+    """vocab 50 at TP 4: embedding and lm_head replicated (the SP region split after the embedding and
+    gathered before the lm_head), still equal to one process."""
+    cases = [(True, True, "packed", True), (False, False, "batch", False)]
+    for rank, results in enumerate(gloo_world(4).run(check_model_parity, 4, "llama-odd-vocab", cases)):
+        for case, r in results.items():
+            for what, err in r["errs"].items():
+                assert err <= TOL, f"rank {rank} odd vocab {case}: {what} {err:.2e}"
+            assert r["spread"] == 0.0, case
 
 
 def test_qwen3_moe_attention_tp_matches_single_process(gloo_world):
@@ -309,3 +322,26 @@ def test_meta_build_tp_then_init_weights(gloo_world):
             assert std == 0.0, name  # ones
         else:
             assert 0.015 < std < 0.025, (name, std)  # normal(0, initializer_range=0.02)
+
+
+def lm_head_flops(tp_size: int, sequence_parallel: bool) -> tuple[int, int]:
+    """(FLOPs of the TP lm_head on this rank, FLOPs of the single-process lm_head) for one batch."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from xorl.plans.tensor_parallel import apply_tensor_parallel
+
+    base = build(llama_config(), seed=5)
+    model = apply_tensor_parallel(copy.deepcopy(base), tp_mesh(tp_size), sequence_parallel=sequence_parallel)
+    hidden = torch.randn(2, 8, 16)
+    local = hidden.chunk(tp_size, dim=1)[dist.get_rank(tp_mesh(tp_size).get_group())] if sequence_parallel else hidden
+    with FlopCounterMode(display=False) as tp_flops:
+        model.lm_head(local)
+    with FlopCounterMode(display=False) as ref_flops:
+        base.lm_head(hidden)
+    return tp_flops.get_total_flops(), ref_flops.get_total_flops()
+
+
+@pytest.mark.parametrize("sequence_parallel", [True, False])
+def test_lm_head_flops_per_rank_are_one_tp_th(gloo_world, sequence_parallel):
+    for mine, total in gloo_world(4).run(lm_head_flops, 4, sequence_parallel):
+        assert total > 0 and mine * 4 == total, (mine, total)

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-IGNORE_INDEX = -100
+from xorl.nn.cross_entropy import IGNORE_INDEX, cross_entropy_sum
+
+__all__ = ["IGNORE_INDEX", "count_label_tokens", "token_loss_sum"]
 
 
 def count_label_tokens(microbatches: list[dict], group, device: torch.device) -> torch.Tensor:
@@ -31,8 +32,5 @@ def count_label_tokens(microbatches: list[dict], group, device: torch.device) ->
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of cross-entropies over label tokens, in fp32."""
-    return F.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
-        ignore_index=IGNORE_INDEX, reduction="sum",
-    )
+    """Sum of cross-entropies over label tokens, in fp32 (vocabulary-sharded logits too: xorl.nn.cross_entropy)."""
+    return cross_entropy_sum(logits, labels)

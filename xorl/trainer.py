@@ -172,9 +172,11 @@ class Trainer:
             return token_loss_sum(logits, labels) / self._step_tokens
 
         example = torch.zeros((1, tokens), dtype=torch.int64)
+        # Under sequence parallel the stages pass this TP rank's sequence shard (plans/tensor_parallel.py).
+        hidden_tokens = tokens // state.tp_size if config.train.sequence_parallel and state.tp_size > 1 else tokens
         return build_schedule(
             stage_ids, self.parts, state, config, self.device, example,
-            hidden_shape=(1, tokens, config.model.hidden_size),
+            hidden_shape=(1, hidden_tokens, config.model.hidden_size),
             output_shape=(1, tokens, config.model.vocab_size), loss_fn=loss_fn,
         )
 

@@ -27,12 +27,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from xorl.models.attention import Attention
 from xorl.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
 from xorl.models.spec import ModelSpec
+from xorl.nn.cross_entropy import cross_entropy_sum
 
 IGNORE_INDEX = -100
 
@@ -120,9 +120,14 @@ class DecoderModel(nn.Module):
             if input_ids.dtype.is_floating_point:
                 raise TypeError("input_ids must be integer token ids [batch, seq]")
             hidden = self.embed_tokens(input_ids)
+            batch, seq = input_ids.shape[:2]
         else:
             hidden = input_ids  # a later pipeline stage receives hidden states
-        batch, seq = hidden.shape[:2]
+            batch, seq = hidden.shape[:2]
+            if position_ids is not None:
+                seq = position_ids.shape[-1]
+        # Under sequence parallel ``hidden`` holds this TP rank's shard of the sequence; positions
+        # (and the rotary tables) cover the whole sequence, which attention sees after its gather.
         if position_ids is None:
             if cu_seqlens is not None:
                 position_ids = positions_from_cu_seqlens(cu_seqlens.to(hidden.device), seq)
@@ -193,12 +198,7 @@ class DecoderForCausalLM(nn.Module):
                 raise ValueError(
                     f"labels shape {tuple(labels.shape)} must equal [batch, seq]={tuple(logits.shape[:-1])}"
                 )
-            token_loss = F.cross_entropy(
-                logits.float().reshape(-1, logits.shape[-1]),
-                labels.reshape(-1),
-                ignore_index=IGNORE_INDEX,
-                reduction="sum",
-            )
+            token_loss = cross_entropy_sum(logits, labels)  # vocabulary-sharded logits too (TP)
             output.num_label_tokens = (labels != IGNORE_INDEX).sum()
             output.loss = token_loss / output.num_label_tokens.clamp(min=1)
         self._collect_router_stats(output)

@@ -37,10 +37,11 @@ import functools
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from xorl.nn.tp_comm import TPGroup, gather_from_shards, split_to_shard
+from xorl.nn.tp_comm import TPGroup, gather_from_shards, split_to_shard, sum_partials, sum_partials_to_shard
 from xorl.nn.tp_overlap import (
     DEFAULT_OVERLAP_MIN_NUMEL,
     ColumnParallelMatmul,
@@ -278,6 +279,76 @@ class RowParallelLinear(_TPLinearBase):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ("" if self.input_is_parallel else ", input_is_parallel=False")
+
+
+class VocabParallelLMHead(ColumnParallelLinear):
+    """The lm_head as a column layer over the vocabulary: each TP rank computes ``vocab / P`` logits.
+
+    Returns a DTensor sharded on its last dim (``Shard(-1)``) over the TP mesh, the local logits
+    inside: ``xorl.nn.cross_entropy.cross_entropy_sum`` computes the loss from the shards without
+    gathering them (loss parallel). Under sequence parallel its input is this rank's sequence
+    shard, gathered as for any column layer.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return DTensor.from_local(super().forward(x), self.tp_mesh, [Shard(-1)], run_check=False)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """nn.Embedding with its rows (the vocabulary) sharded over TP: a ``Shard(0)`` DTensor weight.
+
+    Each rank looks the ids up in its ``vocab / P`` rows (ids outside them give zeros), and the
+    partial embeddings are summed over TP: all-reduced, or under sequence parallel reduce-scattered
+    along the sequence, so the output is this rank's sequence shard (the SP region starts here).
+    A tied lm_head (``VocabParallelLMHead``, also ``Shard(0)`` on [vocab, hidden]) shares the weight.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, tp_mesh, sequence_parallel: bool = False, *,
+                 device=None, dtype=None):
+        super().__init__()
+        self.tp_mesh = tp_mesh
+        self.tp = TPGroup.from_mesh(tp_mesh)
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.sequence_parallel = bool(sequence_parallel)
+        rows = _check_divisible(num_embeddings, self.tp, "num_embeddings (vocab_size)", "VocabParallelEmbedding")
+        local = torch.empty(rows, embedding_dim, device=device, dtype=dtype)
+        self.weight = _dtensor_param(local, tp_mesh, Shard(0))
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding, tp_mesh, sequence_parallel: bool = False):
+        weight = embedding.weight
+        layer = cls(embedding.num_embeddings, embedding.embedding_dim, tp_mesh, sequence_parallel,
+                    device="meta" if weight.device.type == "meta" else weight.device, dtype=weight.dtype)
+        if weight.device.type != "meta":
+            layer.load_full_(weight.detach())
+        layer.weight.requires_grad_(weight.requires_grad)
+        return layer
+
+    @torch.no_grad()
+    def load_full_(self, full_weight: torch.Tensor) -> None:
+        self.weight.to_local().copy_(full_weight.chunk(self.tp.size, 0)[self.tp.rank])
+
+    @torch.no_grad()
+    def init_weights(self, std: float) -> None:
+        """normal(0, std) on the full matrix, then this rank's rows (same values as one process)."""
+        local = self.weight.to_local()
+        full = torch.empty(self.num_embeddings, self.embedding_dim, device=local.device, dtype=local.dtype)
+        self.load_full_(torch.nn.init.normal_(full, mean=0.0, std=std))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        weight = self.weight.to_local()
+        start = self.tp.rank * weight.shape[0]
+        local_ids = input_ids - start
+        outside = (local_ids < 0) | (local_ids >= weight.shape[0])
+        partial = F.embedding(local_ids.masked_fill(outside, 0), weight) * (~outside).unsqueeze(-1).to(weight.dtype)
+        if self.sequence_parallel:
+            return sum_partials_to_shard(partial, self.tp, -2)
+        return sum_partials(partial, self.tp)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, tp={self.tp.size}, "
+                f"sequence_parallel={self.sequence_parallel}")
 
 
 class SharedInputColumnGroup:

@@ -26,6 +26,10 @@ Region boundaries (each says what its backward does, because that is where TP go
   keeps this rank's chunk of the gradient: the code after the gather runs identically on every
   rank (replicated lm_head and loss), so the gradient is already complete everywhere; summing it
   would count it P times.
+* ``sum_partials(x)`` / ``sum_partials_to_shard(x, dim)``: every rank holds a partial sum (a
+  vocabulary-parallel embedding's rows); all-reduce it, or reduce-scatter it along ``dim``
+  straight into the sequence-parallel shard. Backward: identity / all-gather, since each rank's
+  partial was computed from the same upstream values.
 
 The record (``overlap_report()``): per layer name, the P2P ops issued, the chunked GEMMs, the
 plain collectives, and on GPU the milliseconds the compute stream stood waiting at the wait
@@ -306,3 +310,45 @@ def split_to_shard(x: torch.Tensor, tp: TPGroup, dim: int) -> torch.Tensor:
 def gather_from_shards(x: torch.Tensor, tp: TPGroup, dim: int) -> torch.Tensor:
     """Per-rank chunks -> the full tensor along ``dim``; backward keeps this rank's gradient chunk."""
     return x if tp.size == 1 else _GatherFromShards.apply(x, tp, dim)
+
+
+class _SumPartials(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp: TPGroup):
+        x = x.contiguous()
+        dist.all_reduce(x, group=tp.group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _SumPartialsToShard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp: TPGroup, dim: int):
+        ctx.tp, ctx.dim = tp, dim % x.dim()
+        d = ctx.dim
+        if x.shape[d] % tp.size:
+            raise ValueError(
+                f"sum_partials_to_shard: dim {d} has size {x.shape[d]}, not divisible by tensor_parallel_size="
+                f"{tp.size}; under sequence parallel pad every micro-batch to a multiple of the TP size"
+            )
+        stacked = x.unflatten(d, (tp.size, x.shape[d] // tp.size)).movedim(d, 0).contiguous()
+        out = x.new_empty(stacked.shape[1:])
+        _reduce_scatter_single(out, stacked.flatten(0, 1), group=tp.group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_dim(grad, ctx.tp, ctx.dim), None, None
+
+
+def sum_partials(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """Partial sums on every rank -> their sum on every rank; backward passes the gradient through."""
+    return x if tp.size == 1 else _SumPartials.apply(x, tp)
+
+
+def sum_partials_to_shard(x: torch.Tensor, tp: TPGroup, dim: int) -> torch.Tensor:
+    """Partial sums on every rank -> this rank's chunk (along ``dim``) of their sum; backward all-gathers."""
+    return x if tp.size == 1 else _SumPartialsToShard.apply(x, tp, dim)

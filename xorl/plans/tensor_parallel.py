@@ -9,18 +9,22 @@ On every present ``model.model.layers[i]`` (entries may be None under pipeline p
   ``self_attn.o_proj`` -> RowParallelLinear. q/k/v share one gathered input.
 * ``mlp.{gate,up}_proj`` -> ColumnParallelLinear (sharing one gathered input), ``mlp.down_proj``
   -> RowParallelLinear.
+* ``model.embed_tokens`` -> VocabParallelEmbedding and ``lm_head`` -> VocabParallelLMHead when the
+  vocabulary divides by TP (each rank holds vocab/P rows; logits stay sharded for the
+  vocabulary-parallel loss, xorl/nn/cross_entropy.py); otherwise both stay replicated.
 * Everything else stays replicated and becomes a ``Replicate()`` DTensor on the TP mesh
-  (``replicate_on_tp`` in xorl/nn/tensor_parallel.py): embeddings, norms, lm_head, q/k norms.
+  (``replicate_on_tp`` in xorl/nn/tensor_parallel.py): norms, q/k norms.
 
-Sequence parallel (SP) region = the decoder layers. The hidden state entering the first present
-layer is split to this rank's sequence shard (backward: all-gather), the one leaving the last
-present layer is gathered again (backward: keep this rank's chunk, because everything after it,
-final norm, lm_head and loss, runs identically on every TP rank). Inside the region the norms and
-residual adds run on the shard; the column layers all-gather along the sequence, the row layers
-reduce-scatter along it. Replicated parameters used inside the region on a shard of the data have
-partial gradients: input/post-attention norms under SP, q/k norms always (each rank normalises
-only its own heads). They are listed in ``model.tp_partial_grads``, and the trainer sums them over
-TP once per optimizer step (``xorl.nn.tensor_parallel.sum_tp_partial_grads``: one all-reduce).
+Sequence parallel (SP) region = from the embedding's output to the lm_head's input: the
+vocabulary-parallel embedding reduce-scatters into this rank's sequence shard, the decoder layers
+and the final norm run on the shard, and the lm_head gathers the sequence as any column layer
+does. Under pipelining the activations between stages are therefore sequence shards. Inside the
+region the norms and residual adds run on the shard; the column layers all-gather along the
+sequence, the row layers reduce-scatter along it. Replicated parameters used inside the region on
+a shard of the data have partial gradients: the decoder and final norms under SP, q/k norms
+always (each rank normalises only its own heads). They are listed in ``model.tp_partial_grads``,
+and the trainer sums them over TP once per optimizer step
+(``xorl.nn.tensor_parallel.sum_tp_partial_grads``: one all-reduce).
 
 MoE models: only attention is tensor-parallel; experts are expert parallelism's job. A layer
 whose ``mlp`` is not a gate/up/down SwiGLU MLP is left replicated: every TP rank runs the whole
@@ -40,7 +44,6 @@ intermediate size divisible by TP, every rank holding the same full weights befo
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -49,6 +52,8 @@ from xorl.nn.tensor_parallel import (
     RowParallelLinear,
     SharedInputColumnGroup,
     TPPartialGrads,
+    VocabParallelEmbedding,
+    VocabParallelLMHead,
     replicate_on_tp,
 )
 from xorl.nn.tp_comm import TPGroup, gather_from_shards, split_to_shard
@@ -72,7 +77,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = T
             "apply_tensor_parallel expects an HF-style causal LM (model.model.layers[i].self_attn / .mlp); "
             f"got {type(model).__name__}"
         )
-    linear_kw = {"sequence_parallel": bool(sequence_parallel), "overlap": bool(overlap),
+    overlap = bool(overlap)
+    linear_kw = {"sequence_parallel": bool(sequence_parallel), "overlap": overlap,
                  "overlap_min_numel": int(overlap_min_numel)}
     memo: dict[int, nn.Parameter] = {}
     partial = TPPartialGrads(tp)
@@ -85,14 +91,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = T
             _keep_block_replicated(layer, tp, sequence_parallel)
         for norm in ("input_layernorm", "post_attention_layernorm"):
             replicate_on_tp(getattr(layer, norm), tp_mesh, memo, partial if sequence_parallel else None)
-    # Outside the SP region: full, identical activations on every TP rank, identical gradients.
-    for module in (getattr(decoder, "embed_tokens", None), getattr(decoder, "norm", None),
-                   getattr(model, "lm_head", None)):
-        if module is not None:
-            replicate_on_tp(module, tp_mesh, memo)
+    _parallelize_vocabulary(model, decoder, tp_mesh, tp, sequence_parallel, overlap, memo, partial)
     model.tp_partial_grads = partial
-    if sequence_parallel and present:
-        _install_sequence_parallel_region(present[0][1], present[-1][1], tp)
     _check_every_parameter_placed(model)
     return model
 
@@ -176,22 +176,45 @@ def _keep_block_replicated(layer: nn.Module, tp: TPGroup, sequence_parallel: boo
     layer.register_forward_pre_hook(ensure_hooks)
 
 
-def _install_sequence_parallel_region(first: nn.Module, last: nn.Module, tp: TPGroup) -> None:
-    def enter(module, args, kwargs):
-        if args:
-            return (split_to_shard(args[0], tp, _SEQ_DIM), *args[1:]), kwargs
-        for key in ("hidden", "hidden_states", "x"):
-            if key in kwargs:
-                return args, {**kwargs, key: split_to_shard(kwargs[key], tp, _SEQ_DIM)}
-        raise TypeError(f"{type(module).__name__}: cannot find the hidden state argument to shard")
+def _parallelize_vocabulary(model: nn.Module, decoder: nn.Module, tp_mesh, tp: TPGroup, sequence_parallel: bool,
+                            overlap: bool, memo: dict, partial: TPPartialGrads) -> None:
+    """Embedding and lm_head over the vocabulary (when it divides by TP), final norm; the SP region.
 
-    def leave(module, args, output):
-        if not isinstance(output, torch.Tensor):
-            raise TypeError(f"{type(module).__name__}: sequence parallel expects a tensor output, got {type(output)}")
-        return gather_from_shards(output, tp, _SEQ_DIM)
-
-    first.register_forward_pre_hook(enter, with_kwargs=True)
-    last.register_forward_hook(leave)
+    Vocabulary-parallel: each rank holds vocab/P rows of the embedding and computes vocab/P logits
+    (loss parallel: xorl.nn.cross_entropy), so lm_head costs 1/P of its FLOPs per rank. The
+    sequence-parallel region runs from the embedding's output to the lm_head's input: the
+    embedding reduce-scatters its partial rows straight into the sequence shard, the final norm
+    runs on the shard (partial gradients), and the lm_head gathers the sequence as any column
+    layer does. So under pipelining the activations passed between stages are sequence shards.
+    A vocabulary that does not divide by TP stays replicated: the embedding's output is split to
+    the shard, and the final norm's output gathered again before the replicated lm_head.
+    """
+    embed, norm, head = getattr(decoder, "embed_tokens", None), getattr(decoder, "norm", None), \
+        getattr(model, "lm_head", None)
+    vocab = (embed.num_embeddings if embed is not None else head.out_features if head is not None else 0)
+    vocab_parallel = vocab % tp.size == 0 and (embed is None or type(embed) is nn.Embedding) and \
+        (head is None or (type(head) is nn.Linear and head.bias is None))
+    tied = embed is not None and head is not None and head.weight is embed.weight
+    if embed is not None:
+        if vocab_parallel:
+            decoder.embed_tokens = VocabParallelEmbedding.from_embedding(embed, tp_mesh, sequence_parallel)
+        else:
+            replicate_on_tp(embed, tp_mesh, memo)
+            if sequence_parallel:
+                embed.register_forward_hook(lambda module, args, out: split_to_shard(out, tp, _SEQ_DIM))
+    if norm is not None:
+        replicate_on_tp(norm, tp_mesh, memo, partial if sequence_parallel else None)
+    if head is not None:
+        if vocab_parallel:
+            model.lm_head = VocabParallelLMHead.from_linear(head, tp_mesh, sequence_parallel=sequence_parallel,
+                                                            overlap=overlap)
+            model.lm_head.name = "lm_head"
+            if tied:
+                model.lm_head.weight = decoder.embed_tokens.weight
+        else:
+            replicate_on_tp(head, tp_mesh, memo)
+            if sequence_parallel:
+                head.register_forward_pre_hook(lambda module, args: (gather_from_shards(args[0], tp, _SEQ_DIM),))
 
 
 def _check_every_parameter_placed(model: nn.Module) -> None:
