@@ -235,8 +235,8 @@ def _tokenizer_problems(tokenizer: str, vocab_size: int) -> list[str]:
         return [f"data.tokenizer={tokenizer!r}: cannot load it: {e}"]
     if vocab_size < size:
         return [
-            f"model.vocab_size={vocab_size} is smaller than data.tokenizer={tokenizer!r}'s {size} tokens; "
-            f"use vocab_size >= {size} (a multiple of 16 or 64 is faster, e.g. {_next_multiple(size, 16)})"
+            f"model.vocab_size={vocab_size} is too small for data.tokenizer={tokenizer!r}, which has {size} "
+            f"tokens; use vocab_size >= {size} (e.g. {_next_multiple(size, 16)}: a multiple of 16 is faster)"
         ]
     return []
 

@@ -1,0 +1,179 @@
+"""The run a user starts from the command line: refused before starting when it cannot work,
+resumed exactly, never mixed with another run, readable in a log. Every check drives the real
+`xorl-train` / `torchrun -m xorl.cli.train` / `scripts/train.sh` on a tiny model."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from tests.cli_runs import ROOT, alive, children, env, rank_of, torchrun, torchrun_command, write_config, xorl_train
+from xorl.metrics import read_metrics
+from xorl.optim import lr_factor
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc for process ids")
+
+
+def _no_traceback(text: str) -> bool:
+    return "Traceback" not in text
+
+
+def test_a_run_folder_from_start_to_resume_to_overwrite(tmp_path):
+    config = write_config(tmp_path, "out")
+    metrics = tmp_path / "out" / "metrics.jsonl"
+
+    # A fresh run, logged for a non-terminal: summary, a line a step, a line a checkpoint.
+    first = xorl_train(config, cwd=tmp_path)
+    assert first.code == 0, first.text
+    for phrase in ("llama model, 0.04M parameters", "world size 1 = one process",
+                   "1 sequences x 32 tokens = 32 tokens a step", "steps 0 -> 4"):
+        assert phrase in first.out, first.out
+    assert [line.split()[1] for line in first.out.splitlines() if line.startswith("step ")] == \
+        ["1/4", "2/4", "3/4", "4/4"]
+    assert first.out.count("xorl: saved checkpoint") == 2
+    rows = read_metrics(metrics)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+
+    # The same command again would mix two runs: refused, once, exit 2, nothing touched.
+    again = xorl_train(config, cwd=tmp_path)
+    assert again.code == 2 and _no_traceback(again.text)
+    assert again.err.count("already holds checkpoints, config.yaml, metrics.jsonl") == 1
+    assert "--train.resume=true" in again.err and "--train.overwrite_output_dir=true" in again.err
+    assert read_metrics(metrics) == rows
+
+    # Resuming a finished run says so.
+    done = xorl_train(config, "--train.resume=true", cwd=tmp_path)
+    assert done.code == 0 and "the run is finished" in done.out and "at step 4" in done.out
+
+    # Changed optimizer / schedule settings: refused, listing each, until the user says which win.
+    changed = ["--train.resume=true", "--train.max_steps=6", "--train.lr=0.02", "--train.weight_decay=0.5"]
+    refused = xorl_train(config, *changed, cwd=tmp_path)
+    assert refused.code == 2 and _no_traceback(refused.text)
+    for phrase in ("train.lr 0.01 -> 0.02", "train.max_steps 4 -> 6", "train.weight_decay 0.1 -> 0.5",
+                   "--train.resume_hparams=config"):
+        assert refused.err.count(phrase) == 1, refused.err
+    resumed = xorl_train(config, *changed, "--train.resume_hparams=config", cwd=tmp_path)
+    assert resumed.code == 0, resumed.text
+    rows = read_metrics(metrics)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5]  # each step once
+    times = [r["time"] for r in rows]
+    assert times == sorted(times) and times[4] >= times[3]  # cumulative across the restart
+    for row in rows[4:]:  # the new lr and schedule (warmup 1, cosine to 0.1 x lr over 6 steps)
+        assert row["lr"] == pytest.approx(0.02 * lr_factor(row["step"], 1, 6, 0.1), rel=1e-12)
+    state = json.loads((tmp_path / "out" / "checkpoints" / "step_00000006" / "trainer_state.json").read_text())
+    assert state["step"] == 6 and state["consumed_sequences"] == 6
+
+    # Overwrite: the earlier run's files are gone, not mixed in.
+    fresh = xorl_train(write_config(tmp_path, "out", max_steps=2), "--train.overwrite_output_dir=true",
+                       cwd=tmp_path)
+    assert fresh.code == 0, fresh.text
+    assert sorted(os.listdir(tmp_path / "out" / "checkpoints")) == ["latest", "step_00000002"]
+    assert [r["step"] for r in read_metrics(metrics)] == [0, 1]
+
+
+def test_resume_with_no_checkpoint_says_it_starts_from_scratch(tmp_path):
+    run = xorl_train(write_config(tmp_path, "out", max_steps=1, save_steps=0), "--train.resume=true", cwd=tmp_path)
+    assert run.code == 0, run.text
+    assert "train.resume=true: no checkpoint in out/checkpoints; starting from step 0" in run.out
+
+
+def test_config_errors_are_one_message_with_exit_code_2(tmp_path):
+    (tmp_path / "empty.yaml").write_text("")
+    typos = ["--train.lr=fast", "--train.max_steps=x", "--model.hiden_size=8"]
+
+    # The README's main command checks before torchrun starts: one message, no traceback.
+    script = subprocess.run(["bash", os.path.join(ROOT, "scripts", "train.sh"), *typos], cwd=ROOT, env=env(),
+                            capture_output=True, text=True, timeout=300)
+    assert script.returncode == 2 and _no_traceback(script.stdout + script.stderr)
+    assert "invalid config (3 problems)" in script.stderr
+    for phrase in ("train.lr: expected float", "train.max_steps: expected int", "did you mean 'hidden_size'?"):
+        assert script.stderr.count(phrase) == 1, script.stderr
+
+    # torchrun directly: the message once (rank 0), and it is torchrun's root cause; no xorl traceback.
+    launched = torchrun(2, str(tmp_path / "empty.yaml"), *typos, cwd=tmp_path)
+    assert launched.code != 0
+    assert launched.text.count("xorl-train: invalid config (3 problems)") == 1, launched.text
+    assert "exitcode  : 2" in launched.text and "traceback : invalid config (3 problems)" in launched.text
+    assert "xorl/" not in launched.text  # torchrun's own stack only, none of ours
+
+    # An empty YAML runs on the defaults, and says so.
+    check = subprocess.run([os.path.join(os.path.dirname(os.sys.executable), "xorl-train"),
+                            str(tmp_path / "empty.yaml"), "--check"], cwd=tmp_path, env=env(),
+                           capture_output=True, text=True, timeout=120)
+    assert check.returncode == 0 and "sets no field; training with the defaults" in check.stdout
+
+
+def test_resuming_on_more_ranks_continues_at_the_next_unseen_sequence(tmp_path):
+    """2 ranks x 2 microbatches for 3 steps (12 sequences), then 4 ranks: 8 a step from sequence 12."""
+    config = write_config(tmp_path, "out", max_steps=3, save_steps=3, data_parallel_shard_size=-1,
+                          gradient_accumulation_steps=2)
+    first = torchrun(2, config, cwd=tmp_path)
+    assert first.code == 0, first.text
+    more = torchrun(4, config, "--train.resume=true", "--train.max_steps=5", "--train.resume_hparams=config",
+                    cwd=tmp_path)
+    assert more.code == 0, more.text
+    assert "the global batch changed from 4 to 8 sequences a step; the data continues at sequence 12" in more.out
+    assert [r["step"] for r in read_metrics(tmp_path / "out" / "metrics.jsonl")] == [0, 1, 2, 3, 4]
+    state = json.loads((tmp_path / "out" / "checkpoints" / "step_00000005" / "trainer_state.json").read_text())
+    assert (state["consumed_sequences"], state["global_batch"], state["world_size"]) == (12 + 2 * 8, 8, 4)
+
+
+def test_a_stalled_rank_gets_a_heartbeat_and_ends_at_the_timeout(tmp_path):
+    config = write_config(tmp_path, "out", max_steps=10_000, save_steps=0, collective_timeout_s=20,
+                          heartbeat_s=2)
+    proc = subprocess.Popen(torchrun_command(2, config), cwd=tmp_path, env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    stopped = None
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("step 2/"):
+                workers = children(proc.pid)
+                stopped = next(pid for pid in workers if rank_of(pid) == 1)
+                os.kill(stopped, signal.SIGSTOP)
+                break
+        start = time.monotonic()
+        lines += proc.stdout.readlines()
+        proc.wait(timeout=200)
+        waited = time.monotonic() - start
+    finally:
+        if stopped is not None and alive(stopped):
+            os.kill(stopped, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+    text = "".join(lines)
+    assert stopped is not None, text
+    assert proc.returncode != 0
+    assert "still running after" in text and "train.collective_timeout_s=20 s" in text, text
+    assert waited < 150, waited
+
+
+def test_workers_exit_when_the_launcher_is_killed(tmp_path):
+    config = write_config(tmp_path, "out", max_steps=10_000, save_steps=0)
+    proc = subprocess.Popen(torchrun_command(1, config), cwd=tmp_path, env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    workers = []
+    try:
+        for line in proc.stdout:
+            if line.startswith("step 1/"):
+                workers = children(proc.pid)
+                break
+        assert workers and all(alive(pid) for pid in workers)
+        os.kill(proc.pid, signal.SIGKILL)  # the launcher only, not its process group
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(alive(pid) for pid in workers)
+    finally:
+        for pid in workers:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
