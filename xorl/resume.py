@@ -109,7 +109,7 @@ def apply_config_hparams(optimizers: list, schedulers: list, train: Any) -> None
                 raise RuntimeError("the loaded optimizer's param groups differ from build_optimizer's")
             for key in ("betas", "eps", "weight_decay"):
                 group[key] = new[key]
-            group["initial_lr"] = new["lr"]
+            group["initial_lr"] = new["initial_lr"]  # the base lr (new["lr"] is already scheduled)
         scheduler.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]
         for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
             group["lr"] = base * factor(scheduler.last_epoch)
