@@ -97,8 +97,9 @@ def test_config_errors_are_one_message_with_exit_code_2(tmp_path):
     # torchrun directly: the message once (rank 0), and it is torchrun's root cause; no xorl traceback.
     launched = torchrun(2, str(tmp_path / "empty.yaml"), *typos, cwd=tmp_path)
     assert launched.code != 0
-    assert launched.text.count("xorl-train: invalid config (3 problems)") == 1, launched.text
-    assert "exitcode  : 2" in launched.text and "traceback : invalid config (3 problems)" in launched.text
+    assert launched.text.count("train.lr: expected float") == 1, launched.text
+    assert "exitcode  : 2" in launched.text
+    assert "traceback : invalid config (3 problems) (printed in full above by rank 0)" in launched.text
     assert "xorl/" not in launched.text  # torchrun's own stack only, none of ours
 
     # An empty YAML runs on the defaults, and says so.

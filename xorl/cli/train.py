@@ -10,8 +10,9 @@ scripts/train.sh runs it before torchrun, so a bad config is one message, not on
 
 What a user sees when the run cannot start: one message on stderr, printed by rank 0 only, no
 traceback, exit code 2 (config and data errors) or 1 (a checkpoint that does not load). Under
-torchrun the message is also the worker's error file, so torchrun's own failure summary names it
-as the root cause. The config is checked before torch is imported, so this takes a second.
+torchrun, torchrun then prints its own failure summary (its stack and one block per failed rank,
+exit code 1); each worker's error file makes that block point at the message instead of saying
+"To enable traceback see ...". The config is checked before torch is imported: this takes a second.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from xorl.watchdog import exit_with_launcher
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "default_config.yaml")
 CONFIG_ERROR_EXIT = 2
+RANK0_REPORT_GRACE_S = 30.0
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -98,14 +100,24 @@ def _launcher_options(args: list[str]) -> tuple[bool, int, list[str]]:
 
 
 def _fail(message: str, code: int, rank: int) -> NoReturn:
-    """One message (rank 0 prints it), torchrun's error file, then exit without a traceback."""
+    """One message (rank 0 prints it), a pointer to it in torchrun's error file, exit without a traceback."""
+    if rank != 0 and "TORCHELASTIC_RUN_ID" in os.environ:
+        # torchrun stops every worker as soon as one exits, which could be before rank 0 has printed:
+        # the others wait for that stop. If it does not come (rank 0 saw no problem), they speak.
+        time.sleep(RANK0_REPORT_GRACE_S)
+        print(f"xorl-train (rank {rank}): {message}", file=sys.stderr, flush=True)
     if rank == 0:
         print(f"xorl-train: {message}", file=sys.stderr, flush=True)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if error_file:  # torchrun's failure summary shows this as the root cause instead of "N/A"
+    if error_file:
+        # torchrun's failure summary shows this per failed rank instead of "To enable traceback see ...";
+        # one line that points at the full message keeps it from repeating once per rank.
+        pointer = f"{message.splitlines()[0].rstrip(':')} (printed in full above by rank 0)"
+        record = {"message": {"message": pointer, "extraInfo": {"py_callstack": pointer,
+                                                                "timestamp": str(int(time.time()))}}}
         try:
             with open(error_file, "w") as f:
-                json.dump({"message": message, "timestamp": int(time.time())}, f)
+                json.dump(record, f)
         except OSError:
             pass
     if "torch.distributed" in sys.modules:
