@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 
 import pytest
@@ -125,34 +126,41 @@ def test_resuming_on_more_ranks_continues_at_the_next_unseen_sequence(tmp_path):
 
 
 def test_a_stalled_rank_gets_a_heartbeat_and_ends_at_the_timeout(tmp_path):
-    config = write_config(tmp_path, "out", max_steps=10_000, save_steps=0, collective_timeout_s=20,
+    """Rank 1 is stopped (SIGSTOP) after step 2: rank 0 prints heartbeat lines while it waits, and
+    fails at train.collective_timeout_s instead of hanging."""
+    timeout_s = 15
+    config = write_config(tmp_path, "out", max_steps=10_000, save_steps=0, collective_timeout_s=timeout_s,
                           heartbeat_s=2)
     proc = subprocess.Popen(torchrun_command(2, config), cwd=tmp_path, env=env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
-    stopped = None
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    workers, stopped = [], None
     try:
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("step 2/"):
-                workers = children(proc.pid)
-                stopped = next(pid for pid in workers if rank_of(pid) == 1)
-                os.kill(stopped, signal.SIGSTOP)
-                break
+        deadline = time.monotonic() + 300
+        while not any(line.startswith("step 2/") for line in list(lines)) and time.monotonic() < deadline:
+            assert proc.poll() is None, "".join(lines)
+            time.sleep(0.1)
+        workers = children(proc.pid)
+        ranks = {rank_of(pid): pid for pid in workers}
+        stopped = ranks[1]
+        os.kill(stopped, signal.SIGSTOP)
         start = time.monotonic()
-        lines += proc.stdout.readlines()
-        proc.wait(timeout=200)
+        while alive(ranks[0]) and time.monotonic() - start < timeout_s + 60:
+            time.sleep(0.2)
         waited = time.monotonic() - start
+        assert not alive(ranks[0]), "rank 0 still waits after the collective timeout"
     finally:
-        if stopped is not None and alive(stopped):
-            os.kill(stopped, signal.SIGKILL)
-        if proc.poll() is None:
-            proc.kill()
+        for pid in workers:  # torchrun would wait 30 s for the stopped rank to take its SIGTERM
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+        reader.join(timeout=10)
     text = "".join(lines)
-    assert stopped is not None, text
     assert proc.returncode != 0
-    assert "still running after" in text and "train.collective_timeout_s=20 s" in text, text
-    assert waited < 150, waited
+    assert "still running after" in text and f"train.collective_timeout_s={timeout_s} s" in text, text
+    assert waited < timeout_s + 45, waited
 
 
 def test_workers_exit_when_the_launcher_is_killed(tmp_path):
