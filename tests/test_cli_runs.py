@@ -76,6 +76,19 @@ def test_a_run_folder_from_start_to_resume_to_overwrite(tmp_path):
     assert sorted(os.listdir(tmp_path / "out" / "checkpoints")) == ["latest", "step_00000002"]
     assert [r["step"] for r in read_metrics(metrics)] == [0, 1]
 
+    # A checkpoint that cannot load names the file: damaged bytes (found by DCP), a short file (up front).
+    shard = tmp_path / "out" / "checkpoints" / "step_00000002" / "__0_0.distcp"
+    size = shard.stat().st_size
+    shard.write_bytes(b"\x01" * size)
+    longer = ["--train.resume=true", "--train.max_steps=3", "--train.resume_hparams=config"]
+    damaged = xorl_train(config, *longer, cwd=tmp_path)
+    assert damaged.code == 1 and _no_traceback(damaged.text), damaged.text
+    assert "cannot load checkpoint out/checkpoints/step_00000002" in damaged.err
+    assert "(reading out/checkpoints/step_00000002/__0_0.distcp)" in damaged.err
+    shard.write_bytes(b"\x01" * (size // 2))
+    short = xorl_train(config, *longer, cwd=tmp_path)
+    assert short.code == 2 and f"__0_0.distcp has {size // 2} bytes, {size} were written" in short.err
+
 
 def test_resume_with_no_checkpoint_says_it_starts_from_scratch(tmp_path):
     run = xorl_train(write_config(tmp_path, "out", max_steps=1, save_steps=0), "--train.resume=true", cwd=tmp_path)

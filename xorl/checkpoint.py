@@ -26,6 +26,7 @@ import shutil
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -105,6 +106,24 @@ def _write_files(folder: str, files: dict[str, str]) -> None:
         os.fsync(f.fileno())
 
 
+def _check_metadata(path: str) -> None:
+    """DCP's index of the shards, read first so a damaged one is named (DCP would log a fallback)."""
+    metadata = os.path.join(path, ".metadata")
+    try:
+        dcp.FileSystemReader(path).read_metadata()
+    except Exception as e:  # noqa: BLE001 - unpickling can fail in many ways; all mean "damaged"
+        raise CheckpointError(f"cannot load checkpoint {path}: {metadata} is unreadable ({type(e).__name__}: "
+                              f"{e}); resume from another checkpoint with --train.resume=PATH") from e
+
+
+def _shard_files(path: str) -> str:
+    """The data file(s) DCP reads, by name: DCP's error does not say which one failed."""
+    storage = dcp.FileSystemReader(path).read_metadata().storage_data or {}
+    files = sorted({os.path.join(path, info.relative_path) for info in storage.values()})
+    return files[0] if len(files) == 1 else f"one of {len(files)} files: {', '.join(files[:4])}" + (
+        ", ..." if len(files) > 4 else "")
+
+
 @torch.no_grad()
 def _materialise_optimizer_state(models, optimizers) -> None:
     """Create Adam's moment tensors (a step with zero gradients at lr 0) so DCP has slots to load into."""
@@ -129,11 +148,14 @@ def load_checkpoint(path: str, models: list[torch.nn.Module], optimizers: list[t
     _materialise_optimizer_state(models, optimizers)
     model_sd, optim_sd = _state(models, optimizers)
     state = {"extra": dict(extra_template), "model": model_sd, "optim": optim_sd}
+    _check_metadata(path)
     try:
         dcp.load(state, checkpoint_id=path)
-    except Exception as e:  # noqa: BLE001 - DCP wraps every rank's failure; say which folder
-        detail = str(e).strip().splitlines()
-        raise CheckpointError(f"cannot load checkpoint {path}: {detail[0] if detail else type(e).__name__}") from e
+    except (Exception, CheckpointException) as e:  # CheckpointException gathers every rank's failure
+        lines = [line for line in str(e).splitlines() if line.strip()]
+        reason = lines[-1] if lines else type(e).__name__
+        raise CheckpointError(f"cannot load checkpoint {path}: {reason} (reading {_shard_files(path)}); "
+                              "resume from another checkpoint with --train.resume=PATH") from e
     for model, optim in zip(models, optimizers):
         # Each part takes the keys it owns; strict=False because the dicts hold every part's keys.
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
