@@ -28,9 +28,11 @@ def test_a_run_folder_from_start_to_resume_to_overwrite(tmp_path):
     config = write_config(tmp_path, "out")
     metrics = tmp_path / "out" / "metrics.jsonl"
 
-    # A fresh run, logged for a non-terminal: summary, a line a step, a line a checkpoint.
-    first = xorl_train(config, cwd=tmp_path)
+    # A first run, logged for a non-terminal: summary, a line a step, a line a checkpoint. Asked to
+    # resume with no checkpoint there yet, it says it starts from scratch.
+    first = xorl_train(config, "--train.resume=true", cwd=tmp_path)
     assert first.code == 0, first.text
+    assert "train.resume=true: no checkpoint in out/checkpoints; starting from step 0" in first.out
     for phrase in ("llama model, 0.04M parameters", "world size 1 = one process",
                    "1 sequences x 32 tokens = 32 tokens a step", "steps 0 -> 4"):
         assert phrase in first.out, first.out
@@ -88,12 +90,6 @@ def test_a_run_folder_from_start_to_resume_to_overwrite(tmp_path):
     shard.write_bytes(b"\x01" * (size // 2))
     short = xorl_train(config, *longer, cwd=tmp_path)
     assert short.code == 2 and f"__0_0.distcp has {size // 2} bytes, {size} were written" in short.err
-
-
-def test_resume_with_no_checkpoint_says_it_starts_from_scratch(tmp_path):
-    run = xorl_train(write_config(tmp_path, "out", max_steps=1, save_steps=0), "--train.resume=true", cwd=tmp_path)
-    assert run.code == 0, run.text
-    assert "train.resume=true: no checkpoint in out/checkpoints; starting from step 0" in run.out
 
 
 def test_config_errors_are_one_message_with_exit_code_2(tmp_path):
