@@ -12,6 +12,7 @@ import threading
 import time
 
 import pytest
+import yaml
 
 from tests.cli_runs import ROOT, alive, children, env, rank_of, torchrun, torchrun_command, write_config, xorl_train
 from xorl.metrics import read_metrics
@@ -117,6 +118,28 @@ def test_config_errors_are_one_message_with_exit_code_2(tmp_path):
                             str(tmp_path / "empty.yaml"), "--check"], cwd=tmp_path, env=env(),
                            capture_output=True, text=True, timeout=120)
     assert check.returncode == 0 and "sets no field; training with the defaults" in check.stdout
+
+
+def test_a_hugging_face_folder_defines_the_model_and_bad_data_names_its_line(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.LlamaConfig(vocab_size=272, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, rope_theta=500000.0,
+                                  rms_norm_eps=1e-5, max_position_embeddings=64)
+    transformers.LlamaForCausalLM(hf).save_pretrained(tmp_path / "llama")
+    config = write_config(tmp_path, "out", max_steps=1, save_steps=0)
+    conflict = xorl_train(config, "--model.model_path=llama", "--model.rope_theta=10000", cwd=tmp_path)
+    assert conflict.code == 2 and _no_traceback(conflict.text)
+    assert "model.rope_theta=10000.0 (set by --model.rope_theta=10000) conflicts with rope_theta=500000.0" \
+        in conflict.err
+    run = xorl_train(config, "--model.model_path=llama", cwd=tmp_path)
+    assert run.code == 0, run.text
+    used = yaml.safe_load((tmp_path / "out" / "config.yaml").read_text())["model"]
+    assert (used["rope_theta"], used["rms_norm_eps"], used["max_position_embeddings"]) == (500000.0, 1e-5, 64)
+
+    (tmp_path / "bad.jsonl").write_text('{"text": "one"}\n{"text": "two"}\n{"text": "three", oops}\n')
+    bad = xorl_train(config, "--data.dataset=bad.jsonl", "--train.output_dir=bad_out", cwd=tmp_path)
+    assert bad.code == 2 and _no_traceback(bad.text)
+    assert bad.err.count("bad.jsonl:3: not valid JSON") == 1, bad.err
 
 
 def test_resuming_on_more_ranks_continues_at_the_next_unseen_sequence(tmp_path):

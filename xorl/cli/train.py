@@ -53,11 +53,11 @@ def main(argv: list[str] | None = None) -> None:
                   "(a tiny dense model on the built-in corpus) plus the command-line overrides", flush=True)
         for note in plan.notes:
             print(f"xorl: {note}", flush=True)
+    if plan.finished:
+        return
     if check_only:
         if rank == 0:
             print(f"xorl: {path} can start on {world_size} rank(s)", flush=True)
-        return
-    if plan.finished:
         return
 
     import torch.distributed as dist
@@ -105,7 +105,8 @@ def _fail(message: str, code: int, rank: int) -> NoReturn:
         # torchrun stops every worker as soon as one exits, which could be before rank 0 has printed:
         # the others wait for that stop. If it does not come (rank 0 saw no problem), they speak.
         time.sleep(RANK0_REPORT_GRACE_S)
-        print(f"xorl-train (rank {rank}): {message}", file=sys.stderr, flush=True)
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # one line per node, not one per rank
+            print(f"xorl-train (rank {rank}): {message}", file=sys.stderr, flush=True)
     if rank == 0:
         print(f"xorl-train: {message}", file=sys.stderr, flush=True)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
