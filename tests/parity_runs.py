@@ -67,6 +67,18 @@ def train_losses(config: Config, stop_at: int | None = None) -> list[float]:
     return [r.loss for r in Trainer(config).train(stop_at)]
 
 
+def resume_and_report(config: Config) -> dict:
+    """Resume (per config.train.resume); return the optimizer's hyperparameters after loading, and
+    each step's loss and lr."""
+    from xorl.trainer import Trainer
+
+    trainer = Trainer(config)
+    groups = [{k: g[k] for k in ("lr", "betas", "eps", "weight_decay")} for g in trainer.optimizers[0].param_groups]
+    results = trainer.train()
+    return {"groups": groups, "losses": [r.loss for r in results], "lrs": [r.lr for r in results],
+            "steps": [r.step for r in results]}
+
+
 def train_with_nan_at(config: Config, bad_step: int) -> str:
     """Make the loss NaN at ``bad_step``; return the error message the trainer stops with."""
     import xorl.trainer as trainer_module

@@ -349,12 +349,58 @@ RULES = {
     "byte tokenizer needs 256 ids": (
         ["--model.vocab_size=100"],
         1,
-        ["vocab_size=100 is too small for data.tokenizer='byte'", "vocab_size >= 272"],
+        ["vocab_size=100 is too small for data.tokenizer='byte'", "which has 259 tokens", "vocab_size >= 259"],
     ),
     "dataset path exists": (
         ["--data.dataset=/no/such/file.jsonl"],
         1,
         ["data.dataset='/no/such/file.jsonl': no such file", "'builtin'"],
+    ),
+    "ddp cannot reduce tensor-parallel shards": (
+        ["--train.data_parallel_mode=ddp", "--train.tensor_parallel_size=2"],
+        2,
+        ["data_parallel_mode='ddp' with tensor_parallel_size=2", "use data_parallel_mode: fsdp2"],
+    ),
+    "ddp cannot reduce expert-parallel shards": (
+        [*MOE, "--train.data_parallel_mode=ddp", "--train.expert_parallel_size=2"],
+        2,
+        ["data_parallel_mode='ddp' with expert_parallel_size=2", "use data_parallel_mode: fsdp2"],
+    ),
+    "export_hf with a sigmoid router": (
+        [*MOE, "--model.router_scoring=sigmoid", "--train.export_hf=true"],
+        1,
+        ["export_hf=true with model.router_scoring='sigmoid'", "set export_hf: false"],
+    ),
+    "export_hf with a shared expert": (
+        [*MOE, "--model.shared_expert_intermediate_size=32", "--train.export_hf=true"],
+        1,
+        ["shared_expert_intermediate_size=32", "no shared expert", "set export_hf: false"],
+    ),
+    "numbers must be finite": (
+        ["--train.lr=.inf", "--train.weight_decay=.nan", "--train.adam_eps=.inf"],
+        1,
+        ["train.lr=inf must be a finite number", "train.weight_decay=nan must be a finite number",
+         "train.adam_eps=inf must be a finite number"],
+    ),
+    "warmup longer than the run": (
+        ["--train.warmup_steps=20", "--train.max_steps=10"],
+        1,
+        ["warmup_steps=20 is more than train.max_steps=10", "use warmup_steps <= max_steps"],
+    ),
+    "seq_len within max_position_embeddings": (
+        ["--data.seq_len=4096", "--model.max_position_embeddings=2048"],
+        1,
+        ["data.seq_len=4096 is longer than model.max_position_embeddings=2048", "use seq_len <= 2048"],
+    ),
+    "seq_len >= 2": (
+        ["--data.seq_len=1"],
+        1,
+        ["data.seq_len=1 must be >= 2"],
+    ),
+    "collective timeout > 0": (
+        ["--train.collective_timeout_s=0", "--train.heartbeat_s=-1"],
+        1,
+        ["collective_timeout_s=0.0 must be > 0", "heartbeat_s=-1.0 must be >= 0"],
     ),
     "optimizer ranges": (
         ["--train.lr=0", "--train.min_lr_ratio=2", "--train.adam_betas=[0.9,1.0]"],
@@ -400,6 +446,33 @@ def test_rule_message_names_field_and_fix(rule):
 )
 def test_valid_layouts_pass(overrides, world_size):
     validate_config(load_config(None, overrides), world_size)
+
+
+def test_every_type_error_is_reported_not_just_the_first(tmp_path):
+    path = tmp_path / "typos.yaml"
+    path.write_text("model:\n  hidden_size: big\n  num_layers: 2\ntrain:\n  lr: fast\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(str(path), ["--train.max_steps=x", "--data.seq_len", "--trian.lr=1"])
+    message = str(info.value)
+    assert message.startswith("invalid config (6 problems)"), message
+    for phrase in (f"{path}: model.hidden_size: expected int, got 'big'", "unknown key model.num_layers",
+                   f"{path}: train.lr: expected float, got 'fast'", "train.max_steps: expected int, got 'x'",
+                   "'--data.seq_len' has no value", "unknown config section 'trian'"):
+        assert message.count(phrase) == 1, (phrase, message)
+
+
+def test_files_the_run_needs_are_checked_up_front(tmp_path):
+    (tmp_path / "data.csv").write_text("text\nhello\n")
+    (tmp_path / "not_a_folder").write_text("")
+    (tmp_path / "empty_dir").mkdir()
+    message = _problems([f"--data.dataset={tmp_path / 'data.csv'}",
+                         f"--train.output_dir={tmp_path / 'not_a_folder'}"], 1)
+    assert "data.csv': unknown file type; xorl reads .jsonl/.txt/.parquet" in message
+    assert "not_a_folder' is a file, not a folder" in message
+    message = _problems([f"--data.dataset={tmp_path / 'empty_dir'}",
+                         f"--train.output_dir={tmp_path / 'not_a_folder' / 'run'}"], 1)
+    assert "the folder holds no .jsonl/.txt/.parquet files" in message
+    assert "cannot be created" in message
 
 
 def test_all_problems_are_reported_together():

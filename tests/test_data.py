@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from xorl.data.corpus import builtin_documents, read_documents
+from xorl.data.corpus import DataError, builtin_documents, read_documents
 from xorl.data.loader import MicrobatchLoader, PackedDataset
 from xorl.data.packing import IGNORE_INDEX, collate, pack_documents
 from xorl.data.tokenizer import ByteTokenizer, build_tokenizer
@@ -64,10 +64,52 @@ def test_local_dataset_readers(tmp_path):
     (tmp_path / "b.txt").write_text("first doc\nline two\n\nsecond doc\n")
     assert list(read_documents(str(tmp_path / "a.jsonl"), "body")) == ["doc 0", "doc 1", "doc 2"]
     assert list(read_documents(str(tmp_path / "b.txt"))) == ["first doc\nline two", "second doc"]
-    with pytest.raises(KeyError, match="data.text_key"):
+    with pytest.raises(DataError, match=r"a.jsonl:1: no key 'text' .*data.text_key"):
         list(read_documents(str(tmp_path / "a.jsonl"), "text"))
-    with pytest.raises(ValueError, match="jsonl"):
+    with pytest.raises(DataError, match="jsonl"):
         list(read_documents(str(tmp_path / "c.csv")))
+
+
+@pytest.mark.parametrize("name, content, expected", [
+    ("bad.jsonl", b'{"text": "a"}\n\n{"text": "b"}\n{"text": "c", oops}\n', r"bad.jsonl:4: not valid JSON: .*col.* 15"),
+    ("null.jsonl", b'{"text": "a"}\n{"text": null}\n', r"null.jsonl:2: 'text' is null, expected a string"),
+    ("row.jsonl", b'"just a string"\n', r"row.jsonl:1: expected a JSON object with key 'text', got a string"),
+    ("latin1.jsonl", b'{"text": "a"}\n{"text": "caf\xe9"}\n', r"latin1.jsonl:2: not UTF-8 text \(byte 0xe9"),
+    ("latin1.txt", b"fine\n\nstill fine\ncaf\xe9\n", r"latin1.txt:4: not UTF-8"),
+])
+def test_data_errors_name_the_file_and_the_true_line(tmp_path, name, content, expected):
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(DataError, match=expected):
+        list(read_documents(str(tmp_path / name)))
+
+
+def test_resuming_with_another_global_batch_sees_every_sequence_once():
+    """2 data-parallel ranks for 3 steps, then 4 ranks from the consumed position: sequences 0..35
+    of the global order, each exactly once (the reference is the dataset's own epoch order)."""
+    cfg = SimpleNamespace(tokenizer="byte", dataset="builtin", seed=5, seq_len=32, packing=True,
+                          text_key="text", micro_batch_size=1)
+    ds = PackedDataset(cfg, vocab_size=272)
+    seen = []
+
+    def run(dp_size: int, steps: range, consumed: int) -> int:
+        loaders = [MicrobatchLoader(ds, 1, 2, rank, dp_size) for rank in range(dp_size)]
+        for loader in loaders:
+            loader.resume_at(steps.start, consumed)
+        for step in steps:
+            for loader in loaders:
+                seen.extend(mb["input_ids"][0] for mb in loader.microbatches(step))
+        return loaders[0].first_sequence(steps.stop)
+
+    consumed = run(2, range(0, 3), 0)
+    assert consumed == 12
+    assert run(4, range(3, 6), consumed) == 36
+    expected = [ds.sequences[i].input_ids for i in ds.order(0)[:36]]
+    assert len(seen) == 36
+    remaining = list(expected)
+    for ids in seen:  # each seen sequence matches one expected sequence, none left over
+        match = next(i for i, e in enumerate(remaining) if torch.equal(e, ids))
+        remaining.pop(match)
+    assert not remaining
 
 
 def test_parquet_and_hf_tokenizer(tmp_path):

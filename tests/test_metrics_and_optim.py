@@ -1,7 +1,9 @@
 """Metrics file, its plot, and the learning-rate schedule."""
 
+import io
 import json
 import math
+import sys
 
 from xorl.cli.plot_metrics import main as plot_main
 from xorl.metrics import MetricsLogger, read_metrics
@@ -28,3 +30,19 @@ def test_lr_schedule_warmup_then_cosine_to_min():
     got = [lr_factor(s, warmup_steps=4, max_steps=10, min_lr_ratio=0.1) for s in range(11)]
     assert max(abs(a - b) for a, b in zip(got, expected)) < 1e-12
     assert abs(got[-1] - 0.1) < 1e-12
+
+
+def test_a_resumed_logger_keeps_each_step_once_and_time_cumulative(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # not a terminal, even under pytest -s
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": s, "time": 2.0 * s, "loss": 1.0} for s in range(5)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 5, "ti')  # cut short by a kill
+    logger = MetricsLogger(str(tmp_path), total_steps=8, start_step=3, time_offset=10.0)
+    logger.log(3, {"loss": 0.5, "lr": 1e-3})
+    logger.note("xorl: saved checkpoint somewhere")
+    logger.close()
+    got = read_metrics(str(path))
+    assert [r["step"] for r in got] == [0, 1, 2, 3]
+    assert got[:3] == rows[:3] and got[3]["time"] >= 10.0
+    out = capsys.readouterr().out  # stderr is not a terminal here: plain lines, no bar
+    assert "step 4/8 loss 0.5000 lr 1.00e-03 time 10." in out and "xorl: saved checkpoint somewhere" in out

@@ -9,12 +9,14 @@ import pytest
 import xorl.checkpoint as ckpt
 from tests.parity_runs import (
     max_rel_diff,
+    resume_and_report,
     tiny_config,
     train_losses,
     train_with_nan_at,
     train_with_rank_dying,
 )
 from xorl.config_error import ConfigError
+from xorl.optim import lr_factor
 from xorl.testing.multirank import GlooWorld, RankError
 from xorl.trainer import check_trainer_support
 
@@ -30,6 +32,30 @@ def test_resume_logs_the_same_losses_as_an_uninterrupted_run(gloo_world, tmp_pat
     resumed = world.run(train_losses, tiny_config(run, max_steps=6, resume=True, **FSDP2))[0]
     assert len(resumed) == 3
     assert max_rel_diff(first + resumed, full) <= 1e-6
+
+
+def test_resume_hparams_decide_which_settings_win(gloo_world, tmp_path):
+    """resume_hparams=config puts every new value into the loaded param groups and schedule (the
+    losses then differ); =checkpoint keeps the checkpoint's. Expected lrs come from lr_factor."""
+    world = gloo_world(2)
+    run = str(tmp_path / "run")
+    world.run(train_losses, tiny_config(run, max_steps=6, save_steps=3, **FSDP2), 3)
+    new = dict(lr=2e-2, min_lr_ratio=0.2, max_steps=8, weight_decay=0.3, adam_betas=(0.8, 0.99), adam_eps=1e-6)
+    config_wins = world.run(resume_and_report, tiny_config(run, resume=True, resume_hparams="config",
+                                                           **new, **FSDP2))[0]
+    kept = world.run(resume_and_report, tiny_config(run, resume=True, resume_hparams="checkpoint",
+                                                    **new, **FSDP2))[0]
+    decay, no_decay = config_wins["groups"]
+    assert decay["weight_decay"] == 0.3 and no_decay["weight_decay"] == 0.0
+    assert all(g["betas"] == (0.8, 0.99) and g["eps"] == 1e-6 for g in config_wins["groups"])
+    assert config_wins["steps"] == [3, 4, 5, 6, 7]
+    assert config_wins["lrs"] == pytest.approx([2e-2 * lr_factor(s, 2, 8, 0.2) for s in range(3, 8)], rel=1e-12)
+    assert kept["groups"][0]["weight_decay"] == 0.1 and kept["groups"][0]["betas"] == (0.9, 0.95)
+    assert kept["steps"] == [3, 4, 5]
+    assert kept["lrs"] == pytest.approx([1e-2 * lr_factor(s, 2, 6, 0.1) for s in range(3, 6)], rel=1e-12)
+    # Step 3's loss comes before any update under the new settings; the next ones follow them.
+    assert config_wins["losses"][0] == pytest.approx(kept["losses"][0], rel=1e-6)
+    assert max_rel_diff(config_wins["losses"][1:3], kept["losses"][1:3]) > 1e-3
 
 
 def test_moe_resume_under_expert_parallel(gloo_world, tmp_path):

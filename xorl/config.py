@@ -4,8 +4,13 @@
     validate_config(config, world_size)   # every cross-field rule; before any process group exists
 
 Loading checks names and types only (unknown keys and wrong types are errors naming the field,
-with the closest valid name); ``validate_config`` (xorl/config_rules.py) checks the rules that tie
-fields together and to the world size. ``Config()`` is a tiny dense model valid for 1 process.
+with the closest valid name; every problem of the file and the overrides is reported at once);
+``validate_config`` (xorl/config_rules.py) checks the rules that tie fields together and to the
+world size. ``Config()`` is a tiny dense model valid for 1 process.
+
+With ``model.model_path`` the folder's config.json defines the model: ``load_config`` fills the
+model fields from it, and a field the YAML or CLI set to another value is an error naming both
+(xorl/model_path.py). ``Config.origins`` records where each explicitly set field came from.
 
 Model field names are the Hugging Face config attribute names, so the models accept either a
 ``ModelConfig`` or a ``transformers`` config. ``head_dim: null`` means hidden_size // heads.
@@ -106,8 +111,17 @@ class TrainConfig(ParallelFields):
     output_dir: str = "outputs"
     save_steps: int = 0  # 0: no periodic checkpoints
     resume: bool | str = False  # true: latest checkpoint in output_dir; a path: that checkpoint
+    # On resume, when lr / schedule / AdamW settings differ from the checkpoint's: "error" refuses
+    # (listing each), "checkpoint" keeps the checkpoint's values, "config" applies the new ones.
+    resume_hparams: Literal["error", "checkpoint", "config"] = "error"
+    # A fresh run into a non-empty output_dir is refused unless this empties it first.
+    overwrite_output_dir: bool = False
     log_steps: int = 1
     export_hf: bool = False
+    # Every collective fails after this long (a stalled or dead rank ends the job, not hangs it).
+    collective_timeout_s: float = 600.0
+    # Rank 0 prints a line every heartbeat_s while a step or save takes longer than that (0: never).
+    heartbeat_s: float = 60.0
 
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}
@@ -118,6 +132,8 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    # "section.key" -> where it was set explicitly ("run.yaml", "--model.rope_theta=1e4"); not compared.
+    origins: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Plain dicts and lists (tuples become lists), ready for YAML / JSON."""
@@ -129,18 +145,9 @@ class Config:
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None, source: str = "config") -> Config:
         config = cls()
-        if data is None:
-            return config
-        if not isinstance(data, dict):
-            raise ConfigError(f"{source}: the top level must be a mapping of sections {list(SECTIONS)}")
-        for section, values in data.items():
-            _check_section(section, source)
-            if values is None:
-                continue
-            if not isinstance(values, dict):
-                raise ConfigError(f"{source}: section {section!r} must be a mapping of key: value")
-            for key, value in values.items():
-                set_field(config, section, key, value, source)
+        problems = _apply_dict(config, data, source)
+        if problems:
+            raise ConfigError(problems)
         return config
 
     def validate(self, world_size: int) -> Config:
@@ -158,7 +165,9 @@ def _plain(value: Any) -> Any:
 
 # -- loading -------------------------------------------------------------------------------
 def load_config(path: str | None = None, overrides: list[str] | None = None) -> Config:
-    """Read ``path`` (YAML; None: defaults), then apply ``--section.key=value`` overrides in order."""
+    """Read ``path`` (YAML; None: defaults), then apply ``--section.key=value`` overrides in order,
+    then fill the model from ``model.model_path``'s config.json. Raises one ConfigError listing
+    every problem found (each wrong name or type, each conflict with the model folder)."""
     data = None
     if path is not None:
         try:
@@ -168,36 +177,81 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
             raise ConfigError(f"cannot read config file {path!r}: {e.strerror}") from e
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML: {e}") from e
-    config = Config.from_dict(data, source=path or "config")
-    for section, key, raw in parse_overrides(overrides or []):
-        _check_section(section, f"override --{section}.{key}")
-        set_field(config, section, key, _parse_scalar(raw), f"override --{section}.{key}={raw}", raw=raw)
+    config = Config()
+    problems = _apply_dict(config, data, path or "config")
+    parsed, override_problems = _parse_overrides(overrides or [])
+    problems += override_problems
+    for section, key, raw in parsed:
+        source = f"--{section}.{key}={raw}"
+        problems += _collect(set_field, config, section, key, _parse_scalar(raw), source, raw=raw)
+    if not problems and config.model.model_path is not None:
+        from xorl.model_path import apply_model_path
+
+        problems += apply_model_path(config)
+    if problems:
+        raise ConfigError(problems)
     return config
+
+
+def _apply_dict(config: Config, data: Any, source: str) -> list[str]:
+    """Set every field of a YAML mapping; return the problems (all of them, not just the first)."""
+    if data is None:
+        return []
+    if not isinstance(data, dict):
+        return [f"{source}: the top level must be a mapping of sections {list(SECTIONS)}"]
+    problems = []
+    for section, values in data.items():
+        if section not in SECTIONS:
+            problems += _collect(_check_section, section, source)
+        elif values is not None and not isinstance(values, dict):
+            problems.append(f"{source}: section {section!r} must be a mapping of key: value")
+        else:
+            for key, value in (values or {}).items():
+                problems += _collect(set_field, config, section, key, value, source)
+    return problems
+
+
+def _collect(fn, *args, **kwargs) -> list[str]:
+    """Run ``fn``; its ConfigError's problems as a list (empty when it passed)."""
+    try:
+        fn(*args, **kwargs)
+    except ConfigError as e:
+        return e.problems
+    return []
 
 
 def parse_overrides(args: list[str]) -> list[tuple[str, str, str]]:
     """``["--train.lr=3e-4", "--data.seq_len", "256"]`` -> ``[(section, key, raw_value), ...]``."""
-    result = []
+    parsed, problems = _parse_overrides(args)
+    if problems:
+        raise ConfigError(problems)
+    return parsed
+
+
+def _parse_overrides(args: list[str]) -> tuple[list[tuple[str, str, str]], list[str]]:
+    result, problems = [], []
     i = 0
     while i < len(args):
         arg = args[i]
         body = arg[2:] if arg.startswith("--") else arg
+        i += 1
         if "=" in body:
             name, raw = body.split("=", 1)
-        elif arg.startswith("--") and i + 1 < len(args) and not args[i + 1].startswith("--"):
-            name, raw = body, args[i + 1]
+        elif arg.startswith("--") and i < len(args) and not args[i].startswith("--"):
+            name, raw = body, args[i]
             i += 1
         else:
-            raise ConfigError(f"override {arg!r} has no value; write it as --section.key=value")
+            problems.append(f"override {arg!r} has no value; write it as --section.key=value")
+            continue
         if name.count(".") != 1 or not all(name.split(".")):
-            raise ConfigError(
+            problems.append(
                 f"override {arg!r}: the name must be section.key with a section in {list(SECTIONS)}, "
                 "e.g. --train.lr=3e-4"
             )
+            continue
         section, key = name.split(".")
         result.append((section, key, raw))
-        i += 1
-    return result
+    return result, problems
 
 
 def _parse_scalar(raw: str) -> Any:
@@ -220,6 +274,7 @@ def set_field(
     config: Config, section: str, key: Any, value: Any, source: str, raw: str | None = None
 ) -> None:
     """Type-check ``value`` for ``section.key`` and set it; errors name the field."""
+    _check_section(section, source)
     section_cls = SECTIONS[section]
     hints = _type_hints(section_cls)
     if key not in hints:
@@ -232,13 +287,19 @@ def set_field(
         raise ConfigError(f"{source}: unknown key {section}.{key}{hint}")
     name = f"{section}.{key}"
     try:
-        coerced = coerce(value, hints[key], name)
-    except ConfigError:
-        # An override like --train.output_dir=123 reads as an int; a str field takes the text as written.
-        if raw is None or not _accepts_str(hints[key]):
+        try:
+            coerced = coerce(value, hints[key], name)
+        except ConfigError:
+            # An override like --train.output_dir=123 reads as an int; a str field takes the text as written.
+            if raw is None or not _accepts_str(hints[key]):
+                raise
+            coerced = coerce(raw, hints[key], name)
+    except ConfigError as e:
+        if source.startswith("--") or source == "config":
             raise
-        coerced = coerce(raw, hints[key], name)
+        raise ConfigError(f"{source}: {e}") from None  # name the file the value came from
     setattr(getattr(config, section), key, coerced)
+    config.origins[name] = source
 
 
 _HINTS_CACHE: dict[type, dict[str, Any]] = {}

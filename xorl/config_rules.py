@@ -15,10 +15,14 @@ Decisions worth knowing:
   (seq_len % ulysses for Ulysses alone). Packing does not lift this: the packed row still has
   seq_len tokens; the data loader pads each packed document to a multiple of 2 x ring (never
   truncates it), which keeps every document splittable.
+- DDP all-reduces plain gradients, so it cannot hold the DTensor shards of TP or EP: use fsdp2.
+- export_hf writes a transformers config, which has no sigmoid router and no shared expert: such
+  models are refused up front rather than after training (the DCP checkpoints keep their weights).
 """
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -33,6 +37,11 @@ def validate_config(config: Any, world_size: int) -> None:
     problems += _model_problems(config.model)
     problems += _data_problems(config.data, config.model)
     problems += _train_problems(config.train)
+    problems += _export_problems(config.model, config.train)
+    if not problems:
+        from xorl.model_path import model_path_conflicts
+
+        problems += model_path_conflicts(config.model)
     if not parallel._basic_problems():
         try:
             parallel.dp_shard  # noqa: B018 - resolves -1; raises when the sizes do not fit
@@ -41,6 +50,7 @@ def validate_config(config: Any, world_size: int) -> None:
         else:
             problems += _parallel_model_problems(config.model, parallel)
             problems += _parallel_data_problems(config.data, parallel)
+            problems += _data_parallel_mode_problems(config.train, parallel)
     if problems:
         raise ConfigError(problems)
 
@@ -181,25 +191,54 @@ def _parallel_model_problems(m: Any, p: ParallelConfig) -> list[str]:
 
 # -- data ----------------------------------------------------------------------------------
 def _data_problems(d: Any, m: Any) -> list[str]:
-    problems = _at_least("data", d, 1, "seq_len", "micro_batch_size")
+    problems = _at_least("data", d, 2, "seq_len")  # one input and its next-token label
+    problems += _at_least("data", d, 1, "micro_batch_size")
     problems += _at_least("data", d, 0, "num_workers")
-    if d.dataset != "builtin" and not os.path.exists(d.dataset):
+    if d.seq_len > m.max_position_embeddings:
         problems.append(
-            f"data.dataset={d.dataset!r}: no such file; use 'builtin' or a local .jsonl/.txt/.parquet"
+            f"data.seq_len={d.seq_len} is longer than model.max_position_embeddings="
+            f"{m.max_position_embeddings}; use seq_len <= {m.max_position_embeddings}"
         )
-    if d.tokenizer == "byte":
-        if m.vocab_size < 256:
-            problems.append(
-                f"model.vocab_size={m.vocab_size} is too small for data.tokenizer='byte' (256 byte ids plus "
-                "special tokens); use vocab_size >= 272"
-            )
-    elif not os.path.isfile(d.tokenizer):
-        problems.append(f"data.tokenizer={d.tokenizer!r}: no such file; use 'byte' or a local tokenizer.json")
+    problems += _dataset_problems(d.dataset)
+    problems += _tokenizer_problems(d.tokenizer, m.vocab_size)
     if m.model_path is not None and not os.path.isfile(os.path.join(m.model_path, "config.json")):
         problems.append(
             f"model.model_path={m.model_path!r} has no config.json; point it at a local HF model folder"
         )
     return problems
+
+
+def _dataset_problems(dataset: str) -> list[str]:
+    from xorl.data.corpus import READABLE_SUFFIXES, dataset_files
+
+    if dataset == "builtin":
+        return []
+    kinds = "/".join(READABLE_SUFFIXES)
+    if not os.path.exists(dataset):
+        return [f"data.dataset={dataset!r}: no such file; use 'builtin' or a local {kinds} file or folder"]
+    if os.path.isdir(dataset):
+        if not dataset_files(dataset):
+            return [f"data.dataset={dataset!r}: the folder holds no {kinds} files"]
+    elif not dataset.endswith(READABLE_SUFFIXES):
+        return [f"data.dataset={dataset!r}: unknown file type; xorl reads {kinds} (or 'builtin')"]
+    return []
+
+
+def _tokenizer_problems(tokenizer: str, vocab_size: int) -> list[str]:
+    from xorl.data.tokenizer import build_tokenizer
+
+    if tokenizer not in ("byte", "") and not os.path.exists(tokenizer):
+        return [f"data.tokenizer={tokenizer!r}: no such file; use 'byte' or a local tokenizer.json"]
+    try:
+        size = build_tokenizer(tokenizer).vocab_size
+    except (OSError, ValueError, ImportError) as e:
+        return [f"data.tokenizer={tokenizer!r}: cannot load it: {e}"]
+    if vocab_size < size:
+        return [
+            f"model.vocab_size={vocab_size} is too small for data.tokenizer={tokenizer!r}, which has {size} "
+            f"tokens; use vocab_size >= {size} (e.g. {_next_multiple(size, 16)}: a multiple of 16 is faster)"
+        ]
+    return []
 
 
 def _parallel_data_problems(d: Any, p: ParallelConfig) -> list[str]:
@@ -229,10 +268,46 @@ def _parallel_data_problems(d: Any, p: ParallelConfig) -> list[str]:
     return problems
 
 
+def _data_parallel_mode_problems(t: Any, p: ParallelConfig) -> list[str]:
+    if t.data_parallel_mode != "ddp" or (p.tp == 1 and p.ep == 1):
+        return []
+    which = " and ".join(
+        f"{name}={size}" for name, size in (("tensor_parallel_size", p.tp), ("expert_parallel_size", p.ep))
+        if size > 1
+    )
+    return [
+        f"train.data_parallel_mode='ddp' with {which}: DDP all-reduces whole gradients and cannot reduce "
+        "the tensor- or expert-parallel shards; use data_parallel_mode: fsdp2"
+    ]
+
+
+def _export_problems(m: Any, t: Any) -> list[str]:
+    if not t.export_hf or m.model_type != "qwen3_moe":
+        return []
+    problems = []
+    if m.router_scoring != "softmax":
+        problems.append(
+            f"train.export_hf=true with model.router_scoring={m.router_scoring!r}: transformers' "
+            "Qwen3MoeForCausalLM routes with softmax only, so the export could not be loaded as this model; "
+            "set export_hf: false (the checkpoints keep the weights) or router_scoring: softmax"
+        )
+    if m.shared_expert_intermediate_size:
+        problems.append(
+            f"train.export_hf=true with model.shared_expert_intermediate_size="
+            f"{m.shared_expert_intermediate_size}: transformers' Qwen3MoeForCausalLM has no shared expert; "
+            "set export_hf: false (the checkpoints keep the weights) or shared_expert_intermediate_size: 0"
+        )
+    return problems
+
+
 # -- train ---------------------------------------------------------------------------------
 def _train_problems(t: Any) -> list[str]:
     problems = _at_least("train", t, 0, "warmup_steps", "save_steps")
     problems += _at_least("train", t, 1, "max_steps", "log_steps")
+    not_finite = [name for name in ("lr", "min_lr_ratio", "weight_decay", "adam_eps", "max_grad_norm",
+                                    "collective_timeout_s", "heartbeat_s") if not math.isfinite(getattr(t, name))]
+    not_finite += ["adam_betas"] if not all(math.isfinite(b) for b in t.adam_betas) else []
+    problems += [f"train.{name}={getattr(t, name)!r} must be a finite number" for name in not_finite]
     if not t.lr > 0:
         problems.append(f"train.lr={t.lr} must be > 0")
     if not 0 <= t.min_lr_ratio <= 1:
@@ -272,11 +347,38 @@ def _train_problems(t: Any) -> list[str]:
             f"train.fsdp_reshard_after_forward={t.fsdp_reshard_after_forward!r} needs data_parallel_mode: fsdp2 "
             f"(it is {t.data_parallel_mode!r}); remove the setting or use fsdp2"
         )
+    if t.warmup_steps > t.max_steps >= 1:
+        problems.append(
+            f"train.warmup_steps={t.warmup_steps} is more than train.max_steps={t.max_steps}: the learning "
+            "rate would never reach train.lr; use warmup_steps <= max_steps"
+        )
+    if not t.collective_timeout_s > 0:
+        problems.append(f"train.collective_timeout_s={t.collective_timeout_s} must be > 0 (seconds)")
+    if not t.heartbeat_s >= 0:
+        problems.append(f"train.heartbeat_s={t.heartbeat_s} must be >= 0 (0: no heartbeat lines)")
     if isinstance(t.resume, str) and not os.path.exists(t.resume):
         problems.append(
             f"train.resume={t.resume!r}: no such checkpoint; use true (latest in output_dir) or false"
         )
+    problems += _output_dir_problems(t.output_dir)
     return problems
+
+
+def _output_dir_problems(output_dir: str) -> list[str]:
+    """output_dir must be a folder this process can write, or creatable inside one."""
+    if not output_dir:
+        return ["train.output_dir is empty; name a folder for checkpoints and metrics"]
+    path = os.path.abspath(output_dir)
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if existing == path and not os.path.isdir(path):
+        return [f"train.output_dir={output_dir!r} is a file, not a folder; choose a folder"]
+    if not os.path.isdir(existing):
+        return [f"train.output_dir={output_dir!r} cannot be created: {existing!r} is a file"]
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return [f"train.output_dir={output_dir!r}: {existing!r} is not writable; choose a folder you can write"]
+    return []
 
 
 # -- helpers -------------------------------------------------------------------------------

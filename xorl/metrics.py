@@ -1,50 +1,84 @@
-"""Run logging: a progress bar, a JSONL metrics file, TensorBoard when installed."""
+"""Run logging: a progress bar on terminals, plain lines elsewhere, a JSONL metrics file,
+TensorBoard when installed.
+
+metrics.jsonl holds each step once across resumes: a run resumed at step N first drops the rows
+of steps >= N (logged after the checkpoint by the run that stopped), and ``time`` is training
+time accumulated over every start (the checkpoint carries it).
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
 from tqdm import tqdm
 
+from xorl.run_dir import METRICS_NAME, write_text_atomic
+
 
 class MetricsLogger:
-    """Only the logging rank writes; every other rank gets a no-op logger."""
+    """Only the logging rank writes; every other rank gets a no-op logger.
 
-    def __init__(self, output_dir: str, total_steps: int, start_step: int = 0, enabled: bool = True):
+    When stderr is a terminal a tqdm bar shows progress; otherwise (logs, schedulers) every logged
+    step is one plain line on stdout, and ``note`` lines (checkpoints saved) go to the same place.
+    """
+
+    def __init__(self, output_dir: str, total_steps: int, start_step: int = 0, enabled: bool = True,
+                 time_offset: float = 0.0):
         self.enabled = enabled
-        self.path = os.path.join(output_dir, "metrics.jsonl")
+        self.path = os.path.join(output_dir, METRICS_NAME)
+        self.total_steps = total_steps
         self._file = None
         self._tb = None
         self._bar = None
+        self._t_start = time.time() - time_offset
         if not enabled:
             return
         os.makedirs(output_dir, exist_ok=True)
-        # A resumed run continues its file; a fresh run starts a new one.
-        self._file = open(self.path, "a" if start_step > 0 else "w", encoding="utf-8")  # noqa: SIM115
+        keep_rows_before(self.path, start_step)
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
         self._bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True,
                          disable=None)  # None: off when stderr is not a terminal (CI logs)
         try:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(os.path.join(output_dir, "tensorboard"))
+            # purge_step drops events the stopped run logged after the checkpoint.
+            self._tb = SummaryWriter(os.path.join(output_dir, "tensorboard"), purge_step=start_step or None)
         except Exception:  # noqa: BLE001 - TensorBoard is optional
             self._tb = None
-        self._t_start = time.time()
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
+    @property
+    def plain_lines(self) -> bool:
+        """True when there is no progress bar (stderr is not a terminal): print a line per log."""
+        return self._bar is None or self._bar.disable
+
+    def log(self, step: int, metrics: dict[str, float], elapsed_s: float | None = None) -> None:
         if not self.enabled:
             return
-        row = {"step": step, "time": round(time.time() - self._t_start, 3), **metrics}
+        elapsed = time.time() - self._t_start if elapsed_s is None else elapsed_s
+        row = {"step": step, "time": round(elapsed, 3), **metrics}
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
         if self._tb is not None:
             for key, value in metrics.items():
                 self._tb.add_scalar(key, value, step)
-        self._bar.update(1)
-        self._bar.set_postfix(loss=f"{metrics.get('loss', float('nan')):.4f}",
-                              lr=f"{metrics.get('lr', 0.0):.2e}")
+        if self.plain_lines:
+            print(format_step_line(step, self.total_steps, row), flush=True)
+        else:
+            self._bar.update(step + 1 - self._bar.n)
+            self._bar.set_postfix(loss=f"{metrics.get('loss', float('nan')):.4f}",
+                                  lr=f"{metrics.get('lr', 0.0):.2e}")
+
+    def note(self, text: str) -> None:
+        """A line for the user (a checkpoint saved), beside the bar or among the plain lines."""
+        if not self.enabled:
+            return
+        if self.plain_lines:
+            print(text, flush=True)
+        else:
+            tqdm.write(text, file=sys.stderr)
 
     def close(self) -> None:
         if self._file is not None:
@@ -55,6 +89,52 @@ class MetricsLogger:
             self._tb.close()
 
 
+def format_step_line(step: int, total_steps: int, row: dict) -> str:
+    """``step 10/150 loss 2.3456 grad_norm 0.812 lr 1.00e-03 tokens/s 1234 time 12.3s`` (steps 1-based)."""
+    parts = [f"step {step + 1}/{total_steps}"]
+    for key, fmt in (("loss", ".4f"), ("grad_norm", ".3f"), ("lr", ".2e"), ("router_loss", ".4f"),
+                     ("tokens_per_s", ".0f"), ("mfu", ".1%"), ("peak_memory_gib", ".1f")):
+        if key in row:
+            parts.append(f"{key.replace('_per_s', '/s')} {row[key]:{fmt}}")
+    parts.append(f"time {row['time']:.1f}s")
+    return " ".join(parts)
+
+
+def keep_rows_before(path: str, step: int) -> None:
+    """Rewrite ``path`` keeping only rows of steps < ``step`` (all gone for 0), atomically."""
+    if not os.path.exists(path):
+        return
+    kept = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue  # a line cut short by a kill
+            if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] < step:
+                kept.append(json.dumps(row) + "\n")
+    write_text_atomic(path, "".join(kept))
+
+
 def read_metrics(path: str) -> list[dict]:
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def startup_summary(config, parallel, n_params: int, start_step: int, device_type: str) -> str:
+    """What the run is about to do, in four lines (printed by rank 0 before the first step)."""
+    from xorl.distributed.parallel_config import MESH_DIM_NAMES
+
+    t, d, m = config.train, config.data, config.model
+    dims = " x ".join(f"{name} {size}" for name, size in zip(MESH_DIM_NAMES, parallel.mesh_shape) if size > 1)
+    ep = f", expert parallel {parallel.ep}" if parallel.ep > 1 else ""
+    sequences = d.micro_batch_size * t.gradient_accumulation_steps * parallel.dp
+    count = f"{n_params / 1e9:.2f}B" if n_params >= 1e9 else f"{n_params / 1e6:.2f}M"
+    return "\n".join([
+        f"xorl: {m.model_type} model, {count} parameters, {t.dtype} on {device_type}",
+        f"xorl: world size {parallel.world_size} = {dims or 'one process'} ({t.data_parallel_mode}{ep})",
+        f"xorl: {sequences} sequences x {d.seq_len} tokens = {sequences * d.seq_len} tokens a step "
+        f"(micro batch {d.micro_batch_size} x accumulation {t.gradient_accumulation_steps} x data parallel "
+        f"{parallel.dp})",
+        f"xorl: steps {start_step} -> {t.max_steps}, writing to {t.output_dir}",
+    ])

@@ -56,8 +56,10 @@ def build_optimizer(params, train_config) -> tuple[torch.optim.Optimizer, torch.
 
 def set_schedule_step(scheduler: torch.optim.lr_scheduler.LambdaLR, step: int) -> None:
     """Put the schedule (and every group's lr) where it is after ``step`` optimizer steps."""
+    groups = scheduler.optimizer.param_groups
     scheduler.last_epoch = step
-    for group, base_lr, lr_lambda in zip(scheduler.optimizer.param_groups, scheduler.base_lrs,
-                                         scheduler.lr_lambdas, strict=True):
+    # A loaded optimizer carries the checkpoint's base lr in each group ("initial_lr").
+    scheduler.base_lrs = [group.get("initial_lr", base) for group, base in zip(groups, scheduler.base_lrs, strict=True)]
+    for group, base_lr, lr_lambda in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True):
         group["lr"] = base_lr * lr_lambda(step)
     scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]

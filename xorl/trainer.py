@@ -10,7 +10,7 @@ Reads top to bottom. What makes every layout log the losses of one process:
 
 from __future__ import annotations
 
-import importlib.util
+import json
 import math
 import os
 import time
@@ -21,22 +21,25 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from xorl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from xorl import run_dir
+from xorl.checkpoint import load_checkpoint, save_checkpoint
 from xorl.config import Config
-from xorl.config_error import ConfigError
 from xorl.data.loader import MicrobatchLoader, PackedDataset
 from xorl.distributed.init import init_distributed, world_size_from_env
 from xorl.distributed.parallel_config import ParallelConfig
 from xorl.distributed.parallel_state import init_parallel_state
 from xorl.grad_clip import clip_grad_norm_
 from xorl.loss import count_label_tokens, token_loss_sum
-from xorl.metrics import MetricsLogger
+from xorl.metrics import MetricsLogger, startup_summary
 from xorl.mfu import mfu
 from xorl.models.registry import build_model
 from xorl.nn.tensor_parallel import sum_tp_partial_grads
 from xorl.optim import build_optimizer, set_schedule_step
 from xorl.parallelize import all_reduce_gradients, parallelize_model
 from xorl.pipeline import build_schedule, split_into_stages
+from xorl.preflight import RunPlan, check_trainer_support, prepare_run  # noqa: F401 - check_trainer_support re-exported
+from xorl.resume import apply_config_hparams
+from xorl.watchdog import Heartbeat
 
 
 class NonFiniteLossError(RuntimeError):
@@ -82,38 +85,20 @@ def materialise(parts: list[nn.Module], config: Config, device: torch.device) ->
         set_model_state_dict(part, dict(full), options=options)
 
 
-def check_trainer_support(config: Config) -> None:
-    """Layouts the config accepts but this trainer cannot run yet: refused before any process group."""
-    t = config.train
-    problems = []
-    if t.pipeline_parallel_size > 1 and t.ringattn_parallel_size > 1:
-        problems.append(
-            "train.pipeline_parallel_size > 1 with ringattn_parallel_size > 1: pipeline stages exchange "
-            "fixed-shape activations, but ring attention pads each document, so shard lengths vary per "
-            "microbatch; use ulysses_parallel_size for context parallelism under pipelining"
-        )
-    if config.model.attn_implementation == "flash_attn" and importlib.util.find_spec("flash_attn") is None:
-        problems.append(
-            "model.attn_implementation='flash_attn' but the flash-attn package is not installed; "
-            "use attn_implementation: xorl (our Triton kernels) or pip install flash-attn"
-        )
-    if problems:
-        raise ConfigError(problems)
-
-
 class Trainer:
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, plan: RunPlan | None = None):
         self.config = config
         world_size = world_size_from_env()
-        config.validate(world_size)  # every rule, before any process group exists
-        check_trainer_support(config)
-        self.device = init_distributed()
+        # Every rule, the run folder and the checkpoint to resume, before any process group exists.
+        self.plan = plan if plan is not None else prepare_run(config, world_size)
+        self.device = init_distributed(config.train.collective_timeout_s)
         self.parallel_config = ParallelConfig.from_config(config, world_size)
         self.state = init_parallel_state(self.parallel_config, device_type=self.device.type)
         self.rank = dist.get_rank()
         # Build on the meta device, split for PP, then TP -> CP -> EP -> AC -> FSDP2, then allocate.
         with torch.device("meta"):
             model = build_model(config.model)
+        self.num_parameters = sum(p.numel() for p in model.parameters())
         self.pipeline = None
         if self.state.pp_size > 1:
             stage_ids, stages, self.pp_inputs = split_into_stages(model, self.state, config)
@@ -133,27 +118,55 @@ class Trainer:
             dp_rank=self.state.dp_rank, dp_size=self.state.dp_size,
         )
         self.step = 0
+        self.elapsed_offset_s = 0.0  # training time before this start (metrics' ``time`` is cumulative)
+        self._clock: float | None = None
         self._maybe_resume()
+        self._take_over_output_dir()
+        if self.rank == 0:
+            print(startup_summary(config, self.parallel_config, self.num_parameters, self.step, self.device.type),
+                  flush=True)
 
     # -- checkpoints -----------------------------------------------------------------------
     def _maybe_resume(self) -> None:
-        resume = self.config.train.resume
-        if not resume:
-            return
-        path = resume if isinstance(resume, str) else latest_checkpoint(self.config.train.output_dir)
-        if path is None:
+        point = self.plan.resume
+        if point is None:
             return
         template = {"step": 0}  # DCP loads the keys it is given
-        extra = load_checkpoint(path, self.parts, self.optimizers, template)
+        extra = load_checkpoint(point.path, self.parts, self.optimizers, template)
         self.step = int(extra["step"])
         # The schedule is a function of the step alone; its state dict would also carry one entry per
         # parameter group, and the groups differ between layouts (they follow the DTensor meshes).
         for scheduler in self.schedulers:
             set_schedule_step(scheduler, self.step)
+        if self.plan.apply_config_hparams:
+            apply_config_hparams(self.optimizers, self.schedulers, self.config.train)
+        self.loader.resume_at(self.step, point.consumed_sequences)
+        self.elapsed_offset_s = point.elapsed_s
+
+    def _take_over_output_dir(self) -> None:
+        """Rank 0 clears an overwritten run and records this run's config, once every rank has read
+        the folder (prepare_run) and loaded its checkpoint."""
+        dist.barrier()
+        if self.rank == 0:
+            out = self.config.train.output_dir
+            if self.plan.overwrite:
+                run_dir.clear_output_dir(out)
+            os.makedirs(out, exist_ok=True)
+            run_dir.write_text_atomic(os.path.join(out, run_dir.CONFIG_NAME), self.config.to_yaml())
+        dist.barrier()
+
+    def elapsed_s(self) -> float:
+        """Training time over every start of this run, up to now."""
+        running = time.perf_counter() - self._clock if self._clock is not None else 0.0
+        return self.elapsed_offset_s + running
 
     def save(self) -> str:
         extra = {"step": self.step}
-        return save_checkpoint(self.config.train.output_dir, self.step, self.parts, self.optimizers, extra)
+        state = {"step": self.step, "consumed_sequences": self.loader.first_sequence(self.step),
+                 "elapsed_s": self.elapsed_s(), "global_batch": self.loader.global_batch,
+                 "world_size": dist.get_world_size()}
+        files = {run_dir.RUN_CONFIG_NAME: self.config.to_yaml(), run_dir.TRAINER_STATE_NAME: json.dumps(state)}
+        return save_checkpoint(self.config.train.output_dir, self.step, self.parts, self.optimizers, extra, files)
 
     @property
     def model(self) -> nn.Module:
@@ -298,15 +311,19 @@ class Trainer:
     # -- the loop --------------------------------------------------------------------------
     def train(self, stop_at: int | None = None) -> list[StepResult]:
         """Run to ``train.max_steps``, or stop early after step ``stop_at`` (as a preempted job would;
-        the learning-rate schedule still follows max_steps)."""
+        the learning-rate schedule still follows max_steps). Saves every ``save_steps`` and at the end."""
         train = self.config.train
         last = train.max_steps if stop_at is None else min(stop_at, train.max_steps)
-        logger = MetricsLogger(train.output_dir, train.max_steps, self.step, enabled=self.rank == 0)
+        logger = MetricsLogger(train.output_dir, train.max_steps, self.step, enabled=self.rank == 0,
+                               time_offset=self.elapsed_offset_s)
+        heartbeat = Heartbeat(train.heartbeat_s, train.collective_timeout_s, enabled=self.rank == 0)
         results = []
+        self._clock = time.perf_counter()
         try:
             while self.step < last:
                 t0 = time.perf_counter()
-                result = self.train_step()
+                with heartbeat.busy(f"step {self.step + 1}"):
+                    result = self.train_step()
                 dt = time.perf_counter() - t0
                 results.append(result)
                 if self.step % max(train.log_steps, 1) == 0 or self.step == train.max_steps:
@@ -319,10 +336,14 @@ class Trainer:
                         metrics["mfu"] = utilisation
                     if result.aux_loss is not None:
                         metrics["router_loss"] = result.aux_loss
-                    logger.log(result.step, metrics)
-                if train.save_steps and self.step % train.save_steps == 0:
-                    self.save()
+                    logger.log(result.step, metrics, elapsed_s=self.elapsed_s())
+                if train.save_steps and (self.step % train.save_steps == 0 or self.step == train.max_steps):
+                    with heartbeat.busy(f"saving the checkpoint of step {self.step}"):
+                        path = self.save()
+                    logger.note(f"xorl: saved checkpoint {path}")
         finally:
+            self.elapsed_offset_s, self._clock = self.elapsed_s(), None
+            heartbeat.close()
             logger.close()
         return results
 
@@ -332,8 +353,8 @@ class Trainer:
         return {"peak_memory_gib": torch.cuda.max_memory_allocated(self.device) / 2**30}
 
 
-def run_training(config: Config) -> list[StepResult]:
-    trainer = Trainer(config)
+def run_training(config: Config, plan: RunPlan | None = None) -> list[StepResult]:
+    trainer = Trainer(config, plan)
     results = trainer.train()
     if config.train.export_hf:
         from xorl.export import export_hf

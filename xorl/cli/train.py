@@ -3,35 +3,130 @@
 Without a config file the built-in default runs: a small MoE model on the built-in corpus, on CPU
 with 4 gloo ranks (FSDP 2 x ring attention 2, experts split over EP 2), which is what
 `bash scripts/train.sh` starts.
+
+`xorl-train CONFIG --check [--world-size=N]` checks the config, the run folder and the checkpoint
+to resume for N ranks (default: $WORLD_SIZE or 1) and exits: 0 when the run can start, else 2.
+scripts/train.sh runs it before torchrun, so a bad config is one message, not one per rank.
+
+What a user sees when the run cannot start: one message on stderr, printed by rank 0 only, no
+traceback, exit code 2 (config and data errors) or 1 (a checkpoint that does not load). Under
+torchrun, torchrun then prints its own failure summary (its stack and one block per failed rank,
+exit code 1); each worker's error file makes that block point at the message instead of saying
+"To enable traceback see ...". The config is checked before torch is imported: this takes a second.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+import time
+from typing import NoReturn
 
 from xorl.config import load_config
+from xorl.config_error import ConfigError
+from xorl.data.corpus import DataError
+from xorl.preflight import prepare_run
+from xorl.watchdog import exit_with_launcher
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "default_config.yaml")
+CONFIG_ERROR_EXIT = 2
+RANK0_REPORT_GRACE_S = 30.0
 
 
 def main(argv: list[str] | None = None) -> None:
+    exit_with_launcher()
     args = list(sys.argv[1:] if argv is None else argv)
+    check_only, world_size, args = _launcher_options(args)
     path = DEFAULT_CONFIG
     if args and not args[0].startswith("--"):
         path = args.pop(0)
-    config = load_config(path, args)
-    from xorl.trainer import run_training
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        config = load_config(path, args)
+        plan = prepare_run(config, world_size)
+    except ConfigError as e:
+        _fail(str(e), CONFIG_ERROR_EXIT, rank)
+    if rank == 0:
+        if not any(origin == path for origin in config.origins.values()):
+            print(f"xorl: {path} sets no field; training with the defaults of xorl.config "
+                  "(a tiny dense model on the built-in corpus) plus the command-line overrides", flush=True)
+        for note in plan.notes:
+            print(f"xorl: {note}", flush=True)
+    if plan.finished:
+        return
+    if check_only:
+        if rank == 0:
+            print(f"xorl: {path} can start on {world_size} rank(s)", flush=True)
+        return
 
-    results = run_training(config)
     import torch.distributed as dist
 
+    from xorl.checkpoint import CheckpointError
+    from xorl.trainer import run_training
+
+    try:
+        results = run_training(config, plan)
+    except (ConfigError, DataError) as e:
+        _fail(str(e), CONFIG_ERROR_EXIT, rank)
+    except CheckpointError as e:
+        _fail(str(e), 1, rank)
     if dist.is_initialized():
         if dist.get_rank() == 0 and results:
             first, last = results[0], results[-1]
             print(f"done: step {last.step + 1}, loss {first.loss:.4f} -> {last.loss:.4f}, "
                   f"metrics in {os.path.join(config.train.output_dir, 'metrics.jsonl')}")
         dist.destroy_process_group()
+
+
+def _launcher_options(args: list[str]) -> tuple[bool, int, list[str]]:
+    """Take ``--check`` and ``--world-size=N`` out of ``args`` (they are not config overrides)."""
+    check_only, world_size, rest = False, int(os.environ.get("WORLD_SIZE", "1")), []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "--check":
+            check_only = True
+        elif arg.startswith("--world-size"):
+            value = arg.split("=", 1)[1] if "=" in arg else (args[i + 1] if i + 1 < len(args) else "")
+            i += 0 if "=" in arg else 1
+            if not value.isdigit() or int(value) < 1:
+                _fail(f"--world-size needs a positive number of ranks, got {value!r}", CONFIG_ERROR_EXIT, 0)
+            world_size = int(value)
+        else:
+            rest.append(arg)
+        i += 1
+    return check_only, world_size, rest
+
+
+def _fail(message: str, code: int, rank: int) -> NoReturn:
+    """One message (rank 0 prints it), a pointer to it in torchrun's error file, exit without a traceback."""
+    if rank != 0 and "TORCHELASTIC_RUN_ID" in os.environ:
+        # torchrun stops every worker as soon as one exits, which could be before rank 0 has printed:
+        # the others wait for that stop. If it does not come (rank 0 saw no problem), they speak.
+        time.sleep(RANK0_REPORT_GRACE_S)
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # one line per node, not one per rank
+            print(f"xorl-train (rank {rank}): {message}", file=sys.stderr, flush=True)
+    if rank == 0:
+        print(f"xorl-train: {message}", file=sys.stderr, flush=True)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        # torchrun's failure summary shows this per failed rank instead of "To enable traceback see ...";
+        # one line that points at the full message keeps it from repeating once per rank.
+        pointer = f"{message.splitlines()[0].rstrip(':')} (printed in full above by rank 0)"
+        record = {"message": {"message": pointer, "extraInfo": {"py_callstack": pointer,
+                                                                "timestamp": str(int(time.time()))}}}
+        try:
+            with open(error_file, "w") as f:
+                json.dump(record, f)
+        except OSError:
+            pass
+    if "torch.distributed" in sys.modules:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    sys.exit(code)
 
 
 if __name__ == "__main__":

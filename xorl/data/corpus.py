@@ -36,21 +36,35 @@ def builtin_documents(num_documents: int = 4000, seed: int = 0) -> list[str]:
     return docs
 
 
+READABLE_SUFFIXES = (".jsonl", ".txt", ".parquet")
+
+
+class DataError(ValueError):
+    """A dataset file that cannot be read as documents; the message names the file and the line."""
+
+
+def dataset_files(folder: str) -> list[str]:
+    """The readable files of a dataset folder, in name order."""
+    return sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(READABLE_SUFFIXES))
+
+
 def read_documents(path: str, text_key: str = "text") -> Iterator[str]:
     """Documents from a local file or folder: .jsonl (one JSON object a line, ``text_key``),
-    .txt (documents separated by blank lines), .parquet (column ``text_key``)."""
+    .txt (documents separated by blank lines), .parquet (column ``text_key``).
+
+    Every problem is a DataError naming the file and its 1-based line (row for parquet)."""
     if os.path.isdir(path):
-        files = sorted(os.path.join(path, f) for f in os.listdir(path) if _reader_for(f) is not None)
+        files = dataset_files(path)
         if not files:
-            raise FileNotFoundError(f"data.dataset: no .jsonl/.txt/.parquet files in {path!r}")
+            raise DataError(f"data.dataset: no {'/'.join(READABLE_SUFFIXES)} files in {path!r}")
         for file in files:
             yield from read_documents(file, text_key)
         return
     reader = _reader_for(path)
     if reader is None:
-        raise ValueError(f"data.dataset: {path!r} is not .jsonl, .txt or .parquet (or 'builtin')")
+        raise DataError(f"data.dataset: {path!r} is not {', '.join(READABLE_SUFFIXES)} (or 'builtin')")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"data.dataset: {path!r} does not exist")
+        raise DataError(f"data.dataset: {path!r} does not exist")
     yield from reader(path, text_key)
 
 
@@ -61,28 +75,46 @@ def _reader_for(path: str):
     return None
 
 
+def _lines(path: str) -> Iterator[tuple[int, str]]:
+    """(1-based line number, text) of a UTF-8 file; a DataError names the line that is not UTF-8."""
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            try:
+                yield line_no, raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(
+                    f"{path}:{line_no}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                    "convert the file to UTF-8"
+                ) from None
+
+
 def _read_jsonl(path: str, text_key: str) -> Iterator[str]:
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+    for line_no, line in _lines(path):
+        if not line.strip():
+            continue
+        try:
             row = json.loads(line)
-            if text_key not in row:
-                raise KeyError(f"{path}:{line_no}: no key {text_key!r} (set data.text_key)")
-            yield row[text_key]
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{line_no}: not valid JSON: {e.msg} (column {e.colno})") from None
+        if not isinstance(row, dict):
+            raise DataError(
+                f"{path}:{line_no}: expected a JSON object with key {text_key!r}, got a {_json_kind(row)}"
+            )
+        if text_key not in row:
+            raise DataError(f"{path}:{line_no}: no key {text_key!r} (keys: {sorted(row)}); set data.text_key")
+        yield _text(row[text_key], f"{path}:{line_no}: {text_key!r}")
 
 
 def _read_text(path: str, text_key: str) -> Iterator[str]:
-    with open(path, encoding="utf-8") as f:
-        doc: list[str] = []
-        for line in f:
-            if line.strip():
-                doc.append(line.rstrip("\n"))
-            elif doc:
-                yield "\n".join(doc)
-                doc = []
-        if doc:
+    doc: list[str] = []
+    for _, line in _lines(path):
+        if line.strip():
+            doc.append(line.rstrip("\n"))
+        elif doc:
             yield "\n".join(doc)
+            doc = []
+    if doc:
+        yield "\n".join(doc)
 
 
 def _read_parquet(path: str, text_key: str) -> Iterator[str]:
@@ -90,5 +122,21 @@ def _read_parquet(path: str, text_key: str) -> Iterator[str]:
         import pyarrow.parquet as pq
     except ImportError as err:
         raise ImportError("reading .parquet needs pyarrow: pip install pyarrow") from err
-    table = pq.read_table(path, columns=[text_key])
-    yield from table.column(text_key).to_pylist()
+    try:
+        table = pq.read_table(path, columns=[text_key])
+    except (OSError, KeyError, ValueError) as e:  # pyarrow's errors derive from these
+        raise DataError(f"{path}: cannot read column {text_key!r}: {e}") from None
+    for row, value in enumerate(table.column(text_key).to_pylist()):
+        yield _text(value, f"{path}: row {row} {text_key!r}")
+
+
+def _text(value, where: str) -> str:
+    if not isinstance(value, str):
+        raise DataError(f"{where} is {_json_kind(value)}, expected a string")
+    return value
+
+
+def _json_kind(value) -> str:
+    names = {type(None): "null", bool: "boolean", int: "number", float: "number", str: "string",
+             list: "list", dict: "object"}
+    return names.get(type(value), type(value).__name__)

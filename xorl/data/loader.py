@@ -3,14 +3,18 @@
 The global batch of step t is ``gradient_accumulation_steps × dp_size`` microbatches taken in a
 fixed order from a seeded shuffle of the packed sequences; data-parallel rank d takes every
 dp_size-th one. So every layout (and one process) sees the same tokens per optimizer step, which
-is what makes loss parity across layouts possible. The state is just the step counter.
+is what makes loss parity across layouts possible.
+
+The position is counted in sequences, not steps: a run resumed with another global batch (more
+ranks, another micro batch or accumulation) continues at the first sequence the checkpoint had not
+consumed, so every sequence is seen once. ``resume_at(step, consumed_sequences)`` sets it.
 """
 
 from __future__ import annotations
 
 import random
 
-from xorl.data.corpus import builtin_documents, read_documents
+from xorl.data.corpus import DataError, builtin_documents, read_documents
 from xorl.data.packing import PackedSequence, collate, pack_documents
 from xorl.data.tokenizer import build_tokenizer
 
@@ -32,7 +36,7 @@ class PackedDataset:
             packing=data_config.packing,
         )
         if not self.sequences:
-            raise ValueError(f"data.dataset {data_config.dataset!r} produced no tokens")
+            raise DataError(f"data.dataset {data_config.dataset!r} produced no tokens")
         self.seed = data_config.seed
 
     def __len__(self) -> int:
@@ -54,6 +58,20 @@ class MicrobatchLoader:
         self.ga = gradient_accumulation_steps
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self._orders: dict[int, list[int]] = {}
+        self._start_step, self._start_sequence = 0, 0
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step, over all data-parallel ranks."""
+        return self.ga * self.dp_size * self.mbs
+
+    def resume_at(self, step: int, consumed_sequences: int) -> None:
+        """Step ``step`` starts at global sequence ``consumed_sequences`` (whatever the old batch was)."""
+        self._start_step, self._start_sequence = step, consumed_sequences
+
+    def first_sequence(self, step: int) -> int:
+        """Global index of the first sequence of optimizer step ``step`` = sequences consumed before it."""
+        return self._start_sequence + (step - self._start_step) * self.global_batch
 
     def _sequence(self, global_index: int) -> PackedSequence:
         n = len(self.dataset)
@@ -64,9 +82,8 @@ class MicrobatchLoader:
 
     def microbatches(self, step: int) -> list[dict]:
         """The ``gradient_accumulation_steps`` microbatches of this rank for optimizer step ``step``."""
-        per_step = self.ga * self.dp_size * self.mbs
         out = []
         for m in range(self.ga):
-            first = step * per_step + (m * self.dp_size + self.dp_rank) * self.mbs
+            first = self.first_sequence(step) + (m * self.dp_size + self.dp_rank) * self.mbs
             out.append(collate([self._sequence(first + j) for j in range(self.mbs)]))
         return out

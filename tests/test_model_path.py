@@ -1,0 +1,77 @@
+"""model.model_path: the folder's config.json defines the model; the YAML / CLI may only repeat it."""
+
+import json
+
+import pytest
+
+from xorl.config import Config, ConfigError, load_config, validate_config
+
+
+def _transformers_llama_folder(tmp_path, **overrides):
+    """A config.json written by transformers itself (what users download), with non-default values."""
+    transformers = pytest.importorskip("transformers")
+    fields = dict(vocab_size=300, hidden_size=48, intermediate_size=96, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, rope_theta=500000.0, rms_norm_eps=1e-5,
+                  max_position_embeddings=512, tie_word_embeddings=True, initializer_range=0.01)
+    fields.update(overrides)
+    config = transformers.LlamaConfig(**fields)
+    folder = tmp_path / "llama"
+    config.save_pretrained(folder)
+    return folder
+
+
+def test_the_model_folder_fills_every_model_field(tmp_path):
+    folder = _transformers_llama_folder(tmp_path)
+    config = load_config(None, [f"--model.model_path={folder}"])
+    m = config.model
+    assert (m.vocab_size, m.hidden_size, m.intermediate_size, m.num_hidden_layers) == (300, 48, 96, 3)
+    assert (m.num_attention_heads, m.num_key_value_heads, m.max_position_embeddings) == (4, 2, 512)
+    assert m.rope_theta == 500000.0 and m.rms_norm_eps == 1e-5 and m.tie_word_embeddings is True
+    assert m.initializer_range == 0.01
+    validate_config(config, 1)
+
+
+def test_repeating_a_field_is_fine_and_another_value_names_both(tmp_path):
+    folder = _transformers_llama_folder(tmp_path)
+    yaml_path = tmp_path / "run.yaml"
+    yaml_path.write_text(f"model:\n  model_path: {folder}\n  rope_theta: 500000.0\n  rms_norm_eps: 1.0e-6\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(str(yaml_path), ["--model.hidden_size=64", "--model.rope_theta=5e5"])
+    message = str(info.value)
+    assert message.startswith("invalid config (2 problems)")  # rope_theta repeats the file: no problem
+    assert f"model.rms_norm_eps=1e-06 (set by {yaml_path}) conflicts with rms_norm_eps=1e-05 in {folder}" in message
+    assert "model.hidden_size=64 (set by --model.hidden_size=64) conflicts with hidden_size=48" in message
+    assert "remove model.hidden_size from the config or set it to 48" in message
+
+
+def test_training_knobs_in_config_json_yield_to_an_explicit_value(tmp_path):
+    folder = _transformers_llama_folder(tmp_path)
+    config = load_config(None, [f"--model.model_path={folder}", "--model.initializer_range=0.05",
+                                "--model.attn_implementation=sdpa"])
+    assert config.model.initializer_range == 0.05 and config.model.attn_implementation == "sdpa"
+
+
+def test_a_config_built_in_code_must_agree_with_the_folder(tmp_path):
+    folder = _transformers_llama_folder(tmp_path)
+    config = Config()
+    config.model.model_path = str(folder)
+    with pytest.raises(ConfigError, match="model.hidden_size=64 conflicts with hidden_size=48"):
+        validate_config(config, 1)
+
+
+@pytest.mark.parametrize("field, value, expected", [
+    ("hidden_act", "gelu", "hidden_act='gelu'; xorl.models use SwiGLU (silu) only"),
+    ("rope_scaling", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192}, "type 'llama3'; xorl.models support plain RoPE"),
+    ("mlp_bias", True, "mlp_bias=true is not supported"),
+    ("model_type", "mistral", "model_type='mistral' is not one of ['llama', 'qwen3_moe']"),
+])
+def test_features_xorl_cannot_build_are_refused_naming_the_file(tmp_path, field, value, expected):
+    folder = _transformers_llama_folder(tmp_path)
+    path = folder / "config.json"
+    data = json.loads(path.read_text())
+    data[field] = value
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [f"--model.model_path={folder}"])
+    assert str(path) in str(info.value) and expected in str(info.value)

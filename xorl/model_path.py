@@ -1,0 +1,144 @@
+"""``model.model_path``: the Hugging Face folder's config.json defines the model.
+
+Hugging Face users expect the folder to define the architecture, so every model field that its
+config.json holds is taken from it. The YAML or CLI may repeat a field with the same value; another
+value is an error that names both. Fields config.json does not hold (xorl's own ``merge_qkv``,
+``attn_implementation``, ``router_scoring``, ... and anything the file leaves out) keep the
+config's value. Two kinds of entries are not architecture and stay the user's to set:
+``TRAINING_KNOBS`` (loss coefficients and the init scale, which a loaded model never uses) take the
+file's value unless the YAML or CLI sets them, which then wins.
+
+Features xorl.models cannot represent (another activation, RoPE scaling, MLP biases, sliding
+windows, dropout) are refused here, before anything is built, naming the file.
+
+    problems = apply_model_path(config)          # load_config: fill the fields, list conflicts
+    problems = model_path_conflicts(config.model)  # validate_config: any field that disagrees
+
+No torch import: this runs before any process group exists.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from xorl.config_error import ConfigError
+
+HF_CONFIG_NAME = "config.json"
+# Model fields that never come from a model folder: how xorl runs it, and where it is.
+LOCAL_FIELDS = ("model_path", "attn_implementation", "merge_qkv")
+# In config.json but not architecture: the YAML / CLI value wins when set explicitly.
+TRAINING_KNOBS = ("router_aux_loss_coef", "router_z_loss_coef", "initializer_range")
+
+
+def read_hf_config(folder: str) -> dict[str, Any]:
+    """The folder's config.json as a dict; a ConfigError naming the file when it cannot be read."""
+    path = os.path.join(folder, HF_CONFIG_NAME)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as e:
+        raise ConfigError(f"model.model_path={folder!r}: cannot read {path}: {e.strerror}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"model.model_path={folder!r}: {path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"model.model_path={folder!r}: {path} must hold a JSON object")
+    return data
+
+
+def hf_model_fields(folder: str) -> tuple[dict[str, Any], list[str]]:
+    """(ModelConfig field -> value that ``folder``'s config.json defines, problems found in it)."""
+    from xorl.config import ModelConfig, _type_hints, coerce
+
+    raw = read_hf_config(folder)
+    path = os.path.join(folder, HF_CONFIG_NAME)
+    problems = _unsupported_features(raw, path)
+    rope = raw.get("rope_parameters") or {}
+    if raw.get("rope_theta") is None and isinstance(rope, dict) and rope.get("rope_theta") is not None:
+        raw = {**raw, "rope_theta": rope["rope_theta"]}  # transformers v5 keeps it in rope_parameters
+    values: dict[str, Any] = {}
+    for name, hint in _type_hints(ModelConfig).items():
+        if name in LOCAL_FIELDS or raw.get(name) is None:
+            continue
+        try:
+            values[name] = coerce(raw[name], hint, f"{path}: {name}")
+        except ConfigError as e:
+            problems += e.problems
+    return values, problems  # an unsupported model_type is a coerce problem above
+
+
+def _unsupported_features(raw: dict[str, Any], path: str) -> list[str]:
+    problems = []
+    if raw.get("hidden_act", "silu") != "silu":
+        problems.append(f"{path}: hidden_act={raw['hidden_act']!r}; xorl.models use SwiGLU (silu) only")
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = raw.get(key) or {}
+        kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else rope
+        if kind not in ("default", None):
+            problems.append(f"{path}: {key} type {kind!r}; xorl.models support plain RoPE only")
+    for key in ("mlp_bias", "use_sliding_window"):
+        if raw.get(key):
+            problems.append(f"{path}: {key}=true is not supported by xorl.models")
+    if raw.get("attention_dropout"):
+        problems.append(f"{path}: attention_dropout={raw['attention_dropout']}; xorl.models have no dropout")
+    return problems
+
+
+def apply_model_path(config: Any) -> list[str]:
+    """Fill ``config.model`` from its model_path's config.json; return the problems.
+
+    A field set explicitly (``config.origins``) to another value than the file's is a conflict,
+    except the TRAINING_KNOBS, where the explicit value wins. A missing config.json is left to
+    validate_config, which names it.
+    """
+    model = config.model
+    if not os.path.isfile(os.path.join(model.model_path, HF_CONFIG_NAME)):
+        return []
+    try:
+        values, problems = hf_model_fields(model.model_path)
+    except ConfigError as e:
+        return e.problems
+    for name, value in values.items():
+        origin = config.origins.get(f"model.{name}")
+        if origin is None:
+            setattr(model, name, value)
+        elif name not in TRAINING_KNOBS and not _same(model, name, value):
+            problems.append(_conflict(model, name, value, origin))
+    return problems
+
+
+def model_path_conflicts(model: Any) -> list[str]:
+    """Every field the folder's config.json defines must equal ``model``'s (a config built in code)."""
+    if model.model_path is None or not os.path.isfile(os.path.join(model.model_path, HF_CONFIG_NAME)):
+        return []
+    try:
+        values, problems = hf_model_fields(model.model_path)
+    except ConfigError as e:
+        return e.problems
+    for name, value in values.items():
+        if name not in TRAINING_KNOBS and not _same(model, name, value):
+            problems.append(_conflict(model, name, value, None))
+    return problems
+
+
+def _same(model: Any, name: str, value: Any) -> bool:
+    current = getattr(model, name)
+    if name == "head_dim":  # null means hidden_size // num_attention_heads
+        return _head_dim(model, current) == _head_dim(model, value)
+    return current == value
+
+
+def _head_dim(model: Any, value: int | None) -> int | None:
+    if value is not None or not model.num_attention_heads:
+        return value
+    return model.hidden_size // model.num_attention_heads
+
+
+def _conflict(model: Any, name: str, value: Any, origin: str | None) -> str:
+    path = os.path.join(model.model_path, HF_CONFIG_NAME)
+    where = f" (set by {origin})" if origin else ""
+    return (
+        f"model.{name}={getattr(model, name)!r}{where} conflicts with {name}={value!r} in {path}: the model "
+        f"folder defines the architecture; remove model.{name} from the config or set it to {value!r}"
+    )

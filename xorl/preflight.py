@@ -1,0 +1,192 @@
+"""prepare_run: everything checked before any process group starts, and the plan the trainer follows.
+
+Every rank (and the launcher script, for a one-message refusal) runs it; it only reads files, so
+all ranks reach the same verdict. Problems are collected and raised together as one ConfigError:
+
+- the config rules (xorl/config_rules.py) and the layouts this trainer cannot run yet;
+- the run folder: a fresh run into a non-empty ``output_dir`` is refused unless
+  ``overwrite_output_dir: true`` (which removes the earlier run's files first; files xorl did not
+  write are never removed, so the run is refused instead);
+- resuming: which checkpoint, whether it is complete (its manifest names a missing or short
+  file), and whether the new config may resume it (xorl/resume.py). ``resume: true`` with no
+  checkpoint starts from step 0 and says so; a finished run says there is nothing to train.
+
+No torch import: a bad config is refused in a second, before torch loads.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from xorl import run_dir
+from xorl.config_error import ConfigError
+from xorl.config_rules import validate_config
+from xorl.distributed.parallel_config import ParallelConfig
+from xorl.resume import check_resume
+
+
+@dataclass
+class ResumePoint:
+    path: str
+    step: int
+    consumed_sequences: int  # the data position: sequences of the global order already trained on
+    elapsed_s: float  # training time up to the checkpoint (metrics' ``time`` continues from it)
+
+
+@dataclass
+class RunPlan:
+    resume: ResumePoint | None = None
+    overwrite: bool = False  # rank 0 removes the earlier run's files before writing anything
+    apply_config_hparams: bool = False  # the new lr / schedule / AdamW values go over the loaded state
+    finished: bool = False  # the checkpoint is at max_steps: nothing to train
+    notes: list[str] = field(default_factory=list)  # what the user should know; rank 0 prints them
+
+
+def check_trainer_support(config: Any) -> None:
+    """Layouts the config accepts but this trainer cannot run yet: refused before any process group."""
+    import importlib.util
+
+    t = config.train
+    problems = []
+    if t.pipeline_parallel_size > 1 and t.ringattn_parallel_size > 1:
+        problems.append(
+            "train.pipeline_parallel_size > 1 with ringattn_parallel_size > 1: pipeline stages exchange "
+            "fixed-shape activations, but ring attention pads each document, so shard lengths vary per "
+            "microbatch; use ulysses_parallel_size for context parallelism under pipelining"
+        )
+    if config.model.attn_implementation == "flash_attn" and importlib.util.find_spec("flash_attn") is None:
+        problems.append(
+            "model.attn_implementation='flash_attn' but the flash-attn package is not installed; "
+            "use attn_implementation: xorl (our Triton kernels) or pip install flash-attn"
+        )
+    if problems:
+        raise ConfigError(problems)
+
+
+def prepare_run(config: Any, world_size: int) -> RunPlan:
+    """Check ``config`` on ``world_size`` ranks and its run folder; raise one ConfigError listing
+    every problem, else return the plan (``config`` may change: resume_hparams=checkpoint)."""
+    problems = []
+    for check in (lambda: validate_config(config, world_size), lambda: check_trainer_support(config)):
+        try:
+            check()
+        except ConfigError as e:
+            problems += e.problems
+    plan = RunPlan()
+    try:
+        problems += _plan_run_dir(config, world_size, plan)
+    except ConfigError as e:  # e.g. sizes that do not fit world_size, already listed above
+        problems += [p for p in e.problems if p not in problems]
+    if problems:
+        raise ConfigError(problems)
+    return plan
+
+
+def _plan_run_dir(config: Any, world_size: int, plan: RunPlan) -> list[str]:
+    t = config.train
+    out = t.output_dir
+    found = run_dir.entries(out)
+    if not t.resume:
+        if found and not t.overwrite_output_dir:
+            return [
+                f"train.output_dir={out!r} already holds {_some(found)}: a fresh run would mix with it. "
+                "Continue that run with --train.resume=true, replace it with --train.overwrite_output_dir=true, "
+                "or choose another train.output_dir"
+            ]
+        return _plan_overwrite(out, found, plan)
+    checkpoint = t.resume if isinstance(t.resume, str) else run_dir.latest_checkpoint(out)
+    inside = checkpoint is not None and run_dir.is_inside(checkpoint, out)
+    if t.overwrite_output_dir and (t.resume is True or inside):
+        return [
+            f"train.overwrite_output_dir=true with train.resume={t.resume!r}: overwriting {out!r} would delete "
+            "the checkpoint to resume; choose one of them"
+        ]
+    problems = []
+    if isinstance(t.resume, str):
+        if not os.path.exists(checkpoint):
+            return []  # validate_config names it
+        if not inside and found and not t.overwrite_output_dir:
+            return [
+                f"train.resume={checkpoint!r} is another folder's checkpoint, and train.output_dir={out!r} already "
+                f"holds {_some(found)}; continue it into an empty output_dir, or add --train.overwrite_output_dir=true"
+            ]
+        if t.overwrite_output_dir:  # the checkpoint lies outside output_dir (refused above otherwise)
+            problems += _plan_overwrite(out, found, plan)
+        later = [n for n in run_dir.step_folders(out) if inside and n > os.path.basename(os.path.normpath(checkpoint))]
+        if later:
+            return [
+                f"train.resume={checkpoint!r}: {run_dir.checkpoint_root(out)} also holds the later {_some(later)} "
+                "of the run that went on; resuming here would mix the two. Continue into another "
+                "train.output_dir, or move the later checkpoints away first"
+            ]
+    elif checkpoint is None:
+        root = run_dir.checkpoint_root(out)
+        steps = run_dir.step_folders(out)
+        if steps:
+            return [
+                f"train.resume=true: {root} holds {_some(steps)} but no complete checkpoint named by "
+                f"'{run_dir.LATEST}'; pass one with --train.resume=PATH"
+            ]
+        plan.notes.append(
+            f"train.resume=true: no checkpoint in {root}; starting from step 0"
+            + (f" (replacing {out}/{run_dir.METRICS_NAME})" if run_dir.METRICS_NAME in found else "")
+        )
+        return []
+    problems += run_dir.checkpoint_problems(checkpoint)
+    if problems:
+        return problems
+    try:
+        stored, state = run_dir.read_checkpoint_files(checkpoint)
+        step, consumed = int(state["step"]), int(state["consumed_sequences"])
+        elapsed, old_batch = float(state["elapsed_s"]), int(state["global_batch"])
+    except ConfigError as e:
+        return e.problems
+    except (KeyError, TypeError, ValueError) as e:
+        return [f"checkpoint {checkpoint}: {run_dir.TRAINER_STATE_NAME} lacks or garbles {e}"]
+    problems, notes, plan.apply_config_hparams = check_resume(config, stored, checkpoint, step)
+    plan.notes += notes
+    if problems:
+        return problems
+    plan.resume = ResumePoint(checkpoint, step, consumed, elapsed)
+    plan.notes.append(f"resuming {checkpoint} at step {step}, sequence {consumed} of the data")
+    new_batch = global_batch(config, world_size)
+    if new_batch != old_batch:
+        plan.notes.append(
+            f"the global batch changed from {old_batch} to {new_batch} sequences a step; the data continues at "
+            f"sequence {consumed}, so every sequence is still seen once"
+        )
+    if step >= t.max_steps:
+        plan.finished = True
+        plan.notes.append(
+            f"the run is finished: {checkpoint} is at step {step} and train.max_steps={t.max_steps}; nothing to "
+            "train. To train further, raise --train.max_steps (with --train.resume_hparams=config, since it "
+            "changes the schedule)"
+        )
+    return []
+
+
+def _plan_overwrite(out: str, found: list[str], plan: RunPlan) -> list[str]:
+    if not found:
+        return []
+    foreign = [name for name in found if name not in run_dir.XORL_ENTRIES]
+    if foreign:
+        return [
+            f"train.overwrite_output_dir=true but {out!r} also holds {_some(foreign)}, which xorl did not write; "
+            "overwrite removes only xorl's files, so remove those yourself or choose another output_dir"
+        ]
+    plan.overwrite = True
+    plan.notes.append(f"train.overwrite_output_dir=true: removing the earlier run's {_some(found)} from {out}")
+    return []
+
+
+def global_batch(config: Any, world_size: int) -> int:
+    """Sequences per optimizer step over all data-parallel ranks."""
+    dp = ParallelConfig.from_config(config, world_size).dp
+    return config.data.micro_batch_size * config.train.gradient_accumulation_steps * dp
+
+
+def _some(names: list[str], limit: int = 5) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
