@@ -19,7 +19,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from xorl.config import ModelConfig
 from xorl.models import build_model
-from xorl.parallelize import apply_activation_checkpointing
+from xorl.plans.data_parallel import apply_activation_checkpointing
 
 
 class LiveActivations(TorchDispatchMode):

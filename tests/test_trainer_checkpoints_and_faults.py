@@ -16,9 +16,9 @@ from tests.parity_runs import (
     train_with_rank_dying,
 )
 from xorl.config_error import ConfigError
+from xorl.config_rules import validate_config
 from xorl.optim import lr_factor
 from xorl.testing.multirank import GlooWorld, RankError
-from xorl.trainer import check_trainer_support
 
 FSDP2 = dict(data_parallel_shard_size=2, gradient_accumulation_steps=2)
 
@@ -137,9 +137,11 @@ def test_a_dying_rank_makes_the_others_fail_not_hang(tmp_path):
 
 def test_layouts_the_trainer_cannot_run_are_refused_up_front(tmp_path):
     with pytest.raises(ConfigError, match="ringattn_parallel_size"):
-        check_trainer_support(tiny_config(str(tmp_path), pipeline_parallel_size=2, ringattn_parallel_size=2))
+        config = tiny_config(str(tmp_path), pipeline_parallel_size=2, ringattn_parallel_size=2,
+                             gradient_accumulation_steps=2, data_parallel_shard_size=1)
+        validate_config(config, 4)
     if importlib.util.find_spec("flash_attn") is None:
         config = tiny_config(str(tmp_path))
         config.model.attn_implementation = "flash_attn"
         with pytest.raises(ConfigError, match="flash-attn package is not installed"):
-            check_trainer_support(config)
+            validate_config(config, 1)

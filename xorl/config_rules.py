@@ -27,7 +27,7 @@ import os
 from typing import Any
 
 from xorl.config_error import ConfigError
-from xorl.distributed.parallel_config import SPLIT_BACKWARD_SCHEDULES, ParallelConfig
+from xorl.distributed.parallel_config import PIPELINE_SCHEDULES, ParallelConfig
 
 
 def validate_config(config: Any, world_size: int) -> None:
@@ -35,6 +35,7 @@ def validate_config(config: Any, world_size: int) -> None:
     parallel = ParallelConfig.from_config(config, world_size)
     problems = parallel.problems()
     problems += _model_problems(config.model)
+    problems += _attention_problems(config.model)
     problems += _data_problems(config.data, config.model)
     problems += _train_problems(config.train)
     problems += _export_problems(config.model, config.train)
@@ -56,6 +57,17 @@ def validate_config(config: Any, world_size: int) -> None:
 
 
 # -- model ---------------------------------------------------------------------------------
+def _attention_problems(m: Any) -> list[str]:
+    import importlib.util
+
+    if m.attn_implementation == "flash_attn" and importlib.util.find_spec("flash_attn") is None:
+        return [
+            "model.attn_implementation='flash_attn' but the flash-attn package is not installed; "
+            "use attn_implementation: xorl (our Triton kernels) or pip install flash-attn"
+        ]
+    return []
+
+
 def _model_problems(m: Any) -> list[str]:
     problems = _at_least(
         "model",
@@ -122,6 +134,12 @@ def _model_problems(m: Any) -> list[str]:
 
 def _parallel_model_problems(m: Any, p: ParallelConfig) -> list[str]:
     problems = []
+    if p.pp > 1 and p.ring > 1:
+        problems.append(
+            "train.pipeline_parallel_size > 1 with ringattn_parallel_size > 1: pipeline stages exchange "
+            "fixed-shape activations, but ring attention pads each document, so shard lengths vary per "
+            "microbatch; use ulysses_parallel_size for context parallelism under pipelining"
+        )
     heads, kv_heads = m.num_attention_heads, m.num_key_value_heads
     if heads < 1 or kv_heads < 1:
         return problems  # reported by _model_problems
@@ -334,7 +352,7 @@ def _train_problems(t: Any) -> list[str]:
             "or activation_checkpointing_every_n_layers: 1"
         )
     if t.fsdp_reshard_after_forward == "always" and t.pipeline_parallel_size > 1 and \
-            t.pipeline_parallel_schedule in SPLIT_BACKWARD_SCHEDULES:
+            getattr(PIPELINE_SCHEDULES.get(t.pipeline_parallel_schedule), "split_backward", False):
         problems.append(
             "train.fsdp_reshard_after_forward: always with pipeline_parallel_schedule: "
             f"{t.pipeline_parallel_schedule}: "

@@ -44,36 +44,14 @@ class RunPlan:
     notes: list[str] = field(default_factory=list)  # what the user should know; rank 0 prints them
 
 
-def check_trainer_support(config: Any) -> None:
-    """Layouts the config accepts but this trainer cannot run yet: refused before any process group."""
-    import importlib.util
-
-    t = config.train
-    problems = []
-    if t.pipeline_parallel_size > 1 and t.ringattn_parallel_size > 1:
-        problems.append(
-            "train.pipeline_parallel_size > 1 with ringattn_parallel_size > 1: pipeline stages exchange "
-            "fixed-shape activations, but ring attention pads each document, so shard lengths vary per "
-            "microbatch; use ulysses_parallel_size for context parallelism under pipelining"
-        )
-    if config.model.attn_implementation == "flash_attn" and importlib.util.find_spec("flash_attn") is None:
-        problems.append(
-            "model.attn_implementation='flash_attn' but the flash-attn package is not installed; "
-            "use attn_implementation: xorl (our Triton kernels) or pip install flash-attn"
-        )
-    if problems:
-        raise ConfigError(problems)
-
-
 def prepare_run(config: Any, world_size: int) -> RunPlan:
     """Check ``config`` on ``world_size`` ranks and its run folder; raise one ConfigError listing
     every problem, else return the plan (``config`` may change: resume_hparams=checkpoint)."""
     problems = []
-    for check in (lambda: validate_config(config, world_size), lambda: check_trainer_support(config)):
-        try:
-            check()
-        except ConfigError as e:
-            problems += e.problems
+    try:
+        validate_config(config, world_size)
+    except ConfigError as e:
+        problems += e.problems
     plan = RunPlan()
     try:
         problems += _plan_run_dir(config, world_size, plan)

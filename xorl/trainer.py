@@ -35,9 +35,10 @@ from xorl.mfu import mfu
 from xorl.models.registry import build_model
 from xorl.nn.tensor_parallel import sum_tp_partial_grads
 from xorl.optim import build_optimizer, set_schedule_step
-from xorl.parallelize import all_reduce_gradients, parallelize_model
-from xorl.pipeline import build_schedule, split_into_stages
-from xorl.preflight import RunPlan, check_trainer_support, prepare_run  # noqa: F401 - check_trainer_support re-exported
+from xorl.parallelize import parallelize_model
+from xorl.plans.data_parallel import all_reduce_gradients
+from xorl.plans.pipeline_parallel import build_schedule, split_into_stages
+from xorl.preflight import RunPlan, prepare_run
 from xorl.resume import apply_config_hparams
 from xorl.watchdog import Heartbeat
 

@@ -18,16 +18,32 @@ from xorl.config_error import ConfigError, did_you_mean
 
 MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "ringattn", "ulysses", "tp")
 DATA_PARALLEL_MODES = ("fsdp2", "ddp", "none")
-PIPELINE_SCHEDULES = ("1F1B", "Interleaved1F1B", "GPipe", "InterleavedZeroBubble", "ZBVZeroBubble")
-# Schedules that place several (virtual) stages on each pipeline rank.
-MULTI_STAGE_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
-# Interleaved schedules in torch.distributed.pipelining run microbatches in rounds of PP.
-ROUND_BASED_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble")
-# Backward split into an input pass and a later weight pass (needs the stage's parameters gathered).
-SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble")
+
+
+@dataclass(frozen=True)
+class ScheduleInfo:
+    """One pipeline schedule: the torch.distributed.pipelining class and what the plan needs to know."""
+
+    torch_class: str  # name in torch.distributed.pipelining.schedules
+    stages: Literal["one", "looped", "v"]  # per rank: one stage; virtual_pipeline_stages looped
+    #                                        (rank, rank + P, ...); or two in a V (rank, 2P - 1 - rank)
+    rounds: bool  # runs microbatches in rounds of pipeline_parallel_size
+    split_backward: bool  # an input pass, and a later weight pass that needs the stage's parameters gathered
+
+
+# The one table of pipeline schedules: config validation, the pipeline plan and FSDP's sharding
+# level all read it.
+PIPELINE_SCHEDULES: dict[str, ScheduleInfo] = {
+    "1F1B": ScheduleInfo("Schedule1F1B", "one", rounds=False, split_backward=False),
+    "GPipe": ScheduleInfo("ScheduleGPipe", "one", rounds=False, split_backward=False),
+    "Interleaved1F1B": ScheduleInfo("ScheduleInterleaved1F1B", "looped", rounds=True, split_backward=False),
+    "InterleavedZeroBubble": ScheduleInfo("ScheduleInterleavedZeroBubble", "looped", rounds=True,
+                                          split_backward=True),
+    "ZBVZeroBubble": ScheduleInfo("ScheduleZBVZeroBubble", "v", rounds=False, split_backward=True),
+}
 
 DataParallelMode = Literal["fsdp2", "ddp", "none"]
-PipelineSchedule = Literal["1F1B", "Interleaved1F1B", "GPipe", "InterleavedZeroBubble", "ZBVZeroBubble"]
+PipelineSchedule = Literal[tuple(PIPELINE_SCHEDULES)]  # type: ignore[valid-type]
 
 
 @dataclass
@@ -198,8 +214,8 @@ class ParallelConfig(ParallelFields):
         if self.pipeline_parallel_schedule not in PIPELINE_SCHEDULES:
             problems.append(
                 f"train.pipeline_parallel_schedule={self.pipeline_parallel_schedule!r} is not one of "
-                f"{PIPELINE_SCHEDULES}"
-                + did_you_mean(str(self.pipeline_parallel_schedule), PIPELINE_SCHEDULES)
+                f"{list(PIPELINE_SCHEDULES)}"
+                + did_you_mean(str(self.pipeline_parallel_schedule), list(PIPELINE_SCHEDULES))
             )
         return problems
 
@@ -244,6 +260,9 @@ class ParallelConfig(ParallelFields):
             return []  # schedule fields do not apply
         problems = []
         steps, schedule = self.gradient_accumulation_steps, self.pipeline_parallel_schedule
+        info = PIPELINE_SCHEDULES.get(schedule)
+        if info is None:
+            return []  # reported by _basic_problems
         virtual = self.virtual_pipeline_stages
         if steps < self.pp:
             problems.append(
@@ -251,23 +270,23 @@ class ParallelConfig(ParallelFields):
                 "a pipeline schedule needs at least one microbatch per stage; "
                 f"set gradient_accumulation_steps >= {self.pp}"
             )
-        elif schedule in ROUND_BASED_SCHEDULES and steps % max(1, steps // self.pp):
+        elif info.rounds and steps % max(1, steps // self.pp):
             problems.append(
                 f"train.gradient_accumulation_steps={steps}: {schedule} runs microbatches in rounds of "
                 f"pipeline_parallel_size={self.pp} and needs a multiple of {max(1, steps // self.pp)}; "
                 f"use a multiple of {self.pp} (e.g. {self.pp * max(1, steps // self.pp)})"
             )
-        if schedule == "ZBVZeroBubble" and virtual != 2:
+        if info.stages == "v" and virtual != 2:
             problems.append(
-                f"train.virtual_pipeline_stages={virtual}: ZBVZeroBubble places exactly 2 stages on each "
+                f"train.virtual_pipeline_stages={virtual}: {schedule} places exactly 2 stages on each "
                 "pipeline rank; set virtual_pipeline_stages: 2"
             )
-        elif schedule in MULTI_STAGE_SCHEDULES and virtual < 2:
+        elif info.stages == "looped" and virtual < 2:
             problems.append(
                 f"train.virtual_pipeline_stages={virtual}: {schedule} interleaves several stages per "
                 "pipeline rank; set virtual_pipeline_stages >= 2, or use pipeline_parallel_schedule 1F1B"
             )
-        elif schedule not in MULTI_STAGE_SCHEDULES and virtual != 1:
+        elif info.stages == "one" and virtual != 1:
             problems.append(
                 f"train.virtual_pipeline_stages={virtual}: {schedule} runs one stage per pipeline rank; "
                 "set virtual_pipeline_stages: 1, or use an interleaved schedule (Interleaved1F1B)"

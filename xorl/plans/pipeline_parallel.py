@@ -20,39 +20,24 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import (
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleZBVZeroBubble,
-)
+from torch.distributed.pipelining import schedules as torch_schedules
 
-from xorl.distributed.parallel_config import SPLIT_BACKWARD_SCHEDULES
-
-SCHEDULES = {
-    "1F1B": Schedule1F1B,
-    "GPipe": ScheduleGPipe,
-    "Interleaved1F1B": ScheduleInterleaved1F1B,
-    "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
-    "ZBVZeroBubble": ScheduleZBVZeroBubble,
-}
-SINGLE_STAGE_SCHEDULES = ("1F1B", "GPipe")
+from xorl.distributed.parallel_config import PIPELINE_SCHEDULES
 
 
 def stage_indices(pp_rank: int, pp_size: int, virtual_stages: int, schedule: str) -> list[int]:
-    """The stages this pipeline rank runs: looped (rank, rank + P, ...) or V-shaped for ZBV."""
-    if schedule in SINGLE_STAGE_SCHEDULES:
+    """The stages this pipeline rank runs: one, looped (rank, rank + P, ...) or V-shaped (ZBV)."""
+    kind = PIPELINE_SCHEDULES[schedule].stages
+    if kind == "one":
         return [pp_rank]
-    if schedule == "ZBVZeroBubble":
+    if kind == "v":
         return [pp_rank, 2 * pp_size - 1 - pp_rank]
     return [pp_rank + v * pp_size for v in range(virtual_stages)]
 
 
 def num_stages(pp_size: int, virtual_stages: int, schedule: str) -> int:
-    if schedule in SINGLE_STAGE_SCHEDULES:
-        return pp_size
-    return 2 * pp_size if schedule == "ZBVZeroBubble" else pp_size * virtual_stages
+    kind = PIPELINE_SCHEDULES[schedule].stages
+    return pp_size if kind == "one" else 2 * pp_size if kind == "v" else pp_size * virtual_stages
 
 
 def layer_ranges(num_layers: int, stages: int) -> list[tuple[int, int]]:
@@ -221,10 +206,10 @@ def build_schedule(stage_ids: list[int], stage_modules: list[nn.Module], state, 
         out = torch.empty(output_shape, device="meta") if s == total - 1 else hidden
         stages.append(ShardedGradPipelineStage(
             module, s, total, device, input_args=(inp,), output_args=(out,), group=state.pp_group,
-            reshard_per_microbatch=train.pipeline_parallel_schedule not in SPLIT_BACKWARD_SCHEDULES,
+            reshard_per_microbatch=not PIPELINE_SCHEDULES[train.pipeline_parallel_schedule].split_backward,
         ))
-    cls = SCHEDULES[train.pipeline_parallel_schedule]
+    info = PIPELINE_SCHEDULES[train.pipeline_parallel_schedule]
+    cls = getattr(torch_schedules, info.torch_class)
     # scale_grads=False: the loss is already normalised by the global token count (xorl/loss.py).
-    if train.pipeline_parallel_schedule in SINGLE_STAGE_SCHEDULES:
-        return cls(stages[0], n_microbatches=train.gradient_accumulation_steps, loss_fn=loss_fn, scale_grads=False)
-    return cls(stages, n_microbatches=train.gradient_accumulation_steps, loss_fn=loss_fn, scale_grads=False)
+    stage_arg = stages[0] if info.stages == "one" else stages
+    return cls(stage_arg, n_microbatches=train.gradient_accumulation_steps, loss_fn=loss_fn, scale_grads=False)

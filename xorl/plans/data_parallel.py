@@ -1,0 +1,169 @@
+"""The data-parallel plan: FSDP2 / HSDP sharding, the DDP gradient sum, and activation checkpointing.
+
+    apply_activation_checkpointing(model, mode, every_n_layers)   # before FSDP: wraps decoder blocks
+    apply_fsdp(model, state, reshard_after_forward, bf16_compute)   # FSDP2 per block, then the root
+    all_reduce_gradients(params, group)                              # data_parallel_mode: ddp
+
+Gradients are SUMMED across data-parallel ranks (FSDP's divide factor 1, DDP's all-reduce sum):
+the loss is already normalised by the global token count (xorl/loss.py), so averaging again would
+scale gradients by 1/dp.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from xorl.distributed.parallel_config import PIPELINE_SCHEDULES
+
+
+def reshard_after_forward(train, pp_size: int) -> bool:
+    """train.fsdp_reshard_after_forward as FSDP2's flag.
+
+    "default" reshards (ZeRO-3), under pipelining too: each stage then holds its parameters
+    sharded plus the blocks in flight (xorl/pipeline.py keeps FSDP's per-microbatch
+    reduce-scatter). Zero-bubble schedules are the exception: their weight pass needs the stage's
+    parameters still gathered, so "default" keeps them ("always" is refused there up front).
+    """
+    if train.fsdp_reshard_after_forward == "default":
+        return not (pp_size > 1 and PIPELINE_SCHEDULES[train.pipeline_parallel_schedule].split_backward)
+    return train.fsdp_reshard_after_forward == "always"
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    return [layer for layer in model.model.layers if layer is not None]
+
+
+def checkpointing_mode(setting) -> str:
+    """train.activation_checkpointing as none / full / selective (true / false read as full / none)."""
+    if setting is True:
+        return "full"
+    if setting is False:
+        return "none"
+    return setting
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str = "full", every_n_layers: int = 1) -> None:
+    """Recompute decoder blocks in backward.
+
+    full: every ``every_n_layers``-th block keeps only its input and recomputes everything.
+    selective (torchtitan's op-level policy): every block saves the outputs of its matmuls,
+    attention kernels and collectives, and recomputes the cheap element-wise ops between them
+    (norms, rotary, SwiGLU's activation and products), which hold most of the activation bytes
+    for the fewest FLOPs.
+    """
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    kwargs = {}
+    if mode == "selective":
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        policy = functools.partial(_selective_policy, _save_ops())
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, policy)
+    elif mode != "full":
+        raise ValueError(f"activation checkpointing mode {mode!r}: use none, full or selective")
+    layers = model.model.layers
+    blocks = [i for i, layer in enumerate(layers) if layer is not None]
+    for n, i in enumerate(blocks):
+        if mode == "selective" or n % every_n_layers == 0:
+            layers[i] = checkpoint_wrapper(layers[i], preserve_rng_state=False, **kwargs)
+
+
+def _save_ops() -> set:
+    """The ops whose outputs selective checkpointing keeps (those absent from this torch are skipped)."""
+    aten, names = torch.ops.aten, []
+    names += [(aten, n) for n in ("mm", "addmm", "bmm", "_scaled_mm", "_grouped_mm",
+                                  "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                                  "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")]
+    functional = getattr(torch.ops, "_c10d_functional", None)
+    if functional is not None:
+        names += [(functional, n) for n in ("reduce_scatter_tensor", "all_gather_into_tensor", "all_to_all_single")]
+    xorl_ops = getattr(torch.ops, "xorl", None)
+    if xorl_ops is not None:  # our kernels, once registered as custom ops
+        names += [(xorl_ops, n) for n in ("flash_attn", "grouped_gemm")]
+    ops = set()
+    for namespace, name in names:
+        packet = getattr(namespace, name, None)
+        if packet is not None:
+            ops.add(packet.default)
+    return ops
+
+
+def _selective_policy(save_ops: set, ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in save_ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_fsdp(model: nn.Module, state, reshard_after_forward: bool = True, bf16_compute: bool = False) -> None:
+    """FSDP2 per block, then the root; expert weights on their own EP-FSDP mesh.
+
+    HSDP when the FSDP mesh has a replicate dim (data_parallel_replicate_size > 1). Gradients are
+    SUMMED across ranks (divide factor 1): the loss is already normalised by the global token count
+    (xorl/loss.py), so averaging again would scale gradients by 1/dp.
+    """
+    mesh = state.fsdp_mesh
+    kw = {"reshard_after_forward": reshard_after_forward}
+    if bf16_compute:  # bf16 compute, fp32 master weights and fp32 gradient reduction
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    expert_mesh = _expert_fsdp_mesh(state) if state.ep_size > 1 else None
+    for layer in decoder_layers(model):
+        experts = getattr(getattr(_unwrap(layer), "mlp", None), "experts", None)
+        if experts is not None and expert_mesh is not None:
+            fully_shard(experts, mesh=expert_mesh, **kw)
+        fully_shard(layer, mesh=mesh, **kw)
+    fully_shard(model, mesh=mesh, **kw)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            _sum_gradients(module)
+
+
+def _expert_fsdp_mesh(state):
+    """Experts are sharded over "ep_fsdp" and, under HSDP, replicated over dp_replicate."""
+    if state.dp_replicate_size > 1:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        return DeviceMesh._concatenate([state.dp_replicate_mesh, state.ep_fsdp_mesh])
+    return state.ep_fsdp_mesh
+
+
+def _unwrap(layer: nn.Module) -> nn.Module:
+    return getattr(layer, "_checkpoint_wrapped_module", layer)
+
+
+def _sum_gradients(module: FSDPModule) -> None:
+    module.set_gradient_divide_factor(1.0)
+    # Plain SUM collectives: gloo has no PREMUL_SUM, and NCCL's zero-copy path wants SUM too.
+    module.set_force_sum_reduction_for_comms(True)
+
+
+@torch.no_grad()
+def all_reduce_gradients(params, group, bucket_bytes: int = 64 * 2**20) -> None:
+    """data_parallel_mode ddp: replicas sum their gradients (same normalisation as FSDP above).
+
+    Why buckets: one all-reduce per parameter would be hundreds of small collectives per step (723
+    for a 70B model); gradients are flattened into buckets of up to ``bucket_bytes`` per dtype, one
+    all-reduce each, and copied back.
+    """
+    import torch.distributed as dist
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    by_dtype: dict = {}
+    for p in params:
+        if p.grad is not None:
+            by_dtype.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad)
+    for grads in by_dtype.values():
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for i, grad in enumerate(grads):
+            bucket.append(grad)
+            size += grad.numel() * grad.element_size()
+            if size >= bucket_bytes or i == len(grads) - 1:
+                flat = _flatten_dense_tensors(bucket)
+                dist.all_reduce(flat, group=group)
+                for g, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                    g.copy_(reduced)
+                bucket, size = [], 0
