@@ -40,6 +40,7 @@ LAYOUTS = [
     ("pp zero-bubble v", 2, "llama", dict(data_parallel_shard_size=1, pipeline_parallel_size=2,
                                           pipeline_parallel_schedule="ZBVZeroBubble", virtual_pipeline_stages=2)),
     ("pp+fsdp", 4, "llama", dict(data_parallel_shard_size=2, pipeline_parallel_size=2)),
+    ("pp x ring", 4, "llama", dict(data_parallel_shard_size=1, pipeline_parallel_size=2, ringattn_parallel_size=2)),
     ("pp zero-bubble v+fsdp", 4, "llama", dict(data_parallel_shard_size=2, pipeline_parallel_size=2,
                                                pipeline_parallel_schedule="ZBVZeroBubble", virtual_pipeline_stages=2)),
     ("moe pp2 x ep4 over ulysses4", 8, "qwen3_moe", dict(data_parallel_shard_size=1, pipeline_parallel_size=2,

@@ -82,6 +82,9 @@ class DataConfig:
     seq_len: int = 128
     micro_batch_size: int = 2
     packing: bool = True
+    # true: read, tokenise and pack the files as training goes (xorl/data/stream.py): bounded memory,
+    # the files' order; false: tokenise everything up front and shuffle the packed sequences.
+    streaming: bool = False
     seed: int = 0
     num_workers: int = 0
 

@@ -134,12 +134,6 @@ def _model_problems(m: Any) -> list[str]:
 
 def _parallel_model_problems(m: Any, p: ParallelConfig) -> list[str]:
     problems = []
-    if p.pp > 1 and p.ring > 1:
-        problems.append(
-            "train.pipeline_parallel_size > 1 with ringattn_parallel_size > 1: pipeline stages exchange "
-            "fixed-shape activations, but ring attention pads each document, so shard lengths vary per "
-            "microbatch; use ulysses_parallel_size for context parallelism under pipelining"
-        )
     heads, kv_heads = m.num_attention_heads, m.num_key_value_heads
     if heads < 1 or kv_heads < 1:
         return problems  # reported by _model_problems
@@ -218,6 +212,14 @@ def _data_problems(d: Any, m: Any) -> list[str]:
             f"{m.max_position_embeddings}; use seq_len <= {m.max_position_embeddings}"
         )
     problems += _dataset_problems(d.dataset)
+    if d.streaming and not problems:
+        from xorl.data.corpus import DataError
+        from xorl.data.stream import stream_files
+
+        try:
+            stream_files(d.dataset)
+        except DataError as e:
+            problems.append(str(e))
     problems += _tokenizer_problems(d.tokenizer, m.vocab_size)
     if m.model_path is not None and not os.path.isfile(os.path.join(m.model_path, "config.json")):
         problems.append(

@@ -33,6 +33,7 @@ class ResumePoint:
     step: int
     consumed_sequences: int  # the data position: sequences of the global order already trained on
     elapsed_s: float  # training time up to the checkpoint (metrics' ``time`` continues from it)
+    data_state: dict | None = None  # data.streaming: where the stream stands (xorl/data/stream.py)
 
 
 @dataclass
@@ -127,7 +128,7 @@ def _plan_run_dir(config: Any, world_size: int, plan: RunPlan) -> list[str]:
     plan.notes += notes
     if problems:
         return problems
-    plan.resume = ResumePoint(checkpoint, step, consumed, elapsed)
+    plan.resume = ResumePoint(checkpoint, step, consumed, elapsed, state.get("data_state"))
     plan.notes.append(f"resuming {checkpoint} at step {step}, sequence {consumed} of the data")
     new_batch = global_batch(config, world_size)
     if new_batch != old_batch:

@@ -25,6 +25,8 @@ from xorl import run_dir
 from xorl.checkpoint import load_checkpoint, save_checkpoint
 from xorl.config import Config
 from xorl.data.loader import MicrobatchLoader, PackedDataset
+from xorl.data.stream import StreamedLoader
+from xorl.data.tokenizer import build_tokenizer
 from xorl.distributed.init import init_distributed, world_size_from_env
 from xorl.distributed.parallel_config import ParallelConfig
 from xorl.distributed.parallel_state import init_parallel_state
@@ -108,16 +110,25 @@ class Trainer:
             self.parts = [parallelize_model(model, self.state, config)]
         materialise(self.parts, config, self.device)
         if self.state.pp_size > 1:
+            self._stage_ids = stage_ids
+            self._schedules: dict[int, object] = {}
             self.pipeline = self._build_schedule(stage_ids)
         # One optimizer (and schedule) per model part, so optimizer state keys map to parameter names.
         pairs = [build_optimizer(part.parameters(), config.train) for part in self.parts]
         self.optimizers = [o for o, _ in pairs]
         self.schedulers = [s for _, s in pairs]
-        self.dataset = PackedDataset(config.data, vocab_size=config.model.vocab_size)
-        self.loader = MicrobatchLoader(
-            self.dataset, config.data.micro_batch_size, config.train.gradient_accumulation_steps,
-            dp_rank=self.state.dp_rank, dp_size=self.state.dp_size,
-        )
+        if config.data.streaming:  # read and pack as training goes (xorl/data/stream.py)
+            self.tokenizer = build_tokenizer(config.data.tokenizer)
+            self.loader = StreamedLoader(config.data, self.tokenizer, config.data.micro_batch_size,
+                                         config.train.gradient_accumulation_steps, self.state.dp_rank,
+                                         self.state.dp_size)
+        else:
+            dataset = PackedDataset(config.data, vocab_size=config.model.vocab_size)
+            self.tokenizer = dataset.tokenizer
+            self.loader = MicrobatchLoader(
+                dataset, config.data.micro_batch_size, config.train.gradient_accumulation_steps,
+                dp_rank=self.state.dp_rank, dp_size=self.state.dp_size,
+            )
         self.step = 0
         self.elapsed_offset_s = 0.0  # training time before this start (metrics' ``time`` is cumulative)
         self._clock: float | None = None
@@ -141,7 +152,10 @@ class Trainer:
             set_schedule_step(scheduler, self.step)
         if self.plan.apply_config_hparams:
             apply_config_hparams(self.optimizers, self.schedulers, self.config.train)
-        self.loader.resume_at(self.step, point.consumed_sequences)
+        if self.config.data.streaming:
+            self.loader.resume_at(self.step, point.consumed_sequences, point.data_state)
+        else:
+            self.loader.resume_at(self.step, point.consumed_sequences)
         self.elapsed_offset_s = point.elapsed_s
 
     def _take_over_output_dir(self) -> None:
@@ -166,6 +180,8 @@ class Trainer:
         state = {"step": self.step, "consumed_sequences": self.loader.first_sequence(self.step),
                  "elapsed_s": self.elapsed_s(), "global_batch": self.loader.global_batch,
                  "world_size": dist.get_world_size()}
+        if self.config.data.streaming:  # every rank's stream stands at the same place after a step
+            state["data_state"] = self.loader.state()
         files = {run_dir.RUN_CONFIG_NAME: self.config.to_yaml(), run_dir.TRAINER_STATE_NAME: json.dumps(state)}
         return save_checkpoint(self.config.train.output_dir, self.step, self.parts, self.optimizers, extra, files)
 
@@ -177,9 +193,16 @@ class Trainer:
     def parameters(self):
         return [p for part in self.parts for p in part.parameters()]
 
-    def _build_schedule(self, stage_ids: list[int]):
+    def _build_schedule(self, stage_ids: list[int], row_tokens: int | None = None):
+        """The pipeline schedule for microbatch rows of ``row_tokens`` tokens (default: seq_len).
+
+        Stages are built with static shapes. Under ring attention the rows are padded per document,
+        so each step is padded to a bucket (``_context_parallel_bucket``) and one schedule is kept
+        per bucket (``self._schedules``); the stage modules are shared.
+        """
         config, state = self.config, self.state
-        tokens = config.data.micro_batch_size * config.data.seq_len // state.cp_size
+        row_tokens = config.data.seq_len if row_tokens is None else row_tokens
+        tokens = config.data.micro_batch_size * row_tokens // state.cp_size
         self._step_tokens = 1
 
         def loss_fn(logits, labels):
@@ -195,7 +218,29 @@ class Trainer:
         )
 
     # -- one optimizer step ----------------------------------------------------------------
-    def _shard_for_context_parallel(self, mb: dict) -> dict:
+    def _context_parallel_bucket(self, microbatches: list[dict]) -> int | None:
+        """Under pipelining with ring attention: the row length every microbatch of the step is padded to.
+
+        Why: ring attention pads each document to a multiple of 2 x ring (x ulysses), so rows come
+        out at different lengths, and pipeline stages exchange fixed shapes. The step's longest
+        padded row is rounded up to a granule of about seq_len / 16, so few distinct buckets (and
+        schedules) arise; every pipeline rank reads the same microbatches, so all agree.
+        """
+        state = self.state
+        if self.pipeline is None or state.ring_size == 1:
+            return None
+        from xorl.distributed.zigzag import padded_document_lengths
+
+        multiple = 2 * state.ring_size * state.ulysses_size
+        granule = multiple * max(1, -(-self.config.data.seq_len // (16 * multiple)))
+        longest = 0
+        for mb in microbatches:
+            cu = mb["cu_seqlens"].tolist()  # host data from the loader
+            doc_lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
+            longest = max(longest, sum(padded_document_lengths(doc_lens, state.ring_size, state.ulysses_size)))
+        return -(-longest // granule) * granule
+
+    def _shard_for_context_parallel(self, mb: dict, pad_to: int | None = None) -> dict:
         if self.state.cp_size == 1:
             return mb
         from xorl.distributed.zigzag import prepare_context_parallel_batch
@@ -203,7 +248,7 @@ class Trainer:
         cp = prepare_context_parallel_batch(
             mb["input_ids"], mb["labels"], mb["position_ids"], mb["cu_seqlens"],
             ring=self.state.ring_group, ulysses=self.state.ulysses_group,
-            pad_token_id=self.dataset.tokenizer.pad_id, shift_labels=False,
+            pad_token_id=self.tokenizer.pad_id, shift_labels=False, pad_to=pad_to,
         )
         return {"input_ids": cp.input_ids, "labels": cp.labels, "position_ids": cp.position_ids,
                 "cu_seqlens": cp.cu_seqlens, "max_seqlen": cp.max_seqlen}
@@ -224,7 +269,13 @@ class Trainer:
         checks that the loss and norm are finite.
         """
         state = self.state
-        host_mbs = [self._shard_for_context_parallel(mb) for mb in self.loader.microbatches(self.step)]
+        raw = self.loader.microbatches(self.step)
+        bucket = self._context_parallel_bucket(raw)
+        host_mbs = [self._shard_for_context_parallel(mb, bucket) for mb in raw]
+        if bucket is not None:  # pipelining x ring attention: the schedule of this step's row length
+            if bucket not in self._schedules:
+                self._schedules[bucket] = self._build_schedule(self._stage_ids, bucket)
+            self.pipeline = self._schedules[bucket]
         n_tok = count_label_tokens(host_mbs, state.dp_cp_group, self.device)
         microbatches = [self._to_device(mb) for mb in host_mbs]
         if self.pipeline is not None:

@@ -260,6 +260,7 @@ def prepare_context_parallel_batch(
     ignore_index: int = -100,
     pad_token_id: int = 0,
     shift_labels: bool = True,
+    pad_to: int | None = None,
 ) -> ContextParallelBatch:
     """Shift labels on the full sequence, pad every document, then zig-zag shard everything.
 
@@ -270,6 +271,8 @@ def prepare_context_parallel_batch(
     shard boundaries never pair a token with a wrong target. Padding goes at the end of each
     document: ``pad_token_id`` tokens, ``ignore_index`` labels, position ids continuing. Causal
     attention never lets a real token see a later pad token, so padding changes no real output.
+    ``pad_to``: pad the row further to exactly this many tokens with a document of padding alone
+    (pipeline stages need one shape for every microbatch of a step); a multiple of 2·ring·ulysses.
     """
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
@@ -293,6 +296,15 @@ def prepare_context_parallel_batch(
     _, ring_size = group_rank_size(ring, "ring")
     _, ulysses_size = group_rank_size(ulysses, "ulysses")
     padded = padded_document_lengths(doc_lens, ring_size, ulysses_size)
+    if pad_to is not None:
+        extra = pad_to - sum(padded)
+        if extra < 0 or extra % _min_lengths(ring_size, ulysses_size)[1]:
+            raise ValueError(
+                f"pad_to={pad_to}: the padded documents already take {sum(padded)} tokens, and pad_to must be a "
+                f"multiple of {_min_lengths(ring_size, ulysses_size)[1]} (2 x ring x ulysses)"
+            )
+        if extra:
+            doc_lens, padded = doc_lens + [0], padded + [extra]
     pad_ids, pad_labels, pad_pos = [], [], []
     src = 0
     for n, p in zip(doc_lens, padded):
