@@ -19,8 +19,8 @@ import torch
 from bench.context import BenchContext, Result
 from xorl.distributed.zigzag import zigzag_local_indices
 from xorl.nn.ulysses_attention import kv_head_index
-from xorl_kernels._ext import use_cuda_ext
-from xorl_kernels.ulysses_transpose import (
+from xorl_kernels.dispatch import CSRC, REFERENCE, pick_backend
+from xorl_kernels.ulysses.op import (
     ulysses_pack,
     ulysses_pack_reverse,
     ulysses_unpack,
@@ -151,7 +151,7 @@ def _ulysses_config(ctx: BenchContext, seq_local, heads, kv_heads, head_dim, wor
         "world": world,
         "dtype": str(dtype),
         "kv_replicated": index is not None,
-        "csrc": use_cuda_ext(q),
+        "csrc": pick_backend("ulysses_pack", [q], (CSRC, REFERENCE)) == CSRC,
     }
     buf = send.numel() * send.element_size()
     out_buf = out_send.numel() * out_send.element_size()

@@ -19,24 +19,17 @@ from __future__ import annotations
 import torch
 
 from bench.context import BenchContext, Result
-from xorl_kernels._ext import use_cuda_ext
-from xorl_kernels.routing_metadata import routing_metadata_full, routing_metadata_reference
-from xorl_kernels.ulysses_transpose import (
-    ulysses_pack,
+from xorl_kernels.dispatch import CSRC, REFERENCE, pick_backend
+from xorl_kernels.moe_permute.routing import routing_metadata, routing_metadata_reference
+from xorl_kernels.ulysses.op import ulysses_pack, ulysses_pack_reverse, ulysses_unpack, ulysses_unpack_reverse
+from xorl_kernels.ulysses.reference import (
     ulysses_pack_reference,
-    ulysses_pack_reverse,
     ulysses_pack_reverse_reference,
-    ulysses_unpack,
     ulysses_unpack_reference,
-    ulysses_unpack_reverse,
     ulysses_unpack_reverse_reference,
 )
-from xorl_kernels.zigzag_gather import (
-    zigzag_gather,
-    zigzag_gather_reference,
-    zigzag_scatter,
-    zigzag_scatter_reference,
-)
+from xorl_kernels.zigzag.op import zigzag_gather, zigzag_scatter
+from xorl_kernels.zigzag.reference import zigzag_gather_reference, zigzag_scatter_reference
 
 
 def _copy_gbps(ctx: BenchContext, nbytes: int) -> float:
@@ -85,7 +78,7 @@ def bench_zigzag(ctx: BenchContext, dtype: torch.dtype) -> list[Result]:
         "world": world,
         "docs": docs,
         "dtype": dtype,
-        "csrc": use_cuda_ext(x),
+        "csrc": pick_backend("zigzag_gather", [x], (CSRC, REFERENCE)) == CSRC,
     }
     shard = zigzag_gather_reference(x, 1, 3, world, cu)
     results = _bandwidth_results(
@@ -125,7 +118,7 @@ def _bench_ulysses_case(ctx, dtype, seq_local, heads, kv_heads, head_dim, world)
         "head_dim": head_dim,
         "world": world,
         "dtype": dtype,
-        "csrc": use_cuda_ext(*qkv),
+        "csrc": pick_backend("ulysses_pack", qkv, (CSRC, REFERENCE)) == CSRC,
     }
     results = _bandwidth_results(
         ctx,
@@ -172,15 +165,15 @@ def bench_routing(ctx: BenchContext) -> list[Result]:
     gen = torch.Generator(device=ctx.device).manual_seed(0)
     logits = torch.randn(tokens, experts, device=ctx.device, generator=gen)
     ids = logits.topk(top_k, dim=-1).indices
-    us = ctx.time(lambda: routing_metadata_full(ids, experts)) * 1e6
+    us = ctx.time(lambda: routing_metadata(ids, experts)) * 1e6
     ref_us = ctx.time(lambda: routing_metadata_reference(ids, experts)) * 1e6
-    backend = "csrc" if use_cuda_ext(ids) else "torch"
+    backend = pick_backend("routing_metadata", [ids], (CSRC, REFERENCE))
     return [
         Result(
             f"routing_metadata T{tokens} K{top_k} E{experts} [{backend}]",
             us,
             "us",
-            "torch stable argsort + bincount",
+            "torch reference (stable sort + scatter histogram)",
             ref_us,
             higher_is_better=False,
             params={"tokens": tokens, "top_k": top_k, "experts": experts, "csrc": backend == "csrc"},

@@ -19,7 +19,6 @@ bf16, target >= 500 TFLOP/s. CPU (or ctx.quick): tiny shapes, fp32; a harness sm
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +27,7 @@ import torch.nn.functional as F
 from bench.context import BenchContext, Result
 from xorl.nn.expert_parallel import expert_parallel_moe
 from xorl.nn.moe_experts import GroupedExperts
-from xorl_kernels.permute import permute_tokens, unpermute_tokens
+from xorl_kernels.moe_permute.op import permute_tokens, unpermute_tokens
 
 
 @dataclass(frozen=True)
@@ -136,7 +135,7 @@ def _bench_layer(ctx: BenchContext, shape: LayerShape, dtype) -> list[Result]:
         **shape.__dict__,
         "dtype": str(dtype).removeprefix("torch."),
         "rel_err_vs_fp32_loop": rel_err,
-        "permute_backend": os.environ.get("XORL_PERMUTE_BACKEND", "auto"),
+        "permute_backend": "auto",
     }
     if note:
         info["grouped_mm_note"] = note
@@ -157,7 +156,7 @@ def _bench_layer(ctx: BenchContext, shape: LayerShape, dtype) -> list[Result]:
 
 def _permute_backends(ctx: BenchContext) -> list[str]:
     if not ctx.on_gpu:
-        return ["torch"]
+        return ["reference"]
     from xorl_kernels import has_cuda_ext
 
     return (["csrc"] if has_cuda_ext() else []) + ["triton"]
@@ -183,39 +182,30 @@ def _bench_permute(ctx: BenchContext, shape: LayerShape, dtype) -> list[Result]:
     anchors = {"permute": copy_gbps(permute_bytes), "unpermute": copy_gbps(unpermute_bytes)}
     _, row_map, _ = permute_tokens(x, ids, shape.num_experts)
     results = []
-    saved = os.environ.get("XORL_PERMUTE_BACKEND")
-    try:
-        for backend in _permute_backends(ctx):
-            if ctx.on_gpu:
-                os.environ["XORL_PERMUTE_BACKEND"] = backend
-            passes = {
-                "permute": (lambda: permute_tokens(x, ids, shape.num_experts), permute_bytes),
-                "unpermute": (lambda: unpermute_tokens(y_sorted, row_map, weights), unpermute_bytes),
-            }
-            for pass_name, (fn, nbytes) in passes.items():
-                gbps = nbytes / ctx.time(fn) / 1e9
-                peak = ctx.peaks.get("copy_gbps")
-                results.append(
-                    Result(
-                        name=f"moe {pass_name} ({backend})",
-                        value=gbps,
-                        unit="GB/s",
-                        anchor="device copy of the same bytes",
-                        anchor_value=anchors[pass_name],
-                        peak_fraction=gbps / peak if peak else None,
-                        params={
-                            **shape.__dict__,
-                            "bytes": nbytes,
-                            "dtype": str(dtype).removeprefix("torch."),
-                            "includes": "routing metadata" if pass_name == "permute" else "combine only",
-                        },
-                    )
+    for backend in _permute_backends(ctx):
+        passes = {
+            "permute": (lambda b=backend: permute_tokens(x, ids, shape.num_experts, backend=b), permute_bytes),
+            "unpermute": (lambda b=backend: unpermute_tokens(y_sorted, row_map, weights, backend=b), unpermute_bytes),
+        }
+        for pass_name, (fn, nbytes) in passes.items():
+            gbps = nbytes / ctx.time(fn) / 1e9
+            peak = ctx.peaks.get("copy_gbps")
+            results.append(
+                Result(
+                    name=f"moe {pass_name} ({backend})",
+                    value=gbps,
+                    unit="GB/s",
+                    anchor="device copy of the same bytes",
+                    anchor_value=anchors[pass_name],
+                    peak_fraction=gbps / peak if peak else None,
+                    params={
+                        **shape.__dict__,
+                        "bytes": nbytes,
+                        "dtype": str(dtype).removeprefix("torch."),
+                        "includes": "routing metadata" if pass_name == "permute" else "combine only",
+                    },
                 )
-    finally:
-        if saved is None:
-            os.environ.pop("XORL_PERMUTE_BACKEND", None)
-        else:
-            os.environ["XORL_PERMUTE_BACKEND"] = saved
+            )
     return results
 
 

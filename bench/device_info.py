@@ -63,7 +63,7 @@ def software_versions() -> dict[str, Any]:
     except ImportError:
         versions["triton"] = None
     try:
-        from xorl_kernels._ext import _C
+        from xorl_kernels.cuda_ext import _C
 
         versions["xorl_cuda_ext_runtime"] = None if _C is None else _C.cuda_runtime_version()
     except ImportError:

@@ -1,6 +1,7 @@
 // pybind11 bindings of the xorl CUDA kernels: integers in (device pointers as uintptr_t, the
 // stream as the integer torch.cuda.current_stream().cuda_stream), a RuntimeError naming the
-// kernel out when a launch fails. Shape, dtype and device checks live in xorl_kernels/_ext.py.
+// kernel out when a launch fails. Shape, dtype and device checks live in xorl_kernels/cuda_ext.py
+// and each op's csrc.py.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -52,7 +53,7 @@ std::vector<xorl_block_copy_segment> to_segments(const std::vector<Segment>& seg
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "xorl CUDA kernels (raw pointers + a CUDA stream; see xorl_kernels/_ext.py for the checked wrappers)";
+  m.doc() = "xorl CUDA kernels (raw pointers + a CUDA stream; see xorl_kernels/<op>/csrc.py for the checked wrappers)";
 
   m.def("cuda_runtime_version", &xorl_cuda_runtime_version,
         "CUDA runtime version the extension was built against (e.g. 13000).");

@@ -1,5 +1,5 @@
 // MoE routing metadata: a stable counting sort of the (token, k) slots by expert, on the device,
-// with no host synchronisation (see routing_metadata.py for the output definitions).
+// with no host synchronisation (see xorl_kernels/moe_permute/routing.py for the output definitions).
 //
 // Three launches over "tiles" of consecutive slots, one warp per tile:
 //   1. tile_histogram: per-tile count of every bucket (E experts + 1 bucket for dropped ids);

@@ -1,4 +1,4 @@
-// Block transpose: the data movement of Ulysses pack / unpack (see ulysses_transpose.py for the
+// Block transpose: the data movement of Ulysses pack / unpack (see xorl_kernels/ulysses/reference.py for the
 // layouts). Several segments (Q, K, V) in one launch so the three move in one kernel.
 #include "row_copy.cuh"
 #include "xorl_kernels.h"

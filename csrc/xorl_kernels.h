@@ -36,7 +36,7 @@ int xorl_zigzag_copy(const void* full, void* local, int64_t outer, int64_t seq_l
 // workspace: xorl_routing_workspace_elems(num_slots, num_experts) int64 values (contents ignored).
 // Outputs (int64): tokens_per_expert [E], expert_offsets [E + 1], row_map [num_slots],
 // sorted_slots [num_slots], sorted_tokens [num_slots]. Ids outside [0, E) are treated as dropped:
-// they sort after every expert and are not counted. Definitions are in routing_metadata.py.
+// they sort after every expert and are not counted. Definitions are in xorl_kernels/moe_permute/routing.py.
 int64_t xorl_routing_workspace_elems(int64_t num_slots, int64_t num_experts);
 int64_t xorl_routing_max_experts(void);
 int xorl_routing_metadata(const void* expert_ids, int ids_int64, int64_t num_slots, int64_t top_k,

@@ -1,4 +1,4 @@
-// Zig-zag context-parallel shard gather / scatter (see xorl_kernels.h and zigzag_gather.py).
+// Zig-zag context-parallel shard gather / scatter (see xorl_kernels.h and xorl_kernels/zigzag/reference.py).
 #include "row_copy.cuh"
 #include "xorl_kernels.h"
 
@@ -38,7 +38,7 @@ struct ZigzagMap {
     const int64_t j = row - o * local_rows;
     const int64_t q = rank_begin + j / local_len;
     const int64_t g = global_row(q, j % local_len);
-    // cu_seqlens lives on the device and is validated there asynchronously (zigzag_gather.py);
+    // cu_seqlens lives on the device and is validated there asynchronously (xorl_kernels/zigzag/reference.py);
     // a malformed one must still not make this kernel touch memory outside the tensors.
     const bool in_range = g >= 0 && g < seq_len;
     const int64_t full_off = (o * seq_len + g) * row_bytes;

@@ -22,16 +22,24 @@ HOST_READS = {"item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool_
 # checks that return early for CUDA tensors, and the plain-torch references that dispatch picks only
 # for CPU tensors (xorl_kernels: csrc, then Triton, on CUDA). The GPU check
 # (scripts/gpu_check.sh, sync debug mode "error") covers the CUDA paths themselves.
+# Files are named by their base name, or "<op folder>/<file>" inside xorl_kernels (whose op folders
+# all hold an op.py and a reference.py).
 CPU_ONLY = {
-    ("flash_attention.py", "_check_cu_seqlens"),
-    ("flash_attention.py", "_check_positions"),
+    ("flash_attn/layout.py", "_check_cu_seqlens"),
+    ("flash_attn/layout.py", "_check_positions"),
     ("ring_attention.py", "_local_boundaries"),
-    ("permute.py", "permute_tokens"),
+    ("moe_permute/op.py", "permute_tokens"),
+    ("moe_permute/routing.py", "_check_routing_args"),
     ("attention.py", "check_cu_seqlens"),
 }
-CPU_ONLY_FILES = ("flash_attn_reference.py", "grouped_gemm_reference.py")
+CPU_ONLY_FILES = ("flash_attn/reference.py", "grouped_gemm/reference.py")
 # The one read the algorithm needs: the split sizes of the uneven expert-parallel all_to_all.
 EP_SPLIT_SIZES = ("expert_parallel.py", "expert_parallel_moe")
+
+
+def _short_name(filename: str) -> str:
+    parts = filename.replace("\\", "/").split("/")
+    return "/".join(parts[-2:]) if len(parts) > 2 and parts[-3] == "xorl_kernels" else parts[-1]
 
 
 class HostReadCounter(TorchFunctionMode):
@@ -45,7 +53,7 @@ class HostReadCounter(TorchFunctionMode):
         if getattr(func, "__name__", "") in HOST_READS:
             frame = next(f for f in reversed(traceback.extract_stack()[:-1])
                          if "/torch/" not in f.filename and "host_reads.py" not in f.filename)
-            self.where[(frame.filename.rsplit("/", 1)[-1], frame.name, func.__name__)] += 1
+            self.where[(_short_name(frame.filename), frame.name, func.__name__)] += 1
         return func(*args, **(kwargs or {}))
 
 

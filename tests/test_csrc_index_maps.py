@@ -15,17 +15,25 @@ import pytest
 import torch
 
 from tests.csrc_helpers import require_cuda_ext
-from xorl_kernels import _ext
-from xorl_kernels.routing_metadata import permute_rows_reference, unpermute_combine_reference
-from xorl_kernels.ulysses_transpose import (
+from xorl_kernels import cuda_ext
+from xorl_kernels.moe_permute.csrc import ext_permute_rows, ext_unpermute_combine
+from xorl_kernels.moe_permute.reference import permute_rows_reference, unpermute_combine_reference
+from xorl_kernels.ulysses.csrc import (
+    ext_ulysses_pack,
+    ext_ulysses_pack_reverse,
+    ext_ulysses_unpack,
+    ext_ulysses_unpack_reverse,
+)
+from xorl_kernels.ulysses.reference import (
     ulysses_pack_reference,
     ulysses_pack_reverse_reference,
     ulysses_unpack_reference,
     ulysses_unpack_reverse_reference,
 )
-from xorl_kernels.zigzag_gather import zigzag_gather_reference, zigzag_scatter_reference
+from xorl_kernels.zigzag.csrc import ext_zigzag_copy
+from xorl_kernels.zigzag.reference import zigzag_gather_reference, zigzag_scatter_reference
 
-pytestmark = pytest.mark.skipif(not _ext.has_cuda_ext(), reason="xorl_kernels._C not built (no nvcc)")
+pytestmark = pytest.mark.skipif(not cuda_ext.has_cuda_ext(), reason="xorl_kernels._C not built (no nvcc)")
 
 ZIGZAG_CASES = [
     # (shape, dim, world, document lengths or None, dtype)
@@ -53,10 +61,10 @@ def test_zigzag_map_matches_reference(shape, dim, world, docs, dtype):
         local_shape = list(shape)
         local_shape[dim] = num_ranks * local_len
         local = torch.full(local_shape, 3, dtype=dtype)  # poison
-        _ext.ext_zigzag_copy(x, local, dim, rank_begin, num_ranks, world, cu, False, host_emulation=True)
+        ext_zigzag_copy(x, local, dim, rank_begin, num_ranks, world, cu, False, host_emulation=True)
         torch.testing.assert_close(local, zigzag_gather_reference(x, dim, rank, world, cu), rtol=0, atol=0)
         full = torch.full(shape, 5, dtype=dtype)  # rows of other ranks must keep this
-        _ext.ext_zigzag_copy(full, local, dim, rank_begin, num_ranks, world, cu, True, host_emulation=True)
+        ext_zigzag_copy(full, local, dim, rank_begin, num_ranks, world, cu, True, host_emulation=True)
         expected = zigzag_scatter_reference(
             local, dim, rank, world, cu, out=torch.full(shape, 5, dtype=dtype)
         )
@@ -69,7 +77,7 @@ def test_zigzag_map_never_leaves_the_tensor_on_bad_cu_seqlens():
     cu = torch.tensor(
         [0, 6, 16]
     )  # document 0 not a multiple of 2*world: the rows may be wrong, never outside
-    _ext.ext_zigzag_copy(x, local, 1, 0, 1, 2, cu, False, host_emulation=True)
+    ext_zigzag_copy(x, local, 1, 0, 1, 2, cu, False, host_emulation=True)
     assert torch.isin(local, torch.cat([x.flatten(), torch.zeros(1)])).all()
 
 
@@ -82,7 +90,7 @@ def test_permute_rows_map_matches_reference(dtype, hidden):
     x = (torch.randn(11, hidden, generator=gen) * 50).to(dtype)
     src = torch.randint(-2, 13, (30,), generator=gen)  # some outside [0, 11): zero rows
     out = torch.full((30, hidden), 9, dtype=dtype)
-    _ext.ext_permute_rows(x, src, out=out, host_emulation=True)
+    ext_permute_rows(x, src, out=out, host_emulation=True)
     torch.testing.assert_close(out, permute_rows_reference(x, src), rtol=0, atol=0)
 
 
@@ -94,23 +102,23 @@ def test_ulysses_maps_match_references(world, dtype, seq):
     shapes = [(2, seq, 4 * world, 3), (2, seq, 2 * world, 3), (2, seq, 2 * world, 5)]  # GQA, own V head dim
     xs = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
     buf = torch.full((world, sum(t.numel() for t in xs) // world), float("nan"), dtype=dtype)
-    _ext.ext_ulysses_pack(xs, world, out=buf, host_emulation=True)
+    ext_ulysses_pack(xs, world, out=buf, host_emulation=True)
     torch.testing.assert_close(buf, ulysses_pack_reference(xs, world), rtol=0, atol=0)
 
     recv = torch.randn(buf.shape, generator=gen).to(dtype)
-    got = _ext.ext_ulysses_unpack(recv, world, shapes, host_emulation=True)
+    got = ext_ulysses_unpack(recv, world, shapes, host_emulation=True)
     for g, r in zip(got, ulysses_unpack_reference(recv, world, shapes)):
         torch.testing.assert_close(g, r, rtol=0, atol=0)
 
     rshapes = [(2, seq * world, 3, 3), (2, seq * world, 1, 3), (2, seq * world, 1, 5)]
     ys = [torch.randn(s, generator=gen).to(dtype) for s in rshapes]
     buf = torch.full((world, sum(t.numel() for t in ys) // world), float("nan"), dtype=dtype)
-    _ext.ext_ulysses_pack_reverse(ys, world, out=buf, host_emulation=True)
+    ext_ulysses_pack_reverse(ys, world, out=buf, host_emulation=True)
     torch.testing.assert_close(buf, ulysses_pack_reverse_reference(ys, world), rtol=0, atol=0)
 
     recv = torch.randn(buf.shape, generator=gen).to(dtype)
     outs = [torch.full((2, seq, world * s[2], s[3]), float("nan"), dtype=dtype) for s in rshapes]
-    _ext.ext_ulysses_unpack_reverse(recv, world, rshapes, outs=outs, host_emulation=True)
+    ext_ulysses_unpack_reverse(recv, world, rshapes, outs=outs, host_emulation=True)
     for g, r in zip(outs, ulysses_unpack_reverse_reference(recv, world, rshapes)):
         torch.testing.assert_close(g, r, rtol=0, atol=0)
 
@@ -126,7 +134,7 @@ def test_unpermute_combine_host_matches_reference(dtype, tol, hidden):
     rows[::7, 4] = tokens * top_k  # past the end: nothing either
     w = torch.rand(tokens, top_k, generator=gen)
     out = torch.full((tokens, hidden), float("nan"), dtype=dtype)  # poison
-    _ext.ext_unpermute_combine(y, rows, w, out=out, host_emulation=True)
+    ext_unpermute_combine(y, rows, w, out=out, host_emulation=True)
     valid = (rows >= 0) & (rows < y.shape[0])
     expected = (y.double()[rows.clamp(0, y.shape[0] - 1)] * (w.double() * valid).unsqueeze(-1)).sum(1)
     assert torch.isfinite(out).all()
@@ -137,7 +145,7 @@ def test_unpermute_combine_host_matches_reference(dtype, tol, hidden):
 
 
 def _launch(rows, max_row_bytes, width, sms=132):
-    return _ext._C.row_copy_launch(rows, max_row_bytes, width, sms)
+    return cuda_ext._C.row_copy_launch(rows, max_row_bytes, width, sms)
 
 
 @pytest.mark.parametrize("width", [1, 2, 4, 8, 16])
@@ -199,8 +207,8 @@ def test_gpu_combine_equals_its_host_twin(dtype, hidden):
     rows = torch.randperm(tokens * top_k, generator=gen).view(tokens, top_k)
     rows[::3, 5] = -1
     w = torch.rand(tokens, top_k, generator=gen)
-    host = _ext.ext_unpermute_combine(y, rows, w, out=torch.full((tokens, hidden), float("nan"), dtype=dtype),
+    host = ext_unpermute_combine(y, rows, w, out=torch.full((tokens, hidden), float("nan"), dtype=dtype),
                                       host_emulation=True)
     out = torch.full((tokens, hidden), float("nan"), dtype=dtype, device="cuda")
-    _ext.ext_unpermute_combine(y.cuda(), rows.cuda(), w.cuda(), out=out)
+    ext_unpermute_combine(y.cuda(), rows.cuda(), w.cuda(), out=out)
     assert torch.equal(out.cpu(), host)

@@ -14,9 +14,11 @@ import pytest
 import torch
 
 from tests.csrc_helpers import require_cuda_ext
-from xorl_kernels import _ext
+from xorl_kernels import cuda_ext
+from xorl_kernels.moe_permute.csrc import ext_permute_rows, ext_routing_metadata
+from xorl_kernels.ulysses.reference import ulysses_piece_numels
 
-needs_ext = pytest.mark.skipif(not _ext.has_cuda_ext(), reason="xorl_kernels._C not built (no nvcc)")
+needs_ext = pytest.mark.skipif(not cuda_ext.has_cuda_ext(), reason="xorl_kernels._C not built (no nvcc)")
 
 
 def test_extension_imports_where_nvcc_exists():
@@ -24,7 +26,7 @@ def test_extension_imports_where_nvcc_exists():
         pytest.skip("nvcc not on PATH: the pure-Python install is expected")
     from xorl_kernels import _C  # noqa: F401  (a failure here is the build being broken)
 
-    assert _ext.has_cuda_ext(), f"xorl_kernels._C did not import: {_ext.cuda_ext_import_error()}"
+    assert cuda_ext.has_cuda_ext(), f"xorl_kernels._C did not import: {cuda_ext.cuda_ext_import_error()}"
 
 
 @needs_ext
@@ -50,24 +52,17 @@ def test_bindings_report_errors_and_runtime_version():
 def test_wrappers_check_their_inputs():
     x = torch.randn(4, 8)
     with pytest.raises(ValueError, match="x must be a CUDA tensor"):
-        _ext.ext_permute_rows(x, torch.zeros(3, dtype=torch.int64))
+        ext_permute_rows(x, torch.zeros(3, dtype=torch.int64))
     with pytest.raises(ValueError, match="must be a CUDA tensor"):
-        _ext.ext_routing_metadata(torch.zeros(4, 2, dtype=torch.int64), 8)
+        ext_routing_metadata(torch.zeros(4, 2, dtype=torch.int64), 8)
     with pytest.raises(ValueError, match="number of heads 3, not divisible by world=2"):
-        _ext.ulysses_piece_numels([(1, 4, 3, 8)], 2, 2, "ulysses_pack")
-
-
-def test_dispatch_uses_the_reference_on_cpu(monkeypatch):
-    assert not _ext.use_cuda_ext(torch.zeros(1))
-    monkeypatch.setenv("XORL_FORCE_REFERENCE", "1")
-    assert _ext.force_reference()
-    assert not _ext.use_cuda_ext()
+        ulysses_piece_numels([(1, 4, 3, 8)], 2, 2, "ulysses_pack")
 
 
 @pytest.mark.gpu
 def test_extension_runs_on_this_gpu():
     require_cuda_ext()
-    status, message = _ext._C.cuda_probe()
+    status, message = cuda_ext._C.cuda_probe()
     assert status == 0, message
     # A launch on a side stream lands on that stream (the wrappers pass torch's current stream).
     x = torch.randn(64, 48, device="cuda")
@@ -75,6 +70,6 @@ def test_extension_runs_on_this_gpu():
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        out = _ext.ext_permute_rows(x, src)
+        out = ext_permute_rows(x, src)
     side.synchronize()
     assert torch.equal(out, x[src])

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from tests.triton_helpers import triton_device
-from xorl_kernels import permute as permute_mod
-from xorl_kernels.permute import permute_tokens, unpermute_tokens
+from xorl_kernels.moe_permute import op as permute_mod
+from xorl_kernels.moe_permute.op import permute_tokens, unpermute_tokens
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -65,7 +65,7 @@ def dev(request, monkeypatch) -> torch.device:
     """The device each test puts its inputs on: the CPU for the torch path, triton_device() for the
     Triton kernels (forced, so a GPU machine runs them rather than the csrc kernels)."""
     if request.param == "triton":
-        monkeypatch.setattr(permute_mod, "_backend", lambda t: "triton")
+        monkeypatch.setattr(permute_mod, "_backend", lambda t, requested: "triton")
         return triton_device()
     return torch.device("cpu")
 
@@ -170,14 +170,13 @@ def test_clear_errors():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("gpu_backend", ["csrc", "triton", "torch"])
+@pytest.mark.parametrize("gpu_backend", ["csrc", "triton", "reference"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_matches_reference_without_host_sync(dtype, gpu_backend, monkeypatch):
     from xorl_kernels import has_cuda_ext
 
     if gpu_backend == "csrc" and not has_cuda_ext():
         pytest.skip("xorl_kernels._C not built")
-    monkeypatch.setenv("XORL_PERMUTE_BACKEND", gpu_backend)
     num_tokens, top_k, num_experts, hidden = 4096, 8, 64, 512
     x, ids, w = make_case(num_tokens, top_k, num_experts, hidden, dtype, seed=7)
     x, ids, w = x.cuda().requires_grad_(), ids.cuda(), w.cuda().requires_grad_()
@@ -185,8 +184,8 @@ def test_cuda_matches_reference_without_host_sync(dtype, gpu_backend, monkeypatc
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        x_sorted, row_map, counts = permute_tokens(x, ids, num_experts)
-        out = unpermute_tokens(x_sorted * 1.5, row_map, w)
+        x_sorted, row_map, counts = permute_tokens(x, ids, num_experts, backend=gpu_backend)
+        out = unpermute_tokens(x_sorted * 1.5, row_map, w, backend=gpu_backend)
         out.backward(grad_out)
     finally:
         torch.cuda.set_sync_debug_mode("default")

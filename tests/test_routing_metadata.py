@@ -6,15 +6,8 @@ import pytest
 import torch
 
 from tests.csrc_helpers import require_cuda_ext
-from xorl_kernels.routing_metadata import (
-    permute_rows,
-    permute_rows_reference,
-    routing_metadata,
-    routing_metadata_full,
-    routing_metadata_reference,
-    unpermute_combine,
-    unpermute_combine_reference,
-)
+from xorl_kernels.moe_permute.reference import permute_rows_reference, unpermute_combine_reference
+from xorl_kernels.moe_permute.routing import routing_metadata, routing_metadata_reference
 
 
 def loop_metadata(expert_ids: torch.Tensor, num_experts: int):
@@ -70,10 +63,8 @@ def test_reference_matches_loop(tokens, top_k, num_experts, used, dropped, dtype
     assert meta.expert_offsets.tolist() == offsets
     assert meta.sorted_tokens.tolist() == sorted_tokens
     assert all(t.dtype == torch.int64 for t in meta)
-    short = routing_metadata(ids, num_experts)
-    assert [t.tolist() for t in short] == [t.tolist() for t in meta[:3]]
-    full = routing_metadata_full(ids, num_experts)
-    assert all(torch.equal(a, b) for a, b in zip(full, meta))
+    dispatched = routing_metadata(ids, num_experts)
+    assert all(torch.equal(a, b) for a, b in zip(dispatched, meta))
 
 
 def test_ids_beyond_num_experts_are_an_error():
@@ -91,7 +82,6 @@ def test_row_move_references_match_loops():
     for r, i in enumerate(src.tolist()):
         expected = x[i] if 0 <= i < 9 else torch.zeros(5)
         assert torch.equal(got[r], expected)
-    torch.testing.assert_close(permute_rows(x, src), got, rtol=0, atol=0)
 
     for dtype, tol in [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)]:
         y = torch.randn(12, 7, generator=gen).to(dtype)
@@ -107,7 +97,6 @@ def test_row_move_references_match_loops():
                     expected[t] += float(w[t, k]) * y[rows[t, k]].double()
         err = (out.double() - expected).norm() / expected.norm()
         assert err < tol, f"{dtype}: relative error {err}"
-        torch.testing.assert_close(unpermute_combine(y, rows, w), out, rtol=0, atol=0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -130,7 +119,7 @@ GPU_ROUTING = [
 @pytest.mark.parametrize("tokens,top_k,num_experts,used,dropped", GPU_ROUTING)
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 def test_csrc_routing_matches_reference(tokens, top_k, num_experts, used, dropped, dtype):
-    from xorl_kernels._ext import ext_routing_metadata
+    from xorl_kernels.moe_permute.csrc import ext_routing_metadata
 
     require_cuda_ext()
     gen = torch.Generator().manual_seed(tokens + num_experts)
@@ -147,7 +136,7 @@ def test_csrc_routing_matches_reference(tokens, top_k, num_experts, used, droppe
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.uint8])
 @pytest.mark.parametrize("hidden", [1024, 1001, 3])  # 16-byte rows, odd rows, tiny rows
 def test_csrc_permute_rows_matches_reference(dtype, hidden):
-    from xorl_kernels._ext import ext_permute_rows
+    from xorl_kernels.moe_permute.csrc import ext_permute_rows
 
     require_cuda_ext()
     gen = torch.Generator(device="cuda").manual_seed(4)
@@ -166,7 +155,7 @@ def test_csrc_permute_rows_matches_reference(dtype, hidden):
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float16, 2e-3), (torch.float32, 1e-5)])
 @pytest.mark.parametrize("hidden", [2048, 33])
 def test_csrc_unpermute_combine_matches_reference(dtype, tol, hidden):
-    from xorl_kernels._ext import ext_unpermute_combine
+    from xorl_kernels.moe_permute.csrc import ext_unpermute_combine
 
     require_cuda_ext()
     gen = torch.Generator(device="cuda").manual_seed(5)

@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from tests.cp_helpers import DOC_LENS, FULL_DOCS, SendCounter, local_inputs, rel_err, run_case
 from xorl.nn.ulysses_attention import UlyssesAttention, kv_head_index
-from xorl_kernels.ulysses_transpose import (
+from xorl_kernels.ulysses.op import (
     ulysses_pack,
     ulysses_pack_reverse,
     ulysses_unpack,

@@ -6,14 +6,11 @@ import pytest
 import torch
 
 from tests.csrc_helpers import require_cuda_ext
-from xorl_kernels.ulysses_transpose import (
-    ulysses_pack,
+from xorl_kernels.ulysses.op import ulysses_pack, ulysses_pack_reverse, ulysses_unpack, ulysses_unpack_reverse
+from xorl_kernels.ulysses.reference import (
     ulysses_pack_reference,
-    ulysses_pack_reverse,
     ulysses_pack_reverse_reference,
-    ulysses_unpack,
     ulysses_unpack_reference,
-    ulysses_unpack_reverse,
     ulysses_unpack_reverse_reference,
 )
 
@@ -90,7 +87,7 @@ def test_bad_shapes_name_the_fix():
 )
 @pytest.mark.parametrize("world", [2, 4])
 def test_csrc_kernels_match_references(dtype, heads, kv_heads, head_dim, v_dim, world):
-    from xorl_kernels._ext import (
+    from xorl_kernels.ulysses.csrc import (
         ext_ulysses_pack,
         ext_ulysses_pack_reverse,
         ext_ulysses_unpack,
@@ -129,7 +126,7 @@ def test_csrc_unpack_rows_of_megabytes():
     """Llama-3-8B-like Ulysses 8 (4096 tokens per rank, 32 / 8 / 8 heads, bf16): after the all-to-all
     24 rows of up to 4 MB, cut into more (row, chunk) items than the grid has lane groups, so the
     grid-stride loop runs; both directions, exact against the references."""
-    from xorl_kernels._ext import ext_ulysses_pack_reverse, ext_ulysses_unpack
+    from xorl_kernels.ulysses.csrc import ext_ulysses_pack_reverse, ext_ulysses_unpack
 
     require_cuda_ext()
     world, gen = 8, torch.Generator(device="cuda").manual_seed(13)

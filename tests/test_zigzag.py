@@ -9,11 +9,11 @@ from xorl.distributed.zigzag import (
     padded_document_lengths,
     prepare_context_parallel_batch,
     zigzag_local_indices,
-    zigzag_positions,
     zigzag_shard,
     zigzag_unshard,
     zigzag_unshard_from_shards,
 )
+from xorl_kernels.zigzag.reference import zigzag_positions
 
 DOCS = [0, 8, 24, 32]  # three documents of 8, 16, 8 tokens: divisible by 2P for P <= 4
 
@@ -51,12 +51,13 @@ def test_shards_partition_the_sequence_and_unshard_restores_it(ring, ulysses):
 def test_device_positions_match_within_document_positions(ring):
     cu = torch.tensor(DOCS)
     within_doc = torch.arange(32) - cu[torch.searchsorted(cu[1:], torch.arange(32), right=True)]
-    ranks = torch.arange(ring)
-    positions = zigzag_positions(cu // ring, 32 // ring, ranks, ring, torch.device("cpu"))
+    every_rank = zigzag_positions(32, None, ring, cu, within_document=True).view(ring, -1)
     for r in range(ring):
-        expected = within_doc[zigzag_local_indices(32, DOCS, (r, ring))]
-        assert torch.equal(positions[r], expected)
-        assert torch.equal(zigzag_positions(cu // ring, 32 // ring, r, ring, torch.device("cpu")), expected)
+        local = zigzag_local_indices(32, DOCS, (r, ring))
+        expected = within_doc[local]
+        assert torch.equal(every_rank[r], expected)
+        assert torch.equal(zigzag_positions(32, r, ring, cu, within_document=True), expected)
+        assert torch.equal(zigzag_positions(32, r, ring, cu), local)  # rows of the full sequence
 
 
 def test_errors_name_the_problem():

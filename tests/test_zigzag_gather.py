@@ -6,12 +6,8 @@ import pytest
 import torch
 
 from tests.csrc_helpers import require_cuda_ext
-from xorl_kernels.zigzag_gather import (
-    zigzag_gather,
-    zigzag_gather_reference,
-    zigzag_scatter,
-    zigzag_scatter_reference,
-)
+from xorl_kernels.zigzag.op import zigzag_gather, zigzag_scatter
+from xorl_kernels.zigzag.reference import zigzag_gather_reference, zigzag_scatter_reference
 
 
 def explicit_shard(x: torch.Tensor, dim: int, rank: int, world: int, doc_lengths: list[int]) -> torch.Tensor:

@@ -1,21 +1,35 @@
-"""xorl_kernels: the op layer.
+"""xorl_kernels: the op layer (imports nothing from xorl/, holds no process groups).
 
-One file per op: the kernel (Triton or csrc), a plain-torch reference and a
-torch.autograd.Function. No process groups here. Dispatch order for every op: csrc CUDA kernel
-(GPU tensors, extension built) -> Triton (GPU tensors) -> plain-torch reference (CPU, or forced
-with XORL_FORCE_REFERENCE=1).
+One folder per op, each with the public function and its autograd, its kernels (Triton and/or
+csrc wrappers) and its plain-torch reference side by side:
+
+    flash_attn/    flash_attn, flash_attn_with_lse (op.py), merge_attn_states (merge.py)
+    grouped_gemm/  grouped_gemm
+    moe_permute/   permute_tokens, unpermute_tokens, the routing metadata
+    ulysses/       the Ulysses all-to-all pack / unpack
+    zigzag/        the zig-zag context-parallel gather / scatter (and zigzag_positions)
+    dispatch.py    backend names and the XORL_FORCE_REFERENCE switch: every op picks its backend there
+    cuda_ext.py    the CUDA extension xorl_kernels._C (has_cuda_ext)
+
+The public names are bound here eagerly, after their folders are imported, so that
+``xorl_kernels.flash_attn`` and ``xorl_kernels.grouped_gemm`` are the functions and not the
+folders of the same name. Import a module of those folders with ``from xorl_kernels.flash_attn
+import op`` (``import xorl_kernels.flash_attn.op as op`` would look the folder up as an attribute
+and find the function). Importing this package is cheap: Triton loads on the first kernel launch.
 """
 
-from xorl._lazy import lazy_getattr
+from xorl_kernels.cuda_ext import has_cuda_ext
+from xorl_kernels.flash_attn.merge import merge_attn_states
+from xorl_kernels.flash_attn.op import flash_attn, flash_attn_with_lse
+from xorl_kernels.grouped_gemm.op import grouped_gemm
+from xorl_kernels.moe_permute.op import permute_tokens, unpermute_tokens
 
-_EXPORTS = {
-    "flash_attn": ".flash_attention",
-    "flash_attn_with_lse": ".flash_attention",
-    "merge_attn_states": ".attn_state_merge",
-    "grouped_gemm": ".grouped_gemm_op",
-    "permute_tokens": ".permute",
-    "unpermute_tokens": ".permute",
-    "has_cuda_ext": "._ext",
-}
-__all__ = sorted(_EXPORTS)
-__getattr__ = lazy_getattr(__name__, _EXPORTS)
+__all__ = [
+    "flash_attn",
+    "flash_attn_with_lse",
+    "grouped_gemm",
+    "has_cuda_ext",
+    "merge_attn_states",
+    "permute_tokens",
+    "unpermute_tokens",
+]

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from xorl_kernels.zigzag_gather import zigzag_gather
+from xorl_kernels.zigzag.op import zigzag_gather
 
 
 # ----------------------------------------------------------------------------------------------
@@ -110,35 +110,6 @@ def zigzag_local_indices(
     ring_local = ring_local_indices(total_len, cu_seqlens, ring_rank, ring_size)
     piece = ring_local.numel() // ulysses_size
     return ring_local[ulysses_rank * piece : (ulysses_rank + 1) * piece]
-
-
-def zigzag_positions(
-    cu_seqlens_local: torch.Tensor | None, local_len: int, ring_rank, ring_size: int, device: torch.device
-) -> torch.Tensor:
-    """Within-document positions of the tokens a ring rank holds, computed on the device.
-
-    Why on the device with fixed shapes: the attention calls this inside forward/backward, where a
-    host synchronisation (reading ``cu_seqlens`` back) would stall the GPU. ``cu_seqlens_local``
-    is the ring-LOCAL document boundaries (global ones divided by ``ring_size``); ``ring_rank`` may
-    be an int or a 1-D tensor of ranks, giving positions of shape ``[len(ranks), local_len]``.
-    """
-    idx = torch.arange(local_len, device=device)
-    if cu_seqlens_local is None:
-        doc_start = torch.zeros_like(idx)
-        doc_len = torch.full_like(idx, local_len)
-    else:
-        cu = cu_seqlens_local.to(device=device, dtype=torch.long)
-        doc = torch.searchsorted(cu, idx, right=True) - 1
-        doc_start = cu[doc]
-        doc_len = cu[doc + 1] - doc_start
-    offset = idx - doc_start
-    if ring_size == 1:
-        return offset if not isinstance(ring_rank, torch.Tensor) else offset.expand(ring_rank.numel(), -1)
-    chunk = doc_len // 2
-    first = offset < chunk
-    rank = torch.as_tensor(ring_rank, device=device).reshape(-1, 1)
-    pos = torch.where(first, rank * chunk + offset, (2 * ring_size - 1 - rank) * chunk + offset - chunk)
-    return pos if isinstance(ring_rank, torch.Tensor) else pos[0]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from xorl_kernels.permute import permute_tokens, unpermute_tokens
+from xorl_kernels.moe_permute.op import permute_tokens, unpermute_tokens
 
 
 class _AllToAllRows(torch.autograd.Function):

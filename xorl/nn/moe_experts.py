@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from xorl_kernels.grouped_gemm_op import grouped_gemm
+from xorl_kernels.grouped_gemm.op import grouped_gemm
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:
@@ -34,7 +34,7 @@ def swiglu_experts(x_sorted, gate_proj, up_proj, down_proj, tokens_per_expert):
 
 
 class GroupedExperts(nn.Module):
-    """``num_experts`` SwiGLU experts evaluated with ``xorl_kernels.grouped_gemm_op``."""
+    """``num_experts`` SwiGLU experts evaluated with ``xorl_kernels.grouped_gemm.op``."""
 
     def __init__(self, num_experts: int, hidden_size: int, moe_intermediate_size: int, device=None, dtype=None):
         super().__init__()

@@ -26,7 +26,7 @@ from torch import nn
 
 
 # ----------------------------------------------------------------------------------------------
-# the two directions: pack (xorl_kernels.ulysses_transpose: csrc kernel on GPU, torch on CPU),
+# the two directions: pack (xorl_kernels.ulysses.op: csrc kernel on GPU, torch on CPU),
 # one all-to-all, unpack. Q, K and V share one buffer, so they travel in one message.
 # ----------------------------------------------------------------------------------------------
 def _all_to_all(send: torch.Tensor, group) -> torch.Tensor:
@@ -37,7 +37,7 @@ def _all_to_all(send: torch.Tensor, group) -> torch.Tensor:
 
 def seq_to_head(tensors, group, world):
     """Sequence-sharded [b, s, H_t, d] -> head-sharded [b, world·s, H_t/world, d], one all-to-all."""
-    from xorl_kernels.ulysses_transpose import ulysses_pack, ulysses_unpack
+    from xorl_kernels.ulysses.op import ulysses_pack, ulysses_unpack
 
     send = ulysses_pack(tensors, world)
     return ulysses_unpack(_all_to_all(send, group), world, [tuple(t.shape) for t in tensors])
@@ -45,7 +45,7 @@ def seq_to_head(tensors, group, world):
 
 def head_to_seq(tensors, group, world):
     """Head-sharded [b, S, h_t, d] -> sequence-sharded [b, S/world, world·h_t, d], one all-to-all."""
-    from xorl_kernels.ulysses_transpose import ulysses_pack_reverse, ulysses_unpack_reverse
+    from xorl_kernels.ulysses.op import ulysses_pack_reverse, ulysses_unpack_reverse
 
     send = ulysses_pack_reverse(tensors, world)
     return ulysses_unpack_reverse(_all_to_all(send, group), world, [tuple(t.shape) for t in tensors])

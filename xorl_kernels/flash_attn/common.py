@@ -1,6 +1,6 @@
 """Pieces shared by the Triton flash-attention forward and backward kernels.
 
-Both kernels work on the packed form (see ``flash_attn_reference``): q [total_q, heads_q, d],
+Both kernels work on the packed form (see flash_attn/reference.py): q [total_q, heads_q, d],
 k/v [total_k, heads_kv, d], lse/delta fp32 [heads_q, total_q], documents given by cu_seqlens.
 Only the last dimension must be contiguous; token and head strides are passed in.
 
@@ -10,14 +10,14 @@ no block pointers), so the same code runs on the GPU image (3.6) and the dev ima
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from xorl_kernels.dispatch import triton_interpreting
+
 # Read once: the interpreter must be chosen before triton is imported anyway.
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+INTERPRET = triton_interpreting()
 LOG2E = 1.4426950408889634
 # Constants read inside kernels must be tl.constexpr.
 LN2 = tl.constexpr(0.6931471805599453)

@@ -1,8 +1,9 @@
-"""Triton kernels for token permute / unpermute (see xorl_kernels/permute.py for the op contract).
+"""Triton kernels for token permute / unpermute (the op contract is in moe_permute/op.py).
 
 Three row movements, one program per destination row looping over the hidden dim, so every
 output element is written by exactly one program (no atomics, deterministic) and the fp32 sums
-run in a fixed order. Row offsets are computed in int64.
+run in a fixed order. Row offsets are computed in int64. The launchers write into output buffers
+the op allocates (so the tests can poison them) and import nothing from the op.
 """
 
 from __future__ import annotations
@@ -10,8 +11,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from xorl_kernels import permute as _op
 
 
 @triton.jit
@@ -87,21 +86,21 @@ def _warps(block: int) -> int:
     return 8 if block >= 2048 else 4
 
 
-def gather_rows(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """out[r] = src[index[r]]; src [N, H] contiguous, index [M] int64."""
+def gather_rows(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out[r] = src[index[r]]; src [N, H] contiguous, index [M] int64, out [M, H]."""
     hidden = src.shape[1]
-    out = _op.new_empty((index.numel(), hidden), src.dtype, src.device)
     if out.numel():
         block = _block(hidden)
         _gather_rows_kernel[(index.numel(),)](src, index, out, hidden, BLOCK=block, num_warps=_warps(block))
     return out
 
 
-def combine(y_sorted: torch.Tensor, row_map: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
-    """y[t] = sum_k w[t, k] * y_sorted[row_map[t, k]] (fp32 accumulate, k order)."""
+def combine(
+    y_sorted: torch.Tensor, row_map: torch.Tensor, weights: torch.Tensor | None, out: torch.Tensor
+) -> torch.Tensor:
+    """out[t] = sum_k w[t, k] * y_sorted[row_map[t, k]] (fp32 accumulate, k order); out [T, H]."""
     num_tokens, top_k = row_map.shape
     hidden = y_sorted.shape[1]
-    out = _op.new_empty((num_tokens, hidden), y_sorted.dtype, y_sorted.device)
     if out.numel():
         block = _block(hidden)
         w = weights if weights is not None else row_map  # placeholder pointer, never read
@@ -124,14 +123,15 @@ def scatter_weighted(
     sorted_slots: torch.Tensor,
     weights: torch.Tensor | None,
     y_sorted: torch.Tensor,
-    need_weight_grad: bool,
+    grad_sorted: torch.Tensor,
+    grad_w: torch.Tensor | None,
 ):
-    """Backward of combine: grad_sorted[r] = w[slot] * grad_y[slot // K]; grad_w[slot] = <grad_y, y>."""
+    """Backward of combine into grad_sorted [T*K, H] and grad_w [T*K] fp32 (None: not needed):
+    grad_sorted[r] = w[slot] * grad_y[slot // K]; grad_w[slot] = <grad_y, y>."""
     rows = sorted_slots.numel()
     hidden = grad_y.shape[1]
     top_k = rows // grad_y.shape[0] if grad_y.shape[0] else 1
-    grad_sorted = _op.new_empty((rows, hidden), y_sorted.dtype, grad_y.device)
-    grad_w = _op.new_empty((rows,), torch.float32, grad_y.device) if need_weight_grad else None
+    need_weight_grad = grad_w is not None
     if rows and hidden:
         block = _block(hidden)
         w = weights if weights is not None else sorted_slots

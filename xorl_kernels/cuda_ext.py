@@ -1,31 +1,24 @@
-"""The compiled CUDA extension ``xorl_kernels._C`` and thin, checked wrappers around its kernels.
+"""The compiled CUDA extension ``xorl_kernels._C``: loading, probing, and the shared checks and launch.
 
 The kernels (csrc/) take raw device pointers, sizes and a CUDA stream, so the extension does not
-depend on the torch ABI. Everything torch-shaped happens here: device, dtype, shape and contiguity
-checks (each error names the argument and the fix), output allocation, the current stream and a
-device guard. The wrappers never read a device value on the host.
+depend on the torch ABI. Everything torch-shaped happens in Python: device, dtype, shape and
+contiguity checks (each error names the argument and the fix), output allocation, the current
+stream and a device guard. The wrappers never read a device value on the host.
 
-``has_cuda_ext()`` says whether the extension was built and imports; ``use_cuda_ext(*tensors)``
-is the dispatch test the op files use (extension built, every tensor on CUDA, and
-XORL_FORCE_REFERENCE not set). The op files (zigzag_gather.py, routing_metadata.py,
-ulysses_transpose.py, permute.py) hold the plain-torch references and the documented layouts.
-
-This module holds the loading/probing of the extension, the shared input checks and ``_launch``.
-The per-op wrappers live in _ext_zigzag.py, _ext_moe.py and _ext_ulysses.py and are re-exported
-(lazily) at the end of this module, so ``xorl_kernels._ext.ext_*`` keeps working.
+``has_cuda_ext()`` says whether the extension was built and imports; ``ext_runs_on(*tensors)``
+whether it can run on these tensors (xorl_kernels.dispatch uses it to pick the csrc backend).
+The per-op wrappers live next to their op: zigzag/csrc.py, moe_permute/csrc.py, ulysses/csrc.py;
+they import ``check``, ``check_out``, ``launch`` and ``require_ext`` from here (and nothing here
+imports them back).
 """
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
-
-from xorl._lazy import lazy_getattr
 
 try:
     from xorl_kernels import _C
@@ -59,8 +52,8 @@ if _C is not None:
     except OSError:
         pass
 
-_COMBINE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-_ID_DTYPES = (torch.int32, torch.int64)
+COMBINE_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+ID_DTYPES = (torch.int32, torch.int64)
 
 
 def has_cuda_ext() -> bool:
@@ -73,15 +66,9 @@ def cuda_ext_import_error() -> ImportError | None:
     return _IMPORT_ERROR
 
 
-def force_reference() -> bool:
-    """XORL_FORCE_REFERENCE=1 sends every op to its plain-torch reference (debugging)."""
-    return os.environ.get("XORL_FORCE_REFERENCE", "0") not in ("", "0")
-
-
-def use_cuda_ext(*tensors: torch.Tensor | None) -> bool:
-    """Dispatch test: the extension is built and can run on the tensors' GPU, every given tensor is
-    on CUDA, and no reference is forced."""
-    if _C is None or force_reference():
+def ext_runs_on(*tensors: torch.Tensor | None) -> bool:
+    """The extension is built and can run on the tensors' GPU, and every given tensor is on CUDA."""
+    if _C is None:
         return False
     devices = {t.device for t in tensors if t is not None}
     if not devices or any(d.type != "cuda" for d in devices):
@@ -121,7 +108,7 @@ def cuda_ext_runs_on(device: torch.device) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
-def _require_ext(op: str):
+def require_ext(op: str):
     if _C is None:
         raise RuntimeError(
             f"{op}: the CUDA extension xorl_kernels._C is not available ({_IMPORT_ERROR}); reinstall xorl "
@@ -130,7 +117,7 @@ def _require_ext(op: str):
     return _C
 
 
-def _check(
+def check(
     t: torch.Tensor,
     name: str,
     op: str,
@@ -160,7 +147,7 @@ def _check(
         raise ValueError(f"{op}: {name} must be contiguous; pass {name}.contiguous()")
 
 
-def _check_out(
+def check_out(
     out: torch.Tensor,
     shape: Sequence[int],
     dtype: torch.dtype,
@@ -168,12 +155,12 @@ def _check_out(
     op: str,
     host: bool = False,
 ) -> None:
-    _check(out, "out", op, device=device, dtypes=[dtype], host=host)
+    check(out, "out", op, device=device, dtypes=[dtype], host=host)
     if tuple(out.shape) != tuple(shape):
         raise ValueError(f"{op}: out must have shape {tuple(shape)}, got {tuple(out.shape)}")
 
 
-def _launch(device: torch.device, kernel: str, host: bool, *args) -> None:
+def launch(device: torch.device, kernel: str, host: bool, *args) -> None:
     """Run ``_C.<kernel>(*args, stream)`` on ``device`` and its current torch stream.
 
     ``host=True`` runs ``_C.<kernel>_host(*args)`` instead: the same index map on CPU memory, which
@@ -184,46 +171,3 @@ def _launch(device: torch.device, kernel: str, host: bool, *args) -> None:
         return
     with torch.cuda.device(device):
         getattr(_C, kernel)(*args, torch.cuda.current_stream(device).cuda_stream)
-
-
-# ---------------------------------------------------------------------------------------------
-# Re-exports of the per-op wrappers
-# ---------------------------------------------------------------------------------------------
-
-# Why lazy (PEP 562) and not ``from xorl_kernels._ext_moe import ...`` here: the wrapper modules
-# import the checks above from this module, so an eager re-export is a cycle that breaks whenever a
-# wrapper module is imported before this one (this module would run its re-export while that
-# module is only partly loaded). Looked up on first use, ``xorl_kernels._ext.ext_*`` works in
-# either order, for attribute access and ``from xorl_kernels._ext import ...`` alike.
-_MOVED = {
-    "_zigzag_view": "xorl_kernels._ext_zigzag",
-    "ext_zigzag_copy": "xorl_kernels._ext_zigzag",
-    "ext_routing_metadata": "xorl_kernels._ext_moe",
-    "ext_permute_rows": "xorl_kernels._ext_moe",
-    "ext_unpermute_combine": "xorl_kernels._ext_moe",
-    "ulysses_piece_numels": "xorl_kernels._ext_ulysses",
-    "_pack_inputs": "xorl_kernels._ext_ulysses",
-    "_pack_buffer": "xorl_kernels._ext_ulysses",
-    "_unpack_inputs": "xorl_kernels._ext_ulysses",
-    "_unpack_output": "xorl_kernels._ext_ulysses",
-    "ext_ulysses_pack": "xorl_kernels._ext_ulysses",
-    "ext_ulysses_unpack": "xorl_kernels._ext_ulysses",
-    "ext_ulysses_pack_reverse": "xorl_kernels._ext_ulysses",
-    "ext_ulysses_unpack_reverse": "xorl_kernels._ext_ulysses",
-}
-__getattr__ = lazy_getattr(__name__, _MOVED)
-
-if TYPE_CHECKING:  # the same names, for type checkers and editors
-    from xorl_kernels._ext_moe import ext_permute_rows, ext_routing_metadata, ext_unpermute_combine  # noqa: F401
-    from xorl_kernels._ext_ulysses import (  # noqa: F401
-        _pack_buffer,
-        _pack_inputs,
-        _unpack_inputs,
-        _unpack_output,
-        ext_ulysses_pack,
-        ext_ulysses_pack_reverse,
-        ext_ulysses_unpack,
-        ext_ulysses_unpack_reverse,
-        ulysses_piece_numels,
-    )
-    from xorl_kernels._ext_zigzag import _zigzag_view, ext_zigzag_copy  # noqa: F401

@@ -2,14 +2,14 @@
 
 Its one job: validate a full tensor and a zig-zag local shard (and optional ``cu_seqlens``), view
 them as [outer, seq_len, row_bytes], and launch ``_C.zigzag_copy`` (gather or scatter) through the
-shared checks and ``_launch`` of ``xorl_kernels._ext``. The layout is documented in zigzag_gather.py.
+shared checks and ``launch`` of ``xorl_kernels.cuda_ext``. The layout is documented in zigzag/reference.py.
 """
 
 from __future__ import annotations
 
 import torch
 
-from xorl_kernels._ext import _check, _launch, _require_ext
+from xorl_kernels.cuda_ext import check, launch, require_ext
 
 
 def _zigzag_view(t: torch.Tensor, dim: int) -> tuple[int, int]:
@@ -39,14 +39,14 @@ def ext_zigzag_copy(
 
     ``full`` and ``local`` agree on every dim but ``dim``, where full has seq_len rows and local
     num_ranks * seq_len / world. ``cu_seqlens``: int64 on the same device, or None. The argument
-    rules (divisibility, document lengths) are checked by zigzag_gather.py.
+    rules (divisibility, document lengths) are checked by zigzag/op.py.
     ``host_emulation``: run the kernel's index map on CPU tensors (tests without a GPU).
     """
     op = "zigzag_scatter" if scatter else "zigzag_gather"
-    _require_ext(op)
+    require_ext(op)
     host = host_emulation
-    _check(full, "full tensor", op, host=host)
-    _check(local, "local shard", op, device=full.device, dtypes=[full.dtype], dim=full.dim(), host=host)
+    check(full, "full tensor", op, host=host)
+    check(local, "local shard", op, device=full.device, dtypes=[full.dtype], dim=full.dim(), host=host)
     seq_len = full.shape[dim]
     if world < 1 or seq_len % (2 * world) != 0 or not 0 <= rank_begin <= rank_begin + num_ranks <= world:
         raise ValueError(
@@ -59,12 +59,12 @@ def ext_zigzag_copy(
         raise ValueError(f"{op}: the local shard must have shape {tuple(expected)}, got {tuple(local.shape)}")
     cu_ptr, num_docs = 0, 0
     if cu_seqlens is not None:
-        _check(cu_seqlens, "cu_seqlens", op, device=full.device, dtypes=[torch.int64], dim=1, host=host)
+        check(cu_seqlens, "cu_seqlens", op, device=full.device, dtypes=[torch.int64], dim=1, host=host)
         if cu_seqlens.numel() < 2:
             raise ValueError(f"{op}: cu_seqlens needs num_docs + 1 >= 2 entries, got {cu_seqlens.numel()}")
         cu_ptr, num_docs = cu_seqlens.data_ptr(), cu_seqlens.numel() - 1
     outer, row_bytes = _zigzag_view(full, dim)
-    _launch(
+    launch(
         full.device,
         "zigzag_copy",
         host,

@@ -3,7 +3,7 @@
 Its one job: check the shapes given to a Ulysses pack or unpack (forward: split heads; reverse:
 split the sequence), allocate or check the [world, D] buffer and outputs, describe each tensor's
 strided copy as block-transpose segments and launch ``_C.block_transpose`` through the shared
-checks and ``_launch`` of ``xorl_kernels._ext``. The layouts are documented in ulysses_transpose.py.
+checks and ``launch`` of ``xorl_kernels.cuda_ext``. The layouts are documented in ulysses/reference.py.
 """
 
 from __future__ import annotations
@@ -12,43 +12,17 @@ from collections.abc import Sequence
 
 import torch
 
-from xorl_kernels._ext import _check, _check_out, _launch, _require_ext
-
-
-def ulysses_piece_numels(shapes: Sequence[Sequence[int]], world: int, split_dim: int, op: str) -> list[int]:
-    """Elements each packed tensor contributes to one destination's chunk, after checking the shapes.
-
-    ``shapes`` are the [b, s, heads, head_dim] shapes given to the pack; ``split_dim`` is the dim
-    the pack splits across ranks (2: heads, for ulysses_pack; 1: sequence, for ulysses_pack_reverse).
-    """
-    if not isinstance(world, int) or world < 1:
-        raise ValueError(f"{op}: world must be a positive int, got {world!r}")
-    if not 1 <= len(shapes) <= 4:
-        raise ValueError(f"{op}: pass 1 to 4 tensors/shapes (e.g. q, k, v), got {len(shapes)}")
-    what = {1: "sequence length", 2: "number of heads"}[split_dim]
-    numels = []
-    for i, shape in enumerate(shapes):
-        if len(shape) != 4:
-            raise ValueError(
-                f"{op}: tensor {i} must be [batch, seq, heads, head_dim], got shape {tuple(shape)}"
-            )
-        if shape[split_dim] % world != 0:
-            raise ValueError(
-                f"{op}: tensor {i} has {what} {shape[split_dim]}, not divisible by world={world}; "
-                "pad it or replicate heads first"
-            )
-        b, s, h, d = shape
-        numels.append(b * s * h * d // world)
-    return numels
+from xorl_kernels.cuda_ext import check, check_out, launch, require_ext
+from xorl_kernels.ulysses.reference import ulysses_piece_numels
 
 
 def _pack_inputs(tensors: Sequence[torch.Tensor], world: int, split_dim: int, op: str, host: bool):
     """(first tensor, per-destination element counts) after checking the tensors to pack."""
-    _require_ext(op)
+    require_ext(op)
     numels = ulysses_piece_numels([tuple(t.shape) for t in tensors], world, split_dim, op)
     first = tensors[0]
     for i, t in enumerate(tensors):
-        _check(t, f"tensors[{i}]", op, device=first.device, dtypes=[first.dtype], dim=4, host=host)
+        check(t, f"tensors[{i}]", op, device=first.device, dtypes=[first.dtype], dim=4, host=host)
     return first, numels
 
 
@@ -56,15 +30,15 @@ def _pack_buffer(out, world, numels, like: torch.Tensor, op: str, host: bool) ->
     shape = (world, sum(numels))
     if out is None:
         return torch.empty(shape, dtype=like.dtype, device=like.device)
-    _check_out(out, shape, like.dtype, like.device, op, host=host)
+    check_out(out, shape, like.dtype, like.device, op, host=host)
     return out
 
 
 def _unpack_inputs(recv, world, shapes, split_dim, outs, op, host):
     """(per-source element counts, out tensors or Nones) after checking the received buffer."""
-    _require_ext(op)
+    require_ext(op)
     numels = ulysses_piece_numels(shapes, world, split_dim, op)
-    _check(recv, "recv", op, dim=2, host=host)
+    check(recv, "recv", op, dim=2, host=host)
     if tuple(recv.shape) != (world, sum(numels)):
         raise ValueError(
             f"{op}: recv must be [world, sum of piece sizes] = {(world, sum(numels))} for these shapes, "
@@ -79,7 +53,7 @@ def _unpack_inputs(recv, world, shapes, split_dim, outs, op, host):
 def _unpack_output(out, shape, recv, op, host) -> torch.Tensor:
     if out is None:
         return torch.empty(shape, dtype=recv.dtype, device=recv.device)
-    _check_out(out, shape, recv.dtype, recv.device, op, host=host)
+    check_out(out, shape, recv.dtype, recv.device, op, host=host)
     return out
 
 
@@ -107,7 +81,7 @@ def ext_ulysses_pack(
         c = (h // world) * d * es  # a = token (b*s of them), b = destination p: one token's head group
         segments.append((t.data_ptr(), buf.data_ptr() + offset, b * s, world, c, world * c, c, c, chunk))
         offset += n * es
-    _launch(first.device, "block_transpose", host, segments)
+    launch(first.device, "block_transpose", host, segments)
     return buf
 
 
@@ -130,7 +104,7 @@ def ext_ulysses_unpack(
         segments.append((recv.data_ptr() + offset, y.data_ptr(), world, b, run, chunk, run, run, world * run))
         results.append(y)
         offset += n * es
-    _launch(recv.device, "block_transpose", host, segments)
+    launch(recv.device, "block_transpose", host, segments)
     return results
 
 
@@ -152,7 +126,7 @@ def ext_ulysses_pack_reverse(
         run = (s // world) * h * d * es  # a = destination p, b = batch row: one sequence chunk
         segments.append((t.data_ptr(), buf.data_ptr() + offset, world, b, run, run, world * run, chunk, run))
         offset += n * es
-    _launch(first.device, "block_transpose", host, segments)
+    launch(first.device, "block_transpose", host, segments)
     return buf
 
 
@@ -177,5 +151,5 @@ def ext_ulysses_unpack_reverse(
         )
         results.append(x)
         offset += n * es
-    _launch(recv.device, "block_transpose", host, segments)
+    launch(recv.device, "block_transpose", host, segments)
     return results

@@ -19,12 +19,13 @@ or write out of bounds (the public wrapper documents the contract and checks it 
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from xorl_kernels.dispatch import triton_interpreting
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ class TileConfig:
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return triton_interpreting()  # per call: the tests switch it to see the GPU tile configs
 
 
 # Small tiles under the interpreter: CPU tests use small shapes and must still cross tile edges.

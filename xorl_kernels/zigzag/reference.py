@@ -1,4 +1,4 @@
-"""Zig-zag context-parallel sharding of a sequence: the gather of one rank's rows and its inverse.
+"""Zig-zag context-parallel sharding: the layout, its argument checks and the plain-torch references.
 
 Layout. With ``world`` ranks, a document of L rows (L divisible by 2*world) is cut into 2*world
 chunks of c = L / (2*world) rows; rank q holds chunk q followed by chunk 2*world-1-q, so every
@@ -18,8 +18,9 @@ Without ``out`` a new tensor is returned: with rank=None every row is written; f
 rows of the other ranks are zero. Both ops are differentiable when ``out`` is not given (the
 backward of one is the other). Byte copies: any dtype, any trailing shape.
 
-Dispatch: csrc kernel (CUDA tensors, extension built) -> plain-torch index_select / index_copy.
-Document lengths are validated on the host when ``cu_seqlens`` is on the CPU, and with a device-side
+The dispatching, differentiable entry points are in zigzag/op.py (csrc kernel on CUDA, these
+references elsewhere). ``zigzag_positions`` is the one definition of the layout's row order:
+xorl.distributed and ring attention use it too. Document lengths are validated on the host when ``cu_seqlens`` is on the CPU, and with a device-side
 assert (no host synchronisation) when it is on the GPU.
 """
 
@@ -27,10 +28,8 @@ from __future__ import annotations
 
 import torch
 
-from xorl_kernels._ext import ext_zigzag_copy, use_cuda_ext
 
-
-def _check_args(name: str, t: torch.Tensor, dim: int, rank: int | None, world: int) -> int:
+def check_args(name: str, t: torch.Tensor, dim: int, rank: int | None, world: int) -> int:
     if not isinstance(world, int) or world < 1:
         raise ValueError(f"{name}: world must be a positive int, got {world!r}")
     if rank is not None and not (isinstance(rank, int) and 0 <= rank < world):
@@ -44,7 +43,7 @@ def _check_args(name: str, t: torch.Tensor, dim: int, rank: int | None, world: i
     return dim % t.dim()
 
 
-def _check_seq_len(name: str, seq_len: int, world: int, cu_seqlens: torch.Tensor | None) -> None:
+def check_seq_len(name: str, seq_len: int, world: int, cu_seqlens: torch.Tensor | None) -> None:
     if cu_seqlens is None and seq_len % (2 * world) != 0:
         raise ValueError(
             f"{name}: sequence length {seq_len} is not divisible by 2*world = {2 * world}; pad it to a multiple "
@@ -52,7 +51,7 @@ def _check_seq_len(name: str, seq_len: int, world: int, cu_seqlens: torch.Tensor
         )
 
 
-def _prepare_cu_seqlens(
+def prepare_cu_seqlens(
     name: str, cu_seqlens: torch.Tensor | None, seq_len: int, world: int, device: torch.device
 ) -> torch.Tensor | None:
     """Validate ``cu_seqlens`` and return it as contiguous int64 on ``device`` (None stays None)."""
@@ -103,10 +102,19 @@ def _prepare_cu_seqlens(
 
 
 def zigzag_positions(
-    seq_len: int, rank: int | None, world: int, cu_seqlens: torch.Tensor | None = None, device=None
+    seq_len: int,
+    rank: int | None,
+    world: int,
+    cu_seqlens: torch.Tensor | None = None,
+    device=None,
+    *,
+    within_document: bool = False,
 ) -> torch.Tensor:
-    """int64 positions (in the full sequence) of the shard rows of ``rank`` (None: all ranks in order).
+    """int64 positions of the shard rows of ``rank`` (None: every rank's rows, rank after rank).
 
+    ``seq_len`` and ``cu_seqlens`` describe the full (global) sequence. By default a position is the
+    row's index in the full sequence (what gather/scatter move); with ``within_document`` it is
+    the row's index inside its document (what a causal mask compares: ring attention's positions).
     Computed with tensor ops only, so a GPU ``cu_seqlens`` is never read on the host.
     """
     local_len = seq_len // world
@@ -121,36 +129,35 @@ def zigzag_positions(
     start = cu[doc]
     chunk = (cu[doc + 1] - start) // (2 * world)
     u = t - start // world
+    base = 0 if within_document else start
     pieces = []
     for q in ranks:
-        pieces.append(
-            start + torch.where(u < chunk, q * chunk + u, (2 * world - 1 - q) * chunk + (u - chunk))
-        )
+        pieces.append(base + torch.where(u < chunk, q * chunk + u, (2 * world - 1 - q) * chunk + (u - chunk)))
     return torch.cat(pieces)
 
 
 def zigzag_gather_reference(
     x: torch.Tensor, dim: int, rank: int | None, world: int, cu_seqlens: torch.Tensor | None = None
 ) -> torch.Tensor:
-    dim = _check_args("zigzag_gather", x, dim, rank, world)
+    dim = check_args("zigzag_gather", x, dim, rank, world)
     seq_len = x.shape[dim]
-    _check_seq_len("zigzag_gather", seq_len, world, cu_seqlens)
-    cu = _prepare_cu_seqlens("zigzag_gather", cu_seqlens, seq_len, world, x.device)
+    check_seq_len("zigzag_gather", seq_len, world, cu_seqlens)
+    cu = prepare_cu_seqlens("zigzag_gather", cu_seqlens, seq_len, world, x.device)
     return x.index_select(dim, zigzag_positions(seq_len, rank, world, cu, x.device))
 
 
-def _scatter_seq_len(y: torch.Tensor, dim: int, rank: int | None, world: int) -> int:
+def scatter_seq_len(y: torch.Tensor, dim: int, rank: int | None, world: int) -> int:
     return y.shape[dim] if rank is None else y.shape[dim] * world
 
 
-def _new_scatter_out(y: torch.Tensor, dim: int, rank: int | None, seq_len: int) -> torch.Tensor:
+def new_scatter_out(y: torch.Tensor, dim: int, rank: int | None, seq_len: int) -> torch.Tensor:
     shape = list(y.shape)
     shape[dim] = seq_len
     # With one rank's shard, the other ranks' rows are defined as zero; with all ranks, every row is written.
     return y.new_empty(shape) if rank is None else y.new_zeros(shape)
 
 
-def _check_scatter_out(out: torch.Tensor, y: torch.Tensor, dim: int, seq_len: int) -> None:
+def check_scatter_out(out: torch.Tensor, y: torch.Tensor, dim: int, seq_len: int) -> None:
     shape = list(y.shape)
     shape[dim] = seq_len
     if list(out.shape) != shape or out.dtype != y.dtype or out.device != y.device:
@@ -168,101 +175,12 @@ def zigzag_scatter_reference(
     cu_seqlens: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    dim = _check_args("zigzag_scatter", y, dim, rank, world)
-    seq_len = _scatter_seq_len(y, dim, rank, world)
-    _check_seq_len("zigzag_scatter", seq_len, world, cu_seqlens)
-    cu = _prepare_cu_seqlens("zigzag_scatter", cu_seqlens, seq_len, world, y.device)
+    dim = check_args("zigzag_scatter", y, dim, rank, world)
+    seq_len = scatter_seq_len(y, dim, rank, world)
+    check_seq_len("zigzag_scatter", seq_len, world, cu_seqlens)
+    cu = prepare_cu_seqlens("zigzag_scatter", cu_seqlens, seq_len, world, y.device)
     if out is None:
-        out = _new_scatter_out(y, dim, rank, seq_len)
+        out = new_scatter_out(y, dim, rank, seq_len)
     else:
-        _check_scatter_out(out, y, dim, seq_len)
+        check_scatter_out(out, y, dim, seq_len)
     return out.index_copy_(dim, zigzag_positions(seq_len, rank, world, cu, y.device), y)
-
-
-# ---------------------------------------------------------------------------------------------
-# Dispatch and autograd
-# ---------------------------------------------------------------------------------------------
-
-
-def _gather(x, dim, rank, world, cu):
-    if use_cuda_ext(x):
-        x = x.contiguous()
-        rank_begin, num_ranks = (0, world) if rank is None else (rank, 1)
-        shape = list(x.shape)
-        shape[dim] = num_ranks * (x.shape[dim] // world)
-        local = x.new_empty(shape)
-        ext_zigzag_copy(x, local, dim, rank_begin, num_ranks, world, cu, scatter=False)
-        return local
-    return x.index_select(dim, zigzag_positions(x.shape[dim], rank, world, cu, x.device))
-
-
-def _scatter(y, dim, rank, world, cu, out):
-    seq_len = _scatter_seq_len(y, dim, rank, world)
-    if out is None:
-        out = _new_scatter_out(y, dim, rank, seq_len)
-    if use_cuda_ext(y, out) and out.is_contiguous():
-        rank_begin, num_ranks = (0, world) if rank is None else (rank, 1)
-        ext_zigzag_copy(out, y.contiguous(), dim, rank_begin, num_ranks, world, cu, scatter=True)
-        return out
-    return out.index_copy_(dim, zigzag_positions(seq_len, rank, world, cu, y.device), y)
-
-
-class _ZigzagGatherFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, rank, world, cu):
-        ctx.args = (dim, rank, world)
-        ctx.save_for_backward(cu)
-        return _gather(x, dim, rank, world, cu)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (cu,) = ctx.saved_tensors
-        dim, rank, world = ctx.args
-        return _scatter(grad, dim, rank, world, cu, None), None, None, None, None
-
-
-class _ZigzagScatterFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, dim, rank, world, cu):
-        ctx.args = (dim, rank, world)
-        ctx.save_for_backward(cu)
-        return _scatter(y, dim, rank, world, cu, None)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (cu,) = ctx.saved_tensors
-        dim, rank, world = ctx.args
-        return _gather(grad, dim, rank, world, cu), None, None, None, None
-
-
-def zigzag_gather(
-    x: torch.Tensor, dim: int, rank: int | None, world: int, cu_seqlens: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Rank ``rank``'s zig-zag shard of ``x`` along ``dim`` (None: all shards in rank order). See module doc."""
-    dim = _check_args("zigzag_gather", x, dim, rank, world)
-    _check_seq_len("zigzag_gather", x.shape[dim], world, cu_seqlens)
-    cu = _prepare_cu_seqlens("zigzag_gather", cu_seqlens, x.shape[dim], world, x.device)
-    return _ZigzagGatherFn.apply(x, dim, rank, world, cu)
-
-
-def zigzag_scatter(
-    y: torch.Tensor,
-    dim: int,
-    rank: int | None,
-    world: int,
-    cu_seqlens: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Write shard(s) ``y`` to their zig-zag rows of the full sequence; the inverse of zigzag_gather.
-
-    With ``out`` the rows are written into it in place (not differentiable); see module doc.
-    """
-    dim = _check_args("zigzag_scatter", y, dim, rank, world)
-    seq_len = _scatter_seq_len(y, dim, rank, world)
-    _check_seq_len("zigzag_scatter", seq_len, world, cu_seqlens)
-    cu = _prepare_cu_seqlens("zigzag_scatter", cu_seqlens, seq_len, world, y.device)
-    if out is None:
-        return _ZigzagScatterFn.apply(y, dim, rank, world, cu)
-    _check_scatter_out(out, y, dim, seq_len)
-    with torch.no_grad():
-        return _scatter(y, dim, rank, world, cu, out)

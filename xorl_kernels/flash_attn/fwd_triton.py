@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import flash_attn_triton_common as common
-from .flash_attn_triton_common import (
+from xorl_kernels.flash_attn import common
+from xorl_kernels.flash_attn.common import (
     INTERPRET,
     LN2,
     LOG2E,

@@ -8,9 +8,9 @@ Public entry point ``grouped_gemm(x, w, group_sizes)``:
 - backward: ``dx[rows of g] = dy[rows of g] @ w[g]^T`` and ``dw[g] = x_g^T @ dy_g`` (exactly zero
   for a group with no rows).
 
-Dispatch: CUDA tensors -> Triton kernels (grouped_gemm_triton.py); CPU tensors -> the plain-torch
-reference (grouped_gemm_reference.py). ``XORL_FORCE_REFERENCE=1`` forces the reference;
-``backend="triton"`` forces Triton (on CPU this needs ``TRITON_INTERPRET=1`` set before triton is
+Dispatch (xorl_kernels.dispatch): CUDA tensors -> Triton kernels (grouped_gemm/triton_kernels.py);
+CPU tensors -> the plain-torch reference (grouped_gemm/reference.py). ``XORL_FORCE_REFERENCE=1``
+forces the reference; ``backend="triton"`` forces Triton (on CPU this needs ``TRITON_INTERPRET=1`` set before triton is
 imported; the tests run that way).
 
 Validation of ``group_sizes`` values (no negative size, ``sum == M``) happens wherever it costs no
@@ -23,19 +23,14 @@ call; for debugging).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from .grouped_gemm_reference import check_group_sizes_values, grouped_gemm_reference
+from xorl_kernels.dispatch import REFERENCE, TRITON, env_flag, pick_backend, triton_interpreting
+from xorl_kernels.grouped_gemm.reference import check_group_sizes_values, grouped_gemm_reference
 
-_BACKENDS = ("auto", "triton", "reference")
+_AVAILABLE = (TRITON, REFERENCE)
 _TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _REFERENCE_DTYPES = (*_TRITON_DTYPES, torch.float64)
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "0").lower() not in ("", "0", "false", "no")
 
 
 def _check_inputs(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> None:
@@ -81,22 +76,19 @@ def _check_inputs(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -
         )
 
 
-def _resolve_backend(backend: str, x: torch.Tensor) -> str:
-    if backend not in _BACKENDS:
-        raise ValueError(f"grouped_gemm: backend must be one of {_BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        if _env_flag("XORL_FORCE_REFERENCE") or not x.is_cuda or x.dtype not in _TRITON_DTYPES:
-            return "reference"
-        return "triton"
-    if backend == "triton":
+def _resolve_backend(backend: str | None, x: torch.Tensor) -> str:
+    chosen = pick_backend("grouped_gemm", [x], _AVAILABLE, backend)
+    if backend is None and x.dtype not in _TRITON_DTYPES:
+        return REFERENCE  # float64 (tests) only has the reference
+    if chosen == TRITON:
         if x.dtype not in _TRITON_DTYPES:
             raise TypeError(f"grouped_gemm: the Triton backend supports bf16/fp16/fp32, got {x.dtype}")
-        if not x.is_cuda and not _env_flag("TRITON_INTERPRET"):
+        if not x.is_cuda and not triton_interpreting():
             raise RuntimeError(
                 "grouped_gemm: backend='triton' on CPU tensors needs the Triton interpreter; set "
                 "TRITON_INTERPRET=1 before triton is imported, or use backend='reference'"
             )
-    return backend
+    return chosen
 
 
 def _apply_autocast(x, w):
@@ -112,14 +104,14 @@ def _apply_autocast(x, w):
 class _GroupedGemmTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
-        from .grouped_gemm_triton import grouped_gemm_forward
+        from xorl_kernels.grouped_gemm.triton_kernels import grouped_gemm_forward
 
         ctx.save_for_backward(x, w, group_sizes)
         return grouped_gemm_forward(x, w, group_sizes)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        from .grouped_gemm_triton import grouped_gemm_forward, grouped_gemm_weight_grad
+        from xorl_kernels.grouped_gemm.triton_kernels import grouped_gemm_forward, grouped_gemm_weight_grad
 
         x, w, group_sizes = ctx.saved_tensors
         dx = dw = None
@@ -131,18 +123,20 @@ class _GroupedGemmTriton(torch.autograd.Function):
         return dx, dw, None
 
 
-def grouped_gemm(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+def grouped_gemm(
+    x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor, *, backend: str | None = None
+) -> torch.Tensor:
     """``y[rows of g] = x[rows of g] @ w[g]`` for x [M, K] sorted by group, w [G, K, N] -> y [M, N].
 
     ``group_sizes`` [G] (int32/int64, same device as x) gives the rows per group and must sum to
-    M. ``backend``: "auto" (CUDA -> Triton, CPU -> reference), "triton" or "reference".
+    M. ``backend``: None (pick: CUDA -> Triton, CPU -> reference), "triton" or "reference".
     Under autocast, x and w are cast to the autocast dtype first, as ``F.linear`` would be.
     """
     x, w = _apply_autocast(x, w)
     _check_inputs(x, w, group_sizes)
     chosen = _resolve_backend(backend, x)
-    if chosen == "reference":
+    if chosen == REFERENCE:
         return grouped_gemm_reference(x, w, group_sizes)
-    if group_sizes.device.type == "cpu" or _env_flag("XORL_CHECK_GROUP_SIZES"):
+    if group_sizes.device.type == "cpu" or env_flag("XORL_CHECK_GROUP_SIZES"):
         check_group_sizes_values(group_sizes, x.shape[0])
     return _GroupedGemmTriton.apply(x, w, group_sizes)

@@ -1,4 +1,6 @@
-"""Ulysses pack / unpack: the sequence <-> head transposes around the context-parallel all-to-all.
+"""Ulysses pack / unpack: the layouts, the shape checks and the plain-torch references.
+
+The sequence <-> head transposes around the context-parallel all-to-all.
 
 Ulysses with P = ``world`` ranks: before attention each rank holds a sequence chunk of every head
 and needs the whole sequence of H/P heads; after attention the reverse. One all-to-all
@@ -27,8 +29,8 @@ So unpack(all_to_all(pack(x))) gives the head-sharded full sequence, and
 unpack_reverse(all_to_all(pack_reverse(y))) undoes it; the backward of each direction is the
 other. KV heads fewer than P must be replicated by the caller first (H_t % P == 0 is checked).
 
-Dispatch: csrc block-transpose kernel, all tensors in one launch (CUDA, extension built) ->
-plain-torch reshape/permute/cat.
+The dispatching entry points are in ulysses/op.py (csrc block-transpose kernel, all tensors in
+one launch, on CUDA; these references elsewhere).
 """
 
 from __future__ import annotations
@@ -37,17 +39,35 @@ from collections.abc import Sequence
 
 import torch
 
-from xorl_kernels._ext import (
-    ext_ulysses_pack,
-    ext_ulysses_pack_reverse,
-    ext_ulysses_unpack,
-    ext_ulysses_unpack_reverse,
-    ulysses_piece_numels,
-    use_cuda_ext,
-)
+
+def ulysses_piece_numels(shapes: Sequence[Sequence[int]], world: int, split_dim: int, op: str) -> list[int]:
+    """Elements each packed tensor contributes to one destination's chunk, after checking the shapes.
+
+    ``shapes`` are the [b, s, heads, head_dim] shapes given to the pack; ``split_dim`` is the dim
+    the pack splits across ranks (2: heads, for ulysses_pack; 1: sequence, for ulysses_pack_reverse).
+    """
+    if not isinstance(world, int) or world < 1:
+        raise ValueError(f"{op}: world must be a positive int, got {world!r}")
+    if not 1 <= len(shapes) <= 4:
+        raise ValueError(f"{op}: pass 1 to 4 tensors/shapes (e.g. q, k, v), got {len(shapes)}")
+    what = {1: "sequence length", 2: "number of heads"}[split_dim]
+    numels = []
+    for i, shape in enumerate(shapes):
+        if len(shape) != 4:
+            raise ValueError(
+                f"{op}: tensor {i} must be [batch, seq, heads, head_dim], got shape {tuple(shape)}"
+            )
+        if shape[split_dim] % world != 0:
+            raise ValueError(
+                f"{op}: tensor {i} has {what} {shape[split_dim]}, not divisible by world={world}; "
+                "pad it or replicate heads first"
+            )
+        b, s, h, d = shape
+        numels.append(b * s * h * d // world)
+    return numels
 
 
-def _check_inputs(tensors: Sequence[torch.Tensor], world: int, split_dim: int, op: str) -> list[int]:
+def check_pack_inputs(tensors: Sequence[torch.Tensor], world: int, split_dim: int, op: str) -> list[int]:
     numels = ulysses_piece_numels([tuple(t.shape) for t in tensors], world, split_dim, op)
     first = tensors[0]
     for i, t in enumerate(tensors):
@@ -59,7 +79,7 @@ def _check_inputs(tensors: Sequence[torch.Tensor], world: int, split_dim: int, o
     return numels
 
 
-def _check_recv(recv: torch.Tensor, world: int, numels: list[int], op: str) -> None:
+def check_recv(recv: torch.Tensor, world: int, numels: list[int], op: str) -> None:
     if tuple(recv.shape) != (world, sum(numels)):
         raise ValueError(
             f"{op}: recv must be [world, sum of piece sizes] = {(world, sum(numels))} for these shapes, got "
@@ -73,7 +93,7 @@ def _check_recv(recv: torch.Tensor, world: int, numels: list[int], op: str) -> N
 
 
 def ulysses_pack_reference(tensors: Sequence[torch.Tensor], world: int) -> torch.Tensor:
-    _check_inputs(tensors, world, 2, "ulysses_pack")
+    check_pack_inputs(tensors, world, 2, "ulysses_pack")
     pieces = []
     for x in tensors:
         b, s, h, d = x.shape
@@ -85,7 +105,7 @@ def ulysses_unpack_reference(
     recv: torch.Tensor, world: int, shapes: Sequence[Sequence[int]]
 ) -> list[torch.Tensor]:
     numels = ulysses_piece_numels(shapes, world, 2, "ulysses_unpack")
-    _check_recv(recv, world, numels, "ulysses_unpack")
+    check_recv(recv, world, numels, "ulysses_unpack")
     outs = []
     for piece, (b, s, h, d) in zip(recv.split(numels, dim=1), shapes):
         y = piece.reshape(world, b, s, h // world, d).permute(1, 0, 2, 3, 4)
@@ -94,7 +114,7 @@ def ulysses_unpack_reference(
 
 
 def ulysses_pack_reverse_reference(tensors: Sequence[torch.Tensor], world: int) -> torch.Tensor:
-    _check_inputs(tensors, world, 1, "ulysses_pack_reverse")
+    check_pack_inputs(tensors, world, 1, "ulysses_pack_reverse")
     pieces = []
     for y in tensors:
         b, s, h, d = y.shape
@@ -106,46 +126,9 @@ def ulysses_unpack_reverse_reference(
     recv: torch.Tensor, world: int, shapes: Sequence[Sequence[int]]
 ) -> list[torch.Tensor]:
     numels = ulysses_piece_numels(shapes, world, 1, "ulysses_unpack_reverse")
-    _check_recv(recv, world, numels, "ulysses_unpack_reverse")
+    check_recv(recv, world, numels, "ulysses_unpack_reverse")
     outs = []
     for piece, (b, s, h, d) in zip(recv.split(numels, dim=1), shapes):
         x = piece.reshape(world, b, s // world, h, d).permute(1, 2, 0, 3, 4)
         outs.append(x.reshape(b, s // world, world * h, d))
     return outs
-
-
-# ---------------------------------------------------------------------------------------------
-# Dispatch (not differentiable by themselves: the context-parallel attention owns the autograd)
-# ---------------------------------------------------------------------------------------------
-
-
-def ulysses_pack(tensors: Sequence[torch.Tensor], world: int) -> torch.Tensor:
-    """Sequence-sharded [b, s, H_t, d_t] tensors -> send buffer [world, D]; see the module docstring."""
-    _check_inputs(tensors, world, 2, "ulysses_pack")
-    if use_cuda_ext(*tensors):
-        return ext_ulysses_pack([t.contiguous() for t in tensors], world)
-    return ulysses_pack_reference(tensors, world)
-
-
-def ulysses_unpack(recv: torch.Tensor, world: int, shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-    """Received [world, D] -> head-sharded [b, world*s, H_t/world, d_t] tensors; see the module docstring."""
-    if use_cuda_ext(recv):
-        return ext_ulysses_unpack(recv.contiguous(), world, shapes)
-    return [y.contiguous() for y in ulysses_unpack_reference(recv, world, shapes)]
-
-
-def ulysses_pack_reverse(tensors: Sequence[torch.Tensor], world: int) -> torch.Tensor:
-    """Head-sharded [b, S, h_t, d_t] tensors -> send buffer [world, D]; see the module docstring."""
-    _check_inputs(tensors, world, 1, "ulysses_pack_reverse")
-    if use_cuda_ext(*tensors):
-        return ext_ulysses_pack_reverse([t.contiguous() for t in tensors], world)
-    return ulysses_pack_reverse_reference(tensors, world)
-
-
-def ulysses_unpack_reverse(
-    recv: torch.Tensor, world: int, shapes: Sequence[Sequence[int]]
-) -> list[torch.Tensor]:
-    """Received [world, D] -> sequence-sharded [b, S/world, world*h_t, d_t] tensors; see the module docstring."""
-    if use_cuda_ext(recv):
-        return ext_ulysses_unpack_reverse(recv.contiguous(), world, shapes)
-    return [x.contiguous() for x in ulysses_unpack_reverse_reference(recv, world, shapes)]

@@ -3,14 +3,19 @@
 Its one job: validate inputs, allocate outputs and launch ``_C.routing_metadata`` (sort slots by
 expert with no host sync), ``_C.permute_rows`` (gather token rows into expert order) and
 ``_C.unpermute_combine`` (weighted top-k combine back to token order), using the shared checks and
-``_launch`` of ``xorl_kernels._ext``. The definitions and references are in routing_metadata.py.
+``launch`` of ``xorl_kernels.cuda_ext``. The definitions are in routing.py, the references in reference.py.
 """
 
 from __future__ import annotations
 
 import torch
 
-from xorl_kernels._ext import _COMBINE_DTYPES, _ID_DTYPES, _check, _check_out, _launch, _require_ext
+from xorl_kernels.cuda_ext import COMBINE_DTYPES, ID_DTYPES, check, check_out, launch, require_ext
+
+
+def routing_max_experts() -> int:
+    """The most experts the csrc counting sort handles (more fall back to the reference)."""
+    return require_ext("routing_metadata").routing_max_experts()
 
 
 def ext_routing_metadata(expert_ids: torch.Tensor, num_experts: int):
@@ -20,8 +25,8 @@ def ext_routing_metadata(expert_ids: torch.Tensor, num_experts: int):
     are dropped slots: they sort after every expert and are not counted.
     """
     op = "routing_metadata"
-    ext = _require_ext(op)
-    _check(expert_ids, "expert_ids", op, dtypes=_ID_DTYPES, dim=2)
+    ext = require_ext(op)
+    check(expert_ids, "expert_ids", op, dtypes=ID_DTYPES, dim=2)
     if not 1 <= num_experts <= ext.routing_max_experts():
         raise ValueError(f"{op}: num_experts must be in [1, {ext.routing_max_experts()}], got {num_experts}")
     tokens, top_k = expert_ids.shape
@@ -39,7 +44,7 @@ def ext_routing_metadata(expert_ids: torch.Tensor, num_experts: int):
     row_map = torch.empty(tokens, top_k, dtype=torch.int64, device=dev)
     sorted_slots = torch.empty(num_slots, dtype=torch.int64, device=dev)
     sorted_tokens = torch.empty(num_slots, dtype=torch.int64, device=dev)
-    _launch(
+    launch(
         dev,
         "routing_metadata",
         False,
@@ -67,17 +72,17 @@ def ext_permute_rows(
 ) -> torch.Tensor:
     """out[r] = x[src_row[r]] for x [T, H] (any dtype), src_row [R] int64; an index outside [0, T) gives a zero row."""
     op = "permute_rows"
-    _require_ext(op)
+    require_ext(op)
     host = host_emulation
-    _check(x, "x", op, dim=2, host=host)
-    _check(src_row, "src_row", op, device=x.device, dtypes=[torch.int64], dim=1, host=host)
+    check(x, "x", op, dim=2, host=host)
+    check(src_row, "src_row", op, device=x.device, dtypes=[torch.int64], dim=1, host=host)
     shape = (src_row.shape[0], x.shape[1])
     if out is None:
         out = torch.empty(shape, dtype=x.dtype, device=x.device)
     else:
-        _check_out(out, shape, x.dtype, x.device, op, host=host)
+        check_out(out, shape, x.dtype, x.device, op, host=host)
     row_bytes = x.shape[1] * x.element_size()
-    _launch(
+    launch(
         x.device,
         "permute_rows",
         host,
@@ -105,10 +110,10 @@ def ext_unpermute_combine(
     [0, R) contributes nothing (a dropped slot).
     """
     op, host = "unpermute_combine", host_emulation
-    _require_ext(op)
-    _check(y, "y", op, dtypes=list(_COMBINE_DTYPES), dim=2, host=host)
-    _check(row_of_slot, "row_of_slot", op, device=y.device, dtypes=[torch.int64], dim=2, host=host)
-    _check(weights, "weights", op, device=y.device, dtypes=[torch.float32], dim=2, host=host)
+    require_ext(op)
+    check(y, "y", op, dtypes=list(COMBINE_DTYPES), dim=2, host=host)
+    check(row_of_slot, "row_of_slot", op, device=y.device, dtypes=[torch.int64], dim=2, host=host)
+    check(weights, "weights", op, device=y.device, dtypes=[torch.float32], dim=2, host=host)
     if weights.shape != row_of_slot.shape:
         raise ValueError(
             f"{op}: weights must have row_of_slot's shape {tuple(row_of_slot.shape)}, got {tuple(weights.shape)}"
@@ -118,8 +123,8 @@ def ext_unpermute_combine(
     if out is None:
         out = torch.empty(shape, dtype=y.dtype, device=y.device)
     else:
-        _check_out(out, shape, y.dtype, y.device, op, host=host)
-    _launch(
+        check_out(out, shape, y.dtype, y.device, op, host=host)
+    launch(
         y.device,
         "unpermute_combine",
         host,
@@ -131,6 +136,6 @@ def ext_unpermute_combine(
         tokens,
         top_k,
         y.shape[1],
-        _COMBINE_DTYPES[y.dtype],
+        COMBINE_DTYPES[y.dtype],
     )
     return out

@@ -1,6 +1,6 @@
 """Plain-torch reference for flash attention on the packed (varlen) form, forward and backward.
 
-This is the CPU backend of ``xorl_kernels.flash_attention`` (and the debugging backend on GPU with
+This is the CPU backend of ``xorl_kernels.flash_attn`` (and the debugging backend on GPU with
 ``XORL_FORCE_REFERENCE=1``). It works on the canonical packed form that the public layer
 normalises every call to:
 

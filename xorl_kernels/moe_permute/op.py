@@ -1,0 +1,195 @@
+"""Token permute / unpermute for mixture-of-experts: the op, its kernels and its plain-torch reference.
+
+``permute_tokens(x, expert_ids, num_experts) -> (x_sorted, row_map, tokens_per_expert)``
+    x [T, H], expert_ids [T, K] (integer, each in [0, num_experts)). Every (token, k) slot gets
+    one row of ``x_sorted`` [T*K, H]; rows are grouped by expert (expert 0 first) and, inside an
+    expert, ordered by slot index t*K + k (a stable sort, so the layout is deterministic).
+    ``row_map`` [T, K] int64: ``x_sorted[row_map[t, k]] == x[t]``. ``tokens_per_expert`` [E] int64.
+
+``unpermute_tokens(y_sorted, row_map, weights=None) -> y``
+    ``y[t] = sum_k weights[t, k] * y_sorted[row_map[t, k]]``, accumulated in fp32 in k order (no
+    atomics, bitwise deterministic), returned in ``y_sorted.dtype``. ``weights=None`` means 1.
+
+Both are differentiable; the backward of one is the other: grad_x = unpermute(grad_x_sorted,
+row_map, 1); grad_y_sorted[row_map[t, k]] = weights[t, k] * grad_y[t]; and the weights get
+grad_w[t, k] = <grad_y[t], y_sorted[row_map[t, k]]> (fp32 dot).
+
+Dispatch (xorl_kernels.dispatch, once per call; ``backend=`` picks one by name): csrc kernels
+(CUDA tensors, extension built: routing metadata, row gather, weighted combine) -> Triton (CUDA
+tensors; always for the unpermute backward, which fuses the weight gradient, and for dtypes the
+csrc combine lacks) -> the plain-torch reference (CPU, or XORL_FORCE_REFERENCE=1; reference.py).
+No path reads a device value on the host: expert ids are range-checked only for CPU tensors (a
+check on GPU would sync), so out-of-range ids on GPU are undefined. All row addressing is int64 (T*K*H may exceed 2^31).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from xorl_kernels.dispatch import BACKENDS, CSRC, REFERENCE, pick_backend
+from xorl_kernels.moe_permute.csrc import ext_permute_rows, ext_unpermute_combine
+from xorl_kernels.moe_permute.reference import (
+    permute_rows_reference,
+    scatter_weighted_reference,
+    unpermute_combine_reference,
+)
+from xorl_kernels.moe_permute.routing import routing_metadata
+
+_CSRC_COMBINE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def new_empty(shape, dtype, device) -> torch.Tensor:
+    """Allocation of every output the kernels write; tests swap it for a NaN-filled one (poisoning)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _backend(t: torch.Tensor, requested: str | None) -> str:
+    return pick_backend("permute_tokens", [t], BACKENDS, requested)
+
+
+def _invert_permutation(perm: torch.Tensor) -> torch.Tensor:
+    """inv[perm[i]] = i. Every destination is written once, so the scatter is deterministic and,
+    unlike boolean or accumulate indexing, never syncs with the host."""
+    inv = torch.empty_like(perm)
+    return inv.scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
+
+
+# ---------------------------------------------------------------------------------------------
+# The three row moves, on the backend picked for the call
+# ---------------------------------------------------------------------------------------------
+
+
+def _gather_rows(src, index, backend):
+    if backend == REFERENCE:
+        return permute_rows_reference(src, index)
+    out = new_empty((index.numel(), src.shape[1]), src.dtype, src.device)
+    if backend == CSRC:
+        return ext_permute_rows(src, index, out=out)
+    from xorl_kernels.moe_permute import triton_kernels
+
+    return triton_kernels.gather_rows(src, index, out)
+
+
+def _combine(y_sorted, row_map, weights, backend):
+    if backend == REFERENCE:
+        return unpermute_combine_reference(y_sorted, row_map, weights)
+    out = new_empty((row_map.shape[0], y_sorted.shape[1]), y_sorted.dtype, y_sorted.device)
+    if backend == CSRC and y_sorted.dtype in _CSRC_COMBINE_DTYPES:
+        w = torch.ones(row_map.shape, device=y_sorted.device) if weights is None else weights.float()
+        return ext_unpermute_combine(y_sorted, row_map, w.contiguous(), out=out)
+    from xorl_kernels.moe_permute import triton_kernels
+
+    return triton_kernels.combine(y_sorted, row_map, weights, out)
+
+
+def _scatter_weighted(grad_y, row_map, sorted_slots, weights, y_sorted, need_weight_grad, backend):
+    grad_sorted = new_empty((row_map.numel(), grad_y.shape[-1]), y_sorted.dtype, grad_y.device)
+    if backend == REFERENCE:
+        return scatter_weighted_reference(grad_y, row_map, weights, y_sorted, need_weight_grad, out=grad_sorted)
+    # No csrc kernel for this one (a weighted gather fused with the weight-gradient dot): Triton.
+    from xorl_kernels.moe_permute import triton_kernels
+
+    grad_w = new_empty((row_map.numel(),), torch.float32, grad_y.device) if need_weight_grad else None
+    return triton_kernels.scatter_weighted(grad_y, sorted_slots, weights, y_sorted, grad_sorted, grad_w)
+
+
+# ---------------------------------------------------------------------------------------------
+# Autograd
+# ---------------------------------------------------------------------------------------------
+
+
+class _PermuteFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, sorted_tokens, row_map, backend):
+        ctx.save_for_backward(row_map)
+        ctx.backend = backend
+        return _gather_rows(x, sorted_tokens, backend)
+
+    @staticmethod
+    def backward(ctx, grad_sorted):
+        (row_map,) = ctx.saved_tensors
+        return _combine(grad_sorted.contiguous(), row_map, None, ctx.backend), None, None, None
+
+
+class _UnpermuteFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y_sorted, row_map, sorted_slots, weights, backend):
+        ctx.save_for_backward(y_sorted, row_map, sorted_slots, weights)
+        ctx.weights_dtype = None if weights is None else weights.dtype
+        ctx.backend = backend
+        return _combine(y_sorted, row_map, weights, backend)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        y_sorted, row_map, sorted_slots, weights = ctx.saved_tensors
+        need_w = weights is not None and ctx.needs_input_grad[3]
+        grad_sorted, grad_w = _scatter_weighted(
+            grad_y.contiguous(), row_map, sorted_slots, weights, y_sorted, need_w, ctx.backend
+        )
+        if grad_w is not None:
+            grad_w = grad_w.reshape(row_map.shape).to(ctx.weights_dtype)
+        return grad_sorted, None, None, grad_w, None
+
+
+# ---------------------------------------------------------------------------------------------
+# Public ops
+# ---------------------------------------------------------------------------------------------
+
+def permute_tokens(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, *, backend: str | None = None):
+    """Group the T*K (token, k) rows of ``x`` by expert. See the module docstring.
+
+    ``backend``: "csrc", "triton", "reference" or None (pick: xorl_kernels.dispatch)."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be [tokens, hidden], got shape {tuple(x.shape)}; reshape(-1, hidden) first")
+    if expert_ids.dim() != 2 or expert_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"expert_ids must be [tokens, top_k] with tokens={x.shape[0]}, got {tuple(expert_ids.shape)}")
+    if expert_ids.dtype.is_floating_point or expert_ids.dtype == torch.bool:
+        raise TypeError(f"expert_ids must be an integer tensor, got {expert_ids.dtype}")
+    if not x.dtype.is_floating_point:
+        raise TypeError(f"x must be a floating-point tensor, got {x.dtype}")
+    if expert_ids.device != x.device:
+        raise ValueError(f"x is on {x.device} but expert_ids on {expert_ids.device}")
+    if num_experts < 1:
+        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+    if not expert_ids.is_cuda and expert_ids.numel() > 0:
+        lo, hi = int(expert_ids.min()), int(expert_ids.max())
+        if lo < 0 or hi >= num_experts:
+            raise ValueError(f"expert_ids must lie in [0, num_experts={num_experts}), found values in [{lo}, {hi}]")
+    chosen = _backend(x, backend)
+    # The routing sort has a csrc kernel and a (sync-free) torch reference, no Triton one.
+    if expert_ids.dtype not in (torch.int32, torch.int64):
+        expert_ids = expert_ids.long()  # the routing sort takes int32 / int64 ids
+    meta = routing_metadata(expert_ids, num_experts, CSRC if chosen == CSRC else REFERENCE)
+    x_sorted = _PermuteFn.apply(x.contiguous(), meta.sorted_tokens, meta.row_map, chosen)
+    return x_sorted, meta.row_map, meta.tokens_per_expert
+
+
+def unpermute_tokens(
+    y_sorted: torch.Tensor, row_map: torch.Tensor, weights: torch.Tensor | None = None, *, backend: str | None = None
+):
+    """Gather the K expert outputs of every token back and sum them with ``weights`` (fp32).
+
+    ``backend``: as for permute_tokens."""
+    if y_sorted.dim() != 2:
+        raise ValueError(f"y_sorted must be [tokens*top_k, hidden], got shape {tuple(y_sorted.shape)}")
+    if row_map.dim() != 2 or row_map.dtype != torch.int64:
+        raise ValueError(
+            f"row_map must be the int64 [tokens, top_k] map from permute_tokens, got "
+            f"{row_map.dtype} {tuple(row_map.shape)}"
+        )
+    if y_sorted.shape[0] != row_map.numel():
+        raise ValueError(
+            f"y_sorted has {y_sorted.shape[0]} rows but row_map addresses {row_map.numel()} "
+            f"(tokens*top_k = {tuple(row_map.shape)}); pass the row_map returned with these rows"
+        )
+    if not y_sorted.dtype.is_floating_point:
+        raise TypeError(f"y_sorted must be a floating-point tensor, got {y_sorted.dtype}")
+    if weights is not None:
+        if weights.shape != row_map.shape:
+            raise ValueError(f"weights must have row_map's shape {tuple(row_map.shape)}, got {tuple(weights.shape)}")
+        if not weights.dtype.is_floating_point:
+            raise TypeError(f"weights must be floating point, got {weights.dtype}")
+        weights = weights.contiguous()
+    sorted_slots = _invert_permutation(row_map.reshape(-1))
+    chosen = _backend(y_sorted, backend)
+    return _UnpermuteFn.apply(y_sorted.contiguous(), row_map.contiguous(), sorted_slots, weights, chosen)
