@@ -20,9 +20,9 @@ def tiny_config(output_dir: str, model_type: str = "llama", **train) -> Config:
     if model_type == "qwen3_moe":
         m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size = 4, 2, 32
         m.norm_topk_prob = True
-        # Router losses are per-rank means (the micro-batch-local definition), which no sharded
-        # layout can match exactly; parity checks the language-model loss and every gradient.
-        m.router_aux_loss_coef = 0.0
+        # Router losses on: balanced over each whole microbatch (its context-parallel shards summed,
+        # model.router_balance_scope), which every layout computes as one process does.
+        m.router_aux_loss_coef = 0.01
     config.data.seq_len = 32
     config.data.micro_batch_size = 1
     t = config.train
@@ -45,6 +45,7 @@ def train_and_report(config: Config) -> dict:
     return {
         "losses": [r.loss for r in results],
         "grad_norms": [r.grad_norm for r in results],
+        "router_losses": [r.aux_loss for r in results],
         "weights": {k: v.detach().cpu().clone() for k, v in full.items()},
     }
 

@@ -120,9 +120,7 @@ def check_ep_times_fsdp(num_experts, top_k, as_dtensor) -> dict:
     """EP=2 x FSDP=2 on 4 ranks: mesh ("ep_fsdp", "ep"), experts sharded by fully_shard over ep_fsdp;
     as_dtensor: the experts are first DTensors over "ep" (2-D sharding, global [E, ...] shapes)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule
-
-    from xorl.plans.expert_parallel import shard_experts_with_fsdp
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep_fsdp", "ep"))
@@ -132,11 +130,16 @@ def check_ep_times_fsdp(num_experts, top_k, as_dtensor) -> dict:
     x_ref = x.clone().requires_grad_()
     (ref(x_ref) * grad).sum().backward()
 
-    ep = _build(num_experts, top_k, None, ep_group=mesh.get_group("ep"), seed=3)
-    if as_dtensor:
-        ep.experts.distribute_over(mesh["ep"])
+    if as_dtensor:  # the plan's way: all experts built, this rank's kept as DTensors over "ep"
+        ep = _build(num_experts, top_k, None, seed=3)
+        ep.distribute_experts(mesh["ep"])
+    else:  # the module's own way: only the local experts, plain tensors
+        ep = _build(num_experts, top_k, None, ep_group=mesh.get_group("ep"), seed=3)
     holder = torch.nn.ModuleDict({"moe": ep})
-    assert shard_experts_with_fsdp(holder, mesh) == 1
+    # FSDP over ep_fsdp with summed gradients, as plans/data_parallel.apply_fsdp does for experts.
+    fully_shard(ep.experts, mesh=mesh["ep_fsdp"])
+    ep.experts.set_gradient_divide_factor(1.0)
+    ep.experts.set_force_sum_reduction_for_comms(True)
     assert isinstance(ep.experts, FSDPModule)
     x_ep = x[mine].clone().requires_grad_()
     out = ep(x_ep)
@@ -145,8 +148,8 @@ def check_ep_times_fsdp(num_experts, top_k, as_dtensor) -> dict:
     report = {"out": _rel_err(out, ref(x[mine]).detach()), "x_grad": _rel_err(x_ep.grad, x_ref.grad[mine])}
     ep_group = mesh.get_group("ep")
     for name in ("gate_proj", "up_proj", "down_proj"):
-        # The reduce-scatter divides by ep_fsdp * ep = 4 (the data-parallel mean); undo it.
-        full = getattr(ep.experts, name).grad.full_tensor() * world
+        # Summed over every rank's tokens (the loss is a sum), like the single-process reference.
+        full = getattr(ep.experts, name).grad.full_tensor()
         if not as_dtensor:  # full_tensor() gathered ep_fsdp only: this EP rank's experts
             gathered = [torch.empty_like(full) for _ in range(mesh["ep"].size())]
             dist.all_gather(gathered, full.contiguous(), group=ep_group)
@@ -193,12 +196,12 @@ def check_plan_on_qwen3_moe_model(num_experts, use_mesh) -> dict:
     ref = build_model(config)
     torch.manual_seed(0)
     model = build_model(config)
-    if use_mesh:  # expert weights become DTensors over the 1-D "ep" mesh
-        from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import init_device_mesh
 
+    if use_mesh:  # the 1-D "ep" mesh
         ep = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
-    else:
-        ep = dist.group.WORLD
+    else:  # the 2-D EP mesh the trainer passes (ParallelState.ep_mesh), with an ep_fsdp dim of 1
+        ep = init_device_mesh("cpu", (1, world), mesh_dim_names=("ep_fsdp", "ep"))
     replaced = apply_expert_parallel(model, ep)
     gen = torch.Generator().manual_seed(2)
     ids = torch.randint(0, 97, (world, 6), generator=gen)
@@ -213,12 +216,8 @@ def check_plan_on_qwen3_moe_model(num_experts, use_mesh) -> dict:
     ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():
         g = p.grad.clone()
-        if use_mesh and ".experts." in name:
+        if ".experts." in name:
             g = g.full_tensor()
-        elif ".experts." in name:
-            parts = [torch.empty_like(g) for _ in range(world)]
-            dist.all_gather(parts, g.contiguous())
-            g = torch.cat(parts)
         else:
             dist.all_reduce(g)  # replicated parameter: sum of the per-rank token gradients
         report[name] = _rel_err(g, ref_params[name].grad)

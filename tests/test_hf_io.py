@@ -12,8 +12,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from tests.moe_reference import ReferenceExperts, ReferenceMoE
 from xorl.models import build_model, load_hf_weights, save_hf_weights
-from xorl.models.moe_reference import ReferenceExperts, ReferenceMoE
 
 
 def model_config(model_type: str, **overrides):

@@ -323,7 +323,7 @@ def test_bad_inputs_raise_clear_errors():
 @pytest.mark.parametrize("scoring, norm_topk_prob", [("softmax", False), ("sigmoid", True)])
 def test_reference_moe_block_matches_float64_formula(scoring, norm_topk_prob):
     """The block alone, including what transformers' Qwen3-MoE lacks (sigmoid scores, shared expert)."""
-    from xorl.models.moe_reference import ReferenceMoE
+    from tests.moe_reference import ReferenceMoE
 
     hidden, num_experts, top_k = 16, 5, 2
     block = ReferenceMoE(

@@ -79,4 +79,31 @@ def test_layout_matches_single_process(name, world_size, model_type, train, gloo
     assert ref["losses"][-1] < ref["losses"][0]  # it trains: the comparison is not between constants
     assert max_rel_diff(got["losses"], ref["losses"]) <= 1e-5, (got["losses"], ref["losses"])
     assert max_rel_diff(got["grad_norms"], ref["grad_norms"]) <= 1e-4
+    if model_type == "qwen3_moe":  # router losses on, balanced over each whole microbatch
+        assert all(x > 0 for x in ref["router_losses"])
+        assert max_rel_diff(got["router_losses"], ref["router_losses"]) <= 1e-5
+    assert weights_rel_diff(got["weights"], ref["weights"]) <= 1e-5
+
+
+def _moe_router_config(out: str, dp: int, mbs: int, ga: int, **model):
+    config = tiny_config(out, "qwen3_moe", gradient_accumulation_steps=ga, data_parallel_shard_size=dp,
+                         **({"expert_parallel_size": 2} if dp > 1 else {}))
+    config.data.micro_batch_size = mbs
+    for key, value in model.items():
+        setattr(config.model, key, value)
+    return config
+
+
+def test_router_global_batch_balance_and_expert_bias_match_one_process(gloo_world, tmp_path):
+    """router_balance_scope global_batch: FSDP 2 (EP 2) balances over both data ranks' microbatch of
+    a round, which one process sees as one microbatch of both rows; with router_expert_bias the
+    selection bias moves from the load of every rank. Losses, router losses and weights match."""
+    options = dict(router_balance_scope="global_batch", router_expert_bias=True, router_bias_update_rate=0.05)
+    ref = gloo_world(1).run(train_and_report, _moe_router_config(str(tmp_path / "one"), 1, 2, 2, **options))[0]
+    got = gloo_world(2).run(train_and_report, _moe_router_config(str(tmp_path / "two"), 2, 1, 2, **options))[0]
+    assert ref["losses"][-1] < ref["losses"][0] and all(x > 0 for x in ref["router_losses"])
+    assert max_rel_diff(got["losses"], ref["losses"]) <= 1e-5, (got["losses"], ref["losses"])
+    assert max_rel_diff(got["router_losses"], ref["router_losses"]) <= 1e-5
+    biases = [k for k in ref["weights"] if k.endswith("e_score_correction_bias")]
+    assert biases and any(ref["weights"][k].abs().sum() > 0 for k in biases)  # the bias moved
     assert weights_rel_diff(got["weights"], ref["weights"]) <= 1e-5

@@ -12,10 +12,10 @@ def rel_err(out, ref) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
 
 
-def reference_router(x, weight, top_k, score_func, norm_topk_prob, bias=None):
+def reference_router(x, weight, top_k, scoring, norm_topk_prob, bias=None):
     """float64 formulas, written out independently of xorl.nn.router."""
     logits = x.double() @ weight.double().t()
-    scores = logits.softmax(-1) if score_func == "softmax" else logits.sigmoid()
+    scores = logits.softmax(-1) if scoring == "softmax" else logits.sigmoid()
     probs = scores / scores.sum(-1, keepdim=True)
     selection = scores if bias is None else scores + bias.double()
     ids = selection.topk(top_k, dim=-1).indices
@@ -31,19 +31,19 @@ def reference_router(x, weight, top_k, score_func, norm_topk_prob, bias=None):
     return w, ids, lb, z, counts
 
 
-@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
-def test_router_matches_float64(score_func, norm_topk_prob):
+def test_router_matches_float64(scoring, norm_topk_prob):
     torch.manual_seed(0)
     hidden, num_experts, top_k, num_tokens = 24, 10, 3, 57
-    router = Router(hidden, num_experts, top_k, score_func=score_func, norm_topk_prob=norm_topk_prob)
+    router = Router(hidden, num_experts, top_k, scoring=scoring, norm_topk_prob=norm_topk_prob)
     with torch.no_grad():
         router.weight.normal_(std=0.5)
     x = torch.randn(num_tokens, hidden, requires_grad=True)
     out = router(x)
     x64 = x.detach().double().requires_grad_()
     w64 = router.weight.detach().double().requires_grad_()
-    w_ref, ids_ref, lb_ref, z_ref, counts_ref = reference_router(x64, w64, top_k, score_func, norm_topk_prob)
+    w_ref, ids_ref, lb_ref, z_ref, counts_ref = reference_router(x64, w64, top_k, scoring, norm_topk_prob)
 
     assert torch.equal(out.expert_ids, ids_ref)
     assert torch.equal(out.tokens_per_expert, counts_ref.long())
@@ -90,10 +90,10 @@ def test_expert_bias_steers_selection_only_and_updates_towards_balance():
     assert load.tolist() == [30, 30, 0, 0, 0, 0]
     expected = torch.tensor([5.0 - 0.01, 5.0 - 0.01, 0.01, 0.01, 0.01, 0.01])
     assert torch.allclose(router.e_score_correction_bias, expected)
-    assert router.load_since_update.sum() == 0
+    assert router.pending_load().sum() == 0
     router.eval()
     router(x)
-    assert router.load_since_update.sum() == 0  # no accumulation outside training
+    assert router.pending_load().sum() == 0  # no accumulation outside training
 
 
 def test_no_tokens_gives_zero_losses_not_nan():
@@ -104,8 +104,8 @@ def test_no_tokens_gives_zero_losses_not_nan():
 def test_clear_errors():
     with pytest.raises(ValueError, match="top_k must be in"):
         Router(8, 4, 5)
-    with pytest.raises(ValueError, match="score_func"):
-        Router(8, 4, 2, score_func="relu")
+    with pytest.raises(ValueError, match="scoring"):
+        Router(8, 4, 2, scoring="relu")
     with pytest.raises(ValueError, match="hidden_size=8"):
         Router(8, 4, 2)(torch.randn(3, 9))
     with pytest.raises(RuntimeError, match="expert_bias=True"):

@@ -64,6 +64,14 @@ class ModelConfig:
     router_aux_loss_coef: float = 0.001
     router_z_loss_coef: float = 0.0
     router_scoring: Literal["softmax", "sigmoid"] = "softmax"
+    # Which tokens the load-balancing statistics cover: "microbatch" (the whole microbatch, summed
+    # over its context-parallel shards: what one process computes, on every layout) or
+    # "global_batch" (Qwen: every data- and context-parallel rank's microbatch of the same round).
+    router_balance_scope: Literal["microbatch", "global_batch"] = "microbatch"
+    # DeepSeek-V3's auxiliary-loss-free balancing: a per-expert selection bias the trainer moves by
+    # router_bias_update_rate x sign(mean load - load) after every optimizer step.
+    router_expert_bias: bool = False
+    router_bias_update_rate: float = 1e-3
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)

@@ -36,6 +36,7 @@ def validate_config(config: Any, world_size: int) -> None:
     problems = parallel.problems()
     problems += _model_problems(config.model)
     problems += _attention_problems(config.model)
+    problems += _router_problems(config.model)
     problems += _data_problems(config.data, config.model)
     problems += _train_problems(config.train)
     problems += _export_problems(config.model, config.train)
@@ -317,6 +318,21 @@ def _export_problems(m: Any, t: Any) -> list[str]:
             f"{m.shared_expert_intermediate_size}: transformers' Qwen3MoeForCausalLM has no shared expert; "
             "set export_hf: false (the checkpoints keep the weights) or shared_expert_intermediate_size: 0"
         )
+    if m.router_expert_bias:
+        problems.append(
+            "train.export_hf=true with model.router_expert_bias=true: transformers' Qwen3MoeForCausalLM has no "
+            "expert selection bias, so the export would route differently; set export_hf: false or "
+            "router_expert_bias: false"
+        )
+    return problems
+
+
+def _router_problems(m: Any) -> list[str]:
+    problems = []
+    if m.router_expert_bias and m.num_experts == 0:
+        problems.append("model.router_expert_bias=true needs an MoE model (num_experts > 0); remove it")
+    if not m.router_bias_update_rate > 0:
+        problems.append(f"model.router_bias_update_rate={m.router_bias_update_rate} must be > 0")
     return problems
 
 

@@ -35,11 +35,15 @@ def parallelize_model(model: nn.Module, state, config) -> nn.Module:
         apply_context_parallel(model, ring_group=state.ring_group, ulysses_group=state.ulysses_group,
                                attn_backend=backend)
     if getattr(config.model, "num_experts", 0):
-        from xorl.plans.expert_parallel import apply_expert_parallel
+        from xorl.plans.expert_parallel import apply_expert_parallel, set_router_balance_group
 
-        # The EP mesh (not just its group): expert weights become DTensors of global shape [E, ...]
-        # sharded over "ep", so checkpoints and norms see every expert exactly once.
-        apply_expert_parallel(model, state.ep_mesh if state.ep_size > 1 else None)
+        if state.ep_size > 1:
+            # The EP mesh (not just its group): expert weights become DTensors of global shape
+            # [E, ...] sharded over "ep", so checkpoints and norms see every expert exactly once.
+            apply_expert_parallel(model, state.ep_mesh)
+        # Load balancing over the whole microbatch (its CP shards), or Qwen's global batch.
+        scope_group = state.cp_group if config.model.router_balance_scope == "microbatch" else state.dp_cp_group
+        set_router_balance_group(model, scope_group)
     mode = checkpointing_mode(train.activation_checkpointing)
     if mode != "none":
         apply_activation_checkpointing(model, mode, train.activation_checkpointing_every_n_layers)

@@ -39,6 +39,7 @@ from xorl.nn.tensor_parallel import sum_tp_partial_grads
 from xorl.optim import build_optimizer, set_schedule_step
 from xorl.parallelize import parallelize_model
 from xorl.plans.data_parallel import all_reduce_gradients
+from xorl.plans.expert_parallel import update_router_biases
 from xorl.plans.pipeline_parallel import build_schedule, split_into_stages
 from xorl.preflight import RunPlan, prepare_run
 from xorl.resume import apply_config_hparams
@@ -129,6 +130,10 @@ class Trainer:
                 dataset, config.data.micro_batch_size, config.train.gradient_accumulation_steps,
                 dp_rank=self.state.dp_rank, dp_size=self.state.dp_size,
             )
+        # Router load balancing is computed per group of ranks (model.router_balance_scope): the
+        # context-parallel shards of one microbatch, or every data x context rank's microbatch.
+        group_size = self.state.cp_size if config.model.router_balance_scope == "microbatch" else self.state.dp_cp_size
+        self._balance_groups = self.state.dp_cp_size // group_size
         self.step = 0
         self.elapsed_offset_s = 0.0  # training time before this start (metrics' ``time`` is cumulative)
         self._clock: float | None = None
@@ -251,7 +256,7 @@ class Trainer:
             pad_token_id=self.tokenizer.pad_id, shift_labels=False, pad_to=pad_to,
         )
         return {"input_ids": cp.input_ids, "labels": cp.labels, "position_ids": cp.position_ids,
-                "cu_seqlens": cp.cu_seqlens, "max_seqlen": cp.max_seqlen}
+                "cu_seqlens": cp.cu_seqlens, "max_seqlen": cp.max_seqlen, "token_mask": cp.token_mask}
 
     def _to_device(self, mb: dict) -> dict:
         """Host batch -> compute device: pinned memory and non-blocking copies, so the host runs ahead."""
@@ -298,6 +303,8 @@ class Trainer:
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
+        if self.config.model.router_expert_bias:  # auxiliary-loss-free balancing: one all-reduce
+            update_router_biases(self.parts, state.dp_cp_group)
         ga = len(microbatches)
         loss_total, aux_total, norm, tokens = torch.stack(
             [sums[0], sums[1], grad_norm.double(), n_tok.double()]
@@ -310,13 +317,12 @@ class Trainer:
             )
         has_aux = self.config.model.num_experts > 0
         result = StepResult(self.step, loss_value, norm, lr, int(tokens),
-                            aux_total / (ga * state.dp_cp_size) if has_aux else None)
+                            aux_total / (ga * self._balance_groups) if has_aux else None)
         self.step += 1
         return result
 
     def _forward_backward(self, microbatches: list[dict], n_tok: torch.Tensor):
         """Forward and backward of each microbatch; returns (label-loss sum, router-loss sum) on device."""
-        state = self.state
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         aux_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         ga = len(microbatches)
@@ -324,14 +330,14 @@ class Trainer:
         for mb in microbatches:
             out = self.model(
                 mb["input_ids"], position_ids=mb["position_ids"], cu_seqlens=mb["cu_seqlens"],
-                max_seqlen=mb["max_seqlen"],
+                max_seqlen=mb["max_seqlen"], token_mask=mb.get("token_mask"),
             )
             local_sum = token_loss_sum(out.logits, mb["labels"])
             loss = local_sum / denominator
             if out.router_loss is not None:
-                # Router losses are per-rank means; sum over ranks and microbatches of 1/(ga·dp_cp)
-                # of each is their mean, matching the "micro-batch local" definition.
-                loss = loss + out.router_loss / (ga * state.dp_cp_size)
+                # Each rank's router loss is its share of its balance group's loss (xorl/nn/router.py);
+                # summed over the group and averaged over the step's groups x microbatches.
+                loss = loss + out.router_loss / (ga * self._balance_groups)
                 aux_sum += out.router_loss.detach().double()
             loss.backward()
             loss_sum += local_sum.detach().double()
@@ -342,8 +348,8 @@ class Trainer:
         state = self.state
         ga = len(microbatches)
         side = [{"position_ids": mb["position_ids"], "cu_seqlens": mb["cu_seqlens"],
-                 "max_seqlen": mb["max_seqlen"]} for mb in microbatches]
-        self.pp_inputs.start_step(side, aux_scale=1.0 / (ga * state.dp_cp_size), device=self.device)
+                 "max_seqlen": mb["max_seqlen"], "token_mask": mb.get("token_mask")} for mb in microbatches]
+        self.pp_inputs.start_step(side, aux_scale=1.0 / (ga * self._balance_groups), device=self.device)
         for part in self.parts:
             part.reset_microbatch_counter()
         self._step_tokens = n_tok.clamp(min=1).to(torch.float32)

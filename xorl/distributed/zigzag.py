@@ -209,6 +209,7 @@ class ContextParallelBatch:
     cu_seqlens: torch.Tensor  # int32, GLOBAL boundaries of the padded packed sequence
     max_seqlen: int  # longest padded document
     num_pad_tokens: int  # padding added over the whole sequence (its labels are ignore_index)
+    token_mask: torch.Tensor | None = None  # [batch, local_len] bool, False on the padding added here
 
 
 def padded_document_lengths(doc_lens: Sequence[int], ring_size: int, ulysses_size: int = 1) -> list[int]:
@@ -276,7 +277,7 @@ def prepare_context_parallel_batch(
             )
         if extra:
             doc_lens, padded = doc_lens + [0], padded + [extra]
-    pad_ids, pad_labels, pad_pos = [], [], []
+    pad_ids, pad_labels, pad_pos, real = [], [], [], []
     src = 0
     for n, p in zip(doc_lens, padded):
         sl = slice(src, src + n)
@@ -285,10 +286,12 @@ def prepare_context_parallel_batch(
         pad_ids += [input_ids[:, sl], input_ids.new_full((batch, p - n), pad_token_id)]
         pad_labels += [labels[:, sl], labels.new_full((batch, p - n), ignore_index)]
         pad_pos += [position_ids[:, sl], last_pos + ramp]
+        real += [torch.ones(batch, n, dtype=torch.bool), torch.zeros(batch, p - n, dtype=torch.bool)]
         src += n
     new_cu = torch.tensor([0] + list(torch.tensor(padded).cumsum(0).tolist()), dtype=torch.int32)
-    full = [torch.cat(pad_ids, 1), torch.cat(pad_labels, 1), torch.cat(pad_pos, 1)]
-    ids, lab, pos = zigzag_shard(full, 1, ring, new_cu, ulysses)
+    full = [torch.cat(pad_ids, 1), torch.cat(pad_labels, 1), torch.cat(pad_pos, 1),
+            torch.cat(real, 1).to(input_ids.device)]
+    ids, lab, pos, mask = zigzag_shard(full, 1, ring, new_cu, ulysses)
     return ContextParallelBatch(
         input_ids=ids,
         labels=lab,
@@ -296,4 +299,7 @@ def prepare_context_parallel_batch(
         cu_seqlens=new_cu.to(input_ids.device),
         max_seqlen=max(padded),
         num_pad_tokens=(sum(padded) - total_len),
+        # Where padding was added: layers whose result depends on which tokens exist (MoE
+        # routing statistics) leave those tokens out, so every layout counts the same tokens.
+        token_mask=mask if sum(padded) != total_len else None,
     )

@@ -33,6 +33,7 @@ from xorl.models.attention import Attention
 from xorl.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
 from xorl.models.spec import ModelSpec
 from xorl.nn.cross_entropy import cross_entropy_sum
+from xorl.nn.moe import MoE
 
 IGNORE_INDEX = -100
 
@@ -50,7 +51,7 @@ class CausalLMOutput:
                       (already weighted, differentiable: add it to the LM loss); None on dense models
     router_stats      MoE only, detached, one row per MoE layer of this forward:
                       "moe_layers" (layer indices), "load_balancing_loss" [L] (Switch loss,
-                      uniform routing = 1; see moe_reference.router_losses), "z_loss" [L],
+                      uniform routing = 1; see tests/moe_reference.router_losses), "z_loss" [L],
                       "tokens_per_expert" [L, num_experts] int64
     """
 
@@ -100,9 +101,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         self.mlp = mlp
 
-    def forward(self, hidden, cos, sin, cu_seqlens=None, max_seqlen=None):
+    def forward(self, hidden, cos, sin, cu_seqlens=None, max_seqlen=None, token_mask=None):
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, cu_seqlens, max_seqlen)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        x = self.post_attention_layernorm(hidden)
+        # token_mask (False on padding the context-parallel split added) only matters to an MoE
+        # block's routing statistics; a dense MLP is per token anyway.
+        if token_mask is not None and isinstance(self.mlp, MoE):
+            return hidden + self.mlp(x, token_mask=token_mask)
+        return hidden + self.mlp(x)
 
 
 class DecoderModel(nn.Module):
@@ -115,7 +121,7 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(spec.head_dim, spec.rope_theta)
 
-    def forward(self, input_ids, position_ids=None, cu_seqlens=None, max_seqlen=None):
+    def forward(self, input_ids, position_ids=None, cu_seqlens=None, max_seqlen=None, token_mask=None):
         if self.embed_tokens is not None:
             if input_ids.dtype.is_floating_point:
                 raise TypeError("input_ids must be integer token ids [batch, seq]")
@@ -145,7 +151,7 @@ class DecoderModel(nn.Module):
         cos, sin = self.rotary_emb(position_ids, hidden.dtype)
         for layer in self.layers:
             if layer is not None:
-                hidden = layer(hidden, cos, sin, cu_seqlens, max_seqlen)
+                hidden = layer(hidden, cos, sin, cu_seqlens, max_seqlen, token_mask)
         if self.norm is not None:
             hidden = self.norm(hidden)
         return hidden
@@ -189,8 +195,9 @@ class DecoderForCausalLM(nn.Module):
                 module.init_weights(std)
         self.tie_weights()
 
-    def forward(self, input_ids, position_ids=None, labels=None, cu_seqlens=None, max_seqlen=None):
-        hidden = self.model(input_ids, position_ids, cu_seqlens, max_seqlen)
+    def forward(self, input_ids, position_ids=None, labels=None, cu_seqlens=None, max_seqlen=None,
+                token_mask=None):
+        hidden = self.model(input_ids, position_ids, cu_seqlens, max_seqlen, token_mask)
         logits = self.lm_head(hidden) if self.lm_head is not None else hidden
         output = CausalLMOutput(logits=logits)
         if labels is not None:

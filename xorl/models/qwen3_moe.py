@@ -13,24 +13,26 @@ from torch import nn
 
 from xorl.models.decoder import DecoderForCausalLM, hf_decoder_config
 from xorl.models.layers import SwiGLUMLP
-from xorl.models.moe_reference import ReferenceMoE
 from xorl.models.spec import ModelSpec
+from xorl.nn.moe import MoE
 
 
 class Qwen3MoeForCausalLM(DecoderForCausalLM):
     def build_mlp(self, spec: ModelSpec, layer_idx: int) -> nn.Module:
         if not spec.is_moe_layer(layer_idx):
             return SwiGLUMLP(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias)
-        return ReferenceMoE(
-            hidden_size=spec.hidden_size,
-            num_experts=spec.num_experts,
-            top_k=spec.num_experts_per_tok,
-            intermediate_size=spec.moe_intermediate_size,
+        return MoE(
+            spec.hidden_size,
+            spec.num_experts,
+            spec.num_experts_per_tok,
+            spec.moe_intermediate_size,
             norm_topk_prob=spec.norm_topk_prob,
             scoring=spec.router_scoring,
+            expert_bias=spec.router_expert_bias,
+            bias_update_rate=spec.router_bias_update_rate,
+            shared_expert_intermediate_size=spec.shared_expert_intermediate_size,
             aux_loss_coef=spec.router_aux_loss_coef,
             z_loss_coef=spec.router_z_loss_coef,
-            shared_expert_intermediate_size=spec.shared_expert_intermediate_size,
         )
 
 

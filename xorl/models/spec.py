@@ -63,6 +63,8 @@ class ModelSpec:
     shared_expert_intermediate_size: int = 0  # > 0: a Qwen2-MoE-style gated shared expert
     router_aux_loss_coef: float = 0.0
     router_z_loss_coef: float = 0.0
+    router_expert_bias: bool = False  # DeepSeek-V3's auxiliary-loss-free balancing bias
+    router_bias_update_rate: float = 1e-3
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = field(default_factory=tuple)
 
@@ -142,6 +144,8 @@ class ModelSpec:
                 shared_expert_intermediate_size=int(_get(config, "shared_expert_intermediate_size", 0)),
                 router_aux_loss_coef=float(_get(config, "router_aux_loss_coef", 0.0)),
                 router_z_loss_coef=float(_get(config, "router_z_loss_coef", 0.0)),
+                router_expert_bias=bool(_get(config, "router_expert_bias", False)),
+                router_bias_update_rate=float(_get(config, "router_bias_update_rate", 1e-3)),
                 decoder_sparse_step=sparse_step,
                 mlp_only_layers=tuple(int(i) for i in _get(config, "mlp_only_layers", ())),
             )

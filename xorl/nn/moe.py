@@ -63,7 +63,7 @@ class MoE(nn.Module):
     Args:
         hidden_size, num_experts, top_k, moe_intermediate_size: the layer's shapes.
         norm_topk_prob: renormalise the top-k weights (Qwen3-MoE: true).
-        score_func: "softmax" or "sigmoid" router scores (fp32).
+        scoring: "softmax" or "sigmoid" router scores (fp32) (the config's ``router_scoring``).
         expert_bias, bias_update_rate: auxiliary-loss-free balancing (see ``Router.update_bias``).
         shared_expert_intermediate_size: > 0 adds a Qwen2-MoE shared expert with a sigmoid gate.
         aux_loss_coef, z_loss_coef: weights of the two losses in ``last_aux_loss``.
@@ -78,7 +78,7 @@ class MoE(nn.Module):
         moe_intermediate_size: int,
         *,
         norm_topk_prob: bool = True,
-        score_func: str = "softmax",
+        scoring: str = "softmax",
         expert_bias: bool = False,
         bias_update_rate: float = 1e-3,
         shared_expert_intermediate_size: int = 0,
@@ -89,7 +89,7 @@ class MoE(nn.Module):
         dtype=None,
     ):
         super().__init__()
-        check_router_args(num_experts, top_k, score_func)
+        check_router_args(num_experts, top_k, scoring)
         self.ep_group = ep_group
         self.ep_size = 1 if ep_group is None else dist.get_world_size(ep_group)
         self.ep_rank = 0 if ep_group is None else dist.get_rank(ep_group)
@@ -109,7 +109,7 @@ class MoE(nn.Module):
             hidden_size,
             num_experts,
             top_k,
-            score_func=score_func,
+            scoring=scoring,
             norm_topk_prob=norm_topk_prob,
             expert_bias=expert_bias,
             bias_update_rate=bias_update_rate,
@@ -129,17 +129,36 @@ class MoE(nn.Module):
         self.last_stats: dict[str, torch.Tensor] = {}
         self._register_load_state_dict_pre_hook(self._slice_full_experts)
 
+    def distribute_experts(self, ep_mesh) -> None:
+        """Expert parallelism over the 1-D ``ep_mesh``: keep this rank's ``E / ep`` experts as
+        DTensors of global shape [E, ...] (so checkpoints and norms see each expert once) and
+        dispatch tokens over its group. Called once, on a block holding all E experts."""
+        if self.ep_size != 1:
+            raise RuntimeError("distribute_experts: this MoE is already expert-parallel")
+        size = ep_mesh.size()
+        if self.num_experts % size:
+            raise ValueError(
+                f"num_experts={self.num_experts} is not divisible by the expert-parallel size {size}: "
+                "set expert_parallel_size to a divisor of num_experts"
+            )
+        self.experts.distribute_over(ep_mesh)
+        self.ep_group = ep_mesh.get_group()
+        self.ep_size, self.ep_rank = size, ep_mesh.get_local_rank()
+        self.num_local_experts = self.num_experts // size
+
     @property
     def local_expert_range(self) -> tuple[int, int]:
         """[first, last) global ids of the experts this rank holds."""
         first = self.ep_rank * self.num_local_experts
         return first, first + self.num_local_experts
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``token_mask`` (bool, the shape of ``hidden_states`` without its last dim): tokens to leave
+        out of the routing statistics (padding); they are still routed and computed."""
         if hidden_states.shape[-1] != self.hidden_size:
             raise ValueError(f"hidden_states last dim must be {self.hidden_size}, got {tuple(hidden_states.shape)}")
         x = hidden_states.reshape(-1, self.hidden_size)
-        routed = self.gate(x)
+        routed = self.gate(x, None if token_mask is None else token_mask.reshape(-1))
         out = expert_parallel_moe(
             x,
             routed.expert_ids,

@@ -2,7 +2,7 @@
 
 Supported layouts (the expert weights are returned as [E, in, out], the xorl layout):
 
-* xorl Qwen3-MoE reference block: ``experts.gate_proj`` / ``up_proj`` [E, hidden, I],
+* xorl layout (xorl.nn.MoE, the reference block in tests/): ``experts.gate_proj`` / ``up_proj`` [E, hidden, I],
   ``experts.down_proj`` [E, I, hidden]; ``gate`` a Linear or router with ``weight`` [E, hidden].
 * ``transformers`` >= 5 (Qwen3MoeSparseMoeBlock, Qwen2MoeSparseMoeBlock): ``experts.gate_up_proj``
   [E, 2I, hidden] (gate rows first, then up; [out, in]) and ``experts.down_proj`` [E, hidden, I].
@@ -67,9 +67,9 @@ def describe_block(block: nn.Module) -> dict:
     norm = _lookup(block, ("norm_topk_prob",))
     if norm is not _MISSING:
         spec["norm_topk_prob"] = bool(norm)
-    scoring = _lookup(block, ("score_func", "scoring", "router_scoring"))
+    scoring = _lookup(block, ("scoring", "router_scoring", "scoring_func", "score_func"))  # others' names too
     if scoring is not _MISSING:
-        spec["score_func"] = str(scoring)
+        spec["scoring"] = str(scoring)
     for ours, names in (
         ("aux_loss_coef", ("aux_loss_coef", "router_aux_loss_coef")),
         ("z_loss_coef", ("z_loss_coef", "router_z_loss_coef")),

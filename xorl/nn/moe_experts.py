@@ -1,9 +1,10 @@
 """The experts of an MoE layer as three stacked weights and three grouped GEMMs.
 
-Parameter names and layouts are those of the xorl Qwen3-MoE reference block ([groups, in, out]):
-``gate_proj``, ``up_proj`` [E, hidden, moe_intermediate] and ``down_proj`` [E, moe_intermediate,
-hidden], so a state dict loads unchanged. Under expert parallelism the module holds only this
-rank's ``E / ep_size`` experts (the stacked dim 0 is the local expert index).
+Parameter names and layouts ([groups, in, out]): ``gate_proj``, ``up_proj`` [E, hidden,
+moe_intermediate] and ``down_proj`` [E, moe_intermediate, hidden] (the reference block in
+tests/moe_reference.py has the same, so a state dict loads unchanged). Under expert parallelism
+the module holds only this rank's ``E / ep_size`` experts (the stacked dim 0 is the local expert
+index).
 
 Why a module of its own: FSDP2 (``fully_shard`` over the ep_fsdp mesh) gathers parameters in the
 pre-forward hook of the module it wraps, so the expert weights must be used inside this module's
@@ -55,19 +56,30 @@ class GroupedExperts(nn.Module):
             nn.init.normal_(p, std=std)
 
     def distribute_over(self, ep_mesh) -> None:
-        """Turn the local expert weights into DTensors of global shape [E, ...] sharded on dim 0 over
-        the 1-D EP mesh (rank r of the mesh holds experts [r*E_local, (r+1)*E_local)). Forward uses the
-        local shard; FSDP2 over the ep_fsdp dim of the same parent mesh composes with it (2-D)."""
+        """Keep this rank's experts as DTensors of global shape [E, ...] sharded on dim 0 over the 1-D
+        EP mesh (rank r holds experts [r*E/ep, (r+1)*E/ep)). Call it on the full module (all E
+        experts; on the meta device nothing is allocated). Forward uses the local shard; FSDP2 over
+        the ep_fsdp dim of the same parent mesh composes with it (2-D)."""
         from torch.distributed.tensor import Shard
 
         if ep_mesh.ndim != 1:
             raise ValueError(f"distribute_over needs the 1-D EP mesh (ep_mesh['ep']), got a {ep_mesh.ndim}-D mesh")
+        size, rank = ep_mesh.size(), ep_mesh.get_local_rank()
+        if self.num_experts % size:
+            raise ValueError(f"{self.num_experts} experts do not split over an EP size of {size}")
+        local_n = self.num_experts // size
+        first = rank * local_n
+        shards = {}
         for name in ("gate_proj", "up_proj", "down_proj"):
-            local = getattr(self, name)
-            if isinstance(local, DTensor):
+            full = getattr(self, name)
+            if isinstance(full, DTensor):
                 raise RuntimeError(f"experts.{name} is already a DTensor; distribute_over runs once")
-            dt = DTensor.from_local(local.detach(), ep_mesh, [Shard(0)], run_check=False)
-            setattr(self, name, nn.Parameter(dt, requires_grad=local.requires_grad))
+            # A copy of this rank's rows, so the full tensor is freed.
+            local = full.detach()[first:first + local_n].clone()
+            shards[name] = nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False),
+                                        requires_grad=full.requires_grad)
+        self.gate_proj, self.up_proj, self.down_proj = shards["gate_proj"], shards["up_proj"], shards["down_proj"]
+        self.num_experts = local_n
 
     def forward(self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """x_sorted [N, hidden] grouped by local expert, tokens_per_expert [num_experts] -> [N, hidden]."""

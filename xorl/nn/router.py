@@ -13,6 +13,14 @@ Two auxiliary losses are computed on every forward and returned unscaled:
   returns ``K`` times this value (it divides the counts by T, not T * K).
 * router z-loss (ST-MoE): ``z = mean_t logsumexp_e(logits[t])^2``.
 
+Which tokens the statistics cover (``balance_group``): by default this rank's tokens. Set it to a
+process group and the expert counts and the token count are summed over that group (one small
+all-reduce per layer, on the device) before f_e, P_e and z are formed, while each rank's
+differentiable part stays its own tokens' share; summed over the group, the parts give the loss
+of all the group's tokens. With the context-parallel group this is the loss of the whole
+microbatch, exactly what one process computes (``router_balance_scope: microbatch``); with the
+data x context group, Qwen's global-batch balancing (``global_batch``).
+
 The auxiliary-loss-free balancing of DeepSeek-V3 is an option (``expert_bias=True``): a bias per
 expert is added to the scores for *selection only* (the weights stay the unbiased scores); the
 load seen since the last update is accumulated in forward, and :meth:`Router.update_bias` (call it
@@ -28,7 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-SCORE_FUNCS = ("softmax", "sigmoid")
+SCORINGS = ("softmax", "sigmoid")
 
 
 @dataclass
@@ -41,7 +49,7 @@ class RouterOutput:
     z_loss: torch.Tensor  # scalar fp32, differentiable through the logits
 
 
-def check_router_args(num_experts: int, top_k: int, score_func: str) -> None:
+def check_router_args(num_experts: int, top_k: int, scoring: str) -> None:
     if num_experts < 1:
         raise ValueError(f"num_experts must be >= 1, got {num_experts}")
     if not 1 <= top_k <= num_experts:
@@ -49,15 +57,20 @@ def check_router_args(num_experts: int, top_k: int, score_func: str) -> None:
             f"top_k must be in [1, num_experts={num_experts}], got top_k={top_k}: "
             "lower top_k (num_experts_per_tok) or add experts"
         )
-    if score_func not in SCORE_FUNCS:
-        raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
+    if scoring not in SCORINGS:
+        raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
 
 
-def count_tokens_per_expert(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """[E] int64 histogram of ``expert_ids``; scatter_add keeps it on device (bincount would sync)."""
+def count_tokens_per_expert(expert_ids: torch.Tensor, num_experts: int,
+                            token_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """[E] int64 histogram of ``expert_ids`` [T, K] (only the tokens of ``token_mask`` [T] if given);
+    scatter_add keeps it on device (bincount would sync)."""
     flat = expert_ids.reshape(-1).long()
     counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
-    return counts.scatter_add_(0, flat, torch.ones_like(flat))
+    ones = torch.ones_like(flat)
+    if token_mask is not None:
+        ones = ones * token_mask.repeat_interleave(expert_ids.shape[-1]).long()
+    return counts.scatter_add_(0, flat, ones)
 
 
 class Router(nn.Module):
@@ -65,7 +78,7 @@ class Router(nn.Module):
 
     Args:
         hidden_size, num_experts, top_k: shapes of the routing problem.
-        score_func: "softmax" (default, Qwen3-MoE) or "sigmoid" (DeepSeek-V3).
+        scoring: "softmax" (default, Qwen3-MoE) or "sigmoid" (DeepSeek-V3).
         norm_topk_prob: renormalise the K chosen weights to sum to 1.
         expert_bias: enable auxiliary-loss-free balancing (bias for selection only).
         bias_update_rate: step of :meth:`update_bias`.
@@ -76,7 +89,7 @@ class Router(nn.Module):
         hidden_size: int,
         num_experts: int,
         top_k: int,
-        score_func: str = "softmax",
+        scoring: str = "softmax",
         norm_topk_prob: bool = True,
         expert_bias: bool = False,
         bias_update_rate: float = 1e-3,
@@ -84,25 +97,26 @@ class Router(nn.Module):
         dtype=None,
     ):
         super().__init__()
-        check_router_args(num_experts, top_k, score_func)
+        check_router_args(num_experts, top_k, scoring)
         self.hidden_size = hidden_size
         self.num_experts = num_experts
         self.top_k = top_k
-        self.score_func = score_func
+        self.scoring = scoring
+        # Process group whose tokens the balancing statistics cover (None: this rank's); set by the
+        # expert-parallel plan from model.router_balance_scope.
+        self.balance_group: dist.ProcessGroup | None = None
         self.norm_topk_prob = norm_topk_prob
         self.bias_update_rate = bias_update_rate
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, device=device, dtype=dtype))
         if expert_bias:
             # Persistent: the bias is training state and must survive a checkpoint (DeepSeek-V3 name).
             self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, device=device))
-            self.register_buffer(
-                "load_since_update",
-                torch.zeros(num_experts, dtype=torch.int64, device=device),
-                persistent=False,
-            )
         else:
             self.e_score_correction_bias = None
-            self.load_since_update = None
+        # Tokens routed to each expert since the last bias update (expert_bias only). Not a buffer:
+        # a model built on the meta device and materialised with to_empty would leave a buffer
+        # uninitialised; this count is made (zeros, on the activations' device) at first use.
+        self.load_since_update: torch.Tensor | None = None
         self.init_weights(hidden_size**-0.5)
 
     @torch.no_grad()
@@ -110,9 +124,11 @@ class Router(nn.Module):
         nn.init.normal_(self.weight, std=std)
         if self.e_score_correction_bias is not None:
             self.e_score_correction_bias.zero_()
-            self.load_since_update.zero_()
+        self.load_since_update = None
 
-    def forward(self, hidden_states: torch.Tensor) -> RouterOutput:
+    def forward(self, hidden_states: torch.Tensor, token_mask: torch.Tensor | None = None) -> RouterOutput:
+        """``token_mask`` [T] bool: tokens that count in the balancing statistics and the load (all
+        when None); masked-out tokens (padding) are still routed."""
         if hidden_states.shape[-1] != self.hidden_size:
             raise ValueError(
                 f"hidden_states last dim must be hidden_size={self.hidden_size}, got shape {tuple(hidden_states.shape)}"
@@ -120,7 +136,7 @@ class Router(nn.Module):
         x = hidden_states.reshape(-1, self.hidden_size)
         # The matmul runs in the activation dtype (as in transformers); everything after it in fp32.
         logits = F.linear(x, self.weight.to(x.dtype)).float()
-        if self.score_func == "softmax":
+        if self.scoring == "softmax":
             scores = torch.softmax(logits, dim=-1)
             probs = scores
         else:
@@ -134,15 +150,32 @@ class Router(nn.Module):
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
 
-        tokens_per_expert = count_tokens_per_expert(expert_ids, self.num_experts)
+        if token_mask is None:
+            tokens_per_expert = count_tokens_per_expert(expert_ids, self.num_experts)
+            num_tokens = torch.full((1,), x.shape[0], dtype=torch.int64, device=x.device)
+        else:
+            tokens_per_expert = count_tokens_per_expert(expert_ids, self.num_experts, token_mask)
+            num_tokens = token_mask.sum().reshape(1).long()
+            probs = probs * token_mask.unsqueeze(-1)
+        counts = tokens_per_expert
+        if self.balance_group is not None and dist.get_world_size(self.balance_group) > 1:
+            # Expert counts and token count of every rank of the group, in one all-reduce.
+            both = torch.cat([counts, num_tokens])
+            dist.all_reduce(both, group=self.balance_group)
+            counts, num_tokens = both[:-1], both[-1:]
         # Sums over max(T, 1) rather than means: a rank with no tokens gets 0 losses, not NaN.
-        num_tokens = max(x.shape[0], 1)
-        fraction_routed = tokens_per_expert.float() / (num_tokens * self.top_k)
-        mean_probs = probs.sum(dim=0) / num_tokens
+        total = num_tokens.clamp(min=1).float()
+        fraction_routed = counts.float() / (total * self.top_k)
+        mean_probs = probs.sum(dim=0) / total  # this rank's share of the group's mean
         load_balancing_loss = self.num_experts * (fraction_routed * mean_probs).sum()
-        z_loss = torch.logsumexp(logits, dim=-1).square().sum() / num_tokens
+        z_terms = torch.logsumexp(logits, dim=-1).square()
+        if token_mask is not None:  # a multiply, not an index: no device-to-host read for the size
+            z_terms = z_terms * token_mask
+        z_loss = z_terms.sum() / total[0]
 
-        if self.load_since_update is not None and self.training:
+        if self.e_score_correction_bias is not None and self.training:
+            if self.load_since_update is None:
+                self.load_since_update = torch.zeros_like(tokens_per_expert)
             self.load_since_update += tokens_per_expert
         return RouterOutput(weights, expert_ids, logits, tokens_per_expert, load_balancing_loss, z_loss)
 
@@ -152,20 +185,32 @@ class Router(nn.Module):
 
         Pass the data-parallel ``group`` (all ranks that see different tokens for this router) so
         every rank applies the same update. Returns the load that was used (int64 [E]).
+        (The trainer updates every router in one all-reduce: plans/expert_parallel.update_router_biases.)
         """
         if self.e_score_correction_bias is None:
             raise RuntimeError("update_bias() needs Router(expert_bias=True)")
-        load = self.load_since_update.clone()
+        load = self.pending_load()
         if group is not None:
             dist.all_reduce(load, group=group)
+        self.apply_load(load)
+        return load
+
+    def pending_load(self) -> torch.Tensor:
+        """The tokens routed to each expert since the last update (int64 [E], zeros if none)."""
+        if self.load_since_update is None:
+            return torch.zeros(self.num_experts, dtype=torch.int64, device=self.e_score_correction_bias.device)
+        return self.load_since_update.clone()
+
+    @torch.no_grad()
+    def apply_load(self, load: torch.Tensor) -> None:
+        """bias += rate * sign(mean(load) - load), from an already summed load; resets the count."""
         error = load.float().mean() - load.float()
         self.e_score_correction_bias += self.bias_update_rate * torch.sign(error)
-        self.load_since_update.zero_()
-        return load
+        self.load_since_update = None
 
     def extra_repr(self) -> str:
         bias = ", expert_bias=True" if self.e_score_correction_bias is not None else ""
         return (
             f"hidden_size={self.hidden_size}, num_experts={self.num_experts}, top_k={self.top_k}, "
-            f"score_func={self.score_func}, norm_topk_prob={self.norm_topk_prob}{bias}"
+            f"scoring={self.scoring}, norm_topk_prob={self.norm_topk_prob}{bias}"
         )
