@@ -54,15 +54,15 @@ parallel, else 1; h hidden, hq / hkv query / KV width (heads x head_dim), I inte
   other: FSDP2's unsharded blocks in flight: the largest decoder layer (TP/EP-local size) x (2 p_u
   + g_u + 4 [fp32 reduce-scatter input, with bf16 gradients] + 4 [the previous layer's reduce-
   scatter]) with p_u = g_u = a, i.e. the running and the prefetched layer, its gradient and the
-  reduce-scatters; the root group (embedding, final norm, lm_head) is not resharded after forward
-  (FSDP2's rule for the root): x (p_u + g_u + 4); zero-bubble schedules keep the whole stage
-  unsharded with fp32 gradients: x (p_u + 4); fsdp_reshard_after_forward: never keeps every
-  layer's gathered weights to its backward: the stage x p_u plus one layer's gradient buffers.
-  Communication buffers: TP 2 a t h, Ulysses 2 a t (hq + 2 hkv) / tp, ring 2 a t 2hkv / tp + 4 t
-  hq / tp (fp32 merge), EP 2 a t k h, PP 2 a t h per microbatch in flight, ddp 128 MiB buckets;
-  256 MiB of kernel workspace. The optimizer step's foreach temporaries (4 bytes per local
-  parameter) come when activations are freed: other is the larger of the above and (temporaries -
-  activations).
+  reduce-scatters; the root group (embedding, final norm, lm_head) stays gathered through the
+  forward and the backward (its module wraps both) and holds lm_head's gradient from the start of
+  backward: x (p_u + g_u); zero-bubble schedules keep the whole stage unsharded with fp32
+  gradients: x (p_u + 4); fsdp_reshard_after_forward: never keeps every layer's gathered weights
+  to its backward: the stage x p_u plus one layer's gradient buffers. Communication buffers: TP 2
+  a t h, Ulysses 2 a t (hq + 2 hkv) / tp, ring 2 a t 2hkv / tp + 4 t hq / tp (fp32 merge), EP 2 a
+  t k h, PP 2 a t h per microbatch in flight, ddp 128 MiB buckets; 256 MiB of kernel workspace.
+  The optimizer step's foreach temporaries (4 bytes per local parameter) come when activations are
+  freed: other is the larger of the above and (temporaries - activations).
 """
 
 from __future__ import annotations
@@ -91,15 +91,29 @@ WORKSPACE_BYTES = 256 * 2**20
 DDP_BUCKET_BYTES = 2 * 64 * 2**20
 
 
+Params = tuple[tuple[str, tuple[int, ...]], ...]  # (name, shape) pairs
+
+
 @dataclass(frozen=True)
 class ModelShapes:
-    """Parameter shapes of the model xorl builds: per decoder layer, the embedding, the head."""
+    """Parameter shapes of the model xorl builds: per decoder layer, the embedding, the head.
 
-    layers: tuple[tuple[tuple[str, tuple[int, ...]], ...], ...]
-    first: tuple[tuple[str, tuple[int, ...]], ...]  # stage 0: model.embed_tokens.*
-    last: tuple[tuple[str, tuple[int, ...]], ...]  # last stage: model.norm.*, lm_head.*
+    Layers with the same parameters share a kind (dense / MoE), so sums run once per kind.
+    """
+
+    kinds: tuple[Params, ...]  # distinct decoder-layer parameter sets
+    layer_kind: tuple[int, ...]  # kind of each decoder layer
+    first: Params  # stage 0: model.embed_tokens.*
+    last: Params  # last stage: model.norm.*, lm_head.*
     num_params: int
     active_params: int  # per token: one top-k share of the experts
+
+    @property
+    def layers(self) -> tuple[Params, ...]:
+        return tuple(self.kinds[k] for k in self.layer_kind)
+
+    def is_moe_kind(self, kind: int) -> bool:
+        return any(name in EXPERT_PARAMS for name, _ in self.kinds[kind])
 
 
 @functools.lru_cache(maxsize=8)
@@ -130,8 +144,9 @@ def _shapes(model_fields: tuple) -> ModelShapes:
         else:
             (first if name.startswith("model.embed_tokens.") else last).append((name, tuple(p.shape)))
     top_k_share = spec.num_experts_per_tok / spec.num_experts if spec.is_moe else 1.0
-    return ModelShapes(tuple(tuple(x) for x in layers), tuple(first), tuple(last), total,
-                       round(total - experts * (1 - top_k_share)))
+    kinds = list(dict.fromkeys(tuple(x) for x in layers))
+    return ModelShapes(tuple(kinds), tuple(kinds.index(tuple(x)) for x in layers), tuple(first), tuple(last),
+                       total, round(total - experts * (1 - top_k_share)))
 
 
 def model_shapes(model_config) -> ModelShapes:
@@ -153,6 +168,11 @@ def local_numel(name: str, shape: tuple[int, ...], p: ParallelConfig, fsdp: bool
         chunk = -(-dims[0] // group)
         dims[0] = max(0, min(chunk, dims[0] - rank * chunk))
     return math.prod(dims)
+
+
+def kind_numel(kind: Params, p: ParallelConfig) -> int:
+    """Elements of one decoder layer after TP / EP, before FSDP: what FSDP2 all-gathers."""
+    return sum(local_numel(n, s, p, False, 0) for n, s in kind)
 
 
 @dataclass(frozen=True)
@@ -180,12 +200,12 @@ def rank_params(shapes: ModelShapes, p: ParallelConfig, schedule: str, virtual: 
     else:
         stages, has_first, has_last = [range(len(shapes.layers))], True, True
     layers = [i for stage in stages for i in stage]
+    per_kind = [(sum(local_numel(n, s, p, fsdp, shard_rank) for n, s in kind), kind_numel(kind, p))
+                for kind in shapes.kinds]
     local = unsharded = largest = 0
     for i in layers:
-        full = 0
-        for name, shape in shapes.layers[i]:
-            local += local_numel(name, shape, p, fsdp, shard_rank)
-            full += local_numel(name, shape, p, False, 0)
+        held, full = per_kind[shapes.layer_kind[i]]
+        local += held
         unsharded += full
         largest = max(largest, full)
     root = [*(shapes.first if has_first else ()), *(shapes.last if has_last else ())]
@@ -294,7 +314,8 @@ def estimate(config, p: ParallelConfig, shapes: ModelShapes, pp_rank: int, preci
     t = data.micro_batch_size * data.seq_len // p.cp
     m = train.gradient_accumulation_steps
     sp = train.sequence_parallel and p.tp > 1
-    per_layer = [activation_bytes_per_token(spec, spec.is_moe_layer(i), a, p.tp, sp) for i in rp.layers]
+    per_kind = [activation_bytes_per_token(spec, shapes.is_moe_kind(k), a, p.tp, sp) for k in range(len(shapes.kinds))]
+    per_layer = [per_kind[shapes.layer_kind[i]] for i in rp.layers]
     inflight = inflight_microbatches(schedule if p.pp > 1 else "", p.pp, m, v, pp_rank)
     mode, every = checkpointing(train)
     if mode == "full":  # xorl/parallelize.py checkpoints every n-th block of each model part
@@ -303,7 +324,8 @@ def estimate(config, p: ParallelConfig, shapes: ModelShapes, pp_rank: int, preci
                    for i, x in zip(rp.layers, per_layer))
         working = max(per_layer, default=0)
     elif mode == "selective":
-        kept = sum(selective_bytes_per_token(spec, spec.is_moe_layer(i), a, p.tp, sp) for i in rp.layers)
+        kept = sum(selective_bytes_per_token(spec, shapes.is_moe_kind(shapes.layer_kind[i]), a, p.tp, sp)
+                   for i in rp.layers)
         working = max(per_layer, default=0)  # one layer's element-wise ops recomputed at a time
     else:
         kept, working = sum(per_layer), 0
@@ -321,7 +343,7 @@ def estimate(config, p: ParallelConfig, shapes: ModelShapes, pp_rank: int, preci
             other += rp.stage_unsharded * a + rp.largest_layer_unsharded * (a + grad_copy + 4)
         else:
             other += rp.largest_layer_unsharded * (2 * a + a + grad_copy + 4)
-            other += rp.root_unsharded * (a + a + grad_copy)
+            other += rp.root_unsharded * (a + a)
     elif p.dp_cp > 1:
         other += DDP_BUCKET_BYTES
     other = max(int(other), 4 * rp.local - int(activations))

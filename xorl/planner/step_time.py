@@ -7,8 +7,8 @@ peak (--peak-tflops) and hbm (--hbm-gbps) the device's; a = bytes per activation
 Per decoder layer and microbatch, t tokens on the rank: q/k/v [t, (hq + 2hkv)/tp, h], o
 [t, h, hq/tp]; dense MLP gate, up and down together [t, 3I/tp, h]; MoE router [t, E, h], experts
 [t k, 3 I_moe, h] with all E/ep local expert weights read, a shared expert [t, 3 I_shared, h]
-(MoE runs whole on every TP rank: TP does not split it). Causal attention: 2 t seq hq d / tp
-FLOPs (each query sees seq / 2 keys on average; documents as long as the row, an upper bound
+(MoE runs whole on every TP rank: TP does not split it). Causal attention: 2 t seq hq / tp
+FLOPs (2 FLOPs x 2 matmuls x seq / 2 keys per query on average; documents as long as the row, an upper bound
 for packed data), its q/k/v/o bytes once. Elementwise work (norms, RoPE, SwiGLU, residuals)
 streams twice the layer's saved activations through HBM. Backward costs twice the forward; full
 recompute adds one more layer forward. The last stage adds lm_head [t, V, h] and the loss
@@ -46,7 +46,7 @@ from xorl.planner.memory import (
     ModelShapes,
     activation_bytes_per_token,
     checkpointing,
-    local_numel,
+    kind_numel,
     rank_params,
     reshards_after_forward,
 )
@@ -107,7 +107,7 @@ def _layer(spec, moe: bool, p: ParallelConfig, c: _Cost, t: int, seq: int, sp: b
     h, d, heads = spec.hidden_size, spec.head_dim, spec.num_attention_heads
     hq, hkv = heads * d, spec.num_key_value_heads * d
     gemm = c.gemm(t, (hq + 2 * hkv) / tp, h) + c.gemm(t, h, hq / tp)
-    attn = max(2 * t * seq * hq * d / tp / c.flops, a * t * (2 * hq + 2 * hkv) / tp / c.hbm)
+    attn = max(2 * t * seq * hq / tp / c.flops, a * t * (2 * hq + 2 * hkv) / tp / c.hbm)
     if moe:
         k, inter = spec.num_experts_per_tok, spec.moe_intermediate_size
         gemm += c.gemm(t, spec.num_experts, h)
@@ -142,25 +142,31 @@ def step_time(config, p: ParallelConfig, shapes: ModelShapes, hw: Hardware) -> S
     gathers = 2 if reshards_after_forward(train, p.pp) else 1  # all-gathers per layer and microbatch
     schedule, v = train.pipeline_parallel_schedule, train.virtual_pipeline_stages
     zero_bubble = p.pp > 1 and schedule in SPLIT_BACKWARD_SCHEDULES
+    per_kind = []  # (compute, exposed communication) of one layer of each kind, per microbatch
+    for k, kind in enumerate(shapes.kinds):
+        layer = _layer(spec, shapes.is_moe_kind(k), p, c, t, data.seq_len, sp)
+        compute = (forwards + 2) * layer.compute
+        exposed = (forwards + 1) * layer.comm + (forwards + 2) * layer.ring
+        if fsdp and not zero_bubble:
+            full = kind_numel(kind, p)
+            comm = c.collective((gathers * a + 4) * full, p.dp_shard_cp, p.tp)
+            comm += 2 * c.collective(4 * full / p.dp_shard_cp, p.dp_replicate, p.tp * p.dp_shard_cp)
+            exposed += max(0.0, comm - compute)
+        per_kind.append((compute, exposed))
     per_rank = []
     for r in range(p.pp):
         rp = rank_params(shapes, p, schedule, v, r, fsdp)
         compute = exposed = per_step = 0.0  # per microbatch, except per_step
         for i in rp.layers:
-            layer = _layer(spec, spec.is_moe_layer(i), p, c, t, data.seq_len, sp)
-            compute += (forwards + 2) * layer.compute
-            exposed += (forwards + 1) * layer.comm + (forwards + 2) * layer.ring
-            if fsdp and not zero_bubble:
-                full = sum(local_numel(n, s, p, False, 0) for n, s in shapes.layers[i])
-                comm = c.collective((gathers * a + 4) * full, p.dp_shard_cp, p.tp)
-                comm += 2 * c.collective(4 * full / p.dp_shard_cp, p.dp_replicate, p.tp * p.dp_shard_cp)
-                exposed += max(0.0, comm - (forwards + 2) * layer.compute)
+            layer_compute, layer_exposed = per_kind[shapes.layer_kind[i]]
+            compute += layer_compute
+            exposed += layer_exposed
         if rp.has_last:
             compute += 3 * c.gemm(t, spec.vocab_size, spec.hidden_size) + t * spec.vocab_size * (a + 12) / c.hbm
         if fsdp and zero_bubble:
             per_step += c.collective(rp.stage_unsharded * (a + 4), p.dp_shard_cp, p.tp)
         elif fsdp:
-            exposed += c.collective(rp.root_unsharded * (a + 4), p.dp_shard_cp, p.tp)
+            exposed += c.collective(rp.root_unsharded * (2 * a + 4), p.dp_shard_cp, p.tp)
         elif p.dp_cp > 1:
             per_step += 2 * c.collective(4 * rp.stage_unsharded, p.dp_cp, p.tp)
         if p.pp > 1:  # one activation each way per stage boundary
