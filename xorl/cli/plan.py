@@ -114,22 +114,23 @@ def _microbatches(config, gpus: int, tokens: int) -> int:
 
 
 def short_layout(layout: dict) -> str:
-    dp_mode, rep, shard = layout["data_parallel_mode"], layout["data_parallel_replicate_size"], \
-        layout["data_parallel_shard_size"]
-    name = {"fsdp2": "FSDP", "ddp": "DDP", "none": "DP"}[dp_mode]
-    parts = [f"HSDP{rep}x{shard}" if rep > 1 and dp_mode == "fsdp2" else f"{name}{rep * shard}"]
+    """e.g. ``hsdp:2x4 tp:4+sp pp:4x2 ring:2 ep:8 ac ga:16`` (field sizes; pp:PxV = V stages per rank)."""
+    mode, rep, shard = (layout[k] for k in ("data_parallel_mode", "data_parallel_replicate_size",
+                                            "data_parallel_shard_size"))
+    parts = [f"hsdp:{rep}x{shard}" if rep > 1 and mode == "fsdp2" else
+             f"{ {'fsdp2': 'fsdp', 'ddp': 'ddp', 'none': 'dp'}[mode]}:{rep * shard}"]
     if layout["tensor_parallel_size"] > 1:
-        parts.append(f"TP{layout['tensor_parallel_size']}" + ("+SP" if layout["sequence_parallel"] else ""))
+        parts.append(f"tp:{layout['tensor_parallel_size']}" + ("+sp" if layout["sequence_parallel"] else ""))
     if layout["pipeline_parallel_size"] > 1:
         v = layout.get("virtual_pipeline_stages", 1)
-        parts.append(f"PP{layout['pipeline_parallel_size']}" + (f"x{v}" if v > 1 else ""))
+        parts.append(f"pp:{layout['pipeline_parallel_size']}" + (f"x{v}" if v > 1 else ""))
     for key, name in (("ringattn_parallel_size", "ring"), ("ulysses_parallel_size", "uly"),
-                      ("expert_parallel_size", "EP")):
+                      ("expert_parallel_size", "ep")):
         if layout[key] > 1:
-            parts.append(f"{name}{layout[key]}")
+            parts.append(f"{name}:{layout[key]}")
     if layout["activation_checkpointing"] not in (False, "none"):
-        parts.append("AC")
-    parts.append(f"ga{layout['gradient_accumulation_steps']}")
+        parts.append("ac")
+    parts.append(f"ga:{layout['gradient_accumulation_steps']}")
     return " ".join(parts)
 
 

@@ -23,6 +23,7 @@ from xorl.config_error import ConfigError
 
 # config.json fields that are not xorl ModelConfig fields but change nothing the planner counts.
 _IGNORED_HF_FIELDS = ("rope_scaling",)
+_HF_ALIASES = {"num_local_experts": "num_experts"}  # transformers v5's Qwen3MoeConfig
 _COUNT = re.compile(r"^\s*(\d+(?:\.\d+)?(?:e\d+)?)\s*([kKmMbBtT]?)\s*$")
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
 
@@ -73,6 +74,9 @@ def _from_hf_folder(folder: str) -> ModelSource:
         )
     if hf.get("rope_theta") is None and isinstance(hf.get("rope_parameters"), dict):
         hf["rope_theta"] = hf["rope_parameters"].get("rope_theta")  # transformers v5 keeps it there
+    for old_name, name in _HF_ALIASES.items():  # names transformers has used for the same field
+        if hf.get(name) is None and hf.get(old_name) is not None:
+            hf[name] = hf[old_name]
     config = Config()
     source = f"{path}"
     for f in fields(ModelConfig):
