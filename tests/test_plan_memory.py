@@ -8,8 +8,10 @@ shapes; nothing is allocated). It runs in a subprocess so the test process keeps
 Which ranks: ranks 0, 1, 6 and 7 of small 8-rank worlds whose dims chunk unevenly (the first and
 last sharding ranks of each pipeline rank, so uneven counts are checked rank by rank, with the
 claim that sharding index 0 holds the most); for the examples at their
-stated world sizes, sharding index 0 of every pipeline rank (TP and EP split evenly, and FSDP2
-chunks dim 0 like torch.chunk, so the maximum over ranks is the maximum over those).
+stated world sizes, sharding index 0 of the first and the last pipeline rank (TP and EP split
+evenly, FSDP2 chunks dim 0 like torch.chunk, and the embedding and lm_head sit on the first and
+last stage; the middle ranks run the same kinds of layers, checked rank by rank on the small PP
+layouts). The two probes run side by side.
 Gradients are not built here: FSDP2's sharded gradient has the sharded parameter's shape and the
 master dtype, so their bytes follow the parameters'. The optimizer's state is built for real (an
 AdamW step on the meta device) on two small layouts (TP and EP DTensors under FSDP2).
@@ -21,6 +23,9 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
+
+import pytest
 
 from tests.test_examples import EXAMPLES, _world_size
 from xorl.config import Config, load_config
@@ -92,13 +97,43 @@ def _probe_main() -> None:
     json.dump(results, sys.stdout)
 
 
-def _probe(jobs: list) -> list[dict]:
-    proc = subprocess.run(
-        [sys.executable, "-c", "from tests.test_plan_memory import _probe_main; _probe_main()"],
-        input=json.dumps(jobs), capture_output=True, text=True, cwd=REPO_ROOT, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout)
+def _start_probe(jobs: list) -> subprocess.Popen:
+    with tempfile.NamedTemporaryFile("w+", suffix=".json") as f:
+        json.dump(jobs, f)
+        f.seek(0)
+        return subprocess.Popen(
+            [sys.executable, "-c", "from tests.test_plan_memory import _probe_main; _probe_main()"],
+            stdin=f, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT,
+        )
+
+
+def _result(proc: subprocess.Popen) -> list[dict]:
+    try:
+        out, err = proc.communicate(timeout=600)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-4000:]
+    return json.loads(out)
+
+
+def _small_jobs() -> list:
+    return [[_small_config(m, t).to_dict(), 8, SMALL_RANKS, opt] for m, t, opt in SMALL]
+
+
+def _example_jobs() -> list:
+    jobs = []
+    for path in EXAMPLES:
+        config, world = load_config(path), _world_size(path)
+        pp = config.train.pipeline_parallel_size
+        jobs.append([config.to_dict(), world, sorted({0, (pp - 1) * (world // pp)}), False])
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def probes():
+    """Both probes at once (CI has two cores): the small layouts and the examples."""
+    small, examples = _start_probe(_small_jobs()), _start_probe(_example_jobs())
+    return {"small": small, "examples": examples}
 
 
 def _planned(config: Config, world_size: int, pp_rank: int, shard_rank: int) -> int:
@@ -114,10 +149,9 @@ def _small_config(model: dict, train: dict) -> Config:
     return config
 
 
-def test_every_rank_of_small_layouts_matches_the_sharded_model():
+def test_every_rank_of_small_layouts_matches_the_sharded_model(probes):
     configs = [_small_config(model, train) for model, train, _ in SMALL]
-    jobs = [[c.to_dict(), 8, SMALL_RANKS, opt] for c, (_, _, opt) in zip(configs, SMALL)]
-    observed = iter(_probe(jobs))
+    observed = iter(_result(probes["small"]))
     for config, (_, train, with_optimizer) in zip(configs, SMALL):
         per_rank = [next(observed) for _ in SMALL_RANKS]
         for got in per_rank:
@@ -132,15 +166,11 @@ def test_every_rank_of_small_layouts_matches_the_sharded_model():
             assert len({g["numel"] for g in per_rank}) > 1
 
 
-def test_examples_at_their_world_size_match_the_sharded_model():
-    configs = [(load_config(path), _world_size(path)) for path in EXAMPLES]
-    jobs = []
-    for config, world in configs:
-        pp = config.train.pipeline_parallel_size
-        jobs.append([config.to_dict(), world, [r * (world // pp) for r in range(pp)], False])
-    observed = iter(_probe(jobs))
-    for path, (config, world) in zip(EXAMPLES, configs):
-        for _ in range(config.train.pipeline_parallel_size):
+def test_examples_at_their_world_size_match_the_sharded_model(probes):
+    observed = iter(_result(probes["examples"]))
+    for path, (config_dict, world, ranks, _) in zip(EXAMPLES, _example_jobs()):
+        config = Config.from_dict(config_dict)
+        for _ in ranks:
             got = next(observed)
             assert got["shard_rank"] == 0 and got["dtypes"] == ["torch.float32"]
             assert _planned(config, world, got["pp_rank"], 0) == got["numel"], (os.path.basename(path), got)
