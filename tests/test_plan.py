@@ -63,7 +63,8 @@ def test_ranking_lists_only_runnable_layouts_and_recommends_fsdp_alone_when_it_f
     fits = [c["fits"] for c in candidates]
     assert fits == sorted(fits, reverse=True)  # everything that fits comes first
     first = candidates[0]["layout"]
-    assert candidates[0]["fits"] and first["data_parallel_shard_size"] == 16  # 8B fits with FSDP2 alone
+    # 8B fits with FSDP2 alone (here HSDP: a node per FSDP group, cheaper than FSDP over IB)
+    assert candidates[0]["fits"] and first["data_parallel_replicate_size"] * first["data_parallel_shard_size"] == 16
     assert all(first[k] == 1 for k in ("tensor_parallel_size", "pipeline_parallel_size", "ringattn_parallel_size",
                                         "ulysses_parallel_size"))
     others = [c for c in candidates[1:] if c["layout"]["tensor_parallel_size"] > 1]
@@ -164,3 +165,13 @@ def test_unsupported_hf_model_type_is_refused(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mistral", "hidden_size": 64}))
     assert main([str(tmp_path), "--gpus", "8"]) == 2
     assert "model_type='mistral'" in capsys.readouterr().err
+
+
+def test_fsdp_alone_is_not_forced_when_it_is_much_slower(capsys):
+    # 30B on two nodes: FSDP2 alone fits, but every layer's all-gather crosses IB; TP x PP wins.
+    out = _plan_json(capsys, os.path.join(EXAMPLES, "llama_30b_fsdp_pp2.yaml"), "--gpus", "16")
+    first = out["candidates"][0]["layout"]
+    assert first["tensor_parallel_size"] > 1 or first["pipeline_parallel_size"] > 1
+    simple = [c for c in out["candidates"] if c["fits"] and c["layout"]["tensor_parallel_size"] == 1
+              and c["layout"]["pipeline_parallel_size"] == 1]
+    assert simple and min(c["step_time_s"] for c in simple) > 1.4 * out["candidates"][0]["step_time_s"]

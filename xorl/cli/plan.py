@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> tuple[list[Candidate], dict]:
     if "gradient_accumulation_steps" not in layout:  # the same global batch as the ranking would train
         config = with_layout(config, {"gradient_accumulation_steps": _microbatches(config, args.gpus, tokens)})
     candidate = evaluate(config, opts)
-    apply_simple_rule([candidate], config, fitting_simple_layout(config, opts, tokens))
+    apply_simple_rule([candidate], config, fitting_simple_layout(config, opts, tokens), candidate.time.total)
     candidate.why = "the layout asked for"
     return [candidate], header
 

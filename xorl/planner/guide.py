@@ -12,7 +12,8 @@ lower; pitfalls are warnings only):
   main scaling dimension), PP at most one stage per node (depth across nodes).
   Sequence length: up to 8K no context parallelism (sequence parallel with TP from 2K);
   8K-32K CP 2; 32K and beyond CP 4-8 (cp = ringattn x ulysses).
-  If FSDP2 alone (for MoE: FSDP2 with EP folded over it) fits, it is the recommendation and every
+  If FSDP2 alone (or HSDP; for MoE with EP folded over it) fits and its predicted step is within
+  40% of the fastest layout that fits (room for recompute), it is the recommendation and every
   other layout deviates.
   Pitfalls: Ulysses or EP all-to-all across nodes, FSDP across nodes without HSDP, PP without
   interleaving (with its bubble fraction), TP on an MoE model (redundant expert compute), TP
@@ -36,6 +37,7 @@ from xorl.planner.memory import Memory, ModelShapes, even_split_memory, model_sh
 from xorl.planner.step_time import Hardware, StepTime, bubble_fraction, step_time
 
 HEADROOM = 0.9
+TIGHT = 0.9  # of the usable memory: warn, the estimated terms could take the rest
 # (parameters below, TP sizes, PP sizes) of the dense-by-size rule
 SIZE_GUIDE = ((1e9, (1,), (1,)), (1e10, (2, 4), (1,)), (1e11, (4, 8), (2, 4)), (5e11, (8,), (4, 8, 16)),
               (math.inf, (8,), (8, 16, 32)))
@@ -136,6 +138,9 @@ def evaluate(config: Config, opts: Options, shapes: ModelShapes | None = None) -
     fits = memory.total <= opts.usable_bytes
     warnings = [] if fits else [f"does not fit: {_gb(memory.total)} GB per GPU (pipeline rank {memory.pp_rank}) "
                                 f"> {_gb(opts.usable_bytes)} GB usable"]
+    if fits and memory.total > TIGHT * opts.usable_bytes:
+        warnings.append(f"tight: {_gb(memory.total)} of {_gb(opts.usable_bytes)} GB usable, and activations and "
+                        "other buffers are estimates (scripts/plan_calibrate.py measures them on a GPU)")
     warnings += pitfalls(config, p, opts.hardware, shapes)
     return Candidate(layout_of(config, opts.gpus), config, memory, step_time(config, p, shapes, opts.hardware),
                      fits, warnings, deviations(config, p, shapes, opts.hardware))
@@ -216,12 +221,13 @@ def deviations(config: Config, p: ParallelConfig, shapes: ModelShapes, hw: Hardw
 
 
 def is_simple(layout: dict[str, Any], config: Config) -> bool:
-    """FSDP2 alone (for MoE, with EP folded over all of it)."""
-    ep_full = layout["expert_parallel_size"] == math.gcd(config.model.num_experts, layout["data_parallel_shard_size"]) \
-        if config.model.num_experts else True
-    return (layout["data_parallel_mode"] == "fsdp2" and layout["data_parallel_replicate_size"] == 1
-            and layout["tensor_parallel_size"] == 1 and layout["pipeline_parallel_size"] == 1
-            and layout["ringattn_parallel_size"] * layout["ulysses_parallel_size"] == 1 and ep_full)
+    """FSDP2 alone, or HSDP (for MoE, with EP folded over all of each FSDP group)."""
+    shard = layout["data_parallel_shard_size"]
+    experts = config.model.num_experts
+    return (layout["data_parallel_mode"] == "fsdp2" and layout["tensor_parallel_size"] == 1
+            and layout["pipeline_parallel_size"] == 1
+            and layout["ringattn_parallel_size"] * layout["ulysses_parallel_size"] == 1
+            and (not experts or layout["expert_parallel_size"] == math.gcd(experts, shard)))
 
 
 def _choices(values: tuple[int, ...]) -> str:

@@ -28,6 +28,10 @@ from xorl.planner.memory import model_shapes
 
 MAX_PP = 16
 MIN_TOKENS_PER_RANK = 1024
+# FSDP2 alone is recommended when it fits and is at most this much slower than the fastest layout:
+# room for full recompute's extra forward (4/3), which FSDP alone often needs, and for the TP
+# costs a roofline does not see (smaller matmuls, communication not fully hidden).
+SIMPLE_SLOWDOWN = 1.4
 
 
 def default_global_batch(config: Config, gpus: int) -> int:
@@ -106,41 +110,56 @@ def plan(config: Config, opts: Options) -> list[Candidate]:
 
 
 def fitting_simple_layout(config: Config, opts: Options, tokens: int) -> Candidate | None:
-    """FSDP2 alone (MoE: with EP over all of it), with or without checkpointing, if either fits."""
-    d, m = config.data, config.model
+    """The fastest FSDP2-alone layout that fits (one FSDP group, or HSDP with a node per group;
+    MoE: EP over all of it; with or without checkpointing), or None."""
+    d, m, per_node = config.data, config.model, opts.hardware.gpus_per_node
     if tokens % (d.micro_batch_size * d.seq_len * opts.gpus):
         return None
-    base = {"data_parallel_mode": "fsdp2", "data_parallel_replicate_size": 1, "data_parallel_shard_size": opts.gpus,
-            "tensor_parallel_size": 1, "sequence_parallel": False, "pipeline_parallel_size": 1,
-            "ringattn_parallel_size": 1, "ulysses_parallel_size": 1,
-            "expert_parallel_size": math.gcd(m.num_experts, opts.gpus) if m.num_experts else 1,
-            "gradient_accumulation_steps": tokens // (d.micro_batch_size * d.seq_len * opts.gpus)}
-    for checkpointing in (False, True):
-        try:
-            c = evaluate(with_layout(config, {**base, "activation_checkpointing": checkpointing}, "layout"), opts)
-        except ConfigError:
+    fitting = []
+    for replicate in sorted({1, max(1, opts.gpus // per_node)}):
+        if opts.gpus % replicate:
             continue
-        if c.fits:
-            return c
-    return None
+        shard = opts.gpus // replicate
+        layout = {"data_parallel_mode": "fsdp2", "data_parallel_replicate_size": replicate,
+                  "data_parallel_shard_size": shard, "tensor_parallel_size": 1, "sequence_parallel": False,
+                  "pipeline_parallel_size": 1, "ringattn_parallel_size": 1, "ulysses_parallel_size": 1,
+                  "expert_parallel_size": math.gcd(m.num_experts, shard) if m.num_experts else 1,
+                  "gradient_accumulation_steps": tokens // (d.micro_batch_size * d.seq_len * opts.gpus)}
+        for checkpointing in (False, True):
+            try:
+                c = evaluate(with_layout(config, {**layout, "activation_checkpointing": checkpointing}, "layout"), opts)
+            except ConfigError:
+                continue
+            if c.fits:
+                fitting.append(c)
+    return min(fitting, key=lambda c: c.time.total, default=None)
 
 
-def apply_simple_rule(candidates: list[Candidate], config: Config, simple: Candidate | None) -> None:
-    """The guide's first rule: when FSDP2 alone fits, it is the recommendation; the rest deviate."""
-    if simple is None:
+def apply_simple_rule(candidates: list[Candidate], config: Config, simple: Candidate | None,
+                      fastest_s: float) -> None:
+    """The guide's first rule: FSDP2 alone, when it fits and its step is within SIMPLE_SLOWDOWN of the
+    fastest that fits, is the recommendation; the other layouts deviate."""
+    if simple is None or simple.time.total > SIMPLE_SLOWDOWN * fastest_s:
         return
     for c in candidates:
         if is_simple(c.layout, config):
             c.deviations = []
         else:
-            shard = simple.layout["data_parallel_shard_size"]
-            c.deviations.insert(0, f"guide: FSDP2 alone fits (data_parallel_shard_size={shard}, "
-                                   f"{simple.memory.total / 1e9:.1f} GB); prefer it")
+            c.deviations.insert(0, f"guide: FSDP2 alone fits ({_short(simple.layout)}, {simple.memory.total / 1e9:.1f} "
+                                   f"GB, step {simple.time.total:.2f} s); prefer it")
+
+
+def _short(layout: dict) -> str:
+    rep, shard = layout["data_parallel_replicate_size"], layout["data_parallel_shard_size"]
+    return f"HSDP {rep} x {shard}" if rep > 1 else f"data_parallel_shard_size={shard}"
 
 
 def rank(candidates: list[Candidate], config: Config, opts: Options) -> list[Candidate]:
-    simple = next((c for c in candidates if c.fits and is_simple(c.layout, config)), None)
-    apply_simple_rule(candidates, config, simple)
+    fitting = [c for c in candidates if c.fits]
+    if fitting:
+        simple = [c for c in fitting if is_simple(c.layout, config)]
+        apply_simple_rule(candidates, config, min(simple, key=lambda c: c.time.total, default=None),
+                          min(c.time.total for c in fitting))
 
     def key(c: Candidate):
         return (0, len(c.deviations), c.time.total) if c.fits else (1, c.memory.total, 0.0)
