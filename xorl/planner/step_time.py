@@ -8,8 +8,8 @@ Per decoder layer and microbatch, t tokens on the rank: q/k/v [t, (hq + 2hkv)/tp
 [t, h, hq/tp]; dense MLP gate, up and down together [t, 3I/tp, h]; MoE router [t, E, h], experts
 [t k, 3 I_moe, h] with all E/ep local expert weights read, a shared expert [t, 3 I_shared, h]
 (MoE runs whole on every TP rank: TP does not split it). Causal attention: 2 t seq hq / tp
-FLOPs (2 FLOPs x 2 matmuls x seq / 2 keys per query on average; documents as long as the row, an upper bound
-for packed data), its q/k/v/o bytes once. Elementwise work (norms, RoPE, SwiGLU, residuals)
+FLOPs (2 FLOPs x 2 matmuls x seq / 2 keys per query on average; documents as long as the row,
+an upper bound for packed data), its q/k/v/o bytes once. Elementwise work (norms, RoPE, SwiGLU, residuals)
 streams twice the layer's saved activations through HBM. Backward costs twice the forward; full
 recompute adds one more layer forward. The last stage adds lm_head [t, V, h] and the loss
 (t V (a + 12) bytes through HBM), the optimizer step 28 bytes per local parameter.
