@@ -146,6 +146,13 @@ def _parallel_model_problems(m: Any, p: ParallelConfig) -> list[str]:
                 f"multiples of train.tensor_parallel_size={p.tp} (TP gives each rank whole query and KV heads); "
                 f"use a tensor_parallel_size dividing {kv_heads}"
             )
+        dense_mlp = m.model_type == "llama" or m.mlp_only_layers or m.decoder_sparse_step > 1
+        if dense_mlp and m.intermediate_size % p.tp:
+            problems.append(
+                f"model.intermediate_size={m.intermediate_size} must be a multiple of "
+                f"train.tensor_parallel_size={p.tp} (TP splits the dense MLP's columns); use a tensor_parallel_size "
+                f"dividing {m.intermediate_size}"
+            )
         if m.merge_qkv:
             problems.append(
                 f"train.tensor_parallel_size={p.tp} requires model.merge_qkv: false (TP shards q, k and v "

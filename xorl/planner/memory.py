@@ -1,0 +1,380 @@
+"""Memory per GPU of one layout: exact where the sharded model decides it, a stated estimate elsewhere.
+
+EXACT (equal, byte for byte, to what the trainer's sharded model holds on a rank; checked by
+tests/test_plan_memory.py, which builds the real parallel model of every example on the meta
+device under torch's fake process group):
+
+  params     the local shards of the fp32 master weights. The parameter shapes come from the model
+             xorl builds (meta device, MoE blocks swapped for xorl.nn.MoE as parallelize does); the
+             plans then split them:
+             TP   q/k/v/gate/up (and column biases) on dim 0, o/down on dim 1, over
+                  tensor_parallel_size (xorl/plans/tensor_parallel.py); MoE blocks stay whole;
+             EP   stacked experts on dim 0 over expert_parallel_size;
+             FSDP2 dim 0 of the resulting local tensor chunked like torch.chunk over the sharding
+                  group (dp_shard x ring x ulysses; experts under EP: ep_fsdp), so sharding rank r
+                  holds min(c, n - r*c) rows, c = ceil(n / group): rank 0 holds the most;
+             PP   the layers of the stages this pipeline rank runs (xorl/pipeline.py), the
+                  embedding on stage 0, final norm and lm_head on the last stage.
+  grads      FSDP2's sharded gradient: the sharded parameter's shape in the master dtype
+             (reduce_dtype fp32); ddp / none: full fp32 gradients of the local (TP/EP) parameters.
+  optimizer  AdamW's exp_avg and exp_avg_sq: two fp32 tensors shaped like each local parameter
+             (its `step` counter lives on the host).
+  --precision fp16 counts 2 / 2 / 4 bytes per parameter instead of 4 / 4 / 8 (half-precision
+  weights and gradients, 4 optimizer bytes: the assumptions of published tables, not what
+  xorl-train runs).
+
+ESTIMATED (a stated model; scripts/plan_calibrate.py compares it with
+torch.cuda.max_memory_allocated on one GPU). t = micro_batch_size x seq_len / cp tokens per rank and
+microbatch; a = 2 bytes (bf16 compute: fsdp2 with dtype bfloat16) or 4; s = tp under sequence
+parallel, else 1; h hidden, hq / hkv query / KV width (heads x head_dim), I intermediate size.
+
+  activations, bytes per token of one decoder layer with no recompute:
+    2 norms        2 x ((4 + 2a) h + 4) / s   RMSNorm keeps its fp32 input, its normalised output
+                                              and 1/rms; the next linear keeps the norm output
+    attention      (a (2hq + 2hkv) + a (hq + 2hkv) + a hq + 4 heads [+ (4 + a)(hq + hkv) q/k norm]) / tp
+                                              q, k before RoPE and their rotate_half; q, k, v for
+                                              the attention backward; its output and log-sum-exp
+    dense MLP      4 a I / tp                 gate, silu(gate), up, and their product
+    MoE MLP        8E + 2 a k h + 4 a k I_moe + 4 a I_shared + 8k [+ a h gathered under TP+SP]
+                                              fp32 router logits and probabilities, the k routed
+                                              copies of the token and the expert outputs, the
+                                              experts' SwiGLU intermediates (balanced routing)
+  full recompute (activation_checkpointing: full / true) keeps only a checkpointed layer's input,
+  a h / s (every n-th layer with activation_checkpointing_every_n_layers: n; the others keep all),
+  and the backward adds one layer's no-recompute activations while it recomputes; selective keeps
+  the matmul, attention and collective outputs: (a (2hq + 2hkv) + 4 heads) / tp + 2 a h / s
+  + (2 a I / tp dense | 2 a k h + 2 a k I_moe + 8E MoE).
+  Microbatches in flight on pipeline rank r of p (m microbatches, v stages per rank): 1 without
+  PP; 1F1B min(m, p - r); GPipe m; interleaved (v-1) p + 2 (p-1-r) + 1 chunks of layers/v
+  layers (torch's warm-up count); ZBV min(m, p) (as 1F1B, per the zero-bubble-V paper).
+  Loss (last stage, one microbatch): t x vocab x (a + 12): the logits, the fp32 log-softmax kept
+  for backward and two fp32 gradient temporaries; without PP and with m > 1 the trainer's loop
+  also still holds the previous microbatch's logits (a t vocab) while the next forward runs.
+
+  other: FSDP2's unsharded blocks in flight: the largest decoder layer (TP/EP-local size) x (2 p_u
+  + g_u + 4 [fp32 reduce-scatter input, with bf16 gradients] + 4 [the previous layer's reduce-
+  scatter]) with p_u = g_u = a, i.e. the running and the prefetched layer, its gradient and the
+  reduce-scatters; the root group (embedding, final norm, lm_head) stays gathered through the
+  forward and the backward (its module wraps both) and holds lm_head's gradient from the start of
+  backward: x (p_u + g_u); zero-bubble schedules keep the whole stage unsharded with fp32
+  gradients: x (p_u + 4); fsdp_reshard_after_forward: never keeps every layer's gathered weights
+  to its backward: the stage x p_u plus one layer's gradient buffers. Communication buffers: TP 2
+  a t h, Ulysses 2 a t (hq + 2 hkv) / tp, ring 2 a t 2hkv / tp + 4 t hq / tp (fp32 merge), EP 2 a
+  t k h, PP 2 a t h per microbatch in flight, ddp 128 MiB buckets; 256 MiB of kernel workspace.
+  The optimizer step's foreach temporaries (4 bytes per local parameter) come when activations are
+  freed: other is the larger of the above and (temporaries - activations).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass
+
+from xorl.distributed.parallel_config import ParallelConfig
+from xorl.pipeline import layer_ranges, num_stages, stage_indices
+
+# Zero-bubble schedules: the stage stays gathered (xorl/pipeline.py); named here as on main's parallel_config.
+SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble")
+
+# Parameter names inside a decoder layer that the TP plan shards, and the dim (xorl/plans/tensor_parallel.py).
+TP_SHARD_DIM = {
+    **{f"self_attn.{x}_proj.{kind}": 0 for x in "qkv" for kind in ("weight", "bias")},
+    "self_attn.o_proj.weight": 1,
+    **{f"mlp.{x}_proj.{kind}": 0 for x in ("gate", "up") for kind in ("weight", "bias")},
+    "mlp.down_proj.weight": 1,
+}
+EXPERT_PARAMS = ("mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj")
+PRECISIONS = {"fp32-master": (4, 4, 8), "fp16": (2, 2, 4)}  # bytes per parameter: weights, grads, optimizer
+WORKSPACE_BYTES = 256 * 2**20
+DDP_BUCKET_BYTES = 2 * 64 * 2**20
+
+
+Params = tuple[tuple[str, tuple[int, ...]], ...]  # (name, shape) pairs
+
+
+@dataclass(frozen=True)
+class ModelShapes:
+    """Parameter shapes of the model xorl builds: per decoder layer, the embedding, the head.
+
+    Layers with the same parameters share a kind (dense / MoE), so sums run once per kind.
+    """
+
+    kinds: tuple[Params, ...]  # distinct decoder-layer parameter sets
+    layer_kind: tuple[int, ...]  # kind of each decoder layer
+    first: Params  # stage 0: model.embed_tokens.*
+    last: Params  # last stage: model.norm.*, lm_head.*
+    num_params: int
+    active_params: int  # per token: one top-k share of the experts
+
+    @property
+    def layers(self) -> tuple[Params, ...]:
+        return tuple(self.kinds[k] for k in self.layer_kind)
+
+    def is_moe_kind(self, kind: int) -> bool:
+        return any(name in EXPERT_PARAMS for name, _ in self.kinds[kind])
+
+
+@functools.lru_cache(maxsize=8)
+def _shapes(model_fields: tuple) -> ModelShapes:
+    import torch
+
+    from xorl.config import ModelConfig
+    from xorl.models.registry import build_model
+    from xorl.models.spec import ModelSpec
+
+    model_config = ModelConfig(**dict(model_fields))
+    with torch.device("meta"):
+        model = build_model(model_config)
+    spec = ModelSpec.from_config(model_config)
+    if spec.is_moe:  # parallelize_model swaps every MoE block for xorl.nn.MoE (its parameters count)
+        from xorl.plans.expert_parallel import apply_expert_parallel
+
+        apply_expert_parallel(model, None)
+    layers: list[list] = [[] for _ in range(spec.num_hidden_layers)]
+    first, last = [], []
+    total = experts = 0
+    for name, p in model.named_parameters():
+        total += p.numel()
+        if name.startswith("model.layers."):
+            index, rest = name[len("model.layers."):].split(".", 1)
+            layers[int(index)].append((rest, tuple(p.shape)))
+            experts += p.numel() if rest in EXPERT_PARAMS else 0
+        else:
+            (first if name.startswith("model.embed_tokens.") else last).append((name, tuple(p.shape)))
+    top_k_share = spec.num_experts_per_tok / spec.num_experts if spec.is_moe else 1.0
+    kinds = list(dict.fromkeys(tuple(x) for x in layers))
+    return ModelShapes(tuple(kinds), tuple(kinds.index(tuple(x)) for x in layers), tuple(first), tuple(last),
+                       total, round(total - experts * (1 - top_k_share)))
+
+
+def model_shapes(model_config) -> ModelShapes:
+    return _shapes(tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
+                                for k, v in dataclasses.asdict(model_config).items())))
+
+
+def local_numel(name: str, shape: tuple[int, ...], p: ParallelConfig, fsdp: bool, shard_rank: int) -> int:
+    """Elements of this parameter on a rank at FSDP sharding index ``shard_rank`` (see the docstring)."""
+    dims = list(shape)
+    tp_dim = TP_SHARD_DIM.get(name)
+    if tp_dim is not None and p.tp > 1:
+        dims[tp_dim] //= p.tp
+    group, rank = p.dp_shard_cp, shard_rank
+    if name in EXPERT_PARAMS and p.ep > 1:
+        dims[0] //= p.ep
+        group, rank = p.ep_fsdp, shard_rank // p.ep  # the EP mesh is (ep_fsdp, ep) over dp_shard_cp
+    if fsdp and group > 1:
+        chunk = -(-dims[0] // group)
+        dims[0] = max(0, min(chunk, dims[0] - rank * chunk))
+    return math.prod(dims)
+
+
+def kind_numel(kind: Params, p: ParallelConfig) -> int:
+    """Elements of one decoder layer after TP / EP, before FSDP: what FSDP2 all-gathers."""
+    return sum(local_numel(n, s, p, False, 0) for n, s in kind)
+
+
+@dataclass(frozen=True)
+class RankParams:
+    """Parameter counts of one pipeline rank at one sharding index."""
+
+    local: int  # elements held (sharded)
+    layers: tuple[int, ...]  # the decoder layers it runs
+    stage_layers: tuple[int, ...]  # layers per stage it runs
+    largest_layer_unsharded: int  # TP/EP-local elements of its largest layer (what FSDP all-gathers)
+    root_unsharded: int  # embedding / final norm / lm_head elements (TP-local)
+    stage_unsharded: int  # every TP/EP-local element it runs
+    has_first: bool
+    has_last: bool
+
+
+def rank_params(shapes: ModelShapes, p: ParallelConfig, schedule: str, virtual: int, pp_rank: int,
+                fsdp: bool, shard_rank: int = 0) -> RankParams:
+    if p.pp > 1:
+        total = num_stages(p.pp, virtual, schedule)
+        ranges = layer_ranges(len(shapes.layers), total)
+        ids = stage_indices(pp_rank, p.pp, virtual, schedule)
+        stages = [range(*ranges[s]) for s in ids]
+        has_first, has_last = 0 in ids, total - 1 in ids
+    else:
+        stages, has_first, has_last = [range(len(shapes.layers))], True, True
+    layers = [i for stage in stages for i in stage]
+    per_kind = [(sum(local_numel(n, s, p, fsdp, shard_rank) for n, s in kind), kind_numel(kind, p))
+                for kind in shapes.kinds]
+    local = unsharded = largest = 0
+    for i in layers:
+        held, full = per_kind[shapes.layer_kind[i]]
+        local += held
+        unsharded += full
+        largest = max(largest, full)
+    root = [*(shapes.first if has_first else ()), *(shapes.last if has_last else ())]
+    root_local = sum(local_numel(n, s, p, fsdp, shard_rank) for n, s in root)
+    root_full = sum(math.prod(s) for _, s in root)  # replicated over TP
+    return RankParams(local + root_local, tuple(layers), tuple(len(s) for s in stages), largest, root_full,
+                      unsharded + root_full, has_first, has_last)
+
+
+@dataclass
+class Memory:
+    params: int
+    grads: int
+    optimizer: int
+    activations: int | None = None
+    other: int | None = None
+    pp_rank: int = 0  # the pipeline rank these bytes are for (the peak one)
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + (self.activations or 0) + (self.other or 0)
+
+    def as_dict(self) -> dict:
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
+                "activations": self.activations, "other": self.other, "total": self.total}
+
+
+def state_bytes(numel: int, precision: str) -> tuple[int, int, int]:
+    weights, grads, optimizer = PRECISIONS[precision]
+    return numel * weights, numel * grads, numel * optimizer
+
+
+def even_split_memory(num_params: int, p: ParallelConfig, precision: str) -> Memory:
+    """A bare parameter count: parameters split evenly over TP x PP (x the FSDP shards)."""
+    shards = p.tp * p.pp * (p.dp_shard_cp if p.data_parallel_mode == "fsdp2" else 1)
+    return Memory(*state_bytes(-(-num_params // shards), precision))
+
+
+def inflight_microbatches(schedule: str, p: int, m: int, v: int, rank: int) -> float:
+    """Microbatches whose activations a pipeline rank holds at once, in units of its whole layer set."""
+    if p == 1:
+        return 1
+    if schedule == "GPipe":
+        return m
+    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        return min(m * v, (v - 1) * p + 2 * (p - 1 - rank) + 1) / v
+    if schedule == "ZBVZeroBubble":
+        return min(m, p)
+    return min(m, p - rank)
+
+
+def checkpointing(train) -> tuple[str, int]:
+    """(none | full | selective, every n-th layer) from train.activation_checkpointing (bool or mode)."""
+    setting = train.activation_checkpointing
+    mode = {True: "full", False: "none"}.get(setting, setting) if isinstance(setting, bool) else setting
+    return mode, getattr(train, "activation_checkpointing_every_n_layers", 1)
+
+
+def reshards_after_forward(train, pp: int) -> bool:
+    """FSDP2's reshard_after_forward as xorl/parallelize.py sets it."""
+    setting = getattr(train, "fsdp_reshard_after_forward", "default")
+    if setting == "default":
+        return not (pp > 1 and train.pipeline_parallel_schedule in SPLIT_BACKWARD_SCHEDULES)
+    return setting == "always"
+
+
+def selective_bytes_per_token(spec, moe_layer: bool, a: int, tp: int, sp: bool) -> float:
+    """One decoder layer under selective checkpointing: matmul / attention / collective outputs."""
+    h, heads = spec.hidden_size, spec.num_attention_heads
+    hq, hkv = heads * spec.head_dim, spec.num_key_value_heads * spec.head_dim
+    kept = (a * (2 * hq + 2 * hkv) + 4 * heads) / tp + 2 * a * h / (tp if sp else 1)
+    if moe_layer:
+        k = spec.num_experts_per_tok
+        return kept + 2 * a * k * h + 2 * a * k * spec.moe_intermediate_size + 8 * spec.num_experts
+    return kept + 2 * a * spec.intermediate_size / tp
+
+
+def activation_bytes_per_token(spec, moe_layer: bool, a: int, tp: int, sp: bool) -> float:
+    """One decoder layer, no recompute (the docstring's table)."""
+    h, d, heads = spec.hidden_size, spec.head_dim, spec.num_attention_heads
+    hq, hkv = heads * d, spec.num_key_value_heads * d
+    s = tp if sp else 1
+    norms = 2 * ((4 + 2 * a) * h + 4) / s
+    attn = a * (2 * hq + 2 * hkv) + a * (hq + 2 * hkv) + a * hq + 4 * heads
+    if spec.qk_norm:
+        attn += (4 + a) * (hq + hkv)
+    if moe_layer:
+        k = spec.num_experts_per_tok
+        mlp = (8 * spec.num_experts + 2 * a * k * h + 4 * a * k * spec.moe_intermediate_size
+               + 4 * a * spec.shared_expert_intermediate_size + 8 * k + (a * h if tp > 1 and sp else 0))
+    else:
+        mlp = 4 * a * spec.intermediate_size / tp
+    return norms + attn / tp + mlp
+
+
+def estimate(config, p: ParallelConfig, shapes: ModelShapes, pp_rank: int, precision: str) -> Memory:
+    """All buckets of pipeline rank ``pp_rank`` at sharding index 0 (the largest shards)."""
+    from xorl.models.spec import ModelSpec
+
+    spec, train, data = ModelSpec.from_config(config.model), config.train, config.data
+    fsdp = train.data_parallel_mode == "fsdp2"
+    schedule, v = train.pipeline_parallel_schedule, train.virtual_pipeline_stages
+    rp = rank_params(shapes, p, schedule, v, pp_rank, fsdp)
+    params, grads, optimizer = state_bytes(rp.local, precision)
+    a = 2 if fsdp and train.dtype == "bfloat16" else 4
+    t = data.micro_batch_size * data.seq_len // p.cp
+    m = train.gradient_accumulation_steps
+    sp = train.sequence_parallel and p.tp > 1
+    per_kind = [activation_bytes_per_token(spec, shapes.is_moe_kind(k), a, p.tp, sp) for k in range(len(shapes.kinds))]
+    per_layer = [per_kind[shapes.layer_kind[i]] for i in rp.layers]
+    inflight = inflight_microbatches(schedule if p.pp > 1 else "", p.pp, m, v, pp_rank)
+    mode, every = checkpointing(train)
+    if mode == "full":  # xorl/parallelize.py checkpoints every n-th block of each model part
+        checkpointed = {i for start, n in _stage_starts(rp) for i in rp.layers[start:start + n][::every]}
+        kept = sum(a * spec.hidden_size / (p.tp if sp else 1) if i in checkpointed else x
+                   for i, x in zip(rp.layers, per_layer))
+        working = max(per_layer, default=0)
+    elif mode == "selective":
+        kept = sum(selective_bytes_per_token(spec, shapes.is_moe_kind(shapes.layer_kind[i]), a, p.tp, sp)
+                   for i in rp.layers)
+        working = max(per_layer, default=0)  # one layer's element-wise ops recomputed at a time
+    else:
+        kept, working = sum(per_layer), 0
+    activations = t * (inflight * (kept + 2 * a * spec.head_dim) + working)
+    if rp.has_last:
+        activations += t * spec.vocab_size * (a + 12)
+        if p.pp == 1 and m > 1:
+            activations += t * spec.vocab_size * a
+    other = WORKSPACE_BYTES + _comm_buffers(spec, p, a, t, inflight)
+    if fsdp:
+        grad_copy = 4 if a != 4 else 0
+        if p.pp > 1 and schedule in SPLIT_BACKWARD_SCHEDULES:
+            other += rp.stage_unsharded * (a + 4)
+        elif not reshards_after_forward(train, p.pp):
+            other += rp.stage_unsharded * a + rp.largest_layer_unsharded * (a + grad_copy + 4)
+        else:
+            other += rp.largest_layer_unsharded * (2 * a + a + grad_copy + 4)
+            other += rp.root_unsharded * (a + a)
+    elif p.dp_cp > 1:
+        other += DDP_BUCKET_BYTES
+    other = max(int(other), 4 * rp.local - int(activations))
+    return Memory(params, grads, optimizer, int(activations), other, pp_rank)
+
+
+def _stage_starts(rp: RankParams) -> list[tuple[int, int]]:
+    """(offset into rp.layers, layer count) of each stage this pipeline rank runs."""
+    out, start = [], 0
+    for n in rp.stage_layers:
+        out.append((start, n))
+        start += n
+    return out
+
+
+def _comm_buffers(spec, p: ParallelConfig, a: int, t: int, inflight: float) -> float:
+    h, hq, hkv = spec.hidden_size, spec.num_attention_heads * spec.head_dim, spec.num_key_value_heads * spec.head_dim
+    out = 0.0
+    if p.tp > 1:
+        out += 2 * a * t * h
+    if p.ulysses > 1:
+        out += 2 * a * t * (hq + 2 * hkv) / p.tp
+    if p.ring > 1:
+        out += 2 * a * t * 2 * hkv / p.tp + 4 * t * hq / p.tp
+    if p.ep > 1:
+        out += 2 * a * t * spec.num_experts_per_tok * h
+    if p.pp > 1:
+        out += 2 * a * t * h * inflight
+    return out
+
+
+def peak_memory(config, p: ParallelConfig, shapes: ModelShapes, precision: str) -> Memory:
+    """The pipeline rank with the largest total (every rank when there is no PP is alike)."""
+    return max((estimate(config, p, shapes, r, precision) for r in range(p.pp)), key=lambda mem: mem.total)
