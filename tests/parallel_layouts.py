@@ -55,8 +55,8 @@ def expected_state(rank: int, world_size: int, layout: dict[str, Any]) -> dict[s
     ep = layout.get("expert_parallel_size", 1)
     groups = {dim: ranks_varying(rank, sizes, (dim,)) for dim in DIMS}
     groups.update({name: ranks_varying(rank, sizes, dims) for name, dims in FLAT.items()})
-    # EP folds over dp_shard x ringattn x ulysses of this (pp, dp_replicate, tp) coordinate, in that order.
-    folded = groups["dp_shard_cp"]
+    # EP folds over dp_shard x ringattn x ulysses x tp of this (pp, dp_replicate) coordinate, in that order.
+    folded = ranks_varying(rank, sizes, ("dp_shard", "ringattn", "ulysses", "tp"))
     ep_rows = [folded[i : i + ep] for i in range(0, len(folded), ep)]
     my_row = next(row for row in ep_rows if rank in row)
     groups["ep"] = my_row

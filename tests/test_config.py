@@ -199,8 +199,8 @@ RULES = {
         ["expert_parallel_size=2 on a dense model", "set expert_parallel_size: 1"],
     ),
     "ep folds over dp_shard x cp": (
-        [*MOE, "--train.expert_parallel_size=4", "--train.tensor_parallel_size=4"],
-        8,
+        [*MOE, "--train.expert_parallel_size=4"],
+        2,
         ["expert_parallel_size=4 must divide the ranks it folds over", "data_parallel_shard_size=2",
          "= 2", "use one of [1, 2]"],
     ),
@@ -490,7 +490,7 @@ def test_parallel_config_from_config_and_resolved_sizes():
                                 "--train.gradient_accumulation_steps=2"])
     parallel = ParallelConfig.from_config(config, world_size=64).validate()
     assert parallel.mesh_shape == (2, 2, 2, 2, 2, 2)
-    assert (parallel.cp, parallel.dp, parallel.dp_shard_cp, parallel.dp_cp, parallel.ep_fsdp) == (4, 4, 8, 16, 2)
+    assert (parallel.cp, parallel.dp, parallel.dp_shard_cp, parallel.dp_cp, parallel.ep_fsdp) == (4, 4, 8, 16, 4)
     assert parallel.data_parallel_shard_size == -1  # the user's value is kept; dp_shard is resolved
 
 

@@ -46,8 +46,9 @@ SMALL = [
     (TINY_DENSE, {"pipeline_parallel_size": 2, "pipeline_parallel_schedule": "Interleaved1F1B",
                   "virtual_pipeline_stages": 2, "tensor_parallel_size": 2, "gradient_accumulation_steps": 2}, False),
     (TINY_DENSE, {"data_parallel_replicate_size": 2, "ringattn_parallel_size": 2}, False),
-    (TINY_DENSE, {"data_parallel_mode": "ddp", "tensor_parallel_size": 2}, False),
+    (TINY_DENSE, {"data_parallel_mode": "ddp", "ringattn_parallel_size": 2}, False),
     (TINY_MOE, {"expert_parallel_size": 2}, True),
+    (TINY_MOE, {"tensor_parallel_size": 2, "sequence_parallel": True, "expert_parallel_size": 2}, False),
     (TINY_MOE, {"pipeline_parallel_size": 2, "pipeline_parallel_schedule": "ZBVZeroBubble",
                 "virtual_pipeline_stages": 2, "gradient_accumulation_steps": 2, "expert_parallel_size": 2}, False),
 ]
@@ -63,7 +64,7 @@ def _probe_main() -> None:
     from xorl.distributed.parallel_state import init_parallel_state
     from xorl.models.registry import build_model
     from xorl.parallelize import parallelize_model
-    from xorl.pipeline import split_into_stages
+    from xorl.plans.pipeline_parallel import split_into_stages
 
     def local(t):
         return t.to_local() if isinstance(t, DTensor) else t

@@ -121,9 +121,21 @@ def check_model_parity(tp_size: int, config_name: str, cases: list[tuple]) -> di
         out_ref = ref(data["input_ids"], labels=data["labels"], **extra)
         loss_ref = out_ref.loss + (out_ref.router_loss if out_ref.router_loss is not None else 0)
         loss_ref.backward()
+        if config_name == "moe":  # MoE blocks run on TP token shards: balance over the TP group (parallelize does)
+            from xorl.plans.expert_parallel import set_router_balance_group
+
+            set_router_balance_group(model, mesh.get_group())
         out = model(data["input_ids"], labels=data["labels"], **extra)
         loss = out.loss + (out.router_loss if out.router_loss is not None else 0)
         loss.backward()
+        if config_name == "moe":  # each TP rank's experts saw its own tokens: FSDP over TP sums these
+            for name, p in model.named_parameters():
+                if ".experts." in name:
+                    dist.all_reduce(p.grad, group=mesh.get_group())
+        if out.router_loss is not None:  # each TP rank holds its tokens' share of the router loss
+            router_total = out.router_loss.detach().clone()
+            dist.all_reduce(router_total, group=mesh.get_group())
+            loss = out.loss.detach() + router_total
         # The partial gradients of replicated parameters (SP norms, q/k norms): one all-reduce.
         partial_sums = sum_tp_partial_grads([model])
         errs = {"logits": rel_err(out.logits, out_ref.logits), "loss": rel_err(loss, loss_ref)}

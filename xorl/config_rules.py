@@ -52,6 +52,7 @@ def validate_config(config: Any, world_size: int) -> None:
         else:
             problems += _parallel_model_problems(config.model, parallel)
             problems += _parallel_data_problems(config.data, parallel)
+            problems += _moe_token_split_problems(config.model, config.data, parallel)
             problems += _data_parallel_mode_problems(config.train, parallel)
     if problems:
         raise ConfigError(problems)
@@ -294,6 +295,19 @@ def _parallel_data_problems(d: Any, p: ParallelConfig) -> list[str]:
                 f"{_next_multiple(d.seq_len, p.cp * p.tp)}"
             )
     return problems
+
+
+def _moe_token_split_problems(m: Any, d: Any, p: ParallelConfig) -> list[str]:
+    """Under TP the MoE blocks run on each TP rank's share of the tokens (plans/tensor_parallel.py)."""
+    if not m.num_experts or p.tp == 1 or p.sequence_parallel or not isinstance(d.seq_len, int):
+        return []  # under sequence parallel the rule above already asks for it
+    local = d.seq_len // p.cp
+    if d.seq_len % p.cp == 0 and local % p.tp:
+        return [
+            f"data.seq_len={d.seq_len}: the MoE blocks split the {local} tokens each context-parallel rank "
+            f"holds across tensor_parallel_size={p.tp}; use seq_len {_next_multiple(d.seq_len, p.cp * p.tp)}"
+        ]
+    return []
 
 
 def _data_parallel_mode_problems(t: Any, p: ParallelConfig) -> list[str]:

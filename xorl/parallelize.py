@@ -41,9 +41,10 @@ def parallelize_model(model: nn.Module, state, config) -> nn.Module:
             # The EP mesh (not just its group): expert weights become DTensors of global shape
             # [E, ...] sharded over "ep", so checkpoints and norms see every expert exactly once.
             apply_expert_parallel(model, state.ep_mesh)
-        # Load balancing over the whole microbatch (its CP shards), or Qwen's global batch.
-        scope_group = state.cp_group if config.model.router_balance_scope == "microbatch" else state.dp_cp_group
-        set_router_balance_group(model, scope_group)
+        # Load balancing over the whole microbatch (its CP shards and, as MoE blocks run on token
+        # shards under TP, its TP shards), or Qwen's global batch (every data rank's too).
+        global_batch = config.model.router_balance_scope == "global_batch"
+        set_router_balance_group(model, state.dp_cp_tp_group if global_batch else state.cp_tp_group)
     mode = checkpointing_mode(train.activation_checkpointing)
     if mode != "none":
         apply_activation_checkpointing(model, mode, train.activation_checkpointing_every_n_layers)

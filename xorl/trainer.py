@@ -132,8 +132,13 @@ class Trainer:
             )
         # Router load balancing is computed per group of ranks (model.router_balance_scope): the
         # context-parallel shards of one microbatch, or every data x context rank's microbatch.
-        group_size = self.state.cp_size if config.model.router_balance_scope == "microbatch" else self.state.dp_cp_size
-        self._balance_groups = self.state.dp_cp_size // group_size
+        # Under TP the MoE blocks run on token shards, so the TP ranks hold different router-loss shares.
+        global_batch = config.model.router_balance_scope == "global_batch"
+        group_size = self.state.dp_cp_tp_size if global_batch else self.state.cp_tp_size
+        self._balance_groups = self.state.dp_cp_tp_size // group_size
+        # Each CP rank's shard is split again over TP under sequence parallel and in MoE blocks.
+        splits_over_tp = config.train.sequence_parallel or config.model.num_experts > 0
+        self._cp_local_multiple = self.state.tp_size if splits_over_tp else 1
         self.step = 0
         self.elapsed_offset_s = 0.0  # training time before this start (metrics' ``time`` is cumulative)
         self._clock: float | None = None
@@ -236,13 +241,14 @@ class Trainer:
             return None
         from xorl.distributed.zigzag import padded_document_lengths
 
-        multiple = 2 * state.ring_size * state.ulysses_size
+        multiple = 2 * state.ring_size * state.ulysses_size * self._cp_local_multiple
         granule = multiple * max(1, -(-self.config.data.seq_len // (16 * multiple)))
         longest = 0
         for mb in microbatches:
             cu = mb["cu_seqlens"].tolist()  # host data from the loader
             doc_lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
-            longest = max(longest, sum(padded_document_lengths(doc_lens, state.ring_size, state.ulysses_size)))
+            padded = padded_document_lengths(doc_lens, state.ring_size, state.ulysses_size, self._cp_local_multiple)
+            longest = max(longest, sum(padded))
         return -(-longest // granule) * granule
 
     def _shard_for_context_parallel(self, mb: dict, pad_to: int | None = None) -> dict:
@@ -254,6 +260,7 @@ class Trainer:
             mb["input_ids"], mb["labels"], mb["position_ids"], mb["cu_seqlens"],
             ring=self.state.ring_group, ulysses=self.state.ulysses_group,
             pad_token_id=self.tokenizer.pad_id, shift_labels=False, pad_to=pad_to,
+            local_multiple=self._cp_local_multiple,
         )
         return {"input_ids": cp.input_ids, "labels": cp.labels, "position_ids": cp.position_ids,
                 "cu_seqlens": cp.cu_seqlens, "max_seqlen": cp.max_seqlen, "token_mask": cp.token_mask}
@@ -287,6 +294,8 @@ class Trainer:
             loss_sum, aux_sum = self._pipelined_forward_backward(microbatches, n_tok)
         else:
             loss_sum, aux_sum = self._forward_backward(microbatches, n_tok)
+        if state.tp_size > 1 and self.config.model.num_experts:  # router-loss shares differ over TP
+            dist.all_reduce(aux_sum, group=state.tp_group)
         sums = torch.stack([loss_sum, aux_sum])  # one collective for both
         if state.dp_cp_size > 1:
             dist.all_reduce(sums, group=state.dp_cp_group)
@@ -304,7 +313,7 @@ class Trainer:
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
         if self.config.model.router_expert_bias:  # auxiliary-loss-free balancing: one all-reduce
-            update_router_biases(self.parts, state.dp_cp_group)
+            update_router_biases(self.parts, state.dp_cp_tp_group)
         ga = len(microbatches)
         loss_total, aux_total, norm, tokens = torch.stack(
             [sums[0], sums[1], grad_norm.double(), n_tok.double()]

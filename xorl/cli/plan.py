@@ -84,11 +84,18 @@ def run(args: argparse.Namespace) -> tuple[list[Candidate], dict]:
                               "evaluate a layout with --layout field=size,... or pass an xorl YAML / HF folder")
         return [evaluate_count(source.num_params, layout, opts)], {"model": source.label}
     config = source.config
+    notes = list(source.notes)
     if args.seq_len:
         config.data.seq_len = args.seq_len
+        if args.seq_len > config.model.max_position_embeddings:
+            # The question is "how would this model train at S tokens": a run would need the longer
+            # position table too (RoPE extended); the estimate takes it, and says so.
+            notes.append(f"model.max_position_embeddings raised from {config.model.max_position_embeddings} to "
+                         f"--seq-len {args.seq_len}; a run needs that too")
+            config.model.max_position_embeddings = args.seq_len
     tokens = opts.global_batch_tokens or default_global_batch(config, args.gpus)
     header = {"model": source.label, "gpus": args.gpus, "seq_len": config.data.seq_len,
-              "global_batch_tokens": tokens, "notes": list(source.notes)}
+              "global_batch_tokens": tokens, "notes": notes}
     if args.layout is None:
         return plan(config, opts), header
     if layout and "data_parallel_shard_size" not in layout:

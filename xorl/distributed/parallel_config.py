@@ -5,7 +5,7 @@ fails in a second with a message instead of hanging N ranks in a collective.
 
 Mesh order (outer -> inner): pp, dp_replicate, dp_shard, ringattn, ulysses, tp.
 world_size = PP x DP_replicate x DP_shard x CP_ring x CP_ulysses x TP. Expert parallelism is not
-a mesh dimension of its own: within a pipeline stage, EP folds over the dp_shard x CP ranks.
+a mesh dimension of its own: within a pipeline stage, EP folds over the dp_shard x CP x TP ranks.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ class ParallelConfig(ParallelFields):
 
     ``data_parallel_shard_size`` keeps the user's value (maybe -1); ``dp_shard`` is the resolved size.
     Short read-only sizes: ``pp, dp_replicate, dp_shard, ring, ulysses, tp, cp, dp, dp_shard_cp,
-    dp_cp, ep, ep_fsdp`` and ``mesh_shape`` (in MESH_DIM_NAMES order).
+    dp_cp, ep, ep_fold, ep_fsdp`` and ``mesh_shape`` (in MESH_DIM_NAMES order).
     """
 
     # None: the default process group's size (init_parallel_state fills it in).
@@ -148,9 +148,16 @@ class ParallelConfig(ParallelFields):
         return self.dp * self.cp
 
     @property
+    def ep_fold(self) -> int:
+        """The ranks expert parallelism folds over in a stage: dp_shard x CP x TP. Why TP too: under
+        TP the MoE blocks run on this rank's token shard, so the TP ranks hold different tokens and
+        split the experts between them like data-parallel ranks do (EP over the TP ranks)."""
+        return self.dp_shard_cp * self.tp
+
+    @property
     def ep_fsdp(self) -> int:
         """Ranks of one pipeline stage holding the same experts (FSDP shards expert weights over them)."""
-        return self.dp_shard_cp // self.ep
+        return self.ep_fold // self.ep
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
@@ -303,14 +310,15 @@ class ParallelConfig(ParallelFields):
         return []
 
     def _expert_parallel_problems(self) -> list[str]:
-        if self.dp_shard_cp % self.ep:
-            fold = self.dp_shard_cp
+        if self.ep_fold % self.ep:
+            fold = self.ep_fold
             divisors = [d for d in range(1, fold + 1) if fold % d == 0]
             return [
                 f"train.expert_parallel_size={self.ep} must divide the ranks it folds over within a "
                 f"pipeline stage: data_parallel_shard_size={self.dp_shard} x "
-                f"ringattn_parallel_size={self.ring} x ulysses_parallel_size={self.ulysses} = {fold}; "
-                f"use one of {divisors} "
-                f"(or make data_parallel_shard_size a multiple of {self.ep // math.gcd(self.ep, self.cp)})"
+                f"ringattn_parallel_size={self.ring} x ulysses_parallel_size={self.ulysses} x "
+                f"tensor_parallel_size={self.tp} = {fold}; use one of {divisors} "
+                f"(or make data_parallel_shard_size a multiple of "
+                f"{self.ep // math.gcd(self.ep, self.cp * self.tp)})"
             ]
         return []

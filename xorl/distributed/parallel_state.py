@@ -18,9 +18,10 @@ Flattened 1-D views (also reachable as ``state.mesh[name]``):
 (2-D, HSDP) when data_parallel_replicate_size > 1.
 
 The EP mesh (always built; with expert_parallel_size 1 its "ep" dim has size 1): within one
-(pp, dp_replicate, tp) coordinate, the dp_shard_cp ranks in their flattened order are split as
-``("ep_fsdp", "ep")`` = (dp_shard_cp / ep, ep). EP groups are consecutive in that order, so EP
-stays on the innermost (fastest) ranks; expert weights are FSDP-sharded over "ep_fsdp".
+(pp, dp_replicate) coordinate, the dp_shard x ringattn x ulysses x tp ranks in their flattened
+order ("ep_fold") are split as ``("ep_fsdp", "ep")`` = (ep_fold / ep, ep). EP groups are
+consecutive in that order, so EP stays on the innermost (fastest) ranks, the TP ranks of a node
+first; expert weights are FSDP-sharded over "ep_fsdp".
 
 Fields (declared in the class), for each short name in ``pp, dp_replicate, dp_shard, ring
 (ringattn), ulysses, tp, cp, dp, dp_shard_cp, dp_cp, ep_fsdp, ep``: ``<name>_size``, ``<name>_rank``
@@ -44,6 +45,11 @@ FLATTENED_DIMS = {
     "dp": ("dp_replicate", "dp_shard"),
     "dp_shard_cp": ("dp_shard", "ringattn", "ulysses"),
     "dp_cp": ("dp_replicate", "dp_shard", "ringattn", "ulysses"),
+    # With TP, MoE blocks run on each TP rank's token shard: these cover every rank holding
+    # different tokens (expert parallelism folds over the first, router statistics use the others).
+    "ep_fold": ("dp_shard", "ringattn", "ulysses", "tp"),
+    "cp_tp": ("ringattn", "ulysses", "tp"),
+    "dp_cp_tp": ("dp_replicate", "dp_shard", "ringattn", "ulysses", "tp"),
 }
 EP_DIM_NAMES = ("ep_fsdp", "ep")
 
@@ -105,6 +111,11 @@ class ParallelState:
     dp_cp_group: dist.ProcessGroup
     dp_cp_size: int
     dp_cp_rank: int
+    # Every rank of a microbatch's tokens (cp x tp) and of a round's (dp x cp x tp): MoE under TP.
+    cp_tp_group: dist.ProcessGroup
+    cp_tp_size: int
+    dp_cp_tp_group: dist.ProcessGroup
+    dp_cp_tp_size: int
     # The EP mesh's dims (ep_mesh above is the 2-D mesh; its "ep" view is submesh("ep")).
     ep_fsdp_mesh: DeviceMesh
     ep_fsdp_group: dist.ProcessGroup
@@ -136,6 +147,8 @@ class ParallelState:
         (self.dp_shard_cp_mesh, self.dp_shard_cp_group, self.dp_shard_cp_size,
          self.dp_shard_cp_rank) = _axis(views["dp_shard_cp"])
         self.dp_cp_mesh, self.dp_cp_group, self.dp_cp_size, self.dp_cp_rank = _axis(views["dp_cp"])
+        _, self.cp_tp_group, self.cp_tp_size, _ = _axis(views["cp_tp"])
+        _, self.dp_cp_tp_group, self.dp_cp_tp_size, _ = _axis(views["dp_cp_tp"])
         self.ep_fsdp_mesh, self.ep_fsdp_group, self.ep_fsdp_size, self.ep_fsdp_rank = _axis(views["ep_fsdp"])
         _, self.ep_group, self.ep_size, self.ep_rank = _axis(views["ep"])
 
@@ -197,7 +210,7 @@ def init_parallel_state(config: ParallelConfig, device_type: str | None = None) 
     else:
         fsdp_mesh = views["dp_shard_cp"]
     # dim 0 as an int: torch 2.11's _unflatten rejects a dim given by name.
-    ep_mesh = views["dp_shard_cp"]._unflatten(0, (config.ep_fsdp, config.ep), EP_DIM_NAMES)
+    ep_mesh = views["ep_fold"]._unflatten(0, (config.ep_fsdp, config.ep), EP_DIM_NAMES)
     for name in EP_DIM_NAMES:
         views[name] = ep_mesh[name]
     return ParallelState(config, mesh, views, fsdp_mesh, ep_mesh)

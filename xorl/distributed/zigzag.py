@@ -212,10 +212,13 @@ class ContextParallelBatch:
     token_mask: torch.Tensor | None = None  # [batch, local_len] bool, False on the padding added here
 
 
-def padded_document_lengths(doc_lens: Sequence[int], ring_size: int, ulysses_size: int = 1) -> list[int]:
+def padded_document_lengths(doc_lens: Sequence[int], ring_size: int, ulysses_size: int = 1,
+                            local_multiple: int = 1) -> list[int]:
     """Document lengths after padding: each up to a multiple of 2·ring (when ring > 1), then the
-    last one further so the total divides by 2·ring·ulysses."""
+    last one further so the total divides by 2·ring·ulysses (x ``local_multiple``, so each CP rank's
+    shard divides by it: the tensor-parallel size when the TP ranks split the shard's tokens)."""
     doc_multiple, total_multiple = _min_lengths(ring_size, ulysses_size)
+    total_multiple *= local_multiple
     padded = [-(-n // doc_multiple) * doc_multiple for n in doc_lens]
     extra = -sum(padded) % total_multiple
     padded[-1] += extra
@@ -233,6 +236,7 @@ def prepare_context_parallel_batch(
     pad_token_id: int = 0,
     shift_labels: bool = True,
     pad_to: int | None = None,
+    local_multiple: int = 1,
 ) -> ContextParallelBatch:
     """Shift labels on the full sequence, pad every document, then zig-zag shard everything.
 
@@ -245,6 +249,7 @@ def prepare_context_parallel_batch(
     attention never lets a real token see a later pad token, so padding changes no real output.
     ``pad_to``: pad the row further to exactly this many tokens with a document of padding alone
     (pipeline stages need one shape for every microbatch of a step); a multiple of 2·ring·ulysses.
+    ``local_multiple``: each rank's shard must divide by it (the TP size, when TP ranks split it).
     """
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
@@ -267,13 +272,14 @@ def prepare_context_parallel_batch(
 
     _, ring_size = group_rank_size(ring, "ring")
     _, ulysses_size = group_rank_size(ulysses, "ulysses")
-    padded = padded_document_lengths(doc_lens, ring_size, ulysses_size)
+    padded = padded_document_lengths(doc_lens, ring_size, ulysses_size, local_multiple)
     if pad_to is not None:
         extra = pad_to - sum(padded)
-        if extra < 0 or extra % _min_lengths(ring_size, ulysses_size)[1]:
+        multiple = _min_lengths(ring_size, ulysses_size)[1] * local_multiple
+        if extra < 0 or extra % multiple:
             raise ValueError(
                 f"pad_to={pad_to}: the padded documents already take {sum(padded)} tokens, and pad_to must be a "
-                f"multiple of {_min_lengths(ring_size, ulysses_size)[1]} (2 x ring x ulysses)"
+                f"multiple of {multiple} (2 x ring x ulysses x local_multiple)"
             )
         if extra:
             doc_lens, padded = doc_lens + [0], padded + [extra]

@@ -99,17 +99,11 @@ def with_layout(config: Config, layout: dict[str, Any], source: str = "--layout"
 
 def refusals(config: Config, opts: Options) -> list[str]:
     """Why this layout cannot run on ``opts.gpus`` GPUs (empty when it can)."""
+    # Judge the layout, not this machine: the flash-attn package may live on the GPU machine only.
+    probe = config if config.model.attn_implementation == "xorl" else _xorl_attention(config)
     problems = []
     try:
-        validate_config(config, opts.gpus)
-    except ConfigError as e:
-        problems += e.problems
-    from xorl.trainer import check_trainer_support
-
-    # The layout part of the trainer's check (the flash-attn package may live on the GPU machine only).
-    probe = config if config.model.attn_implementation == "xorl" else _xorl_attention(config)
-    try:
-        check_trainer_support(probe)
+        validate_config(probe, opts.gpus)
     except ConfigError as e:
         problems += e.problems
     tp, per_node = config.train.tensor_parallel_size, opts.hardware.gpus_per_node

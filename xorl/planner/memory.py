@@ -13,7 +13,7 @@ device under torch's fake process group):
              FSDP2 dim 0 of the resulting local tensor chunked like torch.chunk over the sharding
                   group (dp_shard x ring x ulysses; experts under EP: ep_fsdp), so sharding rank r
                   holds min(c, n - r*c) rows, c = ceil(n / group): rank 0 holds the most;
-             PP   the layers of the stages this pipeline rank runs (xorl/pipeline.py), the
+             PP   the layers of the stages this pipeline rank runs (xorl/plans/pipeline_parallel.py), the
                   embedding on stage 0, final norm and lm_head on the last stage.
   grads      FSDP2's sharded gradient: the sharded parameter's shape in the master dtype
              (reduce_dtype fp32); ddp / none: full fp32 gradients of the local (TP/EP) parameters.
@@ -72,11 +72,13 @@ import functools
 import math
 from dataclasses import dataclass
 
-from xorl.distributed.parallel_config import ParallelConfig
-from xorl.pipeline import layer_ranges, num_stages, stage_indices
+from xorl.distributed.parallel_config import PIPELINE_SCHEDULES, ParallelConfig
+from xorl.plans.pipeline_parallel import layer_ranges, num_stages, stage_indices
 
-# Zero-bubble schedules: the stage stays gathered (xorl/pipeline.py); named here as on main's parallel_config.
-SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble")
+# Zero-bubble schedules: the stage stays gathered (xorl/plans/pipeline_parallel.py).
+SPLIT_BACKWARD_SCHEDULES = tuple(name for name, info in PIPELINE_SCHEDULES.items() if info.split_backward)
+# The vocabulary-parallel embedding and lm_head (xorl/plans/tensor_parallel.py), when TP divides the vocabulary.
+VOCAB_PARAMS = ("model.embed_tokens.weight", "lm_head.weight")
 
 # Parameter names inside a decoder layer that the TP plan shards, and the dim (xorl/plans/tensor_parallel.py).
 TP_SHARD_DIM = {
@@ -128,10 +130,6 @@ def _shapes(model_fields: tuple) -> ModelShapes:
     with torch.device("meta"):
         model = build_model(model_config)
     spec = ModelSpec.from_config(model_config)
-    if spec.is_moe:  # parallelize_model swaps every MoE block for xorl.nn.MoE (its parameters count)
-        from xorl.plans.expert_parallel import apply_expert_parallel
-
-        apply_expert_parallel(model, None)
     layers: list[list] = [[] for _ in range(spec.num_hidden_layers)]
     first, last = [], []
     total = experts = 0
@@ -160,10 +158,13 @@ def local_numel(name: str, shape: tuple[int, ...], p: ParallelConfig, fsdp: bool
     tp_dim = TP_SHARD_DIM.get(name)
     if tp_dim is not None and p.tp > 1:
         dims[tp_dim] //= p.tp
+    if name in VOCAB_PARAMS and p.tp > 1 and dims[0] % p.tp == 0:
+        dims[0] //= p.tp
     group, rank = p.dp_shard_cp, shard_rank
     if name in EXPERT_PARAMS and p.ep > 1:
         dims[0] //= p.ep
-        group, rank = p.ep_fsdp, shard_rank // p.ep  # the EP mesh is (ep_fsdp, ep) over dp_shard_cp
+        # The EP mesh is (ep_fsdp, ep) over dp_shard x cp x tp (TP rank 0 of this sharding index).
+        group, rank = p.ep_fsdp, shard_rank * p.tp // p.ep
     if fsdp and group > 1:
         chunk = -(-dims[0] // group)
         dims[0] = max(0, min(chunk, dims[0] - rank * chunk))

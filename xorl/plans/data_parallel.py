@@ -99,7 +99,7 @@ def _selective_policy(save_ops: set, ctx, op, *args, **kwargs):
 
 
 def apply_fsdp(model: nn.Module, state, reshard_after_forward: bool = True, bf16_compute: bool = False) -> None:
-    """FSDP2 per block, then the root; expert weights on their own EP-FSDP mesh.
+    """FSDP2 per block, then the root; expert weights on their own EP-FSDP mesh (dp_shard x CP x TP / EP).
 
     HSDP when the FSDP mesh has a replicate dim (data_parallel_replicate_size > 1). Gradients are
     SUMMED across ranks (divide factor 1): the loss is already normalised by the global token count
@@ -109,7 +109,9 @@ def apply_fsdp(model: nn.Module, state, reshard_after_forward: bool = True, bf16
     kw = {"reshard_after_forward": reshard_after_forward}
     if bf16_compute:  # bf16 compute, fp32 master weights and fp32 gradient reduction
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    expert_mesh = _expert_fsdp_mesh(state) if state.ep_size > 1 else None
+    # Experts get their own mesh whenever it differs from the blocks': under EP, and under TP, where
+    # each TP rank's MoE block routes its own token shard (expert gradients are partial over TP).
+    expert_mesh = _expert_fsdp_mesh(state) if state.ep_size > 1 or state.tp_size > 1 else None
     for layer in decoder_layers(model):
         experts = getattr(getattr(_unwrap(layer), "mlp", None), "experts", None)
         if experts is not None and expert_mesh is not None:

@@ -26,12 +26,12 @@ always (each rank normalises only its own heads). They are listed in ``model.tp_
 and the trainer sums them over TP once per optimizer step
 (``xorl.nn.tensor_parallel.sum_tp_partial_grads``: one all-reduce).
 
-MoE models: only attention is tensor-parallel; experts are expert parallelism's job. A layer
-whose ``mlp`` is not a gate/up/down SwiGLU MLP is left replicated: every TP rank runs the whole
-block on the same tokens (its parameters stay plain tensors for the EP / FSDP plans, which run
-after this one). Under SP the block's input is gathered to the full sequence and its output split
-back (hooks installed on whatever module sits at ``layer.mlp`` at forward time, so an EP swap
-after this plan is covered). This costs TP-fold redundant MoE compute: prefer EP over TP there.
+MoE models: attention is tensor-parallel, and each MoE block runs on this TP rank's token shard,
+its experts split over the TP ranks by expert parallelism (EP folds over dp_shard x CP x TP, see
+xorl/distributed/parallel_config.py): no TP rank computes another's tokens. Under SP the block's
+input already is the rank's sequence shard; without SP it keeps its chunk of the replicated
+sequence and gathers the outputs again. The router and shared-expert parameters then see a
+share of the tokens on each TP rank: their gradients are listed with the partial ones.
 
 Communication record: ``xorl.nn.tp_comm.overlap_report()`` after a step, keyed by module path:
 ``model.layers.{i}.self_attn.qkv_proj`` / ``.o_proj`` and ``model.layers.{i}.mlp.gate_up_proj`` /
@@ -88,7 +88,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = T
         _parallelize_attention(layer.self_attn, tp_mesh, tp, f"{prefix}.self_attn", linear_kw, memo,
                                share_gathered_inputs, partial)
         if not _parallelize_dense_mlp(layer.mlp, tp_mesh, tp, f"{prefix}.mlp", linear_kw, share_gathered_inputs):
-            _keep_block_replicated(layer, tp, sequence_parallel)
+            _moe_on_token_shards(layer, tp, sequence_parallel, partial)
         for norm in ("input_layernorm", "post_attention_layernorm"):
             replicate_on_tp(getattr(layer, norm), tp_mesh, memo, partial if sequence_parallel else None)
     _parallelize_vocabulary(model, decoder, tp_mesh, tp, sequence_parallel, overlap, memo, partial)
@@ -152,28 +152,25 @@ def _parallelize_dense_mlp(mlp: nn.Module, tp_mesh, tp: TPGroup, prefix: str, li
     return True
 
 
-def _keep_block_replicated(layer: nn.Module, tp: TPGroup, sequence_parallel: bool) -> None:
-    """A non-dense MLP (MoE) runs whole on every TP rank; under SP it sees the gathered sequence."""
+def _moe_on_token_shards(layer: nn.Module, tp: TPGroup, sequence_parallel: bool, partial: TPPartialGrads) -> None:
+    """A non-dense MLP (MoE) runs on this TP rank's tokens (see the module docstring)."""
+    moe = layer.mlp
+    for name, _ in moe.named_parameters():
+        if not name.startswith("experts."):  # router, shared expert: a share of the tokens here
+            owner_name, _, leaf = name.rpartition(".")
+            partial.slots.append((moe.get_submodule(owner_name) if owner_name else moe, leaf))
+
+    def shard_inputs(module, args, kwargs):
+        mask = kwargs.get("token_mask")
+        if mask is not None:  # the mask covers the (CP-local) sequence; keep this rank's chunk
+            kwargs = {**kwargs, "token_mask": mask.chunk(tp.size, dim=-1)[tp.rank]}
+        if not sequence_parallel:  # replicated input: keep this rank's chunk of the sequence
+            args = (split_to_shard(args[0], tp, _SEQ_DIM), *args[1:])
+        return args, kwargs
+
+    moe.register_forward_pre_hook(shard_inputs, with_kwargs=True)
     if not sequence_parallel:
-        return  # its input is already the full, replicated hidden state
-
-    def gather_input(module, args, kwargs):
-        if args:
-            return (gather_from_shards(args[0], tp, _SEQ_DIM), *args[1:]), kwargs
-        raise TypeError(f"{type(module).__name__}: tensor-parallel SP expects the hidden state as first argument")
-
-    def split_output(module, args, output):
-        return split_to_shard(output, tp, _SEQ_DIM)
-
-    def ensure_hooks(decoder_layer, args):
-        # Installed lazily on the module found at forward time: the EP plan may swap layer.mlp later.
-        mlp = decoder_layer.mlp
-        if not getattr(mlp, "_xorl_tp_sp_hooks", False):
-            mlp.register_forward_pre_hook(gather_input, with_kwargs=True)
-            mlp.register_forward_hook(split_output)
-            mlp._xorl_tp_sp_hooks = True
-
-    layer.register_forward_pre_hook(ensure_hooks)
+        moe.register_forward_hook(lambda module, args, output: gather_from_shards(output, tp, _SEQ_DIM))
 
 
 def _parallelize_vocabulary(model: nn.Module, decoder: nn.Module, tp_mesh, tp: TPGroup, sequence_parallel: bool,
