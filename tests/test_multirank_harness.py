@@ -168,10 +168,29 @@ def _build_groups() -> dict:
 def test_checks_leave_no_process_groups_or_gloo_threads_behind(gloo_world):
     world = gloo_world(4)
     before = world.run(_gloo_threads)
+    starts = world.starts
     during = [world.run(_build_groups) for _ in range(5)]
     after = world.run(_gloo_threads)
+    assert world.starts == starts  # the same ranks throughout (a leak would have restarted them)
     for rank in range(4):
         # The check really made groups (so this test can fail) ...
         assert all(sum(d[rank].values()) >= sum(before[rank].values()) + 20 for d in during), during
         # ... and none of them outlived it: only the default group's threads remain.
         assert after[rank] == before[rank], (rank, before[rank], after[rank])
+
+
+_KEPT_GROUPS = []
+
+
+def _keep_a_group_in_a_global() -> int:
+    _KEPT_GROUPS.append(dist.new_group([0, 1]))
+    return len(_KEPT_GROUPS)
+
+
+def test_a_check_that_keeps_a_group_gets_a_warning_and_a_fresh_world():
+    with GlooWorld(2, timeout_s=60) as world:
+        with pytest.warns(RuntimeWarning, match=r"call #1 _keep_a_group_in_a_global kept process groups alive"):
+            assert world.run(_keep_a_group_in_a_global) == [1, 1]
+        # The rank holding the destroyed group is gone: the next call runs on fresh ranks.
+        assert world.run(_all_reduce_rank) == [3.0, 3.0]
+        assert world.starts == 2

@@ -18,11 +18,11 @@ here the call fails with a message naming the call and the ranks that did not an
 timer for each test) makes every call of every world end by then at the latest, so the harness,
 not pytest, reports the call that hung.
 
-Why each call destroys the process groups it created: every gloo group holds two
-``pt_gloo_runloop`` threads and a ``gloo_tcp_loop`` thread for as long as it lives, and a check that
-builds a ParallelState or a DeviceMesh creates a dozen groups. A reused rank would otherwise pile
-up hundreds of threads over a suite. Only the default group survives a call; a check must not
-keep a group in a global for a later call.
+Why each call destroys the process groups it created (group_cleanup.py): every gloo group holds
+three threads while it lives, and a check that builds a ParallelState or a Trainer creates a
+dozen groups; a reused rank piled up hundreds of threads over a suite. Only the default group
+survives a call, so a check must not keep a group in a global for a later call: if one does, the
+harness sees the threads left over, warns, and restarts that world.
 
 Check functions must be importable (module level) because they travel to the ranks by pickle.
 Each runs as ``fn(*args, **kwargs)`` on every rank with the default process group initialised;
@@ -36,6 +36,7 @@ import os
 import tempfile
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import wait
@@ -72,26 +73,6 @@ class RankError(AssertionError):
     """A check raised on one or more ranks; the message carries each failing rank's traceback."""
 
 
-def _live_groups() -> set:
-    from torch.distributed.distributed_c10d import _world
-
-    return set(_world.pg_map)
-
-
-def _destroy_groups_not_in(keep: set) -> None:
-    import gc
-
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _world
-
-    for group in list(_world.pg_map):
-        if group not in keep and group is not dist.GroupMember.WORLD:
-            dist.destroy_process_group(group)
-    # Meshes, FSDP states and models of the finished check form reference cycles that hold the
-    # groups' C++ objects (and their threads) until a collection.
-    gc.collect()
-
-
 def _worker(rank: int, world_size: int, init_file: str, conn, pg_timeout_s: float, env: dict) -> None:
     os.environ.update(env)
     os.environ["RANK"] = str(rank)
@@ -99,6 +80,8 @@ def _worker(rank: int, world_size: int, init_file: str, conn, pg_timeout_s: floa
     os.environ["WORLD_SIZE"] = str(world_size)
     import torch
     import torch.distributed as dist
+
+    from xorl.testing import group_cleanup
 
     # One intra-op thread per rank: N ranks share 2 cores on CI.
     torch.set_num_threads(1)
@@ -109,7 +92,7 @@ def _worker(rank: int, world_size: int, init_file: str, conn, pg_timeout_s: floa
         world_size=world_size,
         timeout=timedelta(seconds=pg_timeout_s),
     )
-    conn.send((_START_ID, "ok", None))
+    conn.send((_START_ID, "ok", None, 0))
     while True:
         try:
             msg = conn.recv()
@@ -118,16 +101,17 @@ def _worker(rank: int, world_size: int, init_file: str, conn, pg_timeout_s: floa
         if msg is None:
             break
         call_id, fn, args, kwargs = msg
-        keep = _live_groups()
+        keep, threads = group_cleanup.live_groups(), group_cleanup.gloo_thread_count()
         try:
-            reply = (call_id, "ok", fn(*args, **kwargs))
+            status, payload = "ok", fn(*args, **kwargs)
         except BaseException:  # noqa: BLE001 - the parent reports every failure
-            reply = (call_id, "err", traceback.format_exc())
-        _destroy_groups_not_in(keep)
+            status, payload = "err", traceback.format_exc()
+        group_cleanup.destroy_groups_not_in(keep)
+        kept = group_cleanup.gloo_thread_count() - threads
         try:
-            conn.send(reply)
+            conn.send((call_id, status, payload, kept))
         except Exception:  # noqa: BLE001 - e.g. a result that cannot be pickled
-            conn.send((call_id, "err", traceback.format_exc()))
+            conn.send((call_id, "err", traceback.format_exc(), kept))
     try:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - best effort at shutdown
@@ -252,6 +236,7 @@ class GlooWorld:
         results: list[Any] = [None] * self.world_size
         pending = set(range(self.world_size))
         errors: dict[int, str] = {}
+        kept: dict[int, int] = {}  # gloo threads a rank still had after the call's clean-up
         while pending:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -262,7 +247,7 @@ class GlooWorld:
                 conn, proc = self._conns[rank], self._procs[rank]
                 if conn.poll():
                     try:
-                        answer_id, status, payload = conn.recv()
+                        answer_id, status, payload, kept[rank] = conn.recv()
                     except EOFError:
                         answer_id, status, payload = call_id, "err", f"rank {rank} exited (code {proc.exitcode})"
                     if answer_id != call_id:
@@ -289,6 +274,13 @@ class GlooWorld:
                 f"{name}: ranks {sorted(pending)} of {self.world_size} did not finish {limit}, "
                 f"{time.monotonic() - start:.0f}s after it began (a collective that some rank never joined?)"
             )
+        leaked = {r: n for r, n in kept.items() if n > 0}
+        if leaked:
+            # Something still holds a group that the clean-up destroyed: a later call on this rank
+            # could be handed it. A fresh world is cheaper than finding out.
+            warnings.warn(f"{name} kept process groups alive (gloo threads left per rank: {leaked}), "
+                          "e.g. in a module-level cache; its world is restarted", RuntimeWarning, stacklevel=3)
+            self.close()
         return results
 
 

@@ -1,0 +1,73 @@
+"""Rank-side clean-up between the checks of a reused GlooWorld: what a check created must not outlive it.
+
+Why: every gloo process group holds two ``pt_gloo_runloop`` threads and a ``gloo_tcp_loop`` thread
+for as long as it lives, and a check that builds a ParallelState, a DeviceMesh or a Trainer creates
+a dozen groups. A rank reused for a whole suite piled up hundreds of such threads.
+
+Why torch's DTensor caches are cleared too: they are keyed by DeviceMesh equality, which compares
+rank layouts, not process groups. A later check with an equal mesh would be handed a DTensor spec
+holding the finished check's mesh, whose groups are destroyed ("Could not resolve the process
+group registered under the name ..."); and the cached meshes would keep those groups' threads alive.
+
+``gloo_thread_count`` is the ground truth the harness checks after the clean-up: if a check kept a
+group alive anyway (a module-level cache, or a torch cache not listed here), the harness restarts
+that world instead of reusing a rank that may hold a destroyed group.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+
+def live_groups() -> set:
+    from torch.distributed.distributed_c10d import _world
+
+    return set(_world.pg_map)
+
+
+def clear_torch_mesh_caches() -> None:
+    """Drop every torch cache known to hold DeviceMesh objects (best effort: private torch APIs)."""
+    from torch.distributed.tensor import _collective_utils, _redistribute, _sharding_prop
+    from torch.distributed.tensor import debug as dtensor_debug
+
+    clears = [
+        getattr(dtensor_debug, "_clear_sharding_prop_cache", None),  # the Python and C++ fast-path caches
+        getattr(_redistribute, "clear_redistribute_planner_cache", None),
+        getattr(getattr(_redistribute, "_gen_transform_infos", None), "cache_clear", None),
+        getattr(getattr(_collective_utils.MeshTopoInfo, "build_from_mesh", None), "cache_clear", None),
+        getattr(getattr(_sharding_prop.ShardingPropagator, "_propagate_tensor_meta_cached", None),
+                "cache_clear", None),
+    ]
+    for clear in clears:
+        if clear is not None:
+            clear()
+
+
+def destroy_groups_not_in(keep: set) -> None:
+    """Destroy every process group created since ``keep`` was taken (never the default group)."""
+    import torch.distributed as dist
+
+    clear_torch_mesh_caches()
+    for group in live_groups() - keep - {dist.GroupMember.WORLD}:
+        dist.destroy_process_group(group)
+    group = None  # the loop's last group must not survive the collection below
+    # Meshes, FSDP states and models of the finished check form reference cycles that hold the
+    # groups' C++ objects (and their threads) until a collection.
+    gc.collect()
+
+
+def gloo_thread_count() -> int:
+    """Threads of live gloo groups in this process (0 where /proc is missing)."""
+    count = 0
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return 0
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                count += f.read().startswith(("pt_gloo", "gloo"))
+        except OSError:  # the thread ended while we looked
+            pass
+    return count
