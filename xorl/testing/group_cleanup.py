@@ -47,11 +47,22 @@ def clear_torch_mesh_caches() -> None:
 def destroy_groups_not_in(keep: set) -> None:
     """Destroy every process group created since ``keep`` was taken (never the default group)."""
     import torch.distributed as dist
+    from torch._C import _distributed_c10d as c10d
 
     clear_torch_mesh_caches()
+    # Collect the check's garbage while its groups still exist: collected after they are destroyed,
+    # some of it (FSDP states over HSDP meshes, seen in torch 2.13) leaves them registered in C++.
+    gc.collect()
     for group in live_groups() - keep - {dist.GroupMember.WORLD}:
         dist.destroy_process_group(group)
     group = None  # the loop's last group must not survive the collection below
+    # The C++ name -> group registry (what functional collectives resolve names with) can hold a
+    # group under more names than destroy_process_group unregisters (DeviceMesh views in torch
+    # 2.13 do), so it is emptied and refilled with the groups that stay.
+    if hasattr(c10d, "_unregister_all_process_groups"):
+        c10d._unregister_all_process_groups()
+        for kept in keep | {dist.GroupMember.WORLD}:
+            c10d._register_process_group(kept.group_name, kept)
     # Meshes, FSDP states and models of the finished check form reference cycles that hold the
     # groups' C++ objects (and their threads) until a collection.
     gc.collect()
@@ -70,4 +81,20 @@ def gloo_thread_count() -> int:
                 count += f.read().startswith(("pt_gloo", "gloo"))
         except OSError:  # the thread ended while we looked
             pass
+    return count
+
+
+def settle_gloo_threads(timeout_s: float = 2.0) -> int:
+    """Wait until the gloo thread count stops changing (a new thread names itself only once it has
+    been scheduled, which on a loaded machine can lag its group's creation); return it."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    count = gloo_thread_count()
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = gloo_thread_count()
+        if now == count:
+            break
+        count = now
     return count

@@ -92,6 +92,10 @@ def _worker(rank: int, world_size: int, init_file: str, conn, pg_timeout_s: floa
         world_size=world_size,
         timeout=timedelta(seconds=pg_timeout_s),
     )
+    dist.barrier()
+    # The count of gloo threads with only the default group alive: a call that ends above it kept
+    # a group. Settled, because a new thread names itself only once it has been scheduled.
+    baseline = group_cleanup.settle_gloo_threads()
     conn.send((_START_ID, "ok", None, 0))
     while True:
         try:
@@ -101,13 +105,14 @@ def _worker(rank: int, world_size: int, init_file: str, conn, pg_timeout_s: floa
         if msg is None:
             break
         call_id, fn, args, kwargs = msg
-        keep, threads = group_cleanup.live_groups(), group_cleanup.gloo_thread_count()
+        keep = group_cleanup.live_groups()
+        baseline = max(baseline, group_cleanup.gloo_thread_count())
         try:
             status, payload = "ok", fn(*args, **kwargs)
         except BaseException:  # noqa: BLE001 - the parent reports every failure
             status, payload = "err", traceback.format_exc()
         group_cleanup.destroy_groups_not_in(keep)
-        kept = group_cleanup.gloo_thread_count() - threads
+        kept = group_cleanup.gloo_thread_count() - baseline
         try:
             conn.send((call_id, status, payload, kept))
         except Exception:  # noqa: BLE001 - e.g. a result that cannot be pickled
