@@ -98,10 +98,9 @@ def test_the_deadline_cuts_a_call_short_and_says_so():
     with GlooWorld(2, timeout_s=60) as world:
         previous = set_deadline(time.monotonic() + 3)
         try:
-            start = time.monotonic()
+            # Cut at the deadline, long before the call's own 60 s timeout or the check's 30 s.
             with pytest.raises(TimeoutError, match=r"call #1 _answer_after: .* by the test's deadline"):
                 world.run(_answer_after, "slow", 30)
-            assert time.monotonic() - start < 20
         finally:
             set_deadline(previous)
 
@@ -127,13 +126,11 @@ def test_the_harness_reports_the_hung_call_before_pytest_timeout_fires(pytester)
             world.run(_answer_after, "slow", 60)
         """
     )
-    start = time.monotonic()
     result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
     result.assert_outcomes(failed=1)
     out = result.stdout.str()
     assert "call #1 _answer_after: ranks [0] of 1 did not finish by the test's deadline" in out
     assert "from pytest-timeout" not in out  # pytest-timeout's own "Timeout (>8.0s)" never came
-    assert time.monotonic() - start < 50
 
 
 def _gloo_threads() -> Counter:

@@ -213,9 +213,9 @@ class GlooWorld:
         """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results.
 
         Raises RankError if any rank raised, TimeoutError if any rank did not answer within
-        ``timeout_s`` (default: the world's) or by the deadline (``set_deadline``). Either way, and on anything
-        else that interrupts the wait, the world is torn down (ranks may be stuck in a
-        collective or still running this call) and restarted on the next call.
+        ``timeout_s`` (default: the world's) or by the deadline (``set_deadline``). Either way,
+        and on anything else that interrupts the wait, the world is torn down (ranks may be stuck
+        in a collective or still running this call) and restarted on the next call.
         """
         self.start()
         self._last_id += 1
