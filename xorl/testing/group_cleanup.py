@@ -65,7 +65,19 @@ def destroy_groups_not_in(keep: set) -> None:
             c10d._register_process_group(kept.group_name, kept)
     # Meshes, FSDP states and models of the finished check form reference cycles that hold the
     # groups' C++ objects (and their threads) until a collection.
+    freeze_survivors()
+
+
+def freeze_survivors() -> None:
+    """Collect garbage, then move every object still alive (modules, torch's registries) out of
+    the collector's sight.
+
+    Why: a rank that has imported torch, xorl and transformers holds ~300k objects, and one full
+    collection of them costs ~0.2 s; the clean-up runs two per call on every rank. Frozen, they
+    are not scanned again, so a collection costs only what the next check allocates.
+    """
     gc.collect()
+    gc.freeze()
 
 
 def gloo_thread_count() -> int:

@@ -96,6 +96,7 @@ def _worker(rank: int, world_size: int, init_file: str, conn, pg_timeout_s: floa
     # The count of gloo threads with only the default group alive: a call that ends above it kept
     # a group. Settled, because a new thread names itself only once it has been scheduled.
     baseline = group_cleanup.settle_gloo_threads()
+    group_cleanup.freeze_survivors()
     conn.send((_START_ID, "ok", None, 0))
     while True:
         try:
