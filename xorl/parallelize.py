@@ -1,4 +1,4 @@
-"""Apply TP, CP, EP, activation checkpointing and FSDP2 to a model, in that order.
+"""Apply TP, CP, EP, activation checkpointing, torch.compile and FSDP2 to a model, in that order.
 
 Read top to bottom, torchtitan-style: each step is one call into the plan that owns it
 (xorl/plans/*), and each step only sees the model the previous one left. FSDP2 comes last so it
@@ -40,6 +40,12 @@ def parallelize_model(model: nn.Module, state, config) -> nn.Module:
     mode = checkpointing_mode(train.activation_checkpointing)
     if mode != "none":
         apply_activation_checkpointing(model, mode, train.activation_checkpointing_every_n_layers)
+    if train.compile:
+        # Experts FSDP-sharded on their own mesh (EP with fsdp2) are an FSDP unit inside the block,
+        # whose hooks dynamo does not trace: the block then compiles as the graphs around them.
+        nested_fsdp = state.ep_size > 1 and train.data_parallel_mode == "fsdp2"
+        apply_compile(model, "inductor" if train.compile is True else train.compile,
+                      capture_scalar_outputs=state.ep_size > 1, fullgraph=not nested_fsdp)
     if train.data_parallel_mode == "fsdp2":
         bf16 = train.dtype == "bfloat16" and torch.cuda.is_available()
         apply_fsdp(model, state, reshard_after_forward=reshard_after_forward(train, state.pp_size),
@@ -99,6 +105,27 @@ def apply_activation_checkpointing(model: nn.Module, mode: str = "full", every_n
             layers[i] = checkpoint_wrapper(layers[i], preserve_rng_state=False, **kwargs)
 
 
+def apply_compile(
+    model: nn.Module, backend: str = "inductor", capture_scalar_outputs: bool = False, fullgraph: bool = True
+) -> None:
+    """torch.compile each decoder block's forward in place, as torchtitan's apply_compile does.
+
+    Per block, not the whole model: every block has the same code, so one compilation serves them
+    all, and FSDP's per-block hooks stay outside the graphs (they run in the module's __call__,
+    which is not compiled; only ``forward`` is, which keeps parameter names unchanged). A
+    checkpointed block compiles with its checkpoint wrapper, so selective checkpointing's policy is
+    part of the graph. ``fullgraph``: a graph break is an error, never a silent slow path (the
+    combinations that would break are refused in xorl/config_rules.py); the caller turns it off
+    only around FSDP units nested in a block, whose hooks dynamo skips. ``capture_scalar_outputs``:
+    expert parallelism reads its all_to_all split sizes on the host (the one sync of a step); dynamo
+    then traces them as unbacked symbolic sizes instead of breaking the graph there.
+    """
+    if capture_scalar_outputs:
+        torch._dynamo.config.capture_scalar_outputs = True
+    for layer in decoder_layers(model):
+        layer.forward = torch.compile(layer.forward, backend=backend, fullgraph=fullgraph)
+
+
 def _save_ops() -> set:
     """The ops whose outputs selective checkpointing keeps (those absent from this torch are skipped)."""
     aten, names = torch.ops.aten, []
@@ -108,9 +135,10 @@ def _save_ops() -> set:
     functional = getattr(torch.ops, "_c10d_functional", None)
     if functional is not None:
         names += [(functional, n) for n in ("reduce_scatter_tensor", "all_gather_into_tensor", "all_to_all_single")]
-    xorl_ops = getattr(torch.ops, "xorl", None)
-    if xorl_ops is not None:  # our kernels, once registered as custom ops
-        names += [(xorl_ops, n) for n in ("flash_attn", "grouped_gemm")]
+    # Our custom ops (xorl_kernels, xorl/nn): attention, expert matmuls and the collectives, which a
+    # recompute would send again. Those not registered in this process are skipped below.
+    names += [(torch.ops.xorl, n) for n in ("flash_attn", "grouped_gemm", "ring_attention", "ulysses_seq_to_head",
+                                            "ulysses_head_to_seq", "ep_all_to_all", "ep_exchange_counts")]
     ops = set()
     for namespace, name in names:
         packet = getattr(namespace, name, None)
