@@ -33,6 +33,7 @@ def validate_config(config: Any, world_size: int) -> None:
     problems += _model_problems(config.model)
     problems += _data_problems(config.data, config.model)
     problems += _train_problems(config.train)
+    problems += _compile_problems(config.train, config.model)
     if not parallel._basic_problems():
         try:
             parallel.dp_shard  # noqa: B018 - resolves -1; raises when the sizes do not fit
@@ -275,6 +276,35 @@ def _train_problems(t: Any) -> list[str]:
     if isinstance(t.resume, str) and not os.path.exists(t.resume):
         problems.append(
             f"train.resume={t.resume!r}: no such checkpoint; use true (latest in output_dir) or false"
+        )
+    return problems
+
+
+# -- torch.compile -------------------------------------------------------------------------
+def _compile_problems(t: Any, m: Any) -> list[str]:
+    """The layouts whose code torch.compile cannot trace as one graph per block, refused before they
+    fail mid-run (each decoder block is compiled with fullgraph=True: xorl/parallelize.py)."""
+    if not t.compile:
+        return []
+    problems = []
+    if t.tensor_parallel_size > 1:
+        problems.append(
+            f"train.compile with tensor_parallel_size={t.tensor_parallel_size}: the tensor-parallel layers "
+            "overlap their collectives inside autograd Functions (async all_reduce, ring point-to-point: "
+            "xorl/nn/tp_*.py), which torch.compile cannot trace; set compile: false or tensor_parallel_size: 1"
+        )
+    if t.pipeline_parallel_size > 1 and t.pipeline_parallel_schedule in SPLIT_BACKWARD_SCHEDULES:
+        problems.append(
+            f"train.compile with pipeline_parallel_schedule: {t.pipeline_parallel_schedule}: zero-bubble schedules "
+            "split each block's backward into an input pass and a later weight pass, but a compiled block has one "
+            "fused backward (which frees its buffers after the first pass); use 1F1B, Interleaved1F1B or GPipe, "
+            "or compile: false"
+        )
+    if m.attn_implementation == "flash_attn" and t.ringattn_parallel_size * t.ulysses_parallel_size == 1:
+        problems.append(
+            "train.compile with model.attn_implementation: flash_attn (no context parallelism): the flash-attn "
+            "package's functions trace only in the versions that register them as torch custom ops, and xorl has "
+            "not verified any under compile; use attn_implementation: xorl (or sdpa), or compile: false"
         )
     return problems
 
