@@ -1,8 +1,9 @@
 """The training loop: config → process group → ParallelState → parallel model → steps.
 
 Reads top to bottom. What makes every layout log the losses of one process:
-- every rank builds the same initial weights (rank 0's full state dict, broadcast, or the same
-  seeded initialisation), then the plans shard them;
+- every rank starts from the weights of one process: the plans shard the model on the meta
+  device, then each rank fills only its own shards, read from the HF folder or drawn by the
+  seeded initialisation whose numbers depend on (seed, parameter name) alone;
 - every layout sees the same global batch per optimizer step (xorl/data/loader.py);
 - the loss is the token-weighted mean over the global batch and gradients are summed
   (xorl/loss.py, xorl/parallelize.py).
@@ -10,6 +11,7 @@ Reads top to bottom. What makes every layout log the losses of one process:
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import os
@@ -19,9 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from xorl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from xorl.checkpoint import Checkpointer, latest_checkpoint, load_checkpoint
 from xorl.config import Config
 from xorl.config_error import ConfigError
 from xorl.data.loader import MicrobatchLoader, PackedDataset
@@ -30,6 +31,7 @@ from xorl.distributed.parallel_config import ParallelConfig
 from xorl.distributed.parallel_state import init_parallel_state
 from xorl.grad_clip import clip_grad_norm_
 from xorl.loss import count_label_tokens, token_loss_sum
+from xorl.memory_report import report_startup
 from xorl.metrics import MetricsLogger
 from xorl.mfu import mfu
 from xorl.models.registry import build_model
@@ -52,33 +54,59 @@ class StepResult:
     aux_loss: float | None = None
 
 
-def initial_state_dict(config: Config) -> dict[str, torch.Tensor]:
-    """The full initial weights (built on rank 0 only): a local HF folder, or a seeded init.
+def initialise_part(part: nn.Module, config: Config) -> None:
+    """Fill this rank's shards of a materialised (possibly sharded) model part: from the HF folder
+    (each rank reads only its boxes) or by the seeded initialisation. fp32 master weights always;
+    bf16 compute comes from FSDP's mixed-precision policy on GPU."""
+    from xorl.distributed.shard_box import local_tensor
 
-    The seeded init is the single-process one, so every layout starts from the same numbers.
-    fp32 master weights always; bf16 compute comes from FSDP's mixed-precision policy on GPU.
-    """
-    torch.manual_seed(config.train.seed)
-    model = build_model(config.model)
     if config.model.model_path:
         from xorl.models.hf_io import load_hf_weights
 
-        load_hf_weights(model, config.model.model_path)
+        for buffer in part.buffers():  # state the files do not hold starts at zero
+            local_tensor(buffer).zero_()
+        load_hf_weights(part, config.model.model_path)
+    else:
+        from xorl.models.seeded_init import seeded_init_
+
+        seeded_init_(part, config.train.seed, config.model.initializer_range)
+
+
+def initial_state_dict(config: Config) -> dict[str, torch.Tensor]:
+    """The full initial weights in one process: what every layout's sharded start equals (tests)."""
+    with torch.device("meta"):
+        model = build_model(config.model)
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    initialise_part(model, config)
     return {k: v.to(torch.float32) for k, v in model.state_dict().items()}
 
 
 def materialise(parts: list[nn.Module], config: Config, device: torch.device) -> None:
-    """Allocate the (already sharded) meta parameters and fill them from rank 0's full weights.
+    """Allocate the (already sharded) meta parameters and fill each rank's own shards.
 
-    Why this way: no rank but rank 0 ever holds the whole model, and each rank receives exactly
-    the shards its parts own (the state-dict helper broadcasts, then slices into every DTensor).
+    Why this way: no rank ever holds the whole model. Each rank reads (or draws) only the boxes
+    its shards hold, one checkpoint tensor's box at a time, so host memory at start-up is the
+    rank's shards plus one box, for 70B and 235B models alike.
     """
-    full = initial_state_dict(config) if dist.get_rank() == 0 else {}
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+    torch.manual_seed(config.train.seed)  # anything else random starts the same on every rank
     for part in parts:
         part.to_empty(device=device)
-        # A fresh dict per part: loading replaces the dict's entries with this part's shards.
-        set_model_state_dict(part, dict(full), options=options)
+        initialise_part(part, config)
+
+
+def check_model_path(config: Config) -> None:
+    """A model_path folder that cannot load into the configured model: refused before any process group."""
+    if not config.model.model_path:
+        return
+    from xorl.models.hf_io import hf_folder_problems
+
+    with torch.device("meta"):
+        model = build_model(config.model)
+    problems = hf_folder_problems(model, config.model.model_path)
+    if problems:
+        raise ConfigError([f"model.model_path={config.model.model_path!r} does not match the model section: {p}"
+                           for p in problems])
 
 
 def check_trainer_support(config: Config) -> None:
@@ -102,17 +130,21 @@ def check_trainer_support(config: Config) -> None:
 
 class Trainer:
     def __init__(self, config: Config):
+        started = time.perf_counter()
         self.config = config
         world_size = world_size_from_env()
         config.validate(world_size)  # every rule, before any process group exists
         check_trainer_support(config)
+        check_model_path(config)
         self.device = init_distributed()
         self.parallel_config = ParallelConfig.from_config(config, world_size)
         self.state = init_parallel_state(self.parallel_config, device_type=self.device.type)
         self.rank = dist.get_rank()
+        self.checkpointer = Checkpointer(config.train.output_dir)
         # Build on the meta device, split for PP, then TP -> CP -> EP -> AC -> FSDP2, then allocate.
         with torch.device("meta"):
             model = build_model(config.model)
+        self.model_parameters = sum(p.numel() for p in model.parameters())  # tied weights once
         self.pipeline = None
         if self.state.pp_size > 1:
             stage_ids, stages, self.pp_inputs = split_into_stages(model, self.state, config)
@@ -133,6 +165,10 @@ class Trainer:
         )
         self.step = 0
         self._maybe_resume()
+        # startup.json: each rank's peak host (and device) memory with the weights in place, before step 1.
+        self.startup = report_startup(config.train.output_dir, self.device, time.perf_counter() - started,
+                                      self.model_parameters,
+                                      config.model.model_path or f"seeded init (seed {config.train.seed})")
 
     # -- checkpoints -----------------------------------------------------------------------
     def _maybe_resume(self) -> None:
@@ -149,8 +185,27 @@ class Trainer:
             scheduler.load_state_dict(extra["scheduler"])
 
     def save(self) -> str:
+        """Start an asynchronous checkpoint of this step; returns the path it will have once complete
+        (``self.checkpointer.wait()``, the next save or the end of ``train`` waits for it)."""
         extra = {"step": self.step, "scheduler": self.schedulers[0].state_dict()}
-        return save_checkpoint(self.config.train.output_dir, self.step, self.parts, self.optimizers, extra)
+        return self.checkpointer.save(self.step, self.parts, self.optimizers, extra,
+                                      model_config=dataclasses.asdict(self.config.model))
+
+    def export_hf(self, folder: str) -> None:
+        """Write the current weights as a Hugging Face folder (collective: every rank calls it).
+
+        Streamed from this step's checkpoint (saved first if the run has none for this step): every
+        rank converts some of the output files, one tensor at a time (xorl/export.py).
+        """
+        from xorl.export import export_checkpoint
+
+        self.checkpointer.wait()
+        checkpoint = latest_checkpoint(self.config.train.output_dir)
+        if checkpoint is None or not checkpoint.endswith(f"step_{self.step:08d}"):
+            self.save()
+            checkpoint = self.checkpointer.wait()
+        export_checkpoint(checkpoint, folder, self.config.model, device=self.device,
+                          output_dir=self.config.train.output_dir)
 
     @property
     def model(self) -> nn.Module:
@@ -302,6 +357,7 @@ class Trainer:
                     self.save()
         finally:
             logger.close()
+        self.checkpointer.wait()  # the last save is complete (and `latest`) when train returns
         return results
 
     def _memory_metrics(self) -> dict[str, float]:
@@ -314,7 +370,5 @@ def run_training(config: Config) -> list[StepResult]:
     trainer = Trainer(config)
     results = trainer.train()
     if config.train.export_hf:
-        from xorl.export import export_hf
-
-        export_hf(trainer.parts, config, os.path.join(config.train.output_dir, "hf"), trainer.state.pp_group)
+        trainer.export_hf(os.path.join(config.train.output_dir, "hf"))
     return results
