@@ -136,17 +136,31 @@ class Checkpointer:
         self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="xorl-checkpoint")
         self._pending: Future | None = None
 
-    def save(self, step: int, models, optimizers, extra: dict, model_config: dict | None = None) -> str:
-        """Start saving; returns the path the checkpoint will have once ``wait`` (or the next save) ends."""
+    def save(self, step: int, models, optimizers, extra: dict, model_config: dict | None = None,
+             blocking: bool = False) -> str:
+        """Start saving; returns the path the checkpoint will have once ``wait`` (or the next save) ends.
+
+        ``blocking``: write now, without the staging copy (the last step of a run, or before an
+        export: nothing would overlap it, and the copy costs host memory of the rank's whole state).
+        """
         self.wait()
         root, name, final, tmp = _paths(self.output_dir, step)
         if _is_rank0():
             _prepare(root, tmp, model_config)
         self._barrier()
         model_sd, optim_sd = _state(models, optimizers)
+        state = {"extra": extra, "model": model_sd, "optim": optim_sd}
+        if blocking:
+            done: Future = Future()
+            try:
+                done.set_result(dcp.save(state, checkpoint_id=tmp, process_group=self.group))
+            except Exception as err:  # noqa: BLE001 - reported once every rank answered (_finish)
+                done.set_exception(err)
+            self._pending = self._background.submit(self._finish, done, root, tmp, final, name)
+            self.wait()
+            return final
         # Returns once the state is copied (staged); the write runs in DCP's background thread.
-        upload = dcp.async_save({"extra": extra, "model": model_sd, "optim": optim_sd}, checkpoint_id=tmp,
-                                process_group=self.group)
+        upload = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group)
         self._pending = self._background.submit(self._finish, upload, root, tmp, final, name)
         return final
 

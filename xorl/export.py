@@ -41,7 +41,7 @@ from xorl.memory_report import (
     current_host_bytes,
     gather_rank_figures,
     memory_summary,
-    peak_host_bytes_since_reset,
+    peak_host_bytes,
     reset_peak_host_bytes,
     write_json_atomic,
 )
@@ -198,17 +198,21 @@ def _swap_into_place(partial: str, folder: str) -> None:
 
 def export_checkpoint(checkpoint: str, folder: str, model_config: Any, *,
                       max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, dtype: torch.dtype | None = None,
-                      device: torch.device | None = None, output_dir: str | None = None) -> dict:
+                      device: torch.device | None = None, output_dir: str | None = None,
+                      host_before: int | None = None, report_path: str | None = None) -> dict:
     """Convert the DCP checkpoint ``checkpoint`` into the HF folder ``folder`` (replaced if present).
 
     Collective when a process group is up: rank r writes files r, r + world, ...; rank 0 writes the
     index and config.json and moves the folder into place. Returns the per-rank memory figures,
-    also written to ``output_dir/export.json`` when ``output_dir`` is given.
+    also written to ``report_path`` or else ``output_dir/export.json`` when either is given.
+    ``host_before``: the resident bytes before the caller's export began (it reset the peak then);
+    None: measured here.
     """
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     started = time.perf_counter()
-    host_before = current_host_bytes()
-    reset_peak_host_bytes()  # the peak below is the export's own
+    if host_before is None:
+        host_before = current_host_bytes()
+        reset_peak_host_bytes()  # the peak below is the export's own
     folder = os.path.normpath(folder)
     partial = folder + ".partial"
     if rank == 0:
@@ -226,15 +230,15 @@ def export_checkpoint(checkpoint: str, folder: str, model_config: Any, *,
         _write_index_and_config(partial, files, names, model_config)
         _swap_into_place(partial, folder)
     _barrier()
-    figures = {"peak_host_bytes": peak_host_bytes_since_reset(), "host_bytes_before": host_before,
+    figures = {"peak_host_bytes": peak_host_bytes(), "host_bytes_before": host_before,
                "seconds": time.perf_counter() - started}
     ranks = gather_rank_figures(figures, device or torch.device("cpu"))
     model_bytes = 4 * sum(t.nbytes // t.dtype.itemsize for f in files for t in f)
     report = {"checkpoint": checkpoint, "folder": folder, "files": len(files), "model_bytes": model_bytes,
               "ranks": ranks}
     if rank == 0:
-        if output_dir is not None:
-            write_json_atomic(os.path.join(output_dir, "export.json"), report)
+        if output_dir is not None or report_path is not None:
+            write_json_atomic(report_path or os.path.join(output_dir, "export.json"), report)
         print(memory_summary("export", ranks, model_bytes) + f"; {folder}", flush=True)
     return report
 

@@ -3,8 +3,11 @@
 Why reports at all: a 70B or 235B start, or its export, fails by running a host out of memory,
 so users want each rank's peak next to the model's size, and the tests read the same numbers.
 
-Host peak is the kernel's high-water mark of resident memory (``ru_maxrss``; ``VmHWM`` after a
-reset, where /proc/self/clear_refs lets us reset it to measure one phase alone).
+Host peak is the kernel's high-water mark of this process's resident memory: ``VmHWM`` where
+/proc exists (Linux), else ``ru_maxrss``. Why not ``ru_maxrss`` alone: Linux carries it over from
+the parent across fork + exec, so a rank started by a large launcher (a test runner, a notebook)
+reports the launcher's size. Both are recorded. /proc/self/clear_refs restarts ``VmHWM`` to
+measure one phase (an export) alone.
 """
 
 from __future__ import annotations
@@ -18,16 +21,15 @@ import torch
 import torch.distributed as dist
 
 
-def peak_host_bytes() -> int:
-    """The process's peak resident memory since it started (``ru_maxrss``)."""
+def ru_maxrss_bytes() -> int:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
 
 
-def peak_host_bytes_since_reset() -> int:
-    """The peak resident memory since ``reset_peak_host_bytes`` (since start where it could not reset)."""
+def peak_host_bytes() -> int:
+    """This process's peak resident memory since it started, or since ``reset_peak_host_bytes``."""
     hwm = _proc_status_kib("VmHWM")
-    return peak_host_bytes() if hwm is None else hwm * 1024
+    return ru_maxrss_bytes() if hwm is None else hwm * 1024
 
 
 def current_host_bytes() -> int | None:
@@ -103,10 +105,10 @@ def memory_summary(what: str, ranks: list[dict], model_bytes: int, seconds_key: 
 
 def report_startup(output_dir: str, device: torch.device, seconds: float, model_parameters: int,
                    weights_from: str) -> dict:
-    """startup.json in ``output_dir`` (written by rank 0; a collective): each rank's peak host memory
-    (``ru_maxrss``), device peak and seconds, with the model's fp32 bytes; one line in the log too."""
-    ranks = gather_rank_figures({"peak_host_bytes": peak_host_bytes(), "seconds": seconds,
-                                 "device_peak_bytes": device_peak_bytes(device)}, device)
+    """startup.json in ``output_dir`` (written by rank 0; a collective): each rank's peak host memory,
+    device peak and seconds, with the model's fp32 bytes; one line in the log too."""
+    ranks = gather_rank_figures({"peak_host_bytes": peak_host_bytes(), "ru_maxrss_bytes": ru_maxrss_bytes(),
+                                 "seconds": seconds, "device_peak_bytes": device_peak_bytes(device)}, device)
     model_bytes = 4 * model_parameters  # fp32 master weights
     report = {"model_parameters": model_parameters, "model_bytes": model_bytes,
               "world_size": len(ranks), "device": device.type, "weights_from": weights_from, "ranks": ranks}

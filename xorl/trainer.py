@@ -31,7 +31,7 @@ from xorl.distributed.parallel_config import ParallelConfig
 from xorl.distributed.parallel_state import init_parallel_state
 from xorl.grad_clip import clip_grad_norm_
 from xorl.loss import count_label_tokens, token_loss_sum
-from xorl.memory_report import report_startup
+from xorl.memory_report import current_host_bytes, report_startup, reset_peak_host_bytes
 from xorl.metrics import MetricsLogger
 from xorl.mfu import mfu
 from xorl.models.registry import build_model
@@ -184,12 +184,12 @@ class Trainer:
         for scheduler in self.schedulers:
             scheduler.load_state_dict(extra["scheduler"])
 
-    def save(self) -> str:
-        """Start an asynchronous checkpoint of this step; returns the path it will have once complete
-        (``self.checkpointer.wait()``, the next save or the end of ``train`` waits for it)."""
+    def save(self, blocking: bool = False) -> str:
+        """Checkpoint this step, in the background unless ``blocking``; returns the path it will have
+        once complete (``self.checkpointer.wait()``, the next save or the end of ``train`` waits for it)."""
         extra = {"step": self.step, "scheduler": self.schedulers[0].state_dict()}
         return self.checkpointer.save(self.step, self.parts, self.optimizers, extra,
-                                      model_config=dataclasses.asdict(self.config.model))
+                                      model_config=dataclasses.asdict(self.config.model), blocking=blocking)
 
     def export_hf(self, folder: str) -> None:
         """Write the current weights as a Hugging Face folder (collective: every rank calls it).
@@ -199,13 +199,14 @@ class Trainer:
         """
         from xorl.export import export_checkpoint
 
+        host_before = current_host_bytes()
+        reset_peak_host_bytes()  # export.json: the peak of this export (with its save) alone
         self.checkpointer.wait()
         checkpoint = latest_checkpoint(self.config.train.output_dir)
         if checkpoint is None or not checkpoint.endswith(f"step_{self.step:08d}"):
-            self.save()
-            checkpoint = self.checkpointer.wait()
+            checkpoint = self.save(blocking=True)
         export_checkpoint(checkpoint, folder, self.config.model, device=self.device,
-                          output_dir=self.config.train.output_dir)
+                          output_dir=self.config.train.output_dir, host_before=host_before)
 
     @property
     def model(self) -> nn.Module:
@@ -354,7 +355,7 @@ class Trainer:
                         metrics["router_loss"] = result.aux_loss
                     logger.log(result.step, metrics)
                 if train.save_steps and self.step % train.save_steps == 0:
-                    self.save()
+                    self.save(blocking=self.step == last)  # nothing left to overlap the last one
         finally:
             logger.close()
         self.checkpointer.wait()  # the last save is complete (and `latest`) when train returns

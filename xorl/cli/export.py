@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                         help="cast floating-point weights (default: as saved, fp32 master weights)")
     parser.add_argument("--config", help="the run's YAML, for a checkpoint without model_config.json")
+    parser.add_argument("--report", metavar="JSON", help="also write the export's peak host memory and time here")
     args = parser.parse_args(argv)
     try:
         max_shard_bytes = parse_size(args.max_shard_size)
@@ -90,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     if os.path.isdir(args.out_dir):
         os.rmdir(args.out_dir)  # empty (checked above): the export moves a complete folder here
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    export_checkpoint(checkpoint, args.out_dir, model_config, max_shard_bytes=max_shard_bytes, dtype=dtype)
+    export_checkpoint(checkpoint, args.out_dir, model_config, max_shard_bytes=max_shard_bytes, dtype=dtype,
+                      report_path=args.report)
     return 0
 
 

@@ -25,9 +25,9 @@ from xorl.distributed.shard_box import ShardBox, local_tensor, parameter_box
 from xorl.models.hf_io import clean_name
 from xorl.models.layers import RMSNorm
 
-# 4 Mi elements (16 MiB in fp32) per block: small next to any shard of a large model, large enough
+# 1 Mi elements (4 MiB in fp32) per block: small next to any shard of a large model, large enough
 # that seeding a generator per block costs nothing measurable.
-BLOCK_ELEMENTS = 1 << 22
+BLOCK_ELEMENTS = 1 << 20
 
 
 def block_seed(seed: int, name: str, block: int) -> int:
