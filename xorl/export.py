@@ -26,6 +26,7 @@ import os
 import shutil
 import struct
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -156,7 +157,9 @@ class CheckpointTensors:
             self._key, self._tensor = None, None  # freed before the next one is allocated
             md = self.metadata.state_dict_metadata[key]
             tensor = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-            dcp.load({key: tensor}, storage_reader=self.reader, no_dist=True)
+            with warnings.catch_warnings():  # "no process group: loading in one process" is the intent
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.load({key: tensor}, storage_reader=self.reader, no_dist=True)
             self._key, self._tensor = key, tensor
         return self._tensor
 

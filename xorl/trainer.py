@@ -29,6 +29,7 @@ from xorl.data.loader import MicrobatchLoader, PackedDataset
 from xorl.distributed.init import init_distributed, world_size_from_env
 from xorl.distributed.parallel_config import ParallelConfig
 from xorl.distributed.parallel_state import init_parallel_state
+from xorl.export import DEFAULT_MAX_SHARD_BYTES, export_checkpoint
 from xorl.grad_clip import clip_grad_norm_
 from xorl.loss import count_label_tokens, token_loss_sum
 from xorl.memory_report import current_host_bytes, report_startup, reset_peak_host_bytes
@@ -191,21 +192,19 @@ class Trainer:
         return self.checkpointer.save(self.step, self.parts, self.optimizers, extra,
                                       model_config=dataclasses.asdict(self.config.model), blocking=blocking)
 
-    def export_hf(self, folder: str) -> None:
+    def export_hf(self, folder: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
         """Write the current weights as a Hugging Face folder (collective: every rank calls it).
 
         Streamed from this step's checkpoint (saved first if the run has none for this step): every
         rank converts some of the output files, one tensor at a time (xorl/export.py).
         """
-        from xorl.export import export_checkpoint
-
         host_before = current_host_bytes()
         reset_peak_host_bytes()  # export.json: the peak of this export (with its save) alone
         self.checkpointer.wait()
         checkpoint = latest_checkpoint(self.config.train.output_dir)
         if checkpoint is None or not checkpoint.endswith(f"step_{self.step:08d}"):
             checkpoint = self.save(blocking=True)
-        export_checkpoint(checkpoint, folder, self.config.model, device=self.device,
+        export_checkpoint(checkpoint, folder, self.config.model, max_shard_bytes=max_shard_bytes, device=self.device,
                           output_dir=self.config.train.output_dir, host_before=host_before)
 
     @property
