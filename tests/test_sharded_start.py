@@ -129,3 +129,19 @@ def test_seeded_values_depend_on_seed_name_and_block_only(monkeypatch):
     seeded_init.fill_seeded_normal_(other, ShardBox.whole(shape), seed=4, name="v", std=0.5)
     assert not torch.equal(other, whole)
     assert 0.4 < whole.std().item() < 0.6
+
+
+def test_a_folder_that_does_not_fit_the_model_is_refused_before_any_process_group(tmp_path):
+    from xorl.config_error import ConfigError
+    from xorl.trainer import check_model_path
+
+    config = _config(str(tmp_path / "run"), "llama", "")
+    save_hf_weights(initial_state_dict(config), str(tmp_path / "hf"), config.model)
+    config.model.model_path = str(tmp_path / "hf")
+    check_model_path(config)  # fits: no error
+    config.model.intermediate_size = 48
+    with pytest.raises(ConfigError, match=r"model\.model_path=.*shape mismatch model\.layers\.0\.mlp\.down_proj"):
+        check_model_path(config)
+    config.model.model_path = str(tmp_path / "nowhere")
+    with pytest.raises(ConfigError, match=r"model\.model_path=.*cannot read"):
+        check_model_path(config)

@@ -156,9 +156,7 @@ class Checkpointer:
                 done.set_result(dcp.save(state, checkpoint_id=tmp, process_group=self.group))
             except Exception as err:  # noqa: BLE001 - reported once every rank answered (_finish)
                 done.set_exception(err)
-            self._pending = self._background.submit(self._finish, done, root, tmp, final, name)
-            self.wait()
-            return final
+            return self._finish(done, root, tmp, final, name)
         # Returns once the state is copied (staged); the write runs in DCP's background thread.
         upload = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group)
         self._pending = self._background.submit(self._finish, upload, root, tmp, final, name)
@@ -191,13 +189,6 @@ class Checkpointer:
     def _barrier(self) -> None:
         if self.group is not None:
             dist.barrier(group=self.group)
-
-    def close(self) -> None:
-        """Wait for the last save, then stop the background thread."""
-        try:
-            self.wait()
-        finally:
-            self._background.shutdown(wait=True)
 
 
 @torch.no_grad()

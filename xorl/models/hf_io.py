@@ -327,7 +327,8 @@ def load_hf_weights(model: nn.Module, folder: str) -> None:
     try:  # file by file, so each file is opened about once
         for name in sorted(match.targets, key=lambda n: order[reader.file_of[match.recipes[n].sources[0]]]):
             raw, tensor = match.targets[name]
-            match.recipes[name].fill(reader, local_tensor(tensor), match.boxes[name])
+            if match.boxes[name].numel:  # a rank may hold no rows of a small tensor split over many
+                match.recipes[name].fill(reader, local_tensor(tensor), match.boxes[name])
     finally:
         reader.close()
     if hasattr(model, "tie_weights") and not any(isinstance(t, DTensor) for _, t in match.targets.values()):
