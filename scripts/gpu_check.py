@@ -1,11 +1,15 @@
-"""The checks of scripts/gpu_check.sh that need a GPU: training smoke runs and the host-sync check.
+"""The checks of scripts/gpu_check.sh that need a GPU: training smoke runs, torch.compile, host syncs.
 
     python scripts/gpu_check.py smoke --model dense|moe --out FILE.json
+    python scripts/gpu_check.py compile --model dense|moe --out FILE.json
     python scripts/gpu_check.py sync --model dense|moe --out FILE.json
 
 ``smoke``: bf16 training on one GPU through xorl's kernels (Triton flash attention; for MoE the
 csrc permute / unpermute and the grouped GEMM); the loss must fall and stay finite; reports
-tokens per second and peak memory. ``sync``: one training step (after a warm-up step) with
+tokens per second and peak memory. ``compile``: the smoke run eager, then with ``train.compile: true``
+(inductor, each decoder block); reports tokens per second of both and the speed-up (compilation is in
+the warm-up steps, not timed); both losses must fall, stay finite and start equal to bf16 precision.
+``sync``: one training step (after a warm-up step) with
 ``torch.cuda.set_sync_debug_mode("warn")`` on from the first forward to the optimizer step's end,
 every warning recorded; any synchronising call there fails the check (the step's one read of the
 loss and norm comes after the optimizer step). Under EP the split sizes are one sync per MoE layer
@@ -23,7 +27,7 @@ import warnings
 import torch
 
 
-def _config(model: str, steps: int, out_dir: str):
+def _config(model: str, steps: int, out_dir: str, extra: tuple[str, ...] = ()):
     from xorl.cli.train import DEFAULT_CONFIG
     from xorl.config import load_config
 
@@ -42,13 +46,15 @@ def _config(model: str, steps: int, out_dir: str):
                       "--model.moe_intermediate_size=1024", "--train.expert_parallel_size=1"]
     else:
         overrides += ["--model.model_type=llama", "--model.num_experts=0", "--train.expert_parallel_size=1"]
-    return load_config(DEFAULT_CONFIG, overrides)
+    return load_config(DEFAULT_CONFIG, overrides + list(extra))
 
 
-def smoke(model: str, out_dir: str, steps: int = 30) -> dict:
+def _timed_run(config, steps: int) -> dict:
+    """Train ``steps`` steps; losses, tokens per second after 5 warm-up steps, peak memory."""
     from xorl.trainer import Trainer
 
-    trainer = Trainer(_config(model, steps, out_dir))
+    torch.cuda.reset_peak_memory_stats()
+    trainer = Trainer(config)
     losses, times, tokens = [], [], 0
     for _ in range(steps):
         torch.cuda.synchronize()
@@ -58,14 +64,31 @@ def smoke(model: str, out_dir: str, steps: int = 30) -> dict:
         times.append(time.perf_counter() - t0)
         losses.append(result.loss)
         tokens = result.tokens
-    timed = times[5:]  # warm-up: Triton autotuning and allocator growth
-    report = {
-        "model": model, "steps": steps, "loss_first": losses[0], "loss_last": losses[-1],
-        "tokens_per_step": tokens, "tokens_per_s": tokens * len(timed) / sum(timed),
+    timed = times[5:]  # warm-up: Triton autotuning, allocator growth, torch.compile
+    return {
+        "loss_first": losses[0], "loss_last": losses[-1], "tokens_per_step": tokens,
+        "tokens_per_s": tokens * len(timed) / sum(timed), "warmup_s": sum(times[:5]),
         "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
         "ok": all(map(_finite, losses)) and losses[-1] < losses[0] - 0.5,
     }
-    return report
+
+
+def smoke(model: str, out_dir: str, steps: int = 30) -> dict:
+    run = _timed_run(_config(model, steps, out_dir), steps)
+    run.pop("warmup_s")
+    return {"model": model, "steps": steps, **run}
+
+
+def compile_check(model: str, out_dir: str, steps: int = 20) -> dict:
+    eager = _timed_run(_config(model, steps, f"{out_dir}/eager"), steps)
+    compiled = _timed_run(_config(model, steps, f"{out_dir}/compiled", ("--train.compile=true",)), steps)
+    same_start = abs(compiled["loss_first"] - eager["loss_first"]) <= 2e-2 * abs(eager["loss_first"])
+    return {
+        "model": model, "steps": steps, "eager": eager, "compiled": compiled,
+        "eager_tokens_per_s": eager["tokens_per_s"], "compiled_tokens_per_s": compiled["tokens_per_s"],
+        "speedup": compiled["tokens_per_s"] / eager["tokens_per_s"],
+        "ok": eager["ok"] and compiled["ok"] and same_start,
+    }
 
 
 def _finite(x: float) -> bool:
@@ -104,7 +127,7 @@ def sync(model: str, out_dir: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="scripts/gpu_check.py")
-    parser.add_argument("check", choices=["smoke", "sync"])
+    parser.add_argument("check", choices=["smoke", "compile", "sync"])
     parser.add_argument("--model", choices=["dense", "moe"], default="dense")
     parser.add_argument("--out", required=True, help="JSON file for the report")
     args = parser.parse_args(argv)
@@ -112,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_check.py needs a CUDA GPU", file=sys.stderr)
         return 2
     out_dir = f"/tmp/xorl-gpu-check-{args.check}-{args.model}"
-    report = (smoke if args.check == "smoke" else sync)(args.model, out_dir)
+    report = {"smoke": smoke, "compile": compile_check, "sync": sync}[args.check](args.model, out_dir)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
     print(json.dumps(report))

@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # One command on a GPU machine (issue "Run on real GPUs"): build, test, train, check, benchmark.
 #
-#   bash scripts/gpu_check.sh [STAGE ...]     STAGE: build tests smoke multirank sync bench (default: all)
+#   bash scripts/gpu_check.sh [STAGE ...]
+#       STAGE: build tests smoke compile multirank sync bench (default: all)
 #
 # Writes bench/results/<device>-<UTC time>-tests.txt (the test summary lines), -checks.json (smoke,
-# multi-rank and sync reports) and, from `python -m bench`, <device>-<UTC time>.json. Stages run on
-# past a failure; the exit code is non-zero if any failed. Every stage fits a 10-minute device call
-# on one H100 when run alone; XORL_BENCH_ARGS (default --quick) and XORL_PYTEST_ARGS pass options on.
+# compile (tokens/s eager vs train.compile), multi-rank and sync reports) and, from
+# `python -m bench`, <device>-<UTC time>.json. Stages run on past a failure; the exit code is
+# non-zero if any failed. Every stage fits a 10-minute device call on one H100 when run alone;
+# XORL_BENCH_ARGS (default --quick) and XORL_PYTEST_ARGS pass options on.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(build tests smoke multirank sync bench)
+[ ${#stages[@]} -eq 0 ] && stages=(build tests smoke compile multirank sync bench)
 want() { local s; for s in "${stages[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 
 # shellcheck disable=SC1091
@@ -51,6 +53,14 @@ if want smoke; then
   for model in dense moe; do
     run "smoke-$model" python scripts/gpu_check.py smoke --model "$model" --out "$work/smoke-$model.json"
     checks+=("$work/smoke-$model.json")
+  done
+fi
+
+if want compile; then
+  # Tokens per second of the smoke runs eager and with train.compile: true (inductor, per block).
+  for model in dense moe; do
+    run "compile-$model" python scripts/gpu_check.py compile --model "$model" --out "$work/compile-$model.json"
+    checks+=("$work/compile-$model.json")
   done
 fi
 

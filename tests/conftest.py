@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from xorl.testing.multirank import GlooWorld
+from xorl.testing.multirank import GlooWorld, set_deadline
 
 
 def pytest_collection_modifyitems(config, items):
@@ -24,9 +25,32 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+# How long before pytest-timeout fires the harness gives up on a call: enough to kill the ranks
+# and raise its own TimeoutError, which names the call that hung.
+DEADLINE_MARGIN_S = 30.0
+
+
+@pytest.hookimpl(hookwrapper=True, optionalhook=True)
+def pytest_timeout_set_timer(item, settings):
+    """pytest-timeout starts a test's timer: every world call of this test ends before it fires."""
+    set_deadline(time.monotonic() + settings.timeout - min(DEADLINE_MARGIN_S, settings.timeout / 4))
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True, optionalhook=True)
+def pytest_timeout_cancel_timer(item):
+    set_deadline(None)
+    yield
+
+
 @pytest.fixture(scope="session")
 def gloo_world():
-    """Factory: ``gloo_world(4)`` returns a started 4-rank world shared by the whole session."""
+    """Factory: ``gloo_world(4)`` returns a started 4-rank world shared by the whole session.
+
+    A world whose call failed or timed out was torn down by the harness; the next
+    ``gloo_world(n).run(...)`` starts it again.
+    """
+
     worlds: dict[int, GlooWorld] = {}
 
     def get(world_size: int) -> GlooWorld:

@@ -10,8 +10,6 @@ import torch.distributed as dist
 
 from xorl.distributed.zigzag import prepare_context_parallel_batch, zigzag_shard
 
-_GROUPS: dict[tuple[int, int], tuple] = {}
-
 
 def reference_attention(q, k, v, cu_seqlens=None, causal=True, scale=None):
     """Float64 plain-torch attention on the FULL sequence: q [b, T, hq, d], k/v [b, T, hkv, d]."""
@@ -34,25 +32,23 @@ def reference_attention(q, k, v, cu_seqlens=None, causal=True, scale=None):
 def cp_groups(ring_size: int, ulysses_size: int):
     """(ring_group, ulysses_group) of the default world, Ulysses inner: flat rank = r * U + u.
 
-    Cached per shape because every rank must create every group, in the same order, once.
+    Every rank creates every group, in the same order. Not cached across checks: the harness
+    destroys the groups a check created when it ends.
     """
-    key = (ring_size, ulysses_size)
-    if key not in _GROUPS:
-        world = dist.get_world_size()
-        if world != ring_size * ulysses_size:
-            raise ValueError(f"world {world} != ring {ring_size} × ulysses {ulysses_size}")
-        rank = dist.get_rank()
-        ring_group = ulysses_group = None
-        for u in range(ulysses_size):
-            g = dist.new_group([r * ulysses_size + u for r in range(ring_size)])
-            if rank % ulysses_size == u:
-                ring_group = g
-        for r in range(ring_size):
-            g = dist.new_group([r * ulysses_size + u for u in range(ulysses_size)])
-            if rank // ulysses_size == r:
-                ulysses_group = g
-        _GROUPS[key] = (ring_group, ulysses_group)
-    return _GROUPS[key]
+    world = dist.get_world_size()
+    if world != ring_size * ulysses_size:
+        raise ValueError(f"world {world} != ring {ring_size} × ulysses {ulysses_size}")
+    rank = dist.get_rank()
+    ring_group = ulysses_group = None
+    for u in range(ulysses_size):
+        g = dist.new_group([r * ulysses_size + u for r in range(ring_size)])
+        if rank % ulysses_size == u:
+            ring_group = g
+    for r in range(ring_size):
+        g = dist.new_group([r * ulysses_size + u for u in range(ulysses_size)])
+        if rank // ulysses_size == r:
+            ulysses_group = g
+    return ring_group, ulysses_group
 
 
 def sq_err(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:

@@ -1,12 +1,18 @@
-"""The multi-rank harness itself: results come back per rank, errors and hangs fail with a message."""
+"""The multi-rank harness itself: results come back per rank, errors and hangs fail with a message
+naming the call, a late answer never passes for the next call's, and checks leave no groups behind."""
 
+import os
+import signal
 import time
+from collections import Counter
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from xorl.testing.multirank import GlooWorld, RankError
+from xorl.testing.multirank import GlooWorld, RankError, set_deadline
+
+pytest_plugins = ["pytester"]
 
 
 def _all_reduce_rank() -> float:
@@ -29,6 +35,11 @@ def _hang_on_rank_zero() -> None:
         time.sleep(0.1)
 
 
+def _answer_after(tag: str, delay_s: float) -> tuple[str, int]:
+    time.sleep(delay_s)
+    return tag, dist.get_rank()
+
+
 def test_results_come_back_per_rank(gloo_world):
     world = gloo_world(4)
     assert world.run(_all_reduce_rank) == [10.0] * 4
@@ -48,3 +59,135 @@ def test_hang_becomes_timeout_error():
         with pytest.raises(TimeoutError, match=r"ranks \[0\]"):
             world.run(_hang_on_rank_zero, timeout_s=5)
         assert time.monotonic() - start < 30
+
+
+def test_a_timed_out_call_is_reported_with_its_id_and_the_next_call_gets_its_own_answer():
+    with GlooWorld(2, timeout_s=60) as world:
+        assert world.run(_answer_after, "first", 0) == [("first", 0), ("first", 1)]
+        with pytest.raises(TimeoutError, match=r"call #2 _answer_after: ranks \[0, 1\] of 2"):
+            world.run(_answer_after, "late", 3, timeout_s=1)
+        time.sleep(3)  # the late answers would have arrived by now, had the ranks lived
+        assert world.run(_answer_after, "third", 0) == [("third", 0), ("third", 1)]
+        assert world.starts == 2  # the timed-out world was torn down and started again
+
+
+def test_an_interrupted_call_never_answers_the_next_one():
+    """pytest-timeout (signal method) interrupts the wait with an exception from a signal handler;
+    the ranks are still running the call and will answer it later."""
+
+    class Interrupted(Exception):
+        pass
+
+    def interrupt(signum, frame):
+        raise Interrupted
+
+    with GlooWorld(2, timeout_s=60) as world:
+        previous = signal.signal(signal.SIGALRM, interrupt)
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 1.0)
+            with pytest.raises(Interrupted):
+                world.run(_answer_after, "late", 3)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+        time.sleep(3)
+        assert world.run(_answer_after, "next", 0) == [("next", 0), ("next", 1)]
+
+
+def test_the_deadline_cuts_a_call_short_and_says_so():
+    with GlooWorld(2, timeout_s=60) as world:
+        previous = set_deadline(time.monotonic() + 3)
+        try:
+            # Cut at the deadline, long before the call's own 60 s timeout or the check's 30 s.
+            with pytest.raises(TimeoutError, match=r"call #1 _answer_after: .* by the test's deadline"):
+                world.run(_answer_after, "slow", 30)
+        finally:
+            set_deadline(previous)
+
+
+def test_the_harness_reports_the_hung_call_before_pytest_timeout_fires(pytester):
+    """The real thing: tests/conftest.py's hook sets the deadline from pytest-timeout's timer."""
+    pytester.makeconftest("from tests.conftest import pytest_timeout_cancel_timer, pytest_timeout_set_timer\n")
+    # Only the test function is timed, so the world's start-up (in the fixture) is not.
+    pytester.makeini("[pytest]\ntimeout_func_only = true\n")
+    pytester.makepyfile(
+        """
+        import pytest
+        from tests.test_multirank_harness import _answer_after
+        from xorl.testing.multirank import GlooWorld
+
+        @pytest.fixture(scope="module")
+        def world():
+            with GlooWorld(1, timeout_s=300) as world:
+                yield world
+
+        @pytest.mark.timeout(8)
+        def test_hangs(world):
+            world.run(_answer_after, "slow", 60)
+        """
+    )
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    out = result.stdout.str()
+    assert "call #1 _answer_after: ranks [0] of 1 did not finish by the test's deadline" in out
+    assert "from pytest-timeout" not in out  # pytest-timeout's own "Timeout (>8.0s)" never came
+
+
+def _gloo_threads() -> Counter:
+    names = Counter()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names[f.read().strip()] += 1
+        except OSError:  # the thread ended while we looked
+            pass
+    return Counter({k: v for k, v in names.items() if k.startswith(("pt_gloo", "gloo"))})
+
+
+def _build_groups() -> dict:
+    """What checks create: a ParallelState (DeviceMesh, flattened views, EP mesh) and a new_group."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from xorl.distributed import ParallelConfig, init_parallel_state
+
+    state = init_parallel_state(ParallelConfig(data_parallel_shard_size=2, ringattn_parallel_size=2,
+                                               expert_parallel_size=2))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+    pair = dist.new_group([0, 1])
+    t = torch.ones(1)
+    dist.all_reduce(t, group=state.cp_group)
+    dist.all_reduce(t, group=mesh.get_group("b"))
+    if dist.get_rank() < 2:
+        dist.all_reduce(t, group=pair)
+    return _gloo_threads()
+
+
+def test_checks_leave_no_process_groups_or_gloo_threads_behind(gloo_world):
+    world = gloo_world(4)
+    before = world.run(_gloo_threads)
+    starts = world.starts
+    during = [world.run(_build_groups) for _ in range(5)]
+    after = world.run(_gloo_threads)
+    assert world.starts == starts  # the same ranks throughout (a leak would have restarted them)
+    for rank in range(4):
+        # The check really made groups (so this test can fail) ...
+        assert all(sum(d[rank].values()) >= sum(before[rank].values()) + 20 for d in during), during
+        # ... and none of them outlived it: only the default group's threads remain.
+        assert after[rank] == before[rank], (rank, before[rank], after[rank])
+
+
+_KEPT_GROUPS = []
+
+
+def _keep_a_group_in_a_global() -> int:
+    _KEPT_GROUPS.append(dist.new_group([0, 1]))
+    return len(_KEPT_GROUPS)
+
+
+def test_a_check_that_keeps_a_group_gets_a_warning_and_a_fresh_world():
+    with GlooWorld(2, timeout_s=60) as world:
+        with pytest.warns(RuntimeWarning, match=r"call #1 _keep_a_group_in_a_global kept process groups alive"):
+            assert world.run(_keep_a_group_in_a_global) == [1, 1]
+        # The rank holding the destroyed group is gone: the next call runs on fresh ranks.
+        assert world.run(_all_reduce_rank) == [3.0, 3.0]
+        assert world.starts == 2

@@ -19,21 +19,16 @@ from torch import nn
 from xorl.nn.tp_comm import overlap_report
 
 TOL = 1e-5
-_MESHES: dict[int, object] = {}
 
 
 def tp_mesh(tp_size: int):
-    """A 1-D TP mesh of ``tp_size`` ranks (cached per rank process: mesh creation is collective)."""
+    """A 1-D TP mesh of ``tp_size`` ranks (a collective; the harness destroys it after the check)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    if tp_size not in _MESHES:
-        world = dist.get_world_size()
-        if tp_size == world:
-            _MESHES[tp_size] = init_device_mesh("cpu", (tp_size,), mesh_dim_names=("tp",))
-        else:
-            _MESHES[tp_size] = init_device_mesh("cpu", (world // tp_size, tp_size),
-                                                mesh_dim_names=("dp", "tp"))["tp"]
-    return _MESHES[tp_size]
+    world = dist.get_world_size()
+    if tp_size == world:
+        return init_device_mesh("cpu", (tp_size,), mesh_dim_names=("tp",))
+    return init_device_mesh("cpu", (world // tp_size, tp_size), mesh_dim_names=("dp", "tp"))["tp"]
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -119,6 +119,8 @@ class TrainConfig(ParallelFields):
     # (ZeRO-3), "never" keeps them to the backward (ZeRO-2: less all-gather, more memory);
     # "default" is always, except for zero-bubble pipeline schedules, which need never.
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
+    # torch.compile each decoder block (true: inductor; "aot_eager": no code generation, for debugging).
+    compile: Literal["inductor", "aot_eager"] | bool = False
     output_dir: str = "outputs"
     save_steps: int = 0  # 0: no periodic checkpoints
     resume: bool | str = False  # true: latest checkpoint in output_dir; a path: that checkpoint

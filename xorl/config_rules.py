@@ -40,6 +40,7 @@ def validate_config(config: Any, world_size: int) -> None:
     problems += _data_problems(config.data, config.model)
     problems += _train_problems(config.train)
     problems += _export_problems(config.model, config.train)
+    problems += _compile_problems(config.train, config.model)
     if not problems:
         from xorl.model_path import model_path_conflicts
 
@@ -436,6 +437,36 @@ def _output_dir_problems(output_dir: str) -> list[str]:
     if not os.access(existing, os.W_OK | os.X_OK):
         return [f"train.output_dir={output_dir!r}: {existing!r} is not writable; choose a folder you can write"]
     return []
+
+
+# -- torch.compile -------------------------------------------------------------------------
+def _compile_problems(t: Any, m: Any) -> list[str]:
+    """The layouts whose code torch.compile cannot trace as one graph per block, refused before they
+    fail mid-run (each decoder block is compiled with fullgraph=True: xorl/parallelize.py)."""
+    if not t.compile:
+        return []
+    problems = []
+    if t.tensor_parallel_size > 1:
+        problems.append(
+            f"train.compile with tensor_parallel_size={t.tensor_parallel_size}: the tensor-parallel layers "
+            "overlap their collectives inside autograd Functions (async all_reduce, ring point-to-point: "
+            "xorl/nn/tp_*.py), which torch.compile cannot trace; set compile: false or tensor_parallel_size: 1"
+        )
+    schedule = PIPELINE_SCHEDULES.get(t.pipeline_parallel_schedule)
+    if t.pipeline_parallel_size > 1 and schedule is not None and schedule.split_backward:
+        problems.append(
+            f"train.compile with pipeline_parallel_schedule: {t.pipeline_parallel_schedule}: zero-bubble schedules "
+            "split each block's backward into an input pass and a later weight pass, but a compiled block has one "
+            "fused backward (which frees its buffers after the first pass); use 1F1B, Interleaved1F1B or GPipe, "
+            "or compile: false"
+        )
+    if m.attn_implementation == "flash_attn" and t.ringattn_parallel_size * t.ulysses_parallel_size == 1:
+        problems.append(
+            "train.compile with model.attn_implementation: flash_attn (no context parallelism): the flash-attn "
+            "package's functions trace only in the versions that register them as torch custom ops, and xorl has "
+            "not verified any under compile; use attn_implementation: xorl (or sdpa), or compile: false"
+        )
+    return problems
 
 
 # -- helpers -------------------------------------------------------------------------------

@@ -13,8 +13,10 @@ windows, dropout) are refused here, before anything is built, naming the file.
 
     problems = apply_model_path(config)          # load_config: fill the fields, list conflicts
     problems = model_path_conflicts(config.model)  # validate_config: any field that disagrees
+    problems = model_path_weight_problems(config)  # prepare_run: do the weights fit the model?
 
-No torch import: this runs before any process group exists.
+No torch import at module level: this runs before any process group exists (the weights check
+builds the model on the meta device, so it imports torch when it runs).
 """
 
 from __future__ import annotations
@@ -142,3 +144,21 @@ def _conflict(model: Any, name: str, value: Any, origin: str | None) -> str:
         f"model.{name}={getattr(model, name)!r}{where} conflicts with {name}={value!r} in {path}: the model "
         f"folder defines the architecture; remove model.{name} from the config or set it to {value!r}"
     )
+
+
+def model_path_weight_problems(config: Any) -> list[str]:
+    """What stops ``model.model_path``'s weights loading into the configured model: missing or
+    unexpected tensors, shape mismatches, unreadable files ([] when they fit, or no model_path).
+    Reads the safetensors headers only, so a 70B folder is checked in a second."""
+    folder = config.model.model_path
+    if not folder:
+        return []
+    import torch
+
+    from xorl.models.hf_io import hf_folder_problems
+    from xorl.models.registry import build_model
+
+    with torch.device("meta"):
+        model = build_model(config.model)
+    return [f"model.model_path={folder!r} does not match the model section: {p}"
+            for p in hf_folder_problems(model, folder)]

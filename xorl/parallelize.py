@@ -1,4 +1,4 @@
-"""Apply TP, CP, EP, activation checkpointing and FSDP2 to a model, in that order.
+"""Apply TP, CP, EP, activation checkpointing, torch.compile and FSDP2 to a model, in that order.
 
 Read top to bottom, torchtitan-style: each step is one call into the plan that owns it
 (xorl/plans/*), and each step only sees the model the previous one left. FSDP2 comes last so it
@@ -16,6 +16,8 @@ from xorl.plans.data_parallel import (
     apply_activation_checkpointing,
     apply_fsdp,
     checkpointing_mode,
+    decoder_layers,
+    experts_have_own_mesh,
     reshard_after_forward,
 )
 
@@ -48,6 +50,12 @@ def parallelize_model(model: nn.Module, state, config) -> nn.Module:
     mode = checkpointing_mode(train.activation_checkpointing)
     if mode != "none":
         apply_activation_checkpointing(model, mode, train.activation_checkpointing_every_n_layers)
+    if train.compile:
+        # Experts FSDP-sharded on their own mesh are an FSDP unit inside the block, whose hooks
+        # dynamo does not trace: the block then compiles as the graphs around them.
+        nested_fsdp = experts_have_own_mesh(state) and train.data_parallel_mode == "fsdp2"
+        apply_compile(model, "inductor" if train.compile is True else train.compile,
+                      capture_scalar_outputs=state.ep_size > 1, fullgraph=not nested_fsdp)
     if train.data_parallel_mode == "fsdp2":
         bf16 = train.dtype == "bfloat16" and torch.cuda.is_available()
         apply_fsdp(model, state, reshard_after_forward=reshard_after_forward(train, state.pp_size),
@@ -55,3 +63,22 @@ def parallelize_model(model: nn.Module, state, config) -> nn.Module:
     return model
 
 
+def apply_compile(
+    model: nn.Module, backend: str = "inductor", capture_scalar_outputs: bool = False, fullgraph: bool = True
+) -> None:
+    """torch.compile each decoder block's forward in place, as torchtitan's apply_compile does.
+
+    Per block, not the whole model: every block has the same code, so one compilation serves them
+    all, and FSDP's per-block hooks stay outside the graphs (they run in the module's __call__,
+    which is not compiled; only ``forward`` is, which keeps parameter names unchanged). A
+    checkpointed block compiles with its checkpoint wrapper, so selective checkpointing's policy is
+    part of the graph. ``fullgraph``: a graph break is an error, never a silent slow path (the
+    combinations that would break are refused in xorl/config_rules.py); the caller turns it off
+    only around FSDP units nested in a block, whose hooks dynamo skips. ``capture_scalar_outputs``:
+    expert parallelism reads its all_to_all split sizes on the host (the one sync of a step); dynamo
+    then traces them as unbacked symbolic sizes instead of breaking the graph there.
+    """
+    if capture_scalar_outputs:
+        torch._dynamo.config.capture_scalar_outputs = True
+    for layer in decoder_layers(model):
+        layer.forward = torch.compile(layer.forward, backend=backend, fullgraph=fullgraph)

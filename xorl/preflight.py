@@ -4,6 +4,7 @@ Every rank (and the launcher script, for a one-message refusal) runs it; it only
 all ranks reach the same verdict. Problems are collected and raised together as one ConfigError:
 
 - the config rules (xorl/config_rules.py) and the layouts this trainer cannot run yet;
+- ``model.model_path``: its weights' headers fit the model (names and shapes);
 - the run folder: a fresh run into a non-empty ``output_dir`` is refused unless
   ``overwrite_output_dir: true`` (which removes the earlier run's files first; files xorl did not
   write are never removed, so the run is refused instead);
@@ -11,7 +12,8 @@ all ranks reach the same verdict. Problems are collected and raised together as 
   file), and whether the new config may resume it (xorl/resume.py). ``resume: true`` with no
   checkpoint starts from step 0 and says so; a finished run says there is nothing to train.
 
-No torch import: a bad config is refused in a second, before torch loads.
+No torch import for the rules: a bad config is refused in a second, before torch loads (only a
+valid config with a model_path loads torch, to build the model on the meta device).
 """
 
 from __future__ import annotations
@@ -58,6 +60,10 @@ def prepare_run(config: Any, world_size: int) -> RunPlan:
         problems += _plan_run_dir(config, world_size, plan)
     except ConfigError as e:  # e.g. sizes that do not fit world_size, already listed above
         problems += [p for p in e.problems if p not in problems]
+    if not problems:  # the weights' headers, once the model section itself is valid
+        from xorl.model_path import model_path_weight_problems
+
+        problems += model_path_weight_problems(config)
     if problems:
         raise ConfigError(problems)
     return plan

@@ -32,7 +32,9 @@ RUN_CONFIG_NAME = "run_config.yaml"
 TRAINER_STATE_NAME = "trainer_state.json"
 MANIFEST_NAME = "manifest.json"
 # Everything xorl may write into an output_dir; overwrite_output_dir removes only these.
-XORL_ENTRIES = frozenset({CONFIG_NAME, METRICS_NAME, CHECKPOINTS_DIR, "tensorboard", "hf", "startup.json"})
+# What xorl writes into output_dir (export: hf, written as hf.partial, the previous one moved aside).
+XORL_ENTRIES = frozenset({CONFIG_NAME, METRICS_NAME, CHECKPOINTS_DIR, "tensorboard", "hf", "hf.partial", "hf.old",
+                          "startup.json", "export.json"})
 
 
 def checkpoint_root(output_dir: str) -> str:

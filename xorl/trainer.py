@@ -1,8 +1,9 @@
 """The training loop: config → process group → ParallelState → parallel model → steps.
 
 Reads top to bottom. What makes every layout log the losses of one process:
-- every rank builds the same initial weights (rank 0's full state dict, broadcast, or the same
-  seeded initialisation), then the plans shard them;
+- every rank starts from the weights of one process: the plans shard the model on the meta
+  device, then each rank fills only its own shards, read from the HF folder or drawn by the
+  seeded initialisation whose numbers depend on (seed, parameter name) alone;
 - every layout sees the same global batch per optimizer step (xorl/data/loader.py);
 - the loss is the token-weighted mean over the global batch and gradients are summed
   (xorl/loss.py, xorl/parallelize.py).
@@ -10,6 +11,7 @@ Reads top to bottom. What makes every layout log the losses of one process:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -19,10 +21,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from xorl import run_dir
-from xorl.checkpoint import load_checkpoint, save_checkpoint
+from xorl.checkpoint import MODEL_CONFIG, Checkpointer, latest_checkpoint, load_checkpoint
 from xorl.config import Config
 from xorl.data.loader import MicrobatchLoader, PackedDataset
 from xorl.data.stream import StreamedLoader
@@ -30,8 +31,10 @@ from xorl.data.tokenizer import build_tokenizer
 from xorl.distributed.init import init_distributed, world_size_from_env
 from xorl.distributed.parallel_config import ParallelConfig
 from xorl.distributed.parallel_state import init_parallel_state
+from xorl.export import DEFAULT_MAX_SHARD_BYTES, export_checkpoint
 from xorl.grad_clip import clip_grad_norm_
 from xorl.loss import count_label_tokens, token_loss_sum
+from xorl.memory_report import current_host_bytes, report_startup, reset_peak_host_bytes
 from xorl.metrics import MetricsLogger, startup_summary
 from xorl.mfu import mfu
 from xorl.models.registry import build_model
@@ -60,37 +63,50 @@ class StepResult:
     aux_loss: float | None = None
 
 
-def initial_state_dict(config: Config) -> dict[str, torch.Tensor]:
-    """The full initial weights (built on rank 0 only): a local HF folder, or a seeded init.
+def initialise_part(part: nn.Module, config: Config) -> None:
+    """Fill this rank's shards of a materialised (possibly sharded) model part: from the HF folder
+    (each rank reads only its boxes) or by the seeded initialisation. fp32 master weights always;
+    bf16 compute comes from FSDP's mixed-precision policy on GPU."""
+    from xorl.distributed.shard_box import local_tensor
 
-    The seeded init is the single-process one, so every layout starts from the same numbers.
-    fp32 master weights always; bf16 compute comes from FSDP's mixed-precision policy on GPU.
-    """
-    torch.manual_seed(config.train.seed)
-    model = build_model(config.model)
     if config.model.model_path:
         from xorl.models.hf_io import load_hf_weights
 
-        load_hf_weights(model, config.model.model_path)
+        for buffer in part.buffers():  # state the files do not hold starts at zero
+            local_tensor(buffer).zero_()
+        load_hf_weights(part, config.model.model_path)
+    else:
+        from xorl.models.seeded_init import seeded_init_
+
+        seeded_init_(part, config.train.seed, config.model.initializer_range)
+
+
+def initial_state_dict(config: Config) -> dict[str, torch.Tensor]:
+    """The full initial weights in one process: what every layout's sharded start equals (tests)."""
+    with torch.device("meta"):
+        model = build_model(config.model)
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    initialise_part(model, config)
     return {k: v.to(torch.float32) for k, v in model.state_dict().items()}
 
 
 def materialise(parts: list[nn.Module], config: Config, device: torch.device) -> None:
-    """Allocate the (already sharded) meta parameters and fill them from rank 0's full weights.
+    """Allocate the (already sharded) meta parameters and fill each rank's own shards.
 
-    Why this way: no rank but rank 0 ever holds the whole model, and each rank receives exactly
-    the shards its parts own (the state-dict helper broadcasts, then slices into every DTensor).
+    Why this way: no rank ever holds the whole model. Each rank reads (or draws) only the boxes
+    its shards hold, one checkpoint tensor's box at a time, so host memory at start-up is the
+    rank's shards plus one box, for 70B and 235B models alike.
     """
-    full = initial_state_dict(config) if dist.get_rank() == 0 else {}
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+    torch.manual_seed(config.train.seed)  # anything else random starts the same on every rank
     for part in parts:
         part.to_empty(device=device)
-        # A fresh dict per part: loading replaces the dict's entries with this part's shards.
-        set_model_state_dict(part, dict(full), options=options)
+        initialise_part(part, config)
 
 
 class Trainer:
     def __init__(self, config: Config, plan: RunPlan | None = None):
+        started = time.perf_counter()
         self.config = config
         world_size = world_size_from_env()
         # Every rule, the run folder and the checkpoint to resume, before any process group exists.
@@ -99,6 +115,7 @@ class Trainer:
         self.parallel_config = ParallelConfig.from_config(config, world_size)
         self.state = init_parallel_state(self.parallel_config, device_type=self.device.type)
         self.rank = dist.get_rank()
+        self.checkpointer = Checkpointer(config.train.output_dir)
         # Build on the meta device, split for PP, then TP -> CP -> EP -> AC -> FSDP2, then allocate.
         with torch.device("meta"):
             model = build_model(config.model)
@@ -147,6 +164,10 @@ class Trainer:
         if self.rank == 0:
             print(startup_summary(config, self.parallel_config, self.num_parameters, self.step, self.device.type),
                   flush=True)
+        # startup.json: each rank's peak host (and device) memory with the weights in place, before step 1.
+        self.startup = report_startup(config.train.output_dir, self.device, time.perf_counter() - started,
+                                      self.num_parameters,
+                                      config.model.model_path or f"seeded init (seed {config.train.seed})")
 
     # -- checkpoints -----------------------------------------------------------------------
     def _maybe_resume(self) -> None:
@@ -185,15 +206,33 @@ class Trainer:
         running = time.perf_counter() - self._clock if self._clock is not None else 0.0
         return self.elapsed_offset_s + running
 
-    def save(self) -> str:
+    def save(self, blocking: bool = False) -> str:
+        """Checkpoint this step, in the background unless ``blocking``; returns the path it will have
+        once complete (``self.checkpointer.wait()``, the next save or the end of ``train`` waits for it)."""
         extra = {"step": self.step}
         state = {"step": self.step, "consumed_sequences": self.loader.first_sequence(self.step),
                  "elapsed_s": self.elapsed_s(), "global_batch": self.loader.global_batch,
                  "world_size": dist.get_world_size()}
         if self.config.data.streaming:  # every rank's stream stands at the same place after a step
             state["data_state"] = self.loader.state()
-        files = {run_dir.RUN_CONFIG_NAME: self.config.to_yaml(), run_dir.TRAINER_STATE_NAME: json.dumps(state)}
-        return save_checkpoint(self.config.train.output_dir, self.step, self.parts, self.optimizers, extra, files)
+        files = {run_dir.RUN_CONFIG_NAME: self.config.to_yaml(), run_dir.TRAINER_STATE_NAME: json.dumps(state),
+                 MODEL_CONFIG: json.dumps(dataclasses.asdict(self.config.model), indent=2)}
+        return self.checkpointer.save(self.step, self.parts, self.optimizers, extra, files, blocking=blocking)
+
+    def export_hf(self, folder: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
+        """Write the current weights as a Hugging Face folder (collective: every rank calls it).
+
+        Streamed from this step's checkpoint (saved first if the run has none for this step): every
+        rank converts some of the output files, one tensor at a time (xorl/export.py).
+        """
+        host_before = current_host_bytes()
+        reset_peak_host_bytes()  # export.json: the peak of this export (with its save) alone
+        self.checkpointer.wait()
+        checkpoint = latest_checkpoint(self.config.train.output_dir)
+        if checkpoint is None or not checkpoint.endswith(f"step_{self.step:08d}"):
+            checkpoint = self.save(blocking=True)
+        export_checkpoint(checkpoint, folder, self.config.model, max_shard_bytes=max_shard_bytes, device=self.device,
+                          output_dir=self.config.train.output_dir, host_before=host_before)
 
     @property
     def model(self) -> nn.Module:
@@ -405,13 +444,15 @@ class Trainer:
                         metrics["router_loss"] = result.aux_loss
                     logger.log(result.step, metrics, elapsed_s=self.elapsed_s())
                 if train.save_steps and (self.step % train.save_steps == 0 or self.step == train.max_steps):
+                    # In the background, except the last one: nothing is left to overlap it.
                     with heartbeat.busy(f"saving the checkpoint of step {self.step}"):
-                        path = self.save()
-                    logger.note(f"xorl: saved checkpoint {path}")
+                        path = self.save(blocking=self.step == last)
+                    logger.note(f"xorl: {'saved' if self.step == last else 'saving'} checkpoint {path}")
         finally:
             self.elapsed_offset_s, self._clock = self.elapsed_s(), None
             heartbeat.close()
             logger.close()
+        self.checkpointer.wait()  # the last save is complete (and `latest`) when train returns
         return results
 
     def _memory_metrics(self) -> dict[str, float]:
@@ -424,7 +465,5 @@ def run_training(config: Config, plan: RunPlan | None = None) -> list[StepResult
     trainer = Trainer(config, plan)
     results = trainer.train()
     if config.train.export_hf:
-        from xorl.export import export_hf
-
-        export_hf(trainer.parts, config, os.path.join(config.train.output_dir, "hf"), trainer.state.pp_group)
+        trainer.export_hf(os.path.join(config.train.output_dir, "hf"))
     return results

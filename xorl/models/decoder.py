@@ -179,20 +179,19 @@ class DecoderForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @torch.no_grad()
-    def init_weights(self) -> None:
+    def init_weights(self, seed: int | None = None) -> None:
         """normal(0, initializer_range) for linear / embedding / expert weights, zero biases, norms 1.
 
-        Works after ``to_empty`` on a model built on the meta device. A swapped-in module with its
-        own ``init_weights(std)`` (e.g. xorl.nn.MoE) is initialised through it.
+        The numbers depend on (seed, parameter name) only (xorl/models/seeded_init.py), so the same
+        seed gives the same model however it is sharded. Without ``seed`` one is drawn from torch's
+        global generator (``torch.manual_seed`` decides it). Works after ``to_empty`` on a model
+        built on the meta device, also after the parallel plans have sharded it.
         """
-        std = self.spec.initializer_range
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
-            elif module is not self and hasattr(module, "init_weights"):
-                module.init_weights(std)
+        from xorl.models.seeded_init import seeded_init_
+
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, ()))
+        seeded_init_(self, seed, self.spec.initializer_range)
         self.tie_weights()
 
     def forward(self, input_ids, position_ids=None, labels=None, cu_seqlens=None, max_seqlen=None,

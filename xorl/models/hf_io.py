@@ -9,14 +9,16 @@ Name / layout conversions (everything else keeps its name):
   ``q_proj`` / ``k_proj`` / ``v_proj``.
 - tie_word_embeddings: ``lm_head.weight`` is not written (as in HF) and ignored when loading.
 
-Parallel models: DTensor parameters (FSDP2 / TP) are loaded by distributing the full tensor and
-saved through ``full_tensor()`` (a collective: call save on every rank; only rank 0 writes).
-Expert-parallel MoE blocks that hold a slice of the experts (``local_expert_range``) get their slice.
+Parallel models: each rank loads only the boxes its DTensor shards (FSDP2 / TP / EP) hold, read
+lazily from the files (``get_slice``), and a pipeline stage only its own layers; expert-parallel
+MoE blocks that hold a plain slice of the experts (``local_expert_range``) get their slice.
+``save_hf_weights`` gathers through ``full_tensor()`` (a collective: call it on every rank; only
+rank 0 writes); xorl/export.py streams a large model from its DCP checkpoint instead.
 """
 
 from __future__ import annotations
 
-import inspect
+import contextlib
 import json
 import os
 import re
@@ -29,7 +31,9 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from xorl.distributed.shard_box import ShardBox, local_tensor, parameter_box
 from xorl.models.registry import to_hf_config_dict
 from xorl.models.spec import ModelSpec
 
@@ -52,59 +56,120 @@ def clean_name(name: str) -> str:
 # ----------------------------------------------------------------------------------------------
 # Loading
 # ----------------------------------------------------------------------------------------------
+#
+# Each rank reads only the box of each checkpoint tensor that its own shards need (safetensors'
+# lazy ``get_slice``), converted to xorl's layout on the way: a rank never holds a full copy of
+# the model, and at most one expert's or one projection's box of it beyond its own shards.
 
 
-@dataclass
 class _Recipe:
-    """How one xorl tensor is made from HF tensors."""
+    """How one xorl tensor is made from checkpoint tensors: its global shape, and any box of it."""
 
-    sources: list[str]
-    combine: Callable[[list[torch.Tensor]], torch.Tensor]
+    def __init__(self, sources: list[str]):
+        self.sources = sources
 
+    def shape(self, shapes: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
+        raise NotImplementedError
 
-def _identity(tensors):
-    return tensors[0]
-
-
-def _concat_rows(tensors):
-    return torch.cat(tensors, dim=0)
+    def fill(self, read: _SliceReader, dest: torch.Tensor, box: ShardBox) -> None:
+        raise NotImplementedError
 
 
-def _stack_transposed(tensors):
-    return torch.stack([t.t() for t in tensors])
+class _Identity(_Recipe):
+    def shape(self, shapes):
+        return shapes[self.sources[0]]
+
+    def fill(self, read, dest, box):
+        dest.copy_(read(self.sources[0], box.slices))
 
 
-def _plan(targets: list[str], sources: set[str]) -> dict[str, _Recipe]:
+class _ConcatRows(_Recipe):
+    """merge_qkv: ``qkv_proj`` is [q; k; v] along dim 0."""
+
+    def shape(self, shapes):
+        parts = [shapes[s] for s in self.sources]
+        return (sum(p[0] for p in parts), *parts[0][1:])
+
+    def fill(self, read, dest, box):
+        first, last = box.offset[0], box.offset[0] + box.shape[0]
+        start = 0
+        for source in self.sources:
+            rows = read.shape(source)[0]
+            lo, hi = max(first, start), min(last, start + rows)
+            if lo < hi:
+                dest[lo - first : hi - first].copy_(read(source, (slice(lo - start, hi - start), *box.slices[1:])))
+            start += rows
+
+
+class _StackTransposed(_Recipe):
+    """Per-expert HF Linears [out, in] -> stacked [E, in, out]; a box reads only its experts."""
+
+    def shape(self, shapes):
+        out_features, in_features = shapes[self.sources[0]]
+        return (len(self.sources), in_features, out_features)
+
+    def fill(self, read, dest, box):
+        experts, rows, cols = box.slices
+        for j in range(experts.start, experts.stop):
+            dest[j - experts.start].copy_(read(self.sources[j], (cols, rows)).t())
+
+
+class _FusedHalf(_Recipe):
+    """transformers v5 ``gate_up_proj`` [E, 2I, H] -> gate or up [E, H, I]."""
+
+    def __init__(self, sources: list[str], first: bool):
+        super().__init__(sources)
+        self.first = first
+
+    def shape(self, shapes):
+        experts, two_inter, hidden = shapes[self.sources[0]]
+        return (experts, hidden, two_inter // 2)
+
+    def fill(self, read, dest, box):
+        experts, hidden, inter = box.slices
+        shift = 0 if self.first else read.shape(self.sources[0])[1] // 2
+        rows = slice(inter.start + shift, inter.stop + shift)
+        dest.copy_(read(self.sources[0], (experts, rows, hidden)).transpose(1, 2))
+
+
+class _Transposed12(_Recipe):
+    """transformers v5 ``down_proj`` [E, H, I] -> [E, I, H]."""
+
+    def shape(self, shapes):
+        experts, hidden, inter = shapes[self.sources[0]]
+        return (experts, inter, hidden)
+
+    def fill(self, read, dest, box):
+        experts, inter, hidden = box.slices
+        dest.copy_(read(self.sources[0], (experts, hidden, inter)).transpose(1, 2))
+
+
+def _plan(targets: list[str], sources: set[str], tied: bool) -> dict[str, _Recipe]:
     """One recipe per target name, decided from the names alone (before reading any data)."""
-    recipes = {}
+    recipes: dict[str, _Recipe] = {}
     for name in targets:
         qkv = _QKV.match(name)
         expert = _STACKED_EXPERT.match(name)
-        if qkv:
+        if tied and name == "lm_head.weight":  # HF files do not hold a tied head: it is the embedding
+            recipes[name] = _Identity(["model.embed_tokens.weight"])
+        elif qkv:
             p, kind = qkv["prefix"], qkv["kind"]
-            recipes[name] = _Recipe([f"{p}.{x}_proj.{kind}" for x in "qkv"], _concat_rows)
+            recipes[name] = _ConcatRows([f"{p}.{x}_proj.{kind}" for x in "qkv"])
         elif expert and f"{expert['prefix']}.gate_up_proj" in sources:  # transformers v5 fused layout
             p, proj = expert["prefix"], expert["proj"]
             if proj == "down_proj":
-                recipes[name] = _Recipe([f"{p}.down_proj"], lambda t: t[0].transpose(1, 2))
+                recipes[name] = _Transposed12([f"{p}.down_proj"])
             else:
-                first = proj == "gate_proj"
-                recipes[name] = _Recipe([f"{p}.gate_up_proj"], lambda t, first=first: _half(t[0], first))
+                recipes[name] = _FusedHalf([f"{p}.gate_up_proj"], first=proj == "gate_proj")
         elif expert and f"{expert['prefix']}.0.{expert['proj']}.weight" in sources:  # per-expert Linears
             p, proj = expert["prefix"], expert["proj"]
             pattern = re.compile(rf"^{re.escape(p)}\.(\d+)\.{proj}\.weight$")
             top = max(int(m[1]) for s in sources if (m := pattern.match(s)))
             # Listing up to the highest index makes a gap show up as a missing key.
-            recipes[name] = _Recipe([f"{p}.{j}.{proj}.weight" for j in range(top + 1)], _stack_transposed)
+            recipes[name] = _StackTransposed([f"{p}.{j}.{proj}.weight" for j in range(top + 1)])
         else:
-            recipes[name] = _Recipe([name], _identity)
+            recipes[name] = _Identity([name])
     return recipes
-
-
-def _half(gate_up: torch.Tensor, first: bool) -> torch.Tensor:
-    inter = gate_up.shape[1] // 2
-    part = gate_up[:, :inter] if first else gate_up[:, inter:]
-    return part.transpose(1, 2)
 
 
 def _checkpoint_files(folder: str) -> list[str]:
@@ -122,112 +187,151 @@ def _checkpoint_files(folder: str) -> list[str]:
     return files
 
 
-def _load_targets(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """clean name -> parameter / persistent buffer, and clean name -> name in ``model``."""
-    targets, raw_names = {}, {}
+class _SliceReader:
+    """Boxes of checkpoint tensors, read lazily; at most one file open at a time.
+
+    Why one: safetensors maps a file into memory, and the pages a read touched count as this
+    process's resident memory until the file is closed.
+    """
+
+    def __init__(self, folder: str):
+        self.folder = folder
+        self.files = _checkpoint_files(folder)
+        self.file_of: dict[str, str] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        for file in self.files:
+            with safe_open(os.path.join(folder, file), framework="pt") as f:
+                for key in f.keys():
+                    self.file_of[key] = file
+                    self.shapes[key] = tuple(f.get_slice(key).get_shape())
+        self._open: str | None = None
+        self._stack = contextlib.ExitStack()
+        self._handle = None
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self.shapes[key]
+
+    def __call__(self, key: str, index: tuple[slice, ...]) -> torch.Tensor:
+        file = self.file_of[key]
+        if file != self._open:
+            self.close()
+            self._handle = self._stack.enter_context(safe_open(os.path.join(self.folder, file), framework="pt"))
+            self._open = file
+        return self._handle.get_slice(key)[index]
+
+    def close(self) -> None:
+        self._stack.close()
+        self._open, self._handle = None, None
+
+
+def _load_targets(model: nn.Module) -> dict[str, tuple[str, torch.Tensor]]:
+    """clean name -> (name in ``model``, parameter or persistent buffer)."""
+    return {clean_name(raw): (raw, tensor) for raw, tensor in model.state_dict(keep_vars=True).items()}
+
+
+def _absent_prefixes(model: nn.Module) -> tuple[str, ...]:
+    """Names of the parts a pipeline stage does not hold (their checkpoint keys are not unexpected)."""
+    decoder = getattr(model, "model", None)
+    absent = []
+    for i, layer in enumerate(getattr(decoder, "layers", None) or []):
+        if layer is None:
+            absent.append(f"model.layers.{i}.")
+    for owner, attr, prefix in ((decoder, "embed_tokens", "model.embed_tokens."), (decoder, "norm", "model.norm."),
+                                (model, "lm_head", "lm_head.")):
+        if owner is not None and hasattr(owner, attr) and getattr(owner, attr) is None:
+            absent.append(prefix)
+    return tuple(absent)
+
+
+@dataclass
+class _Match:
+    """A model against a checkpoint folder, from the names and shapes alone (no tensor data read)."""
+
+    reader: _SliceReader
+    targets: dict[str, tuple[str, torch.Tensor]]
+    recipes: dict[str, _Recipe]
+    boxes: dict[str, ShardBox]
+    missing: list[str]
+    unexpected: list[str]
+    mismatches: list[str]
+
+
+def _match(model: nn.Module, folder: str) -> _Match:
+    reader = _SliceReader(folder)
+    sources = set(reader.file_of)
     tied = bool(getattr(getattr(model, "spec", None), "tie_word_embeddings", False))
-    for raw, tensor in model.state_dict(keep_vars=True).items():
-        name = clean_name(raw)
-        if tied and name == "lm_head.weight":
-            continue
-        targets[name] = tensor
-        raw_names[name] = raw
-    return targets, raw_names
+    targets = _load_targets(model)
+    recipes = _plan(list(targets), sources, tied)
+    used = {s for r in recipes.values() for s in r.sources}
+    missing = sorted(used - sources)
+    ignored = {"lm_head.weight"} if tied or "lm_head.weight" not in targets else set()
+    absent = _absent_prefixes(model)
+    unexpected = sorted(s for s in sources - used - ignored if not s.startswith(absent))
+    boxes, mismatches = {}, []
+    if not missing:
+        for name, (raw, tensor) in targets.items():
+            boxes[name] = parameter_box(model, raw, tensor)
+            expected = recipes[name].shape(reader.shapes)
+            if tuple(expected) != boxes[name].global_shape:
+                mismatches.append(f"{name}: checkpoint {tuple(expected)} vs model {boxes[name].global_shape}")
+    return _Match(reader, targets, recipes, boxes, missing, unexpected, mismatches)
 
 
-def _fit_to_target(model: nn.Module, raw_name: str, full: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Slice this rank's experts out of a full [E, ...] tensor for an expert-parallel MoE block."""
-    if full.shape == target.shape or not _STACKED_EXPERT.match(clean_name(raw_name)):
-        return full
-    owner = model.get_submodule(raw_name.rsplit(".", 2)[0])  # "...mlp.experts.gate_proj" -> "...mlp"
-    expert_range = getattr(owner, "local_expert_range", None)
-    if expert_range is not None and full.shape[1:] == target.shape[1:]:
-        first, last = expert_range
-        return full[first:last]
-    return full
+def hf_folder_problems(model: nn.Module, folder: str) -> list[str]:
+    """What stops ``folder`` loading into ``model`` (it may be on the meta device); [] if nothing.
 
-
-def _load_one(model: nn.Module, raw_name: str, full: torch.Tensor, target: torch.Tensor) -> str | None:
-    """Copy ``full`` (or this rank's expert slice of it) into ``target``; an error string on mismatch."""
-    value = _fit_to_target(model, raw_name, full, target)
-    if tuple(value.shape) != tuple(target.shape):
-        return f"checkpoint {tuple(full.shape)} vs model {tuple(target.shape)}"
-    _copy_into(target, value)
-    return None
-
-
-def _copy_into(target: torch.Tensor, value: torch.Tensor) -> None:
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    if isinstance(target, DTensor):
-        kwargs = {}
-        if "src_data_rank" in inspect.signature(distribute_tensor).parameters:
-            kwargs["src_data_rank"] = None  # every rank read the same file: no broadcast needed
-        value = value.to(device=target.device, dtype=target.dtype)
-        local = distribute_tensor(value, target.device_mesh, target.placements, **kwargs).to_local()
-        target.to_local().copy_(local)
-    else:
-        target.copy_(value)
+    Reads the file headers only, so the trainer checks a folder before any process group starts.
+    """
+    try:
+        match = _match(model, folder)
+    except (OSError, ValueError, KeyError) as err:  # a missing folder, a broken index or header
+        return [f"cannot read {folder!r}: {err}"]
+    match.reader.close()
+    problems = []
+    if match.missing:
+        problems.append(f"{len(match.missing)} missing keys {match.missing[:5]}{' ...' * (len(match.missing) > 5)}")
+    if match.unexpected:
+        problems.append(f"{len(match.unexpected)} unexpected keys {match.unexpected[:5]}"
+                        f"{' ...' * (len(match.unexpected) > 5)}")
+    return problems + [f"shape mismatch {m}" for m in match.mismatches]
 
 
 @torch.no_grad()
 def load_hf_weights(model: nn.Module, folder: str) -> None:
     """Load a HF-format checkpoint (``model.safetensors`` or shards + index) into ``model``.
 
-    The model must be materialised (not on the meta device). Raises ValueError listing every
-    missing key, unexpected key and shape mismatch; nothing is loaded partially silently.
+    ``model`` may be plain or sharded by any plan (FSDP2 / TP / EP DTensors, a pipeline stage):
+    each rank reads only the boxes its own shards hold. It must be materialised (not on the meta
+    device). Raises ValueError listing every missing key, unexpected key and shape mismatch before
+    anything is loaded.
     """
-    files = _checkpoint_files(folder)
-    source_files: dict[str, str] = {}
-    for file in files:
-        with safe_open(os.path.join(folder, file), framework="pt") as f:
-            for key in f.keys():
-                source_files[key] = file
-    targets, raw_names = _load_targets(model)
-    meta = [n for n, t in targets.items() if t.device.type == "meta"]
+    match = _match(model, folder)
+    meta = [n for n, (_, t) in match.targets.items() if t.device.type == "meta"]
     if meta:
+        match.reader.close()
         raise ValueError(
             f"model has {len(meta)} tensors on the meta device (e.g. {meta[0]}): materialise it first "
             "with model.to_empty(device=...) and model.init_weights()"
         )
-    recipes = _plan(list(targets), set(source_files))
-    used = {s for r in recipes.values() for s in r.sources}
-    missing = sorted({s for r in recipes.values() for s in r.sources if s not in source_files})
-    ignored = {"lm_head.weight"} if "lm_head.weight" not in targets else set()
-    unexpected = sorted(set(source_files) - used - ignored)
-    if missing or unexpected:
+    if match.missing or match.unexpected:
+        match.reader.close()
         raise ValueError(
-            f"checkpoint {folder!r} does not match the model: {len(missing)} missing keys {missing}; "
-            f"{len(unexpected)} unexpected keys {unexpected}"
+            f"checkpoint {folder!r} does not match the model: {len(match.missing)} missing keys {match.missing}; "
+            f"{len(match.unexpected)} unexpected keys {match.unexpected}"
         )
-
-    waiting = {name: set(r.sources) for name, r in recipes.items()}
-    by_source: dict[str, list[str]] = {}
-    for name, r in recipes.items():
-        for s in r.sources:
-            by_source.setdefault(s, []).append(name)
-    pending: dict[str, torch.Tensor] = {}  # read, but some recipe using it still waits for more
-    mismatches: list[str] = []
-    for file in files:
-        with safe_open(os.path.join(folder, file), framework="pt") as f:
-            for key in f.keys():
-                if key not in used:
-                    continue
-                pending[key] = f.get_tensor(key)
-                for name in by_source[key]:
-                    waiting[name].discard(key)
-                    if not waiting[name]:
-                        recipe = recipes[name]
-                        full = recipe.combine([pending[s] for s in recipe.sources])
-                        error = _load_one(model, raw_names[name], full, targets[name])
-                        if error:
-                            mismatches.append(f"{name}: {error}")
-                # Experts of one layer can span shard files: keep a source until its recipes ran.
-                for s in [s for s in pending if all(not waiting[n] for n in by_source[s])]:
-                    del pending[s]
-    if mismatches:
-        raise ValueError(f"shape mismatches loading {folder!r}: {mismatches}")
-    if hasattr(model, "tie_weights"):
+    if match.mismatches:
+        match.reader.close()
+        raise ValueError(f"shape mismatches loading {folder!r}: {match.mismatches}")
+    reader = match.reader
+    order = {file: i for i, file in enumerate(reader.files)}
+    try:  # file by file, so each file is opened about once
+        for name in sorted(match.targets, key=lambda n: order[reader.file_of[match.recipes[n].sources[0]]]):
+            raw, tensor = match.targets[name]
+            if match.boxes[name].numel:  # a rank may hold no rows of a small tensor split over many
+                match.recipes[name].fill(reader, local_tensor(tensor), match.boxes[name])
+    finally:
+        reader.close()
+    if hasattr(model, "tie_weights") and not any(isinstance(t, DTensor) for _, t in match.targets.values()):
         model.tie_weights()
 
 
@@ -244,37 +348,47 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach()
 
 
+def hf_pieces(name: str, shape: tuple[int, ...], spec: ModelSpec) -> list[tuple[str, Callable]]:
+    """The HF tensors that xorl tensor ``name`` (of global ``shape``) becomes: (HF name, function
+    from the xorl tensor to that HF tensor, a view). Empty for a tied lm_head. Decided from the
+    name and shape alone, so an export can plan its files before reading any data."""
+    if spec.tie_word_embeddings and name == "lm_head.weight":
+        return []
+    qkv = _QKV.match(name)
+    expert = _STACKED_EXPERT.match(name)
+    if qkv:
+        q_size = spec.num_attention_heads * spec.head_dim
+        kv_size = spec.num_key_value_heads * spec.head_dim
+        if shape[0] != q_size + 2 * kv_size:
+            raise ValueError(
+                f"{name} has {shape[0]} rows, expected q+k+v = {q_size + 2 * kv_size}: "
+                "save the unsharded model (merge_qkv models cannot be tensor-parallel)"
+            )
+        bounds = {"q": (0, q_size), "k": (q_size, q_size + kv_size), "v": (q_size + kv_size, q_size + 2 * kv_size)}
+        return [(f"{qkv['prefix']}.{part}_proj.{qkv['kind']}", lambda t, a=a, b=b: t[a:b])
+                for part, (a, b) in bounds.items()]
+    if expert:
+        if shape[0] != spec.num_experts:
+            raise ValueError(
+                f"{name} holds {shape[0]} experts, the model has {spec.num_experts}: gather the "
+                "expert-parallel slices into full tensors before saving"
+            )
+        return [(f"{expert['prefix']}.{j}.{expert['proj']}.weight", lambda t, j=j: t[j].t())
+                for j in range(shape[0])]
+    return [(name, lambda t: t)]
+
+
 def iter_hf_tensors(
     state_dict: dict[str, torch.Tensor], spec: ModelSpec
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) pairs of an xorl state dict, in its order."""
-    q_size = spec.num_attention_heads * spec.head_dim
-    kv_size = spec.num_key_value_heads * spec.head_dim
     for raw, tensor in state_dict.items():
         name = clean_name(raw)
         if spec.tie_word_embeddings and name == "lm_head.weight":
             continue
         tensor = _full(tensor)
-        qkv = _QKV.match(name)
-        expert = _STACKED_EXPERT.match(name)
-        if qkv:
-            if tensor.shape[0] != q_size + 2 * kv_size:
-                raise ValueError(
-                    f"{name} has {tensor.shape[0]} rows, expected q+k+v = {q_size + 2 * kv_size}: "
-                    "save the unsharded model (merge_qkv models cannot be tensor-parallel)"
-                )
-            for part, value in zip("qkv", tensor.split([q_size, kv_size, kv_size], dim=0)):
-                yield f"{qkv['prefix']}.{part}_proj.{qkv['kind']}", value
-        elif expert:
-            if tensor.shape[0] != spec.num_experts:
-                raise ValueError(
-                    f"{name} holds {tensor.shape[0]} experts, the model has {spec.num_experts}: gather the "
-                    "expert-parallel slices into full tensors before saving"
-                )
-            for j in range(tensor.shape[0]):
-                yield f"{expert['prefix']}.{j}.{expert['proj']}.weight", tensor[j].t()
-        else:
-            yield name, tensor
+        for hf_name, take in hf_pieces(name, tuple(tensor.shape), spec):
+            yield hf_name, take(tensor)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -14,10 +14,13 @@ experts ``[r * E_local, (r + 1) * E_local)``). One MoE forward on rank r:
 4. the local experts (grouped GEMMs), then the inverse re-sort, the reverse all_to_all (combine)
    and ``unpermute_tokens`` with the router weights (fp32, deterministic).
 
-Both all_to_alls are autograd Functions whose backward is the reverse all_to_all, so gradients
-reach the tokens' home ranks and every expert's gradient accumulates on its owner. An expert (or a
-whole rank) that receives no rows joins every collective with empty buffers, and its weight
-gradients are exact zeros (grouped_gemm of an empty group).
+Both collectives are torch.library custom ops (the group travels by name), and the row
+all_to_all's backward is the reverse all_to_all, so gradients reach the tokens' home ranks and
+every expert's gradient accumulates on its owner. An expert (or a whole rank) that receives no
+rows joins every collective with empty buffers, and its weight gradients are exact zeros
+(grouped_gemm of an empty group). Under torch.compile the split sizes read in step 2 become
+unbacked symbolic ints (xorl/parallelize.py turns on torch._dynamo's capture_scalar_outputs for
+that), so the block stays one graph, with the one host read still in it.
 """
 
 from __future__ import annotations
@@ -28,38 +31,55 @@ import torch.distributed as dist
 from xorl_kernels.moe_permute.op import permute_tokens, unpermute_tokens
 
 
-class _AllToAllRows(torch.autograd.Function):
-    """``all_to_all_single`` of rows with uneven splits; backward is the reverse exchange."""
-
-    @staticmethod
-    def forward(ctx, x, output_splits, input_splits, group):
-        ctx.group = group
-        ctx.output_splits, ctx.input_splits = output_splits, input_splits
-        return _all_to_all_rows(x, output_splits, input_splits, group)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        grad_in = _all_to_all_rows(grad_out.contiguous(), ctx.input_splits, ctx.output_splits, ctx.group)
-        return grad_in, None, None, None
+def _group(group_name: str):
+    return dist.distributed_c10d._resolve_process_group(group_name)
 
 
-def _all_to_all_rows(x, output_splits: list[int], input_splits: list[int], group):
+@torch.library.custom_op("xorl::ep_all_to_all", mutates_args=())
+def _all_to_all_op(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group_name: str) -> torch.Tensor:
     out = x.new_empty((sum(output_splits), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+    dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=_group(group_name))
     return out
+
+
+@_all_to_all_op.register_fake
+def _(x, output_splits, input_splits, group_name):
+    return x.new_empty((sum(output_splits), *x.shape[1:]))
+
+
+def _all_to_all_setup(ctx, inputs, output):
+    _, ctx.output_splits, ctx.input_splits, ctx.group_name = inputs
+
+
+def _all_to_all_backward(ctx, grad_out):
+    grad_in = torch.ops.xorl.ep_all_to_all(grad_out.contiguous(), ctx.input_splits, ctx.output_splits, ctx.group_name)
+    return grad_in, None, None, None
+
+
+_all_to_all_op.register_autograd(_all_to_all_backward, setup_context=_all_to_all_setup)
 
 
 def all_to_all_rows(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
     """Differentiable uneven all_to_all over dim 0: send ``input_splits[r]`` rows to rank r."""
-    return _AllToAllRows.apply(x, output_splits, input_splits, group)
+    return torch.ops.xorl.ep_all_to_all(x, output_splits, input_splits, group.group_name)
+
+
+@torch.library.custom_op("xorl::ep_exchange_counts", mutates_args=())
+def _exchange_counts_op(send_counts: torch.Tensor, group_name: str) -> torch.Tensor:
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=_group(group_name))
+    return recv_counts
+
+
+@_exchange_counts_op.register_fake
+def _(send_counts, group_name):
+    return torch.empty_like(send_counts)
 
 
 def exchange_counts(send_counts: torch.Tensor, group) -> torch.Tensor:
     """send_counts [ep, E_local] (rows this rank sends to rank r for its expert e) -> the counts
     every rank sends to this one, same shape, on the same device (no host sync here)."""
-    recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=group)
-    return recv_counts
+    return torch.ops.xorl.ep_exchange_counts(send_counts, group.group_name)
 
 
 def expert_parallel_moe(
@@ -90,6 +110,11 @@ def expert_parallel_moe(
     # Host sync (see module docstring): the split sizes of the uneven all_to_all.
     both = torch.stack([send_counts.sum(1), recv_counts.sum(1)]).tolist()
     input_splits, output_splits = both[0], both[1]
+    # What the counts guarantee, told to torch.compile (no-ops in eager): no negative split, and
+    # the rows sent are the rows permute_tokens produced (so the combine returns T*K rows).
+    for n in (*input_splits, *output_splits):
+        torch._check(n >= 0)
+    torch._check(sum(input_splits) == x_sorted.shape[0])
     x_recv = all_to_all_rows(x_sorted, output_splits, input_splits, group)
 
     # Rows arrive as [source rank][local expert]; regroup them by local expert.

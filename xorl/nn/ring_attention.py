@@ -164,21 +164,71 @@ def ring_backward(
     return dq_acc.to(q.dtype), dkv_own[0].to(k.dtype), dkv_own[1].to(v.dtype)
 
 
-class _RingAttentionFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, kernel, exchange, dkv_comm_dtype):
-        out, lse = ring_forward(q, k, v, kernel, exchange)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.kernel, ctx.exchange, ctx.dkv_comm_dtype = kernel, exchange, dkv_comm_dtype
-        return out
+# -- the xorl::ring_attention custom op ----------------------------------------------------------
+# Why a torch.library custom op: the ring's point-to-point exchange (and the host-side checks of
+# cu_seqlens) cannot be traced by torch.compile; as one opaque op with a fake implementation and a
+# registered backward, a compiled decoder block keeps ring attention inside its graph. The process
+# group travels by name (custom ops take no Python objects).
 
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ring_backward(
-            dout.contiguous(), q, k, v, out, lse, ctx.kernel, ctx.exchange, ctx.dkv_comm_dtype
-        )
-        return dq, dk, dv, None, None, None
+
+def _ring_call(q, cu_seqlens, max_seqlen, group_name, causal, softmax_scale, attn_backend):
+    """(step kernel, exchange) of one call, rebuilt in the forward and in the backward op."""
+    group = dist.distributed_c10d._resolve_process_group(group_name) if group_name else None
+    size = 1 if group is None else dist.get_world_size(group)
+    kernel = make_step_kernel(q, cu_seqlens, max_seqlen, size, causal, softmax_scale, attn_backend)
+    return kernel, (RingExchange(group) if size > 1 else None)
+
+
+@torch.library.custom_op("xorl::ring_attention", mutates_args=())
+def _ring_attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None, max_seqlen: int | None,
+    group_name: str, causal: bool, softmax_scale: float | None, dkv_comm_dtype: torch.dtype,
+    attn_backend: str | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse [b, hq, s] fp32) of zig-zag ring attention over the group named ``group_name``."""
+    kernel, exchange = _ring_call(q, cu_seqlens, max_seqlen, group_name, causal, softmax_scale, attn_backend)
+    out, lse = ring_forward(q, k, v, kernel, exchange)
+    # Contiguous, as the fake promises: the merged out may come back with permuted strides.
+    return out.contiguous(), lse.contiguous()
+
+
+@_ring_attention_op.register_fake
+def _(q, k, v, cu_seqlens, max_seqlen, group_name, causal, softmax_scale, dkv_comm_dtype, attn_backend):
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return q.new_empty(q.shape), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=lse_dtype)
+
+
+@torch.library.custom_op("xorl::ring_attention_backward", mutates_args=())
+def _ring_attention_backward_op(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    cu_seqlens: torch.Tensor | None, max_seqlen: int | None, group_name: str, causal: bool,
+    softmax_scale: float | None, dkv_comm_dtype: torch.dtype, attn_backend: str | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    kernel, exchange = _ring_call(q, cu_seqlens, max_seqlen, group_name, causal, softmax_scale, attn_backend)
+    dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, kernel, exchange, dkv_comm_dtype)
+    if dk.untyped_storage().data_ptr() == dv.untyped_storage().data_ptr():
+        dv = dv.clone()  # fp32 dk and dv are halves of one buffer; an op's outputs must not alias
+    return dq, dk, dv
+
+
+@_ring_attention_backward_op.register_fake
+def _(dout, q, k, v, *args):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, cu_seqlens, *options = inputs
+    ctx.save_for_backward(q, k, v, *output, cu_seqlens)
+    ctx.options = options
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+    grads = torch.ops.xorl.ring_attention_backward(dout, q, k, v, out, lse, cu_seqlens, *ctx.options)
+    return (*grads, *([None] * 7))
+
+
+_ring_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _check_inputs(q, k, v, cu_seqlens) -> None:
@@ -262,7 +312,10 @@ class RingAttention(nn.Module):
                 f"attn_backend={attn_backend!r}: use None, 'triton', 'reference' or 'flash_attn'"
             )
         self.ring_group = ring_group
-        self.causal, self.softmax_scale = causal, softmax_scale
+        # The custom op finds the group by name; no group (or a 1-rank one) is local attention.
+        self._group_name = "" if ring_group is None or dist.get_world_size(ring_group) == 1 else ring_group.group_name
+        self.causal = causal
+        self.softmax_scale = None if softmax_scale is None else float(softmax_scale)
         self.dkv_comm_dtype, self.attn_backend = dkv_comm_dtype, attn_backend
 
     @property
@@ -271,14 +324,15 @@ class RingAttention(nn.Module):
 
     def forward(self, q, k, v, cu_seqlens=None, max_seqlen=None):
         _check_inputs(q, k, v, cu_seqlens)
-        size = self.ring_size
-        kernel = make_step_kernel(
-            q, cu_seqlens, max_seqlen, size, self.causal, self.softmax_scale, self.attn_backend
+        if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):
+            cu_seqlens = torch.tensor(cu_seqlens)
+        if max_seqlen is not None and not isinstance(max_seqlen, (int, torch.SymInt)):
+            max_seqlen = int(max_seqlen)
+        out, _ = torch.ops.xorl.ring_attention(
+            q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens, max_seqlen, self._group_name,
+            self.causal, self.softmax_scale, self.dkv_comm_dtype, self.attn_backend,
         )
-        exchange = RingExchange(self.ring_group) if size > 1 else None
-        return _RingAttentionFunction.apply(
-            q.contiguous(), k.contiguous(), v.contiguous(), kernel, exchange, self.dkv_comm_dtype
-        )
+        return out
 
     def extra_repr(self) -> str:
         return f"ring_size={self.ring_size}, causal={self.causal}, backend={self.attn_backend}"

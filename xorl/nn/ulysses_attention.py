@@ -51,26 +51,46 @@ def head_to_seq(tensors, group, world):
     return ulysses_unpack_reverse(_all_to_all(send, group), world, [tuple(t.shape) for t in tensors])
 
 
-class _SeqToHead(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, group, world, *tensors):
-        ctx.group, ctx.world = group, world
-        return tuple(seq_to_head(list(tensors), group, world))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return (None, None, *head_to_seq([g.contiguous() for g in grads], ctx.group, ctx.world))
+# The two directions as torch.library custom ops, each the other's backward: the all-to-all runs
+# inside them (eager), so torch.compile keeps a Ulysses block in one graph; the group travels by name.
+def _group(group_name: str):
+    return dist.distributed_c10d._resolve_process_group(group_name)
 
 
-class _HeadToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, group, world, *tensors):
-        ctx.group, ctx.world = group, world
-        return tuple(head_to_seq(list(tensors), group, world))
+@torch.library.custom_op("xorl::ulysses_seq_to_head", mutates_args=())
+def _seq_to_head_op(tensors: list[torch.Tensor], group_name: str, world: int) -> list[torch.Tensor]:
+    return seq_to_head(tensors, _group(group_name), world)
 
-    @staticmethod
-    def backward(ctx, *grads):
-        return (None, None, *seq_to_head([g.contiguous() for g in grads], ctx.group, ctx.world))
+
+@_seq_to_head_op.register_fake
+def _(tensors, group_name, world):
+    return [t.new_empty((t.shape[0], world * t.shape[1], t.shape[2] // world, t.shape[3])) for t in tensors]
+
+
+@torch.library.custom_op("xorl::ulysses_head_to_seq", mutates_args=())
+def _head_to_seq_op(tensors: list[torch.Tensor], group_name: str, world: int) -> list[torch.Tensor]:
+    return head_to_seq(tensors, _group(group_name), world)
+
+
+@_head_to_seq_op.register_fake
+def _(tensors, group_name, world):
+    return [t.new_empty((t.shape[0], t.shape[1] // world, world * t.shape[2], t.shape[3])) for t in tensors]
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.group_name, ctx.world = inputs[1], inputs[2]
+
+
+def _seq_to_head_backward(ctx, grads):
+    return torch.ops.xorl.ulysses_head_to_seq([g.contiguous() for g in grads], ctx.group_name, ctx.world), None, None
+
+
+def _head_to_seq_backward(ctx, grads):
+    return torch.ops.xorl.ulysses_seq_to_head([g.contiguous() for g in grads], ctx.group_name, ctx.world), None, None
+
+
+_seq_to_head_op.register_autograd(_seq_to_head_backward, setup_context=_setup_context)
+_head_to_seq_op.register_autograd(_head_to_seq_backward, setup_context=_setup_context)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -111,10 +131,8 @@ class UlyssesAttention(nn.Module):
         super().__init__()
         self.ulysses_group = ulysses_group
         self.inner = inner if inner is not None else _local_attention()
-
-    @property
-    def ulysses_size(self) -> int:
-        return 1 if self.ulysses_group is None else dist.get_world_size(self.ulysses_group)
+        self.ulysses_size = 1 if ulysses_group is None else dist.get_world_size(ulysses_group)
+        self._group_name = "" if ulysses_group is None else ulysses_group.group_name
 
     def forward(self, q, k, v, cu_seqlens=None, max_seqlen=None):
         world = self.ulysses_size
@@ -131,9 +149,11 @@ class UlyssesAttention(nn.Module):
             # to copy from host memory in every layer.
             repeats = world // k.shape[2]
             k, v = k.repeat_interleave(repeats, dim=2), v.repeat_interleave(repeats, dim=2)
-        qh, kh, vh = _SeqToHead.apply(self.ulysses_group, world, q.contiguous(), k.contiguous(), v.contiguous())
+        qh, kh, vh = torch.ops.xorl.ulysses_seq_to_head(
+            [q.contiguous(), k.contiguous(), v.contiguous()], self._group_name, world
+        )
         out = self.inner(qh, kh, vh, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
-        (out,) = _HeadToSeq.apply(self.ulysses_group, world, out.contiguous())
+        (out,) = torch.ops.xorl.ulysses_head_to_seq([out.contiguous()], self._group_name, world)
         return out
 
     def extra_repr(self) -> str:

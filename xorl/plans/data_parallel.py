@@ -81,9 +81,10 @@ def _save_ops() -> set:
     functional = getattr(torch.ops, "_c10d_functional", None)
     if functional is not None:
         names += [(functional, n) for n in ("reduce_scatter_tensor", "all_gather_into_tensor", "all_to_all_single")]
-    xorl_ops = getattr(torch.ops, "xorl", None)
-    if xorl_ops is not None:  # our kernels, once registered as custom ops
-        names += [(xorl_ops, n) for n in ("flash_attn", "grouped_gemm")]
+    # Our custom ops (xorl_kernels, xorl/nn): attention, expert matmuls and the collectives, which a
+    # recompute would send again. Those not registered in this process are skipped below.
+    names += [(torch.ops.xorl, n) for n in ("flash_attn", "grouped_gemm", "ring_attention", "ulysses_seq_to_head",
+                                            "ulysses_head_to_seq", "ep_all_to_all", "ep_exchange_counts")]
     ops = set()
     for namespace, name in names:
         packet = getattr(namespace, name, None)
@@ -111,7 +112,7 @@ def apply_fsdp(model: nn.Module, state, reshard_after_forward: bool = True, bf16
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     # Experts get their own mesh whenever it differs from the blocks': under EP, and under TP, where
     # each TP rank's MoE block routes its own token shard (expert gradients are partial over TP).
-    expert_mesh = _expert_fsdp_mesh(state) if state.ep_size > 1 or state.tp_size > 1 else None
+    expert_mesh = _expert_fsdp_mesh(state) if experts_have_own_mesh(state) else None
     for layer in decoder_layers(model):
         experts = getattr(getattr(_unwrap(layer), "mlp", None), "experts", None)
         if experts is not None and expert_mesh is not None:
@@ -121,6 +122,12 @@ def apply_fsdp(model: nn.Module, state, reshard_after_forward: bool = True, bf16
     for module in model.modules():
         if isinstance(module, FSDPModule):
             _sum_gradients(module)
+
+
+def experts_have_own_mesh(state) -> bool:
+    """Expert weights are FSDP-sharded over "ep_fsdp" (dp_shard x CP x TP / EP) unless that is the
+    blocks' FSDP mesh (no EP, no TP)."""
+    return state.ep_size > 1 or state.tp_size > 1
 
 
 def _expert_fsdp_mesh(state):

@@ -201,30 +201,80 @@ def flash_attn_backward(
     )
 
 
-# -- autograd ------------------------------------------------------------------------------------
+# -- autograd: the xorl::flash_attn custom op ----------------------------------------------------
+# A torch.library custom op (with a fake implementation and a registered backward) rather than an
+# autograd.Function, so that torch.compile traces a decoder block through attention without a
+# graph break: the fake gives the output shapes, and the checks that read cu_seqlens on the host
+# run inside the op, where the tensors are real.
 
 
-class _FlashAttnFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, kwargs: dict):
-        backend = kwargs.pop("backend")
-        out, lse = flash_attn_forward(q, k, v, backend=backend, **kwargs)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.kwargs, ctx.backend = kwargs, backend
-        ctx.set_materialize_grads(False)
-        return out, lse
+def _lse_shape(q: torch.Tensor, packed: bool) -> tuple:
+    heads = q.shape[-2]
+    if not packed:
+        return (q.shape[0], heads, q.shape[1])
+    return (1, heads, q.shape[1]) if q.dim() == 4 else (heads, q.shape[0])
 
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        if dout is None and dlse is None:
-            return None, None, None, None
-        dout = torch.zeros_like(out) if dout is None else dout
-        delta = flash_attn_bwd_preprocess(out, dout, backend=ctx.backend)
-        if dlse is not None:
-            delta = delta - dlse.to(delta.dtype)
-        dq, dk, dv = flash_attn_backward(dout, q, k, v, out, lse, delta, backend=ctx.backend, **ctx.kwargs)
-        return dq, dk, dv, None
+
+@torch.library.custom_op("xorl::flash_attn", mutates_args=())
+def _flash_attn_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
+    q_positions: torch.Tensor | None, k_positions: torch.Tensor | None,
+    causal: bool, softmax_scale: float | None, max_seqlen_q: int | None, max_seqlen_k: int | None,
+    backend: str | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return flash_attn_forward(
+        q, k, v, causal, softmax_scale, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, q_positions=q_positions,
+        k_positions=k_positions, backend=backend,
+    )
+
+
+@_flash_attn_op.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, q_positions, k_positions, causal, softmax_scale,
+      max_seqlen_q, max_seqlen_k, backend):
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return q.new_empty(q.shape), q.new_empty(_lse_shape(q, cu_seqlens_q is not None), dtype=lse_dtype)
+
+
+@torch.library.custom_op("xorl::flash_attn_backward", mutates_args=())
+def _flash_attn_backward_op(
+    dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    out: torch.Tensor, lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
+    q_positions: torch.Tensor | None, k_positions: torch.Tensor | None,
+    causal: bool, softmax_scale: float | None, max_seqlen_q: int | None, max_seqlen_k: int | None,
+    backend: str | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv); a loss through lse only changes delta (see "Gradients through lse")."""
+    delta = flash_attn_bwd_preprocess(out, dout, backend=backend)
+    if dlse is not None:
+        delta = delta - dlse.to(delta.dtype)
+    return flash_attn_backward(
+        dout, q, k, v, out, lse, delta, causal, softmax_scale, cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        q_positions=q_positions, k_positions=k_positions, backend=backend,
+    )
+
+
+@_flash_attn_backward_op.register_fake
+def _(dout, dlse, q, k, v, *args):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, q_pos, k_pos, *options = inputs
+    ctx.save_for_backward(q, k, v, *output, cu_q, cu_k, q_pos, k_pos)
+    ctx.options = options
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, *masks = ctx.saved_tensors
+    grads = torch.ops.xorl.flash_attn_backward(dout.contiguous(), dlse, q, k, v, out, lse, *masks, *ctx.options)
+    return (*grads, *([None] * 9))
+
+
+_flash_attn_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def flash_attn_with_lse(
@@ -233,12 +283,24 @@ def flash_attn_with_lse(
     q_positions=None, k_positions=None, backend=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse), differentiable w.r.t. q, k, v through both outputs. See the module docstring."""
-    kwargs = dict(
-        causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-        max_seqlen_k=max_seqlen_k, q_positions=q_positions, k_positions=k_positions, backend=backend,
+    if cu_seqlens is not None:
+        if cu_seqlens_q is not None or cu_seqlens_k is not None:
+            raise ValueError("pass either cu_seqlens (both sides) or cu_seqlens_q/cu_seqlens_k, not both")
+        cu_seqlens_q = cu_seqlens_k = cu_seqlens
+        max_seqlen_q = max_seqlen_k = max_seqlen
+    elif max_seqlen is not None:
+        max_seqlen_q = max_seqlen_q if max_seqlen_q is not None else max_seqlen
+        max_seqlen_k = max_seqlen_k if max_seqlen_k is not None else max_seqlen
+    scale = None if softmax_scale is None else float(softmax_scale)
+    return torch.ops.xorl.flash_attn(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, q_positions, k_positions, bool(causal), scale,
+        _as_int(max_seqlen_q), _as_int(max_seqlen_k), backend,
     )
-    return _FlashAttnFunction.apply(q, k, v, kwargs)
+
+
+def _as_int(value):
+    """The op takes Python ints (or torch.compile's symbolic ones); a tensor is read once here."""
+    return value if value is None or isinstance(value, (int, torch.SymInt)) else int(value)
 
 
 def flash_attn(

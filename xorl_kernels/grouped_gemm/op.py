@@ -10,8 +10,8 @@ Public entry point ``grouped_gemm(x, w, group_sizes)``:
 
 Dispatch (xorl_kernels.dispatch): CUDA tensors -> Triton kernels (grouped_gemm/triton_kernels.py);
 CPU tensors -> the plain-torch reference (grouped_gemm/reference.py). ``XORL_FORCE_REFERENCE=1``
-forces the reference; ``backend="triton"`` forces Triton (on CPU this needs ``TRITON_INTERPRET=1`` set before triton is
-imported; the tests run that way).
+forces the reference; ``backend="triton"`` forces Triton (on CPU this needs ``TRITON_INTERPRET=1``
+set before triton is imported; the tests run that way). The op is registered as ``xorl::grouped_gemm``.
 
 Validation of ``group_sizes`` values (no negative size, ``sum == M``) happens wherever it costs no
 device sync: always when group_sizes is on the CPU. On the GPU the kernels read the sizes on the
@@ -26,7 +26,11 @@ from __future__ import annotations
 import torch
 
 from xorl_kernels.dispatch import REFERENCE, TRITON, env_flag, pick_backend, triton_interpreting
-from xorl_kernels.grouped_gemm.reference import check_group_sizes_values, grouped_gemm_reference
+from xorl_kernels.grouped_gemm.reference import (
+    check_group_sizes_values,
+    grouped_gemm_reference,
+    grouped_gemm_weight_grad_reference,
+)
 
 _AVAILABLE = (TRITON, REFERENCE)
 _TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -101,26 +105,70 @@ def _apply_autocast(x, w):
     return x.to(dtype), w.to(dtype)
 
 
-class _GroupedGemmTriton(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
-        from xorl_kernels.grouped_gemm.triton_kernels import grouped_gemm_forward
+# The op is a torch.library custom op with a fake implementation and a registered backward, so
+# torch.compile traces an MoE block through it; the backend is resolved inside (it reads the
+# environment), where the group sizes can also be checked on the host.
 
-        ctx.save_for_backward(x, w, group_sizes)
-        return grouped_gemm_forward(x, w, group_sizes)
 
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        from xorl_kernels.grouped_gemm.triton_kernels import grouped_gemm_forward, grouped_gemm_weight_grad
+@torch.library.custom_op("xorl::grouped_gemm", mutates_args=())
+def _grouped_gemm_op(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor, backend: str | None) -> torch.Tensor:
+    if _resolve_backend(backend, x) == REFERENCE:
+        return grouped_gemm_reference(x, w, group_sizes)
+    from xorl_kernels.grouped_gemm.triton_kernels import grouped_gemm_forward
 
-        x, w, group_sizes = ctx.saved_tensors
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            # dx_g = dy_g @ w[g]^T: the forward kernel on a transposed (strided, uncopied) view of w.
-            dx = grouped_gemm_forward(dy, w.transpose(1, 2), group_sizes)
-        if ctx.needs_input_grad[1]:
-            dw = grouped_gemm_weight_grad(x, dy, group_sizes, out_dtype=w.dtype)
-        return dx, dw, None
+    if group_sizes.device.type == "cpu" or env_flag("XORL_CHECK_GROUP_SIZES"):
+        check_group_sizes_values(group_sizes, x.shape[0])
+    return grouped_gemm_forward(x, w, group_sizes)
+
+
+@_grouped_gemm_op.register_fake
+def _(x, w, group_sizes, backend):
+    return x.new_empty((x.shape[0], w.shape[2]))
+
+
+@torch.library.custom_op("xorl::grouped_gemm_backward", mutates_args=())
+def _grouped_gemm_backward_op(
+    dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor, backend: str | None,
+    need_dx: bool, need_dw: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dw); an input whose gradient is not needed gets an empty tensor."""
+    dy = dy.contiguous()
+    dx, dw = x.new_empty(0), w.new_empty(0)
+    if _resolve_backend(backend, x) == REFERENCE:
+        if need_dx:
+            dx = grouped_gemm_reference(dy, w.transpose(1, 2), group_sizes)
+        if need_dw:
+            dw = grouped_gemm_weight_grad_reference(x, dy, group_sizes, w.dtype)
+        return dx, dw
+    from xorl_kernels.grouped_gemm.triton_kernels import grouped_gemm_forward, grouped_gemm_weight_grad
+
+    if need_dx:
+        # dx_g = dy_g @ w[g]^T: the forward kernel on a transposed (strided, uncopied) view of w.
+        dx = grouped_gemm_forward(dy, w.transpose(1, 2), group_sizes)
+    if need_dw:
+        dw = grouped_gemm_weight_grad(x, dy, group_sizes, out_dtype=w.dtype)
+    return dx, dw
+
+
+@_grouped_gemm_backward_op.register_fake
+def _(dy, x, w, group_sizes, backend, need_dx, need_dw):
+    return x.new_empty(x.shape if need_dx else (0,)), w.new_empty(w.shape if need_dw else (0,))
+
+
+def _setup_context(ctx, inputs, output):
+    x, w, group_sizes, backend = inputs
+    ctx.save_for_backward(x, w, group_sizes)
+    ctx.backend = backend
+
+
+def _backward(ctx, dy):
+    x, w, group_sizes = ctx.saved_tensors
+    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    dx, dw = torch.ops.xorl.grouped_gemm_backward(dy, x, w, group_sizes, ctx.backend, need_dx, need_dw)
+    return (dx if need_dx else None), (dw if need_dw else None), None, None
+
+
+_grouped_gemm_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def grouped_gemm(
@@ -134,9 +182,6 @@ def grouped_gemm(
     """
     x, w = _apply_autocast(x, w)
     _check_inputs(x, w, group_sizes)
-    chosen = _resolve_backend(backend, x)
-    if chosen == REFERENCE:
-        return grouped_gemm_reference(x, w, group_sizes)
-    if group_sizes.device.type == "cpu" or env_flag("XORL_CHECK_GROUP_SIZES"):
-        check_group_sizes_values(group_sizes, x.shape[0])
-    return _GroupedGemmTriton.apply(x, w, group_sizes)
+    if backend is not None:
+        _resolve_backend(backend, x)  # a wrong name is an error here, before any tracing
+    return torch.ops.xorl.grouped_gemm(x, w, group_sizes, backend)

@@ -3,8 +3,8 @@
 ``y[rows of g] = x[rows of g] @ w[g]`` with x's rows sorted by group and ``group_sizes[g]`` rows
 in group g. A per-group Python loop: it reads ``group_sizes`` on the host (a sync on GPU), which
 is fine for CPU and debugging and is exactly why the GPU path uses the Triton kernels instead.
-Autograd flows through it, so it also gives reference gradients (a group with no rows gets an
-exact zero weight gradient because its slice is empty).
+``grouped_gemm_weight_grad_reference`` gives ``dw[g] = x_g^T @ dy_g`` the same way (an exact zero
+for a group with no rows); dx is ``grouped_gemm_reference(dy, w.transpose(1, 2), group_sizes)``.
 """
 
 from __future__ import annotations
@@ -48,3 +48,17 @@ def grouped_gemm_reference(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.
         pieces.append(x_g @ w[g].to(compute_dtype))
         start += rows
     return torch.cat(pieces, dim=0).to(x.dtype)
+
+
+def grouped_gemm_weight_grad_reference(
+    x: torch.Tensor, dy: torch.Tensor, group_sizes: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """``dw[g] = x[rows of g]^T @ dy[rows of g]``; x [M, K], dy [M, N] -> dw [G, K, N] in ``out_dtype``."""
+    sizes = check_group_sizes_values(group_sizes, x.shape[0])
+    compute_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    dw = torch.zeros(len(sizes), x.shape[1], dy.shape[1], dtype=compute_dtype, device=x.device)
+    start = 0
+    for g, rows in enumerate(sizes):
+        dw[g] = x[start : start + rows].to(compute_dtype).T @ dy[start : start + rows].to(compute_dtype)
+        start += rows
+    return dw.to(out_dtype)

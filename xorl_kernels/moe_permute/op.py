@@ -94,46 +94,102 @@ def _scatter_weighted(grad_y, row_map, sorted_slots, weights, y_sorted, need_wei
 
 
 # ---------------------------------------------------------------------------------------------
-# Autograd
+# The custom ops: xorl::permute_tokens, xorl::unpermute_tokens (+ its backward)
+# ---------------------------------------------------------------------------------------------
+# torch.library custom ops with fake implementations and registered backwards, so torch.compile
+# traces an MoE block through them. The backend is picked and the CPU ids are range-checked (a
+# host read) inside, where the tensors are real.
+
+
+@torch.library.custom_op("xorl::permute_tokens", mutates_args=())
+def _permute_op(
+    x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, backend: str | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if not expert_ids.is_cuda and expert_ids.numel() > 0:
+        lo, hi = int(expert_ids.min()), int(expert_ids.max())
+        if lo < 0 or hi >= num_experts:
+            raise ValueError(f"expert_ids must lie in [0, num_experts={num_experts}), found values in [{lo}, {hi}]")
+    chosen = _backend(x, backend)
+    # The routing sort has a csrc kernel and a (sync-free) torch reference, no Triton one.
+    meta = routing_metadata(expert_ids, num_experts, CSRC if chosen == CSRC else REFERENCE)
+    return _gather_rows(x, meta.sorted_tokens, chosen), meta.row_map, meta.tokens_per_expert
+
+
+@_permute_op.register_fake
+def _(x, expert_ids, num_experts, backend):
+    tokens, top_k = expert_ids.shape
+    int64 = dict(dtype=torch.int64)
+    return x.new_empty((tokens * top_k, x.shape[1])), x.new_empty((tokens, top_k), **int64), x.new_empty(
+        (num_experts,), **int64
+    )
+
+
+def _permute_setup(ctx, inputs, output):
+    ctx.save_for_backward(output[1])
+    ctx.backend = inputs[3]
+
+
+def _permute_backward(ctx, grad_sorted, _grad_row_map, _grad_counts):
+    (row_map,) = ctx.saved_tensors
+    return torch.ops.xorl.unpermute_tokens(grad_sorted.contiguous(), row_map, None, ctx.backend), None, None, None
+
+
+@torch.library.custom_op("xorl::unpermute_tokens", mutates_args=())
+def _unpermute_op(
+    y_sorted: torch.Tensor, row_map: torch.Tensor, weights: torch.Tensor | None, backend: str | None
+) -> torch.Tensor:
+    return _combine(y_sorted, row_map, weights, _backend(y_sorted, backend))
+
+
+@_unpermute_op.register_fake
+def _(y_sorted, row_map, weights, backend):
+    return y_sorted.new_empty((row_map.shape[0], y_sorted.shape[1]))
+
+
+@torch.library.custom_op("xorl::unpermute_tokens_backward", mutates_args=())
+def _unpermute_backward_op(
+    grad_y: torch.Tensor, y_sorted: torch.Tensor, row_map: torch.Tensor, weights: torch.Tensor | None,
+    need_weight_grad: bool, backend: str | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad_y_sorted, grad_weights in weights' dtype; an empty tensor when not needed)."""
+    sorted_slots = _invert_permutation(row_map.reshape(-1))
+    grad_sorted, grad_w = _scatter_weighted(
+        grad_y.contiguous(), row_map, sorted_slots, weights, y_sorted, need_weight_grad, _backend(grad_y, backend)
+    )
+    if grad_w is None:
+        return grad_sorted, grad_y.new_empty(0)
+    return grad_sorted, grad_w.reshape(row_map.shape).to(weights.dtype)
+
+
+@_unpermute_backward_op.register_fake
+def _(grad_y, y_sorted, row_map, weights, need_weight_grad, backend):
+    grad_w = weights.new_empty(weights.shape) if need_weight_grad else grad_y.new_empty(0)
+    return y_sorted.new_empty(y_sorted.shape), grad_w
+
+
+def _unpermute_setup(ctx, inputs, output):
+    y_sorted, row_map, weights, backend = inputs
+    ctx.save_for_backward(y_sorted, row_map, weights)
+    ctx.backend = backend
+
+
+def _unpermute_backward(ctx, grad_y):
+    y_sorted, row_map, weights = ctx.saved_tensors
+    need_w = weights is not None and ctx.needs_input_grad[2]
+    grad_sorted, grad_w = torch.ops.xorl.unpermute_tokens_backward(
+        grad_y, y_sorted, row_map, weights, need_w, ctx.backend
+    )
+    return grad_sorted, None, (grad_w if need_w else None), None
+
+
+_permute_op.register_autograd(_permute_backward, setup_context=_permute_setup)
+_unpermute_op.register_autograd(_unpermute_backward, setup_context=_unpermute_setup)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public ops: argument checks that need no host read, then the custom ops
 # ---------------------------------------------------------------------------------------------
 
-
-class _PermuteFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, sorted_tokens, row_map, backend):
-        ctx.save_for_backward(row_map)
-        ctx.backend = backend
-        return _gather_rows(x, sorted_tokens, backend)
-
-    @staticmethod
-    def backward(ctx, grad_sorted):
-        (row_map,) = ctx.saved_tensors
-        return _combine(grad_sorted.contiguous(), row_map, None, ctx.backend), None, None, None
-
-
-class _UnpermuteFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y_sorted, row_map, sorted_slots, weights, backend):
-        ctx.save_for_backward(y_sorted, row_map, sorted_slots, weights)
-        ctx.weights_dtype = None if weights is None else weights.dtype
-        ctx.backend = backend
-        return _combine(y_sorted, row_map, weights, backend)
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        y_sorted, row_map, sorted_slots, weights = ctx.saved_tensors
-        need_w = weights is not None and ctx.needs_input_grad[3]
-        grad_sorted, grad_w = _scatter_weighted(
-            grad_y.contiguous(), row_map, sorted_slots, weights, y_sorted, need_w, ctx.backend
-        )
-        if grad_w is not None:
-            grad_w = grad_w.reshape(row_map.shape).to(ctx.weights_dtype)
-        return grad_sorted, None, None, grad_w, None
-
-
-# ---------------------------------------------------------------------------------------------
-# Public ops
-# ---------------------------------------------------------------------------------------------
 
 def permute_tokens(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, *, backend: str | None = None):
     """Group the T*K (token, k) rows of ``x`` by expert. See the module docstring.
@@ -151,17 +207,12 @@ def permute_tokens(x: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, 
         raise ValueError(f"x is on {x.device} but expert_ids on {expert_ids.device}")
     if num_experts < 1:
         raise ValueError(f"num_experts must be >= 1, got {num_experts}")
-    if not expert_ids.is_cuda and expert_ids.numel() > 0:
-        lo, hi = int(expert_ids.min()), int(expert_ids.max())
-        if lo < 0 or hi >= num_experts:
-            raise ValueError(f"expert_ids must lie in [0, num_experts={num_experts}), found values in [{lo}, {hi}]")
-    chosen = _backend(x, backend)
-    # The routing sort has a csrc kernel and a (sync-free) torch reference, no Triton one.
+    if backend is not None:
+        _backend(x, backend)  # a wrong name is an error here, before any tracing
     if expert_ids.dtype not in (torch.int32, torch.int64):
         expert_ids = expert_ids.long()  # the routing sort takes int32 / int64 ids
-    meta = routing_metadata(expert_ids, num_experts, CSRC if chosen == CSRC else REFERENCE)
-    x_sorted = _PermuteFn.apply(x.contiguous(), meta.sorted_tokens, meta.row_map, chosen)
-    return x_sorted, meta.row_map, meta.tokens_per_expert
+    # (expert ids are range-checked inside the op: on CPU tensors only, a check on GPU would sync)
+    return torch.ops.xorl.permute_tokens(x.contiguous(), expert_ids, int(num_experts), backend)
 
 
 def unpermute_tokens(
@@ -190,6 +241,6 @@ def unpermute_tokens(
         if not weights.dtype.is_floating_point:
             raise TypeError(f"weights must be floating point, got {weights.dtype}")
         weights = weights.contiguous()
-    sorted_slots = _invert_permutation(row_map.reshape(-1))
-    chosen = _backend(y_sorted, backend)
-    return _UnpermuteFn.apply(y_sorted.contiguous(), row_map.contiguous(), sorted_slots, weights, chosen)
+    if backend is not None:
+        _backend(y_sorted, backend)
+    return torch.ops.xorl.unpermute_tokens(y_sorted.contiguous(), row_map.contiguous(), weights, backend)

@@ -1,0 +1,112 @@
+"""Rank-side clean-up between the checks of a reused GlooWorld: what a check created must not outlive it.
+
+Why: every gloo process group holds two ``pt_gloo_runloop`` threads and a ``gloo_tcp_loop`` thread
+for as long as it lives, and a check that builds a ParallelState, a DeviceMesh or a Trainer creates
+a dozen groups. A rank reused for a whole suite piled up hundreds of such threads.
+
+Why torch's DTensor caches are cleared too: they are keyed by DeviceMesh equality, which compares
+rank layouts, not process groups. A later check with an equal mesh would be handed a DTensor spec
+holding the finished check's mesh, whose groups are destroyed ("Could not resolve the process
+group registered under the name ..."); and the cached meshes would keep those groups' threads alive.
+
+``gloo_thread_count`` is the ground truth the harness checks after the clean-up: if a check kept a
+group alive anyway (a module-level cache, or a torch cache not listed here), the harness restarts
+that world instead of reusing a rank that may hold a destroyed group.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+
+def live_groups() -> set:
+    from torch.distributed.distributed_c10d import _world
+
+    return set(_world.pg_map)
+
+
+def clear_torch_mesh_caches() -> None:
+    """Drop every torch cache known to hold DeviceMesh objects (best effort: private torch APIs)."""
+    from torch.distributed.tensor import _collective_utils, _redistribute, _sharding_prop
+    from torch.distributed.tensor import debug as dtensor_debug
+
+    clears = [
+        getattr(dtensor_debug, "_clear_sharding_prop_cache", None),  # the Python and C++ fast-path caches
+        getattr(_redistribute, "clear_redistribute_planner_cache", None),
+        getattr(getattr(_redistribute, "_gen_transform_infos", None), "cache_clear", None),
+        getattr(getattr(_collective_utils.MeshTopoInfo, "build_from_mesh", None), "cache_clear", None),
+        getattr(getattr(_sharding_prop.ShardingPropagator, "_propagate_tensor_meta_cached", None),
+                "cache_clear", None),
+    ]
+    for clear in clears:
+        if clear is not None:
+            clear()
+
+
+def destroy_groups_not_in(keep: set) -> None:
+    """Destroy every process group created since ``keep`` was taken (never the default group)."""
+    import torch.distributed as dist
+    from torch._C import _distributed_c10d as c10d
+
+    clear_torch_mesh_caches()
+    # Collect the check's garbage while its groups still exist: collected after they are destroyed,
+    # some of it (FSDP states over HSDP meshes, seen in torch 2.13) leaves them registered in C++.
+    gc.collect()
+    for group in live_groups() - keep - {dist.GroupMember.WORLD}:
+        dist.destroy_process_group(group)
+    group = None  # the loop's last group must not survive the collection below
+    # The C++ name -> group registry (what functional collectives resolve names with) can hold a
+    # group under more names than destroy_process_group unregisters (DeviceMesh views in torch
+    # 2.13 do), so it is emptied and refilled with the groups that stay.
+    if hasattr(c10d, "_unregister_all_process_groups"):
+        c10d._unregister_all_process_groups()
+        for kept in keep | {dist.GroupMember.WORLD}:
+            c10d._register_process_group(kept.group_name, kept)
+    # Meshes, FSDP states and models of the finished check form reference cycles that hold the
+    # groups' C++ objects (and their threads) until a collection.
+    freeze_survivors()
+
+
+def freeze_survivors() -> None:
+    """Collect garbage, then move every object still alive (modules, torch's registries) out of
+    the collector's sight.
+
+    Why: a rank that has imported torch, xorl and transformers holds ~300k objects, and one full
+    collection of them costs ~0.2 s; the clean-up runs two per call on every rank. Frozen, they
+    are not scanned again, so a collection costs only what the next check allocates.
+    """
+    gc.collect()
+    gc.freeze()
+
+
+def gloo_thread_count() -> int:
+    """Threads of live gloo groups in this process (0 where /proc is missing)."""
+    count = 0
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return 0
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                count += f.read().startswith(("pt_gloo", "gloo"))
+        except OSError:  # the thread ended while we looked
+            pass
+    return count
+
+
+def settle_gloo_threads(timeout_s: float = 2.0) -> int:
+    """Wait until the gloo thread count stops changing (a new thread names itself only once it has
+    been scheduled, which on a loaded machine can lag its group's creation); return it."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    count = gloo_thread_count()
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = gloo_thread_count()
+        if now == count:
+            break
+        count = now
+    return count
