@@ -67,6 +67,7 @@ def run_config(output_dir: str, ranks: int, shape: WideModel | None, model_path:
     if shape is not None:
         m.hidden_size, m.intermediate_size, m.num_hidden_layers = shape.hidden, shape.intermediate, shape.layers
         m.num_attention_heads = m.num_key_value_heads = shape.heads
+        m.max_position_embeddings = 256  # as write_hf_folder's config.json says (the folder defines it)
     m.model_path = model_path
     config.data.seq_len, config.data.micro_batch_size = 32, 1
     t.data_parallel_shard_size, t.gradient_accumulation_steps = ranks, 1

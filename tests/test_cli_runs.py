@@ -39,7 +39,9 @@ def test_a_run_folder_from_start_to_resume_to_overwrite(tmp_path):
         assert phrase in first.out, first.out
     assert [line.split()[1] for line in first.out.splitlines() if line.startswith("step ")] == \
         ["1/4", "2/4", "3/4", "4/4"]
-    assert first.out.count("xorl: saved checkpoint") == 2
+    # step 2 in the background, step 4 (the last) blocking
+    assert "xorl: saving checkpoint out/checkpoints/step_00000002 (in the background)" in first.out, first.out
+    assert "xorl: saved checkpoint out/checkpoints/step_00000004" in first.out, first.out
     rows = read_metrics(metrics)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
 

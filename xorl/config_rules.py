@@ -55,6 +55,7 @@ def validate_config(config: Any, world_size: int) -> None:
             problems += _parallel_data_problems(config.data, parallel)
             problems += _moe_token_split_problems(config.model, config.data, parallel)
             problems += _data_parallel_mode_problems(config.train, parallel)
+            problems += _selective_checkpointing_problems(config.model, config.train, parallel)
     if problems:
         raise ConfigError(problems)
 
@@ -322,6 +323,20 @@ def _data_parallel_mode_problems(t: Any, p: ParallelConfig) -> list[str]:
         f"train.data_parallel_mode='ddp' with {which}: DDP all-reduces whole gradients and cannot reduce "
         "the tensor- or expert-parallel shards; use data_parallel_mode: fsdp2"
     ]
+
+
+def _selective_checkpointing_problems(m: Any, t: Any, p: ParallelConfig) -> list[str]:
+    """Selective recompute replays a block's ops against the ones its forward saved; the experts'
+    own FSDP unit (EP or TP > 1 under fsdp2: xorl/plans/data_parallel.py) runs FSDP hooks inside
+    the block whose recompute differs from the forward, which torch's checkpoint rejects mid-step."""
+    nested_experts = m.num_experts and t.data_parallel_mode == "fsdp2" and (p.ep > 1 or p.tp > 1)
+    if t.activation_checkpointing == "selective" and nested_experts:
+        return [
+            f"train.activation_checkpointing='selective' with an MoE model under expert_parallel_size={p.ep}, "
+            f"tensor_parallel_size={p.tp}: the experts are an FSDP unit of their own inside each block, whose "
+            "hooks do not replay the same way in the recompute; use activation_checkpointing: full (or none)"
+        ]
+    return []
 
 
 def _export_problems(m: Any, t: Any) -> list[str]:

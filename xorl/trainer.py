@@ -447,7 +447,8 @@ class Trainer:
                     # In the background, except the last one: nothing is left to overlap it.
                     with heartbeat.busy(f"saving the checkpoint of step {self.step}"):
                         path = self.save(blocking=self.step == last)
-                    logger.note(f"xorl: {'saved' if self.step == last else 'saving'} checkpoint {path}")
+                    logger.note(f"xorl: saved checkpoint {path}" if self.step == last else
+                                f"xorl: saving checkpoint {path} (in the background)")
         finally:
             self.elapsed_offset_s, self._clock = self.elapsed_s(), None
             heartbeat.close()
