@@ -62,12 +62,14 @@ def validate_config(config: Any, world_size: int) -> None:
 
 # -- model ---------------------------------------------------------------------------------
 def _attention_problems(m: Any) -> list[str]:
-    import importlib.util
+    from xorl.nn.attention_backends import missing_package
 
-    if m.attn_implementation == "flash_attn" and importlib.util.find_spec("flash_attn") is None:
+    package = missing_package(m.attn_implementation)
+    if package is not None:
+        pip_name = package.replace("_", "-")
         return [
-            "model.attn_implementation='flash_attn' but the flash-attn package is not installed; "
-            "use attn_implementation: xorl (our Triton kernels) or pip install flash-attn"
+            f"model.attn_implementation={m.attn_implementation!r} but the {pip_name} package is not installed; "
+            f"use attn_implementation: xorl (our Triton kernels) or pip install {pip_name}"
         ]
     return []
 

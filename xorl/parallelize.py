@@ -30,12 +30,11 @@ def parallelize_model(model: nn.Module, state, config) -> nn.Module:
         apply_tensor_parallel(model, state.tp_mesh, sequence_parallel=train.sequence_parallel,
                               overlap=train.tp_overlap)
     if state.cp_size > 1:
+        from xorl.nn.attention_backends import attention_backend
         from xorl.plans.context_parallel import apply_context_parallel
 
-        # attn_implementation flash_attn: the flash-attn package computes each ring step (if installed).
-        backend = "flash_attn" if config.model.attn_implementation == "flash_attn" else None
         apply_context_parallel(model, ring_group=state.ring_group, ulysses_group=state.ulysses_group,
-                               attn_backend=backend)
+                               attn_backend=attention_backend(config.model.attn_implementation).ring_step)
     if getattr(config.model, "num_experts", 0):
         from xorl.plans.expert_parallel import apply_expert_parallel, set_router_balance_group
 

@@ -15,18 +15,7 @@ from torch import nn
 
 from xorl.models.layers import RMSNorm, apply_rotary
 from xorl.models.spec import ModelSpec
-
-# attn_implementation values (xorl.config.ModelConfig and transformers names) -> LocalAttention backend.
-_BACKENDS = {
-    None: "auto",
-    "auto": "auto",
-    "sdpa": "torch",
-    "eager": "torch",
-    "torch": "torch",
-    "xorl": "xorl",
-    "flash_attn": "flash_attn",
-    "flash_attention_2": "flash_attn",
-}
+from xorl.nn.attention_backends import attention_backend
 
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seq_len: int) -> None:
@@ -182,12 +171,9 @@ class Attention(nn.Module):
         else:
             self.q_norm = None
             self.k_norm = None
-        backend = _BACKENDS.get(spec.attn_implementation)
-        if backend is None:
-            raise ValueError(
-                f"attn_implementation={spec.attn_implementation!r} is not known; use one of "
-                f"{sorted(k for k in _BACKENDS if k)}"
-            )
+        # attn_implementation -> kernel: xorl/nn/attention_backends.py (the context-parallel plan
+        # replaces this module and takes the ring-step kernel from the same table).
+        backend = attention_backend(spec.attn_implementation).local
         self.core_attention: nn.Module = LocalAttention(softmax_scale=spec.head_dim**-0.5, backend=backend)
 
     def forward(
