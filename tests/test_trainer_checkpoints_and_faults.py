@@ -52,7 +52,8 @@ def test_resume_hparams_decide_which_settings_win(gloo_world, tmp_path):
     assert config_wins["lrs"] == pytest.approx([2e-2 * lr_factor(s, 2, 8, 0.2) for s in range(3, 8)], rel=1e-12)
     assert kept["groups"][0]["weight_decay"] == 0.1 and kept["groups"][0]["betas"] == (0.9, 0.95)
     assert kept["steps"] == [3, 4, 5]
-    assert kept["lrs"] == pytest.approx([3e-3 * lr_factor(s, 2, 6, 0.1) for s in range(3, 6)], rel=1e-12)  # tiny_config's lr
+    # 3e-3: tiny_config's lr, which the checkpoint keeps
+    assert kept["lrs"] == pytest.approx([3e-3 * lr_factor(s, 2, 6, 0.1) for s in range(3, 6)], rel=1e-12)
     # Step 3's loss comes before any update under the new settings; the next ones follow them.
     assert config_wins["losses"][0] == pytest.approx(kept["losses"][0], rel=1e-6)
     assert max_rel_diff(config_wins["losses"][1:3], kept["losses"][1:3]) > 1e-3
