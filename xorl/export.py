@@ -213,18 +213,21 @@ def export_checkpoint(checkpoint: str, folder: str, model_config: Any, *,
     """
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     started = time.perf_counter()
+    source = CheckpointTensors(checkpoint)
+    files = split_into_files(plan_hf_tensors(source.metadata, model_config, dtype), max_shard_bytes)
+    names = file_names(len(files))
     if host_before is None:
+        # Taken after the plan: planning builds the model on the meta device, which imports the
+        # model code (Triton alone is ~120 MB resident), a constant of the process, not of the model;
+        # the plan itself is names and shapes. The peak below is the export's own.
         host_before = current_host_bytes()
-        reset_peak_host_bytes()  # the peak below is the export's own
+        reset_peak_host_bytes()
     folder = os.path.normpath(folder)
     partial = folder + ".partial"
     if rank == 0:
         shutil.rmtree(partial, ignore_errors=True)
         os.makedirs(partial)
     _barrier()
-    source = CheckpointTensors(checkpoint)
-    files = split_into_files(plan_hf_tensors(source.metadata, model_config, dtype), max_shard_bytes)
-    names = file_names(len(files))
     for i in range(rank, len(files), world):
         write_safetensors(os.path.join(partial, names[i]), files[i], source)
     del source
