@@ -289,3 +289,41 @@ def test_ep2_times_fsdp2(gloo_world):
     for rank, rep in enumerate(reports):
         for key, value in rep.items():
             assert value < 1e-5, (rank, key, rep)
+
+
+def check_dispatch_sends_each_token_once_per_rank(num_experts, top_k) -> dict:
+    """The rows the dispatch all_to_all sends (hidden rows: H wide) against the distinct (token,
+    destination rank) pairs of the router's choices, counted here from its expert ids."""
+    import xorl.nn.expert_parallel as ep_module
+
+    world = dist.get_world_size()
+    x, grad, mine = _inputs(world, seed=7)
+    ep = _build(num_experts, top_k, None, ep_group=dist.group.WORLD)
+    sent = []
+    real = ep_module.all_to_all_rows
+
+    def spy(rows, output_splits, input_splits, group):
+        sent.append((tuple(rows.shape), list(input_splits)))
+        return real(rows, output_splits, input_splits, group)
+
+    ep_module.all_to_all_rows = spy
+    try:
+        x_ep = x[mine].clone().requires_grad_()
+        (ep(x_ep) * grad[mine]).sum().backward()
+        ids = ep.gate(x[mine]).expert_ids  # the same routing (no bias update without training steps)
+    finally:
+        ep_module.all_to_all_rows = real
+    local = num_experts // world
+    pairs = {(t, int(e) // local) for t, row in enumerate(ids.tolist()) for e in row}
+    hidden = [(shape, splits) for shape, splits in sent if shape[1:] == (HIDDEN,)]
+    return {"dispatch_rows": hidden[0][0][0], "pairs": len(pairs), "top_k_rows": ids.numel(),
+            "per_rank": hidden[0][1],
+            "pairs_per_rank": [sum(1 for _, r in pairs if r == d) for d in range(world)]}
+
+
+def test_dispatch_sends_each_token_once_per_destination_rank(gloo_world):
+    """8 experts, top-4, EP 2: a token picking 3 experts of one rank sends it one row, not 3 (the
+    deduplicated minimum of DeepEP); the K rows are rebuilt on arrival."""
+    for rank, r in enumerate(gloo_world(2).run(check_dispatch_sends_each_token_once_per_rank, 8, 4)):
+        assert r["dispatch_rows"] == r["pairs"] < r["top_k_rows"], (rank, r)
+        assert r["per_rank"] == r["pairs_per_rank"], (rank, r)
