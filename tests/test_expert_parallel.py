@@ -16,7 +16,7 @@ def _rel_err(out, ref) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
 
 
-def _build(num_experts, top_k, forced_experts, ep_group=None, seed=0) -> MoE:
+def _build(num_experts, top_k, forced_experts, ep_group=None, seed=0, shared=0) -> MoE:
     """The same random MoE on every rank; ``forced_experts`` (if any) get a selection bias so large
     that every token picks them (skewed routing)."""
     torch.manual_seed(seed)
@@ -28,6 +28,7 @@ def _build(num_experts, top_k, forced_experts, ep_group=None, seed=0) -> MoE:
         expert_bias=forced_experts is not None,
         aux_loss_coef=0.01,
         z_loss_coef=0.001,
+        shared_expert_intermediate_size=shared,
     )
     with torch.no_grad():
         for p in full.parameters():
@@ -45,6 +46,7 @@ def _build(num_experts, top_k, forced_experts, ep_group=None, seed=0) -> MoE:
         aux_loss_coef=0.01,
         z_loss_coef=0.001,
         ep_group=ep_group,
+        shared_expert_intermediate_size=shared,
     )
     sharded.load_state_dict(full.state_dict())  # full [E, ...] expert tensors: sliced on load
     return sharded
@@ -327,3 +329,30 @@ def test_dispatch_sends_each_token_once_per_destination_rank(gloo_world):
     for rank, r in enumerate(gloo_world(2).run(check_dispatch_sends_each_token_once_per_rank, 8, 4)):
         assert r["dispatch_rows"] == r["pairs"] < r["top_k_rows"], (rank, r)
         assert r["per_rank"] == r["pairs_per_rank"], (rank, r)
+
+
+def check_shared_expert_under_ep() -> dict:
+    """EP over the world with a Qwen2-MoE shared expert (computed while the dispatch is in flight)
+    against one process on every rank's tokens: output, input and shared-expert gradients."""
+    x, grad, mine = _inputs(dist.get_world_size(), seed=9)
+    ref = _build(8, 2, None, shared=24)
+    x_ref = x.clone().requires_grad_()
+    (ref(x_ref) * grad).sum().backward()
+    ep = _build(8, 2, None, ep_group=dist.group.WORLD, shared=24)
+    x_ep = x[mine].clone().requires_grad_()
+    out = ep(x_ep)
+    (out * grad[mine]).sum().backward()
+    report = {"out": _rel_err(out, ref(x)[mine]), "x_grad": _rel_err(x_ep.grad, x_ref.grad[mine])}
+    for name, p in ep.named_parameters():
+        if name.startswith("shared_expert"):  # replicated: each rank holds its own tokens' share
+            total = p.grad.clone()
+            dist.all_reduce(total)
+            report[name] = _rel_err(total, dict(ref.named_parameters())[name].grad)
+    return report
+
+
+def test_shared_expert_under_expert_parallel(gloo_world):
+    for rank, report in enumerate(gloo_world(2).run(check_shared_expert_under_ep)):
+        assert len(report) == 2 + 4, report  # out, x_grad, gate/up/down + shared_expert_gate
+        for what, err in report.items():
+            assert err < 1e-5, (rank, what, err)

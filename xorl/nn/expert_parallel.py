@@ -20,8 +20,10 @@ rank) pairs, on average fewer than K per token (Qwen3-30B, top-8 of 128 at EP 4:
    rows travel back in the activations' dtype (a pair's partial sum is rounded once there, as in
    DeepEP's combine).
 
-Both collectives are torch.library custom ops (the group travels by name), and the row
-all_to_all's backward is the reverse all_to_all, so gradients reach the tokens' home ranks and
+The collectives are torch.library custom ops (the group travels by name), except the dispatch of
+the hidden rows: torch's functional all_to_all (also traceable), which returns before the rows
+arrive, so the shared expert (``overlap``) is computed meanwhile. Each row all_to_all's backward is
+the reverse all_to_all, so gradients reach the tokens' home ranks and
 every expert's gradient accumulates on its owner. An expert (or a whole rank) that receives no
 rows joins every collective with empty buffers, and its weight gradients are exact zeros
 (grouped_gemm of an empty group). Under torch.compile the split sizes read in step 1 become
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from xorl_kernels.moe_permute.op import permute_tokens, unpermute_tokens
 
@@ -95,11 +98,13 @@ def expert_parallel_moe(
     experts,
     num_experts: int,
     group,
+    overlap=None,
 ) -> torch.Tensor:
     """Route ``x`` [T, H] to the experts given by ``expert_ids`` [T, K] (global ids), run them
     where they live, and combine with ``weights`` [T, K]. ``experts(x_sorted, tokens_per_expert)``
     computes this rank's ``num_experts / ep`` experts. ``group=None`` or a 1-rank group runs
-    everything locally."""
+    everything locally. ``overlap``: a function of nothing returning [T, H] to add to the output
+    (the shared expert), run while the dispatch all_to_all is in flight."""
     ep_size = 1 if group is None else dist.get_world_size(group)
     if num_experts % ep_size:
         raise ValueError(
@@ -108,11 +113,13 @@ def expert_parallel_moe(
         )
     if ep_size == 1:
         x_sorted, row_map, tokens_per_expert = permute_tokens(x, expert_ids, num_experts)
-        return unpermute_tokens(experts(x_sorted, tokens_per_expert), row_map, weights)
-    return _deduplicated_dispatch(x, expert_ids, weights, experts, num_experts // ep_size, ep_size, group)
+        out = unpermute_tokens(experts(x_sorted, tokens_per_expert), row_map, weights)
+        return out if overlap is None else out + overlap()
+    return _deduplicated_dispatch(x, expert_ids, weights, experts, num_experts // ep_size, ep_size, group, overlap)
 
 
-def _deduplicated_dispatch(x, expert_ids, weights, experts, num_local: int, ep_size: int, group) -> torch.Tensor:
+def _deduplicated_dispatch(x, expert_ids, weights, experts, num_local: int, ep_size: int, group,
+                           overlap) -> torch.Tensor:
     """Steps 1-4 of the module docstring: one row per (token, destination rank) each way."""
     device, (num_tokens, top_k) = x.device, expert_ids.shape
     # Slots, the T*K (token, k) routing choices, in travel order: by destination rank, then token, then k.
@@ -143,8 +150,12 @@ def _deduplicated_dispatch(x, expert_ids, weights, experts, num_local: int, ep_s
     pair_start = torch.cumsum(send[:, 0], 0) - send[:, 0]
     slot_info = torch.stack([weights.reshape(-1)[order].double(), (expert_ids.reshape(-1)[order] % num_local).double(),
                         (pair_of_slot - pair_start[slot_dest]).double()], dim=1)
-    x_recv = all_to_all_rows(x.index_select(0, pair_token), recv_pairs, send_pairs, group)
     slot_info_recv = all_to_all_rows(slot_info, recv_slots, send_slots, group)
+    # The hidden rows go last and are waited for at their first use: torch's functional all_to_all
+    # (differentiable) returns at once, so the ``overlap`` work (the shared expert) is queued on the
+    # compute stream while NCCL moves the rows (on CPU / gloo it simply runs in order).
+    x_recv = all_to_all_single_autograd(x.index_select(0, pair_token), recv_pairs, send_pairs, group)
+    extra = overlap() if overlap is not None else None
 
     # On arrival: expand each pair to its slots, run the local experts grouped, and sum each pair's
     # slots with their weights.
@@ -163,4 +174,5 @@ def _deduplicated_dispatch(x, expert_ids, weights, experts, num_local: int, ep_s
     # Combine: the reverse all_to_all, then each token sums its pairs (at most min(K, ep)).
     y_back = all_to_all_rows(y_pairs, send_pairs, recv_pairs, group)
     out = y_back.new_zeros(num_tokens, y_back.shape[1], dtype=torch.float32)
-    return out.index_add(0, pair_token, y_back.float()).to(x.dtype)
+    out = out.index_add(0, pair_token, y_back.float()).to(x.dtype)
+    return out if extra is None else out + extra

@@ -159,6 +159,12 @@ class MoE(nn.Module):
             raise ValueError(f"hidden_states last dim must be {self.hidden_size}, got {tuple(hidden_states.shape)}")
         x = hidden_states.reshape(-1, self.hidden_size)
         routed = self.gate(x, None if token_mask is None else token_mask.reshape(-1))
+        shared = None
+        if self.shared_expert is not None:  # computed while the dispatch all_to_all is in flight
+
+            def shared():
+                return self.shared_expert(x) * torch.sigmoid(self.shared_expert_gate(x))
+
         out = expert_parallel_moe(
             x,
             routed.expert_ids,
@@ -166,10 +172,8 @@ class MoE(nn.Module):
             self.experts,
             self.num_experts,
             self.ep_group if self.ep_size > 1 else None,
+            overlap=shared,
         )
-        if self.shared_expert is not None:
-            shared = self.shared_expert(x) * torch.sigmoid(self.shared_expert_gate(x))
-            out = out + shared
         self.last_aux_loss = self.aux_loss_coef * routed.load_balancing_loss + self.z_loss_coef * routed.z_loss
         self.last_stats = {
             "load_balancing_loss": routed.load_balancing_loss.detach(),
