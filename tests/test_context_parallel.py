@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from tests.cp_helpers import DOC_LENS, FULL_DOCS, SendCounter, cp_groups, rel_err, run_case, sq_err
 from xorl.distributed.zigzag import prepare_context_parallel_batch
-from xorl.nn.context_parallel_attention import ContextParallelAttention
+from xorl.nn.ulysses_attention import ContextParallelAttention
 
 TOL = 1e-5
 MODEL_TOL = 1e-5

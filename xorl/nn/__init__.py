@@ -5,7 +5,7 @@ from xorl._lazy import lazy_getattr
 _EXPORTS = {
     "RingAttention": ".ring_attention",
     "UlyssesAttention": ".ulysses_attention",
-    "ContextParallelAttention": ".context_parallel_attention",
+    "ContextParallelAttention": ".ulysses_attention",
     "MoE": ".moe",
     "ColumnParallelLinear": ".tensor_parallel",
     "RowParallelLinear": ".tensor_parallel",

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from xorl.nn.context_parallel_attention import ContextParallelAttention
+from xorl.nn.ulysses_attention import ContextParallelAttention
 
 ATTN_IMPLEMENTATION = "xorl_cp"
 _REGISTERED: dict[str, tuple] = {}  # name -> (ring_group, ulysses_group, ring_options)

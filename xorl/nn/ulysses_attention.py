@@ -1,7 +1,8 @@
-"""Ulysses (all-to-all) sequence parallel attention.
+"""Ulysses (all-to-all) sequence parallel attention, and Ulysses x ring (ContextParallelAttention).
 
     attn = UlyssesAttention(ulysses_group, inner=None)
     out = attn(q, k, v, cu_seqlens=None, max_seqlen=None)   # q [b, s_local, hq, d], k/v [b, s_local, hkv, d]
+    attn = ContextParallelAttention(ring_group, ulysses_group)   # Ulysses inside, zig-zag ring across
 
 Each of the U ranks holds a contiguous piece of the sequence with all heads. ONE all-to-all moves
 Q, K and V together (packed in one buffer) to "full sequence, hq/U heads"; the ``inner`` core
@@ -23,6 +24,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from xorl.nn.ring_attention import RingAttention
 
 
 # ----------------------------------------------------------------------------------------------
@@ -117,10 +120,6 @@ def kv_head_index(heads_q: int, heads_kv: int, world: int) -> torch.Tensor | Non
     )
 
 
-def _local_attention():
-    from xorl.nn.ring_attention import RingAttention
-
-    return RingAttention(None)
 
 
 class UlyssesAttention(nn.Module):
@@ -130,7 +129,7 @@ class UlyssesAttention(nn.Module):
     def __init__(self, ulysses_group=None, inner: nn.Module | None = None):
         super().__init__()
         self.ulysses_group = ulysses_group
-        self.inner = inner if inner is not None else _local_attention()
+        self.inner = inner if inner is not None else RingAttention(None)  # no group: local attention
         self.ulysses_size = 1 if ulysses_group is None else dist.get_world_size(ulysses_group)
         self._group_name = "" if ulysses_group is None else ulysses_group.group_name
 
@@ -158,3 +157,29 @@ class UlyssesAttention(nn.Module):
 
     def extra_repr(self) -> str:
         return f"ulysses_size={self.ulysses_size}"
+
+
+class ContextParallelAttention(nn.Module):
+    """Hybrid context parallelism: Ulysses all-to-all (``ulysses_group``) inside, zig-zag ring
+    (``ring_group``) across; either group may be None (size 1). Keyword options go to the inner
+    RingAttention (causal, softmax_scale, dkv_comm_dtype, attn_backend).
+
+    Sequence layout (exactly what ``zigzag_shard(x, dim, ring_group, cu_seqlens, ulysses=ulysses_group)``
+    produces): the sequence, each packed document separately, is zig-zag sharded over the ring
+    ranks (2·ring chunks, ring rank r holds chunks r and 2·ring-1-r), then that ring-local sequence
+    is split into contiguous equal pieces over the Ulysses ranks. Why this order: the Ulysses
+    all-to-all concatenates the pieces in rank order, rebuilding the ring-local zig-zag sequence
+    (with hq/U heads) that the ring attention across ring groups expects. ``cu_seqlens`` are the
+    GLOBAL document boundaries (every document divisible by 2·ring, total by 2·ring·U).
+
+    In the mesh Ulysses is the inner dimension (see DESIGN.md): flat CP rank = ring_rank·U + ulysses_rank,
+    so the all-to-all stays inside a node and only the ring's point-to-point traffic crosses nodes.
+    """
+
+    def __init__(self, ring_group=None, ulysses_group=None, **ring_options):
+        super().__init__()
+        self.ring = RingAttention(ring_group, **ring_options)
+        self.ulysses = UlyssesAttention(ulysses_group, inner=self.ring)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens=None, max_seqlen=None):
+        return self.ulysses(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)

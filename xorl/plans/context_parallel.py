@@ -1,5 +1,9 @@
 """Context-parallel plan: swap every attention block's ``core_attention`` for the CP one.
 
+Ring only: ``RingAttention`` (xorl/nn/ring_attention.py: the zig-zag ring and its point-to-point
+primitive). Ulysses (alone or with a ring): ``ContextParallelAttention`` (xorl/nn/ulysses_attention.py:
+the Ulysses all-to-all around a ring, which is local attention when the ring has one rank).
+
     apply_context_parallel(model, ring_group, ulysses_group)
 
 Works on xorl.models (the attention block calls ``self.core_attention(q, k, v, cu_seqlens=...,
@@ -15,7 +19,8 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import nn
 
-from xorl.nn.context_parallel_attention import ContextParallelAttention
+from xorl.nn.ring_attention import RingAttention
+from xorl.nn.ulysses_attention import ContextParallelAttention
 
 
 def _size(group) -> int:
@@ -23,7 +28,8 @@ def _size(group) -> int:
 
 
 def apply_context_parallel(model: nn.Module, ring_group=None, ulysses_group=None, **ring_options) -> nn.Module:
-    """Replace each ``core_attention`` with ContextParallelAttention(ring_group, ulysses_group).
+    """Replace each ``core_attention`` with RingAttention(ring_group) (no Ulysses) or
+    ContextParallelAttention(ring_group, ulysses_group).
 
     The softmax scale of the replaced module is kept (``softmax_scale`` attribute); ``ring_options``
     go to RingAttention (e.g. ``dkv_comm_dtype``, ``attn_backend``). Returns the model (changed in
@@ -34,11 +40,15 @@ def apply_context_parallel(model: nn.Module, ring_group=None, ulysses_group=None
     swapped = 0
     for module in model.modules():
         old = getattr(module, "core_attention", None)
-        if old is None or isinstance(old, ContextParallelAttention):
+        if old is None or isinstance(old, ContextParallelAttention) or \
+                (isinstance(old, RingAttention) and old.ring_size > 1):
             continue
         options = dict(ring_options)
         options.setdefault("softmax_scale", getattr(old, "softmax_scale", None))
-        module.core_attention = ContextParallelAttention(ring_group, ulysses_group, **options)
+        if _size(ulysses_group) == 1:
+            module.core_attention = RingAttention(ring_group, **options)
+        else:
+            module.core_attention = ContextParallelAttention(ring_group, ulysses_group, **options)
         swapped += 1
     if swapped == 0:
         raise ValueError(
