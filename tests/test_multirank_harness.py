@@ -57,7 +57,7 @@ def test_hang_becomes_timeout_error():
     with GlooWorld(2, timeout_s=60) as world:
         start = time.monotonic()
         with pytest.raises(TimeoutError, match=r"ranks \[0\]"):
-            world.run(_hang_on_rank_zero, timeout_s=5)
+            world.run(_hang_on_rank_zero, timeout_s=2)
         assert time.monotonic() - start < 30
 
 
@@ -65,8 +65,8 @@ def test_a_timed_out_call_is_reported_with_its_id_and_the_next_call_gets_its_own
     with GlooWorld(2, timeout_s=60) as world:
         assert world.run(_answer_after, "first", 0) == [("first", 0), ("first", 1)]
         with pytest.raises(TimeoutError, match=r"call #2 _answer_after: ranks \[0, 1\] of 2"):
-            world.run(_answer_after, "late", 3, timeout_s=1)
-        time.sleep(3)  # the late answers would have arrived by now, had the ranks lived
+            world.run(_answer_after, "late", 1.5, timeout_s=0.5)
+        time.sleep(1.5)  # the late answers would have arrived by now, had the ranks lived
         assert world.run(_answer_after, "third", 0) == [("third", 0), ("third", 1)]
         assert world.starts == 2  # the timed-out world was torn down and started again
 
@@ -84,19 +84,19 @@ def test_an_interrupted_call_never_answers_the_next_one():
     with GlooWorld(2, timeout_s=60) as world:
         previous = signal.signal(signal.SIGALRM, interrupt)
         try:
-            signal.setitimer(signal.ITIMER_REAL, 1.0)
+            signal.setitimer(signal.ITIMER_REAL, 0.5)
             with pytest.raises(Interrupted):
-                world.run(_answer_after, "late", 3)
+                world.run(_answer_after, "late", 1.5)
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)
-        time.sleep(3)
+        time.sleep(1.5)
         assert world.run(_answer_after, "next", 0) == [("next", 0), ("next", 1)]
 
 
 def test_the_deadline_cuts_a_call_short_and_says_so():
     with GlooWorld(2, timeout_s=60) as world:
-        previous = set_deadline(time.monotonic() + 3)
+        previous = set_deadline(time.monotonic() + 1.5)
         try:
             # Cut at the deadline, long before the call's own 60 s timeout or the check's 30 s.
             with pytest.raises(TimeoutError, match=r"call #1 _answer_after: .* by the test's deadline"):
@@ -121,7 +121,7 @@ def test_the_harness_reports_the_hung_call_before_pytest_timeout_fires(pytester)
             with GlooWorld(1, timeout_s=300) as world:
                 yield world
 
-        @pytest.mark.timeout(8)
+        @pytest.mark.timeout(4)
         def test_hangs(world):
             world.run(_answer_after, "slow", 60)
         """
@@ -130,7 +130,7 @@ def test_the_harness_reports_the_hung_call_before_pytest_timeout_fires(pytester)
     result.assert_outcomes(failed=1)
     out = result.stdout.str()
     assert "call #1 _answer_after: ranks [0] of 1 did not finish by the test's deadline" in out
-    assert "from pytest-timeout" not in out  # pytest-timeout's own "Timeout (>8.0s)" never came
+    assert "from pytest-timeout" not in out  # pytest-timeout's own "Timeout (>4.0s)" never came
 
 
 def _gloo_threads() -> Counter:
