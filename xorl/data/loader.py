@@ -12,11 +12,22 @@ consumed, so every sequence is seen once. ``resume_at(step, consumed_sequences)`
 
 from __future__ import annotations
 
+import functools
 import random
 
 from xorl.data.corpus import DataError, builtin_documents, read_documents
 from xorl.data.packing import PackedSequence, collate, pack_documents
 from xorl.data.tokenizer import build_tokenizer
+
+
+@functools.lru_cache(maxsize=4)
+def _builtin_sequences(seed: int, seq_len: int, tokenizer: str, packing: bool) -> tuple[PackedSequence, ...]:
+    """The built-in corpus packed, once per process and setting: it is generated, so the same
+    arguments give the same sequences, and a process that builds several trainers (tests, the
+    planner) packs it once. Nobody writes into a PackedSequence (collate copies)."""
+    tok = build_tokenizer(tokenizer)
+    docs = builtin_documents(seed=seed)
+    return tuple(pack_documents((tok.encode(d) for d in docs), seq_len, tok.pad_id, packing=packing))
 
 
 class PackedDataset:
@@ -28,13 +39,14 @@ class PackedDataset:
                 f"set --model.vocab_size={self.tokenizer.vocab_size} or more"
             )
         if data_config.dataset == "builtin":
-            docs = builtin_documents(seed=data_config.seed)
+            self.sequences: list[PackedSequence] = list(_builtin_sequences(
+                data_config.seed, data_config.seq_len, data_config.tokenizer, data_config.packing))
         else:
             docs = read_documents(data_config.dataset, data_config.text_key)
-        self.sequences: list[PackedSequence] = pack_documents(
-            (self.tokenizer.encode(d) for d in docs), data_config.seq_len, self.tokenizer.pad_id,
-            packing=data_config.packing,
-        )
+            self.sequences = pack_documents(
+                (self.tokenizer.encode(d) for d in docs), data_config.seq_len, self.tokenizer.pad_id,
+                packing=data_config.packing,
+            )
         if not self.sequences:
             raise DataError(f"data.dataset {data_config.dataset!r} produced no tokens")
         self.seed = data_config.seed
