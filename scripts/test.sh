@@ -6,4 +6,13 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 . "$root/scripts/setup_env.sh"
 cd "$root"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-exec python -m pytest -q tests "$@"
+# Two pytest-xdist workers (XORL_TEST_WORKERS=N for another count, 0 for none): a third of a 2-core
+# machine's time was idle with one (process start-ups, ranks waiting on each other, timeouts under
+# test). loadgroup keeps the tests of one expensive module fixture (xdist_group) in one worker.
+# Where pytest-xdist is not installed (an offline GPU image) the suite runs in one process.
+workers="${XORL_TEST_WORKERS:-2}"
+parallel=()
+if [ "$workers" != 0 ] && python -c "import xdist" 2>/dev/null; then
+  parallel=(-n "$workers" --dist loadgroup)
+fi
+exec python -m pytest -q tests "${parallel[@]}" "$@"
