@@ -66,15 +66,17 @@ def per_expert_loop(x, ids, weights, gate_proj, up_proj, down_proj):
     return out
 
 
-def grouped_mm_glue(x, ids, weights, gate_proj, up_proj, down_proj):
-    """What a user writes around torch._grouped_mm: argsort permute, 3 grouped GEMMs, index_add."""
+def grouped_mm_glue(x, ids, weights, gate_up_proj, down_proj):
+    """What a user writes around torch._grouped_mm: argsort permute, 2 grouped GEMMs (gate and up
+    fused, as ours), index_add."""
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     token = order // ids.shape[1]
-    counts = torch.bincount(flat, minlength=gate_proj.shape[0])
+    counts = torch.bincount(flat, minlength=gate_up_proj.shape[0])
     offs = torch.cumsum(counts, 0, dtype=torch.int32)
     xs = x[token]
-    h = F.silu(torch._grouped_mm(xs, gate_proj, offs=offs)) * torch._grouped_mm(xs, up_proj, offs=offs)
+    gate, up = torch._grouped_mm(xs, gate_up_proj, offs=offs).chunk(2, dim=-1)
+    h = F.silu(gate) * up
     ys = torch._grouped_mm(h, down_proj, offs=offs)
     ys = ys * weights.reshape(-1)[order, None].to(ys.dtype)
     return torch.zeros_like(x).index_add_(0, token, ys)
@@ -107,11 +109,14 @@ def _bench_layer(ctx: BenchContext, shape: LayerShape, dtype) -> list[Result]:
     ids, weights = _routing(shape, dev, gen)
     experts = GroupedExperts(shape.num_experts, shape.hidden, shape.inter, device=dev, dtype=dtype)
     experts.init_weights(shape.hidden**-0.5)
-    params = (experts.gate_proj, experts.up_proj, experts.down_proj)
+    params = (experts.gate_up_proj, experts.down_proj)
+
+    def split(gate_up, down):  # the loop takes gate and up apart
+        return (*gate_up.chunk(2, dim=2), down)
 
     candidates = {
         "ours": lambda x_: expert_parallel_moe(x_, ids, weights, experts, shape.num_experts, None),
-        "loop": lambda x_: per_expert_loop(x_, ids, weights, *params),
+        "loop": lambda x_: per_expert_loop(x_, ids, weights, *split(*params)),
     }
     note = _grouped_mm_note(x)
     if not note:
@@ -123,7 +128,7 @@ def _bench_layer(ctx: BenchContext, shape: LayerShape, dtype) -> list[Result]:
             note = f"torch._grouped_mm glue failed: {str(err).splitlines()[0][:160]}"
 
     with torch.no_grad():
-        ref = per_expert_loop(x.float(), ids, weights, *(p.float() for p in params))
+        ref = per_expert_loop(x.float(), ids, weights, *split(*(p.float() for p in params)))
         ours_out = candidates["ours"](x).float()
         rel_err = ((ours_out - ref).norm() / ref.norm()).item()
 

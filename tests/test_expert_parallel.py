@@ -65,7 +65,7 @@ def _inputs(world_size, seed=1, uneven=False):
 
 
 def _expert_grads(moe: MoE) -> dict[str, torch.Tensor]:
-    return {n: getattr(moe.experts, n).grad for n in ("gate_proj", "up_proj", "down_proj")}
+    return {n: getattr(moe.experts, n).grad for n in ("gate_up_proj", "down_proj")}
 
 
 def check_ep_matches_single_process(cases) -> list[dict]:
@@ -149,7 +149,7 @@ def check_ep_times_fsdp(num_experts, top_k, as_dtensor) -> dict:
 
     report = {"out": _rel_err(out, ref(x[mine]).detach()), "x_grad": _rel_err(x_ep.grad, x_ref.grad[mine])}
     ep_group = mesh.get_group("ep")
-    for name in ("gate_proj", "up_proj", "down_proj"):
+    for name in ("gate_up_proj", "down_proj"):
         # Summed over every rank's tokens (the loss is a sum), like the single-process reference.
         full = getattr(ep.experts, name).grad.full_tensor()
         if not as_dtensor:  # full_tensor() gathered ep_fsdp only: this EP rank's experts
@@ -161,7 +161,7 @@ def check_ep_times_fsdp(num_experts, top_k, as_dtensor) -> dict:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         sd = get_model_state_dict(holder, options=StateDictOptions(full_state_dict=True))
-        for name in ("gate_proj", "up_proj", "down_proj"):
+        for name in ("gate_up_proj", "down_proj"):
             report[f"state_dict {name}"] = _rel_err(sd[f"moe.experts.{name}"], getattr(ref.experts, name))
     gate_grad = ep.gate.weight.grad.clone()
     dist.all_reduce(gate_grad)
@@ -238,7 +238,7 @@ def _assert_reports(reports_per_rank, tol=1e-5):
     for rank, reports in enumerate(reports_per_rank):
         for rep in reports:
             for key, value in rep.items():
-                if key in ("out", "x_grad", "gate_grad", "gate_proj", "up_proj", "down_proj"):
+                if key in ("out", "x_grad", "gate_grad", "gate_up_proj", "down_proj"):
                     assert value < tol, (rank, rep)
                 if key.endswith("exact_zero"):
                     assert value, (rank, rep)
@@ -268,7 +268,7 @@ def test_ep_matches_single_process(gloo_world, world_size):
     reports = world.run(check_ep_matches_single_process, cases, timeout_s=120)
     _assert_reports(reports)
     # The skewed cases really left experts (and whole ranks) without tokens.
-    assert any(rep["gate_proj_num_unused"] == 8 // world_size for rep in reports[-1][1:3])
+    assert any(rep["gate_up_proj_num_unused"] == 8 // world_size for rep in reports[-1][1:3])
     errors = world.run(check_not_divisible_error)
     if world_size == 2:
         assert max(world.run(check_ep1_groups)) < 1e-6

@@ -12,8 +12,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from tests.moe_reference import ReferenceExperts, ReferenceMoE
+from tests.moe_reference import ReferenceMoE
 from xorl.models import build_model, load_hf_weights, save_hf_weights
+from xorl.nn.moe_experts import GroupedExperts
 
 
 def model_config(model_type: str, **overrides):
@@ -102,12 +103,14 @@ def test_sharded_save_has_hf_layout_and_loads_back_exactly(model_type, overrides
         qkv_bias = state["model.layers.1.self_attn.qkv_proj.bias"]
         assert torch.equal(tensors["model.layers.1.self_attn.v_proj.bias"], qkv_bias[48:])
     if model_type == "qwen3_moe":
-        assert not any(k.endswith(("experts.gate_proj", "experts.up_proj", "experts.down_proj")) for k in tensors)
+        assert not any(k.endswith(("experts.gate_up_proj", "experts.down_proj")) for k in tensors)
         for j in range(4):
             gate = tensors[f"model.layers.1.mlp.experts.{j}.gate_proj.weight"]
+            up = tensors[f"model.layers.1.mlp.experts.{j}.up_proj.weight"]
             down = tensors[f"model.layers.1.mlp.experts.{j}.down_proj.weight"]
-            assert gate.shape == (24, 32) and down.shape == (32, 24)  # HF Linear [out, in]
-            assert torch.equal(gate, state["model.layers.1.mlp.experts.gate_proj"][j].t())
+            assert gate.shape == up.shape == (24, 32) and down.shape == (32, 24)  # HF Linear [out, in]
+            gate_up = state["model.layers.1.mlp.experts.gate_up_proj"][j]  # [H, 2I]: gate columns, then up
+            assert torch.equal(gate, gate_up[:, :24].t()) and torch.equal(up, gate_up[:, 24:].t())
             assert torch.equal(down, state["model.layers.1.mlp.experts.down_proj"][j].t())
 
     hf_config = json.loads((tmp_path / "config.json").read_text())
@@ -140,12 +143,9 @@ def test_loads_transformers_v5_fused_expert_layout(tmp_path):
     source = fresh_model(config, seed=4)
     fused = {}
     for name, tensor in source.state_dict().items():
-        if name.endswith("experts.gate_proj"):
-            up = source.state_dict()[name.replace("gate_proj", "up_proj")]
-            fused[name.replace("gate_proj", "gate_up_proj")] = torch.cat([tensor, up], dim=2).transpose(1, 2)
-        elif name.endswith("experts.down_proj"):
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # [E, in, out] -> [E, out, in]
             fused[name] = tensor.transpose(1, 2)
-        elif not name.endswith("experts.up_proj"):
+        else:
             fused[name] = tensor
     save_file({k: v.contiguous() for k, v in fused.items()}, str(tmp_path / "model.safetensors"))
     target = fresh_model(config, seed=5)
@@ -219,7 +219,7 @@ class _ExpertParallelStandIn(ReferenceMoE):
 
     def __init__(self):
         super().__init__(hidden_size=32, num_experts=4, top_k=1, intermediate_size=24)
-        self.experts = ReferenceExperts(2, 32, 24)
+        self.experts = GroupedExperts(2, 32, 24)
 
 
 def test_expert_parallel_block_gets_its_slice(tmp_path):
@@ -229,7 +229,7 @@ def test_expert_parallel_block_gets_its_slice(tmp_path):
     target = fresh_model(config, seed=10)
     target.model.layers[1].mlp = _ExpertParallelStandIn()
     load_hf_weights(target, str(tmp_path))
-    for proj in ("gate_proj", "up_proj", "down_proj"):
+    for proj in ("gate_up_proj", "down_proj"):
         expected = getattr(full.model.layers[1].mlp.experts, proj)[2:4]
         assert torch.equal(getattr(target.model.layers[1].mlp.experts, proj), expected), proj
     assert torch.equal(target.model.layers[1].mlp.gate.weight, full.model.layers[1].mlp.gate.weight)
@@ -249,7 +249,7 @@ def _fsdp_load_and_save(folder: str, out_folder: str) -> list[str]:
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    assert isinstance(model.model.layers[0].mlp.experts.gate_proj, DTensor)
+    assert isinstance(model.model.layers[0].mlp.experts.gate_up_proj, DTensor)
     load_hf_weights(model, folder)
     save_hf_weights(model, out_folder, config)
     dist.barrier()
@@ -265,3 +265,38 @@ def test_fsdp2_sharded_model_loads_and_saves(gloo_world, tmp_path):
     assert saved.keys() == original.keys()
     for name in saved:
         assert torch.equal(saved[name], original[name]), name
+
+
+def test_a_box_of_gate_up_reads_only_its_gate_and_up_columns():
+    """A rank's box of experts.gate_up_proj [E, H, 2I] may hold gate columns, up columns or both."""
+    from xorl.distributed.shard_box import ShardBox
+    from xorl.models.hf_io import _StackGateUp
+
+    experts, hidden, inter = 3, 5, 4
+    gen = torch.Generator().manual_seed(7)
+    files = {f"e.{j}.{p}.weight": torch.randn(inter, hidden, generator=gen)
+             for j in range(experts) for p in ("gate_proj", "up_proj")}
+    reads = []
+
+    class Reader:
+        def shape(self, key):
+            return tuple(files[key].shape)
+
+        def __call__(self, key, index):
+            reads.append(key)
+            return files[key][index]
+
+    recipe = _StackGateUp([f"e.{j}.gate_proj.weight" for j in range(experts)],
+                          [f"e.{j}.up_proj.weight" for j in range(experts)])
+    full = torch.stack([torch.cat([files[f"e.{j}.gate_proj.weight"].t(), files[f"e.{j}.up_proj.weight"].t()], 1)
+                        for j in range(experts)])
+    assert recipe.shape({k: v.shape for k, v in files.items()}) == full.shape
+    for offset, shape in (((1, 0, 2), (2, 5, 4)), ((0, 1, 0), (1, 3, 3)), ((2, 2, 5), (1, 3, 3))):
+        reads.clear()
+        box = ShardBox(tuple(full.shape), offset, shape)
+        dest = torch.empty(shape)
+        recipe.fill(Reader(), dest, box)
+        assert torch.equal(dest, full[box.slices]), (offset, shape)
+        touched = {k.split(".")[2] for k in reads}
+        assert touched == ({"gate_proj"} if offset[2] + shape[2] <= inter else {"up_proj"} if offset[2] >= inter
+                           else {"gate_proj", "up_proj"})

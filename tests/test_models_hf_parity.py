@@ -172,10 +172,10 @@ def test_logits_loss_and_grads_match_transformers(case, tmp_path):
     for name in names:
         assert rel_err(our_params[name].grad, hf_params[name].grad) < TOL, name
     if hf_config.model_type == "qwen3_moe":
-        # transformers v5 keeps experts fused as [E, 2I, H]; ours are [E, H, I] (gate) and [E, I, H] (down).
+        # transformers v5 keeps experts fused as [E, 2I, H]; ours are [E, H, 2I] (gate_up) and [E, I, H] (down).
         hf_gate_up = hf_params["model.layers.2.mlp.experts.gate_up_proj"].grad
-        ours_gate = our_params["model.layers.2.mlp.experts.gate_proj"].grad
-        assert rel_err(ours_gate, hf_gate_up[:, :24].transpose(1, 2)) < TOL
+        ours_gate_up = our_params["model.layers.2.mlp.experts.gate_up_proj"].grad
+        assert rel_err(ours_gate_up, hf_gate_up.transpose(1, 2)) < TOL
         hf_down = hf_params["model.layers.0.mlp.experts.down_proj"].grad
         assert rel_err(our_params["model.layers.0.mlp.experts.down_proj"].grad, hf_down.transpose(1, 2)) < TOL
 
@@ -298,7 +298,7 @@ def test_meta_build_then_materialise():
     moe.to_empty(device="cpu")
     moe.init_weights()
     experts = moe.model.layers[0].mlp.experts
-    assert experts.gate_proj.shape == (6, 32, 24) and experts.down_proj.shape == (6, 24, 32)
+    assert experts.gate_up_proj.shape == (6, 32, 48) and experts.down_proj.shape == (6, 24, 32)
     assert abs(experts.down_proj.std().item() - 0.02) < 0.004
     assert torch.isfinite(moe(torch.randint(0, 97, (1, 5))).logits).all()
 

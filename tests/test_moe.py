@@ -28,8 +28,9 @@ def loop_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     leaves) so gradients can be compared."""
     w_gate = moe.gate.weight.detach().double().requires_grad_()
     experts = {
-        n: getattr(moe.experts, n).detach().double().requires_grad_() for n in ("gate_proj", "up_proj", "down_proj")
+        n: getattr(moe.experts, n).detach().double().requires_grad_() for n in ("gate_up_proj", "down_proj")
     }
+    gate, up = experts["gate_up_proj"].chunk(2, dim=2)  # [E, hidden, I] each
     x64 = x.detach().double().requires_grad_()
     probs = (x64 @ w_gate.t()).softmax(-1)
     outs = []
@@ -38,7 +39,7 @@ def loop_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
         w = probs[t, top] / probs[t, top].sum()
         acc = torch.zeros_like(x64[t])
         for k, e in enumerate(top.tolist()):
-            h = torch.nn.functional.silu(x64[t] @ experts["gate_proj"][e]) * (x64[t] @ experts["up_proj"][e])
+            h = torch.nn.functional.silu(x64[t] @ gate[e]) * (x64[t] @ up[e])
             acc = acc + w[k] * (h @ experts["down_proj"][e])
         outs.append(acc)
     return torch.stack(outs), x64, w_gate, experts
@@ -91,8 +92,8 @@ def test_matches_transformers_qwen3_moe_block():
     gate_up = block.experts.gate_up_proj.grad
     assert rel_err(x_ours.grad, x_hf.grad) < 1e-5
     assert rel_err(moe.gate.weight.grad, block.gate.weight.grad) < 1e-5
-    assert rel_err(moe.experts.gate_proj.grad, gate_up[:, :inter].transpose(1, 2)) < 1e-5
-    assert rel_err(moe.experts.up_proj.grad, gate_up[:, inter:].transpose(1, 2)) < 1e-5
+    assert rel_err(moe.experts.gate_up_proj.grad[:, :, :inter], gate_up[:, :inter].transpose(1, 2)) < 1e-5
+    assert rel_err(moe.experts.gate_up_proj.grad[:, :, inter:], gate_up[:, inter:].transpose(1, 2)) < 1e-5
     assert rel_err(moe.experts.down_proj.grad, block.experts.down_proj.grad.transpose(1, 2)) < 1e-5
 
 
@@ -159,9 +160,9 @@ def test_plan_swaps_transformers_model_blocks():
 def test_state_dict_names_layouts_and_aux_losses():
     moe = random_moe(seed=4, aux_loss_coef=0.01, z_loss_coef=0.001)
     sd = moe.state_dict()
-    assert set(sd) == {"gate.weight", "experts.gate_proj", "experts.up_proj", "experts.down_proj"}
+    assert set(sd) == {"gate.weight", "experts.gate_up_proj", "experts.down_proj"}
     assert sd["gate.weight"].shape == (8, 32)
-    assert sd["experts.gate_proj"].shape == sd["experts.up_proj"].shape == (8, 32, 16)
+    assert sd["experts.gate_up_proj"].shape == (8, 32, 32)  # gate columns, then up
     assert sd["experts.down_proj"].shape == (8, 16, 32)
     other = random_moe(seed=5)
     other.load_state_dict(sd)
@@ -218,3 +219,28 @@ def test_cuda_bf16_layer_matches_fp32_without_host_sync():
     assert rel_err(out.float().cpu(), ref) < 3e-2
     assert rel_err(x_gpu.grad.float().cpu(), x_ref.grad) < 3e-2
     assert rel_err(gpu.experts.down_proj.grad.float().cpu(), moe.experts.down_proj.grad) < 3e-2
+
+
+def test_experts_run_gate_and_up_as_one_grouped_gemm():
+    """Two grouped GEMMs per expert pass (gate and up fused, then down), and two in backward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountGroupedGemms(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "xorl" and func._opname.startswith("grouped_gemm"):
+                self.calls.append(func._opname)
+            return func(*args, **(kwargs or {}))
+
+    moe = random_moe(seed=6)
+    x = torch.randn(13, 32, requires_grad=True)
+    with CountGroupedGemms() as forward:
+        out = moe(x)
+    with CountGroupedGemms() as backward:
+        out.backward(torch.randn_like(out))
+    assert forward.calls == ["grouped_gemm", "grouped_gemm"], forward.calls
+    assert backward.calls == ["grouped_gemm_backward", "grouped_gemm_backward"], backward.calls
+    assert moe.experts.gate_up_proj.grad.abs().sum() > 0

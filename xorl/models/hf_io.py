@@ -2,7 +2,8 @@
 
 Name / layout conversions (everything else keeps its name):
 - MoE experts: HF files hold one Linear per expert, ``...mlp.experts.{j}.{gate,up,down}_proj.weight``
-  [out, in]; xorl holds them stacked as ``...mlp.experts.{gate,up,down}_proj`` [E, in, out].
+  [out, in]; xorl holds them stacked as ``...mlp.experts.gate_up_proj`` [E, H, 2I] (each expert's
+  gate columns, then its up columns) and ``...mlp.experts.down_proj`` [E, I, H] ([E, in, out]).
   transformers v5's in-memory fused layout (``experts.gate_up_proj`` [E, 2I, H] and
   ``experts.down_proj`` [E, H, I]) is also accepted when loading.
 - merge_qkv: xorl's ``self_attn.qkv_proj`` is [q; k; v] along the output dim; HF files always hold
@@ -43,7 +44,7 @@ _TMP_PREFIX = ".xorl-shard-"
 _SHARD_NAME = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 # Wrappers (activation checkpointing, torch.compile, FSDP1) insert these into parameter names.
 _WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
-_STACKED_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<proj>gate_proj|up_proj|down_proj)$")
+_STACKED_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
 _QKV = re.compile(r"^(?P<prefix>.*\.self_attn)\.qkv_proj\.(?P<kind>weight|bias)$")
 
 
@@ -114,26 +115,31 @@ class _StackTransposed(_Recipe):
             dest[j - experts.start].copy_(read(self.sources[j], (cols, rows)).t())
 
 
-class _FusedHalf(_Recipe):
-    """transformers v5 ``gate_up_proj`` [E, 2I, H] -> gate or up [E, H, I]."""
+class _StackGateUp(_Recipe):
+    """Per-expert HF gate and up Linears [I, H] -> stacked ``gate_up_proj`` [E, H, 2I]; a box reads
+    only its experts, and of each only the gate and / or up columns it covers."""
 
-    def __init__(self, sources: list[str], first: bool):
-        super().__init__(sources)
-        self.first = first
+    def __init__(self, gates: list[str], ups: list[str]):
+        super().__init__([*gates, *ups])
+        self.gates, self.ups = gates, ups
 
     def shape(self, shapes):
-        experts, two_inter, hidden = shapes[self.sources[0]]
-        return (experts, hidden, two_inter // 2)
+        inter, hidden = shapes[self.gates[0]]
+        return (len(self.gates), hidden, 2 * inter)
 
     def fill(self, read, dest, box):
-        experts, hidden, inter = box.slices
-        shift = 0 if self.first else read.shape(self.sources[0])[1] // 2
-        rows = slice(inter.start + shift, inter.stop + shift)
-        dest.copy_(read(self.sources[0], (experts, rows, hidden)).transpose(1, 2))
+        experts, rows, cols = box.slices
+        inter = read.shape(self.gates[0])[0]
+        for j in range(experts.start, experts.stop):
+            for sources, shift in ((self.gates, 0), (self.ups, inter)):
+                lo, hi = max(cols.start, shift), min(cols.stop, shift + inter)
+                if lo < hi:
+                    part = read(sources[j], (slice(lo - shift, hi - shift), rows)).t()
+                    dest[j - experts.start, :, lo - cols.start:hi - cols.start].copy_(part)
 
 
 class _Transposed12(_Recipe):
-    """transformers v5 ``down_proj`` [E, H, I] -> [E, I, H]."""
+    """transformers v5 ``down_proj`` [E, H, I] -> [E, I, H], ``gate_up_proj`` [E, 2I, H] -> [E, H, 2I]."""
 
     def shape(self, shapes):
         experts, hidden, inter = shapes[self.sources[0]]
@@ -142,6 +148,14 @@ class _Transposed12(_Recipe):
     def fill(self, read, dest, box):
         experts, inter, hidden = box.slices
         dest.copy_(read(self.sources[0], (experts, hidden, inter)).transpose(1, 2))
+
+
+def _per_expert(prefix: str, proj: str, sources: set[str], count: int = 0) -> list[str]:
+    """``{prefix}.{j}.{proj}.weight`` for j up to the highest index present (at least ``count``):
+    listing every index makes a gap show up as a missing key."""
+    pattern = re.compile(rf"^{re.escape(prefix)}\.(\d+)\.{proj}\.weight$")
+    top = max((int(m[1]) for s in sources if (m := pattern.match(s))), default=0)
+    return [f"{prefix}.{j}.{proj}.weight" for j in range(max(top + 1, count))]
 
 
 def _plan(targets: list[str], sources: set[str], tied: bool) -> dict[str, _Recipe]:
@@ -156,17 +170,15 @@ def _plan(targets: list[str], sources: set[str], tied: bool) -> dict[str, _Recip
             p, kind = qkv["prefix"], qkv["kind"]
             recipes[name] = _ConcatRows([f"{p}.{x}_proj.{kind}" for x in "qkv"])
         elif expert and f"{expert['prefix']}.gate_up_proj" in sources:  # transformers v5 fused layout
-            p, proj = expert["prefix"], expert["proj"]
-            if proj == "down_proj":
-                recipes[name] = _Transposed12([f"{p}.down_proj"])
+            recipes[name] = _Transposed12([f"{expert['prefix']}.{expert['proj']}"])
+        elif expert and f"{expert['prefix']}.0.down_proj.weight" in sources:  # per-expert Linears
+            p = expert["prefix"]
+            if expert["proj"] == "down_proj":
+                recipes[name] = _StackTransposed(_per_expert(p, "down_proj", sources))
             else:
-                recipes[name] = _FusedHalf([f"{p}.gate_up_proj"], first=proj == "gate_proj")
-        elif expert and f"{expert['prefix']}.0.{expert['proj']}.weight" in sources:  # per-expert Linears
-            p, proj = expert["prefix"], expert["proj"]
-            pattern = re.compile(rf"^{re.escape(p)}\.(\d+)\.{proj}\.weight$")
-            top = max(int(m[1]) for s in sources if (m := pattern.match(s)))
-            # Listing up to the highest index makes a gap show up as a missing key.
-            recipes[name] = _StackTransposed([f"{p}.{j}.{proj}.weight" for j in range(top + 1)])
+                n = max(len(_per_expert(p, "gate_proj", sources)), len(_per_expert(p, "up_proj", sources)))
+                recipes[name] = _StackGateUp(_per_expert(p, "gate_proj", sources, n),
+                                             _per_expert(p, "up_proj", sources, n))
         else:
             recipes[name] = _Identity([name])
     return recipes
@@ -373,8 +385,13 @@ def hf_pieces(name: str, shape: tuple[int, ...], spec: ModelSpec) -> list[tuple[
                 f"{name} holds {shape[0]} experts, the model has {spec.num_experts}: gather the "
                 "expert-parallel slices into full tensors before saving"
             )
-        return [(f"{expert['prefix']}.{j}.{expert['proj']}.weight", lambda t, j=j: t[j].t())
-                for j in range(shape[0])]
+        p = expert["prefix"]
+        if expert["proj"] == "down_proj":
+            return [(f"{p}.{j}.down_proj.weight", lambda t, j=j: t[j].t()) for j in range(shape[0])]
+        inter = shape[2] // 2  # gate_up_proj [E, H, 2I]: gate columns, then up
+        return [piece for j in range(shape[0]) for piece in (
+            (f"{p}.{j}.gate_proj.weight", lambda t, j=j: t[j, :, :inter].t()),
+            (f"{p}.{j}.up_proj.weight", lambda t, j=j: t[j, :, inter:].t()))]
     return [(name, lambda t: t)]
 
 

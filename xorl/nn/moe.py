@@ -1,10 +1,11 @@
 """``xorl.nn.MoE``: a drop-in mixture-of-experts block (router + dispatch + grouped experts + combine).
 
-State-dict names follow the xorl / HF Qwen3-MoE block so checkpoints load unchanged:
+State-dict names follow the HF Qwen3-MoE block (transformers 5's fused experts, in the grouped
+GEMM's [groups, in, out] layout); ``load_state_dict`` also takes the split ``experts.gate_proj`` /
+``experts.up_proj`` [E, hidden, moe_intermediate] of the reference block (tests/moe_reference.py):
 
     gate.weight              [E, hidden]                    (router)
-    experts.gate_proj        [E, hidden, moe_intermediate]  ([groups, in, out])
-    experts.up_proj          [E, hidden, moe_intermediate]
+    experts.gate_up_proj     [E, hidden, 2*moe_intermediate]  ([groups, in, out]; gate columns, then up)
     experts.down_proj        [E, moe_intermediate, hidden]
     shared_expert.{gate,up,down}_proj.weight, shared_expert_gate.weight   (optional, Qwen2-MoE)
     gate.e_score_correction_bias                            (only with expert_bias=True)
@@ -40,7 +41,7 @@ from xorl.nn.expert_parallel import expert_parallel_moe
 from xorl.nn.moe_experts import GroupedExperts
 from xorl.nn.router import Router, check_router_args
 
-_EXPERT_PARAMS = ("gate_proj", "up_proj", "down_proj")
+_EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 
 
 class SharedExpertMLP(nn.Module):
@@ -193,8 +194,13 @@ class MoE(nn.Module):
 
     # -- loading --------------------------------------------------------------------------------
     def _slice_full_experts(self, state_dict, prefix, *args, **kwargs):
-        """Accept full [E, ...] expert tensors under EP by keeping this rank's slice."""
+        """Accept full [E, ...] expert tensors under EP by keeping this rank's slice, and split gate /
+        up weights (joined into gate_up_proj)."""
         first, last = self.local_expert_range
+        gate, up = state_dict.get(f"{prefix}experts.gate_proj"), state_dict.get(f"{prefix}experts.up_proj")
+        if gate is not None and up is not None and f"{prefix}experts.gate_up_proj" not in state_dict:
+            state_dict[f"{prefix}experts.gate_up_proj"] = torch.cat([state_dict.pop(f"{prefix}experts.gate_proj"),
+                                                                   state_dict.pop(f"{prefix}experts.up_proj")], dim=2)
         for name in _EXPERT_PARAMS:
             key = f"{prefix}experts.{name}"
             value = state_dict.get(key)
@@ -210,9 +216,13 @@ class MoE(nn.Module):
 
     @torch.no_grad()
     def load_experts(self, gate_proj: torch.Tensor, up_proj: torch.Tensor, down_proj: torch.Tensor) -> None:
-        """Copy full ([E, in, out]) or local ([E/ep, in, out]) expert weights."""
+        """Copy full ([E, in, out]) or local ([E/ep, in, out]) expert weights; gate and up are
+        joined into ``experts.gate_up_proj``."""
         first, last = self.local_expert_range
-        for name, full in zip(_EXPERT_PARAMS, (gate_proj, up_proj, down_proj)):
+        if gate_proj.shape != up_proj.shape:
+            raise ValueError(f"expected gate_proj and up_proj of one shape, got {tuple(gate_proj.shape)} and "
+                             f"{tuple(up_proj.shape)}")
+        for name, full in zip(_EXPERT_PARAMS, (torch.cat([gate_proj, up_proj], dim=2), down_proj)):
             param = getattr(self.experts, name)
             src = full[first:last] if full.shape[0] == self.num_experts else full
             if src.shape != param.shape:

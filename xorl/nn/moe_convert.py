@@ -2,8 +2,10 @@
 
 Supported layouts (the expert weights are returned as [E, in, out], the xorl layout):
 
-* xorl layout (xorl.nn.MoE, the reference block in tests/): ``experts.gate_proj`` / ``up_proj`` [E, hidden, I],
-  ``experts.down_proj`` [E, I, hidden]; ``gate`` a Linear or router with ``weight`` [E, hidden].
+* xorl layout (xorl.nn.MoE's GroupedExperts): ``experts.gate_up_proj`` [E, hidden, 2I] (gate columns,
+  then up) and ``experts.down_proj`` [E, I, hidden]; the reference block in tests/ holds
+  ``experts.gate_proj`` / ``up_proj`` [E, hidden, I] and the same ``down_proj``; ``gate`` a Linear or
+  router with ``weight`` [E, hidden].
 * ``transformers`` >= 5 (Qwen3MoeSparseMoeBlock, Qwen2MoeSparseMoeBlock): ``experts.gate_up_proj``
   [E, 2I, hidden] (gate rows first, then up; [out, in]) and ``experts.down_proj`` [E, hidden, I].
 * ``transformers`` 4.x: ``experts`` a ModuleList of MLPs with Linear ``gate_proj`` / ``up_proj`` /
@@ -37,17 +39,22 @@ def _expert_weights(experts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if isinstance(experts, nn.ModuleList):  # transformers 4.x: one MLP per expert, Linear [out, in]
         stack = lambda name: torch.stack([getattr(e, name).weight.detach().t() for e in experts])
         return stack("gate_proj"), stack("up_proj"), stack("down_proj")
+    from xorl.nn.moe_experts import GroupedExperts
+
+    if isinstance(experts, GroupedExperts):  # xorl: fused [E, hidden, 2I] and [E, I, hidden]
+        gate, up = experts.gate_up_proj.detach().chunk(2, dim=2)
+        return gate, up, experts.down_proj.detach()
     if hasattr(experts, "gate_up_proj"):  # transformers 5: fused [E, 2I, hidden] and [E, hidden, I]
         gate_up = experts.gate_up_proj.detach()
         inter = gate_up.shape[1] // 2
         gate = gate_up[:, :inter].transpose(1, 2)
         up = gate_up[:, inter:].transpose(1, 2)
         return gate, up, experts.down_proj.detach().transpose(1, 2)
-    if all(hasattr(experts, n) for n in ("gate_proj", "up_proj", "down_proj")):  # xorl layout
+    if all(hasattr(experts, n) for n in ("gate_proj", "up_proj", "down_proj")):  # the reference block
         return experts.gate_proj.detach(), experts.up_proj.detach(), experts.down_proj.detach()
     raise TypeError(
-        f"unrecognised experts module {type(experts).__name__}: expected stacked gate_proj/up_proj/down_proj "
-        "(xorl), gate_up_proj/down_proj (transformers 5) or a ModuleList of MLPs (transformers 4)"
+        f"unrecognised experts module {type(experts).__name__}: expected xorl's GroupedExperts, stacked "
+        "gate_proj/up_proj/down_proj, gate_up_proj/down_proj (transformers 5) or a ModuleList of MLPs (transformers 4)"
     )
 
 

@@ -1,10 +1,13 @@
-"""The experts of an MoE layer as three stacked weights and three grouped GEMMs.
+"""The experts of an MoE layer as two stacked weights and two grouped GEMMs.
 
-Parameter names and layouts ([groups, in, out]): ``gate_proj``, ``up_proj`` [E, hidden,
-moe_intermediate] and ``down_proj`` [E, moe_intermediate, hidden] (the reference block in
-tests/moe_reference.py has the same, so a state dict loads unchanged). Under expert parallelism
-the module holds only this rank's ``E / ep_size`` experts (the stacked dim 0 is the local expert
-index).
+Parameter names and layouts ([groups, in, out]): ``gate_up_proj`` [E, hidden, 2 * moe_intermediate]
+(each expert's gate columns, then its up columns) and ``down_proj`` [E, moe_intermediate, hidden].
+Why gate and up in one weight: one grouped GEMM reads the sorted rows once and launches once for
+both projections (the per-expert tiles are twice as wide), and SwiGLU runs right after on its two
+halves; three launches become two. ``gate_up_proj`` is transformers 5's in-memory ``gate_up_proj``
+[E, 2I, hidden] transposed to the [groups, in, out] layout the grouped GEMM takes. Under expert
+parallelism the module holds only this rank's ``E / ep_size`` experts (the stacked dim 0 is the
+local expert index).
 
 Why a module of its own: FSDP2 (``fully_shard`` over the ep_fsdp mesh) gathers parameters in the
 pre-forward hook of the module it wraps, so the expert weights must be used inside this module's
@@ -27,10 +30,10 @@ def _local(weight: torch.Tensor) -> torch.Tensor:
     return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
-def swiglu_experts(x_sorted, gate_proj, up_proj, down_proj, tokens_per_expert):
-    """down(silu(x @ gate) * (x @ up)) per expert over rows sorted by expert."""
-    gate = grouped_gemm(x_sorted, gate_proj, tokens_per_expert)
-    up = grouped_gemm(x_sorted, up_proj, tokens_per_expert)
+def swiglu_experts(x_sorted, gate_up_proj, down_proj, tokens_per_expert):
+    """down(silu(x @ gate) * (x @ up)) per expert over rows sorted by expert: one grouped GEMM for
+    gate and up together ([N, 2I]), SwiGLU on its halves, one for down."""
+    gate, up = grouped_gemm(x_sorted, gate_up_proj, tokens_per_expert).chunk(2, dim=-1)
     return grouped_gemm(F.silu(gate) * up, down_proj, tokens_per_expert)
 
 
@@ -42,9 +45,9 @@ class GroupedExperts(nn.Module):
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.moe_intermediate_size = moe_intermediate_size
-        shape_in = (num_experts, hidden_size, moe_intermediate_size)
-        self.gate_proj = nn.Parameter(torch.empty(shape_in, device=device, dtype=dtype))
-        self.up_proj = nn.Parameter(torch.empty(shape_in, device=device, dtype=dtype))
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(num_experts, hidden_size, 2 * moe_intermediate_size, device=device, dtype=dtype)
+        )
         self.down_proj = nn.Parameter(
             torch.empty(num_experts, moe_intermediate_size, hidden_size, device=device, dtype=dtype)
         )
@@ -52,7 +55,7 @@ class GroupedExperts(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02) -> None:
-        for p in (self.gate_proj, self.up_proj, self.down_proj):
+        for p in (self.gate_up_proj, self.down_proj):
             nn.init.normal_(p, std=std)
 
     def distribute_over(self, ep_mesh) -> None:
@@ -70,7 +73,7 @@ class GroupedExperts(nn.Module):
         local_n = self.num_experts // size
         first = rank * local_n
         shards = {}
-        for name in ("gate_proj", "up_proj", "down_proj"):
+        for name in ("gate_up_proj", "down_proj"):
             full = getattr(self, name)
             if isinstance(full, DTensor):
                 raise RuntimeError(f"experts.{name} is already a DTensor; distribute_over runs once")
@@ -78,7 +81,7 @@ class GroupedExperts(nn.Module):
             local = full.detach()[first:first + local_n].clone()
             shards[name] = nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False),
                                         requires_grad=full.requires_grad)
-        self.gate_proj, self.up_proj, self.down_proj = shards["gate_proj"], shards["up_proj"], shards["down_proj"]
+        self.gate_up_proj, self.down_proj = shards["gate_up_proj"], shards["down_proj"]
         self.num_experts = local_n
 
     def forward(self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
@@ -88,8 +91,7 @@ class GroupedExperts(nn.Module):
                 f"tokens_per_expert must be [{self.num_experts}] (one count per local expert), "
                 f"got {tuple(tokens_per_expert.shape)}"
             )
-        weights = [_local(w) for w in (self.gate_proj, self.up_proj, self.down_proj)]
-        return swiglu_experts(x_sorted, *weights, tokens_per_expert)
+        return swiglu_experts(x_sorted, _local(self.gate_up_proj), _local(self.down_proj), tokens_per_expert)
 
     def extra_repr(self) -> str:
         return (

@@ -87,7 +87,7 @@ TP_SHARD_DIM = {
     **{f"mlp.{x}_proj.{kind}": 0 for x in ("gate", "up") for kind in ("weight", "bias")},
     "mlp.down_proj.weight": 1,
 }
-EXPERT_PARAMS = ("mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj")
+EXPERT_PARAMS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 PRECISIONS = {"fp32-master": (4, 4, 8), "fp16": (2, 2, 4)}  # bytes per parameter: weights, grads, optimizer
 WORKSPACE_BYTES = 256 * 2**20
 DDP_BUCKET_BYTES = 2 * 64 * 2**20
