@@ -231,11 +231,6 @@ RULES = {
         4,
         ["num_attention_heads=4 and num_key_value_heads=2", "tensor_parallel_size=4", "dividing 2"],
     ),
-    "tp requires merge_qkv false": (
-        ["--train.tensor_parallel_size=2", "--model.merge_qkv=true"],
-        2,
-        ["tensor_parallel_size=2 requires model.merge_qkv: false"],
-    ),
     "sequence parallel requires tp": (
         ["--train.sequence_parallel=true"],
         1,
@@ -476,10 +471,9 @@ def test_files_the_run_needs_are_checked_up_front(tmp_path):
 
 
 def test_all_problems_are_reported_together():
-    message = _problems(["--train.tensor_parallel_size=2", "--model.merge_qkv=true", "--train.lr=-1",
-                         "--train.expert_parallel_size=2"], 4)
+    message = _problems(["--train.tensor_parallel_size=4", "--train.lr=-1", "--train.expert_parallel_size=2"], 4)
     assert message.startswith("invalid config (3 problems)")
-    for phrase in ("merge_qkv", "train.lr=-1.0", "dense model"):
+    for phrase in ("tensor_parallel_size=4", "train.lr=-1.0", "dense model"):
         assert phrase in message
 
 

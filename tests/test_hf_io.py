@@ -96,12 +96,13 @@ def test_sharded_save_has_hf_layout_and_loads_back_exactly(model_type, overrides
     assert not any("qkv_proj" in k for k in tensors)
     assert ("lm_head.weight" in tensors) == (not config.tie_word_embeddings)
     if config.merge_qkv:
-        qkv = state["model.layers.1.self_attn.qkv_proj.weight"]
-        assert torch.equal(tensors["model.layers.1.self_attn.q_proj.weight"], qkv[:32])
-        assert torch.equal(tensors["model.layers.1.self_attn.k_proj.weight"], qkv[32:48])
-        assert torch.equal(tensors["model.layers.1.self_attn.v_proj.weight"], qkv[48:])
-        qkv_bias = state["model.layers.1.self_attn.qkv_proj.bias"]
-        assert torch.equal(tensors["model.layers.1.self_attn.v_proj.bias"], qkv_bias[48:])
+        # qkv_proj rows by KV-head group: 2 groups of [2 query heads, 1 key head, 1 value head] x head_dim 8.
+        qkv = state["model.layers.1.self_attn.qkv_proj.weight"].view(2, 4, 8, 32)
+        assert torch.equal(tensors["model.layers.1.self_attn.q_proj.weight"], qkv[:, :2].reshape(32, 32))
+        assert torch.equal(tensors["model.layers.1.self_attn.k_proj.weight"], qkv[:, 2].reshape(16, 32))
+        assert torch.equal(tensors["model.layers.1.self_attn.v_proj.weight"], qkv[:, 3].reshape(16, 32))
+        qkv_bias = state["model.layers.1.self_attn.qkv_proj.bias"].view(2, 4, 8)
+        assert torch.equal(tensors["model.layers.1.self_attn.v_proj.bias"], qkv_bias[:, 3].reshape(16))
     if model_type == "qwen3_moe":
         assert not any(k.endswith(("experts.gate_up_proj", "experts.down_proj")) for k in tensors)
         for j in range(4):

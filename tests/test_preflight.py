@@ -116,3 +116,23 @@ def test_other_changes_apply_and_are_listed(tmp_path):
     notes = "\n".join(plan.notes)
     assert "applied as given: data.micro_batch_size 2 -> 4, train.max_grad_norm 1.0 -> 0.5" in notes
     assert "the global batch changed from 2 to 4 sequences a step; the data continues at sequence 4" in notes
+
+
+def test_a_merged_qkv_checkpoint_in_the_older_row_order_is_refused(tmp_path):
+    """Same name and shape as today's qkv_proj, other rows: loading it would mix heads silently."""
+    saved = _config(tmp_path)
+    saved.model.merge_qkv = True
+    path = _fake_checkpoint(tmp_path, 2, saved)  # its trainer_state.json has no qkv_layout
+    config = _config(tmp_path, resume=True)
+    config.model.merge_qkv = True
+    message = _refusal(config)
+    assert "self_attn.qkv_proj is in the older [q; k; v] row order" in message and "xorl-export" in message
+    state_file = os.path.join(path, run_dir.TRAINER_STATE_NAME)
+    state = json.load(open(state_file))
+    with open(state_file, "w") as f:
+        json.dump({**state, "qkv_layout": "kv_groups"}, f)
+    manifest = os.path.join(path, run_dir.MANIFEST_NAME)
+    sizes = json.load(open(manifest))
+    with open(manifest, "w") as f:
+        json.dump({**sizes, run_dir.TRAINER_STATE_NAME: os.path.getsize(state_file)}, f)
+    assert prepare_run(config, 1).resume is not None  # written by this xorl: resumes

@@ -21,6 +21,8 @@ from xorl.trainer import initial_state_dict
 LAYOUTS = [  # (id, model type, train overrides) on 4 ranks
     ("fsdp4 uneven rows merge_qkv", "llama", dict(data_parallel_shard_size=4)),
     ("fsdp2 x tp2", "llama", dict(data_parallel_shard_size=2, tensor_parallel_size=2, sequence_parallel=True)),
+    ("fsdp2 x tp2 merge_qkv", "llama", dict(data_parallel_shard_size=2, tensor_parallel_size=2,
+                                            sequence_parallel=True)),
     ("pp2 x tp2", "llama", dict(data_parallel_shard_size=1, pipeline_parallel_size=2, tensor_parallel_size=2,
                                 sequence_parallel=True)),
     ("moe ep2 x fsdp4", "qwen3_moe", dict(data_parallel_shard_size=4, expert_parallel_size=2)),

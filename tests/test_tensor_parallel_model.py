@@ -108,6 +108,8 @@ def check_model_parity(tp_size: int, config_name: str, cases: list[tuple]) -> di
         # "llama-odd-vocab": 50 rows do not divide by TP 4, so embedding and lm_head stay replicated.
         vocab = 50 if config_name == "llama-odd-vocab" else 48
         config = moe_config() if config_name == "moe" else llama_config(tie=tie, vocab=vocab)
+        if config_name == "llama-merged":  # one qkv_proj, 2 query heads per KV group
+            config = types.SimpleNamespace(**{**vars(llama_config(tie=tie, kv_heads=2)), "merge_qkv": True})
         base = build(config, seed=1)
         ref = copy.deepcopy(base).double()
         model = apply_tensor_parallel(copy.deepcopy(base), mesh, sequence_parallel=sp, overlap=overlap,
@@ -274,8 +276,6 @@ def check_plan_errors() -> dict:
     messages = {}
     cases = {
         "heads": lambda: apply_tensor_parallel(build(llama_config(heads=4, kv_heads=2), 0), mesh),
-        "merge_qkv": lambda: apply_tensor_parallel(
-            build(types.SimpleNamespace(**{**vars(llama_config()), "merge_qkv": True}), 0), mesh),
         "not_causal_lm": lambda: apply_tensor_parallel(torch.nn.Linear(4, 4), mesh),
     }
     for name, make in cases.items():
@@ -297,7 +297,6 @@ def test_plan_errors_are_clear(gloo_world):
     world = gloo_world(4)
     m = world.run(check_plan_errors)[0]
     assert m["heads"] and "divisible by tensor_parallel_size=4" in m["heads"]
-    assert m["merge_qkv"] and "merge_qkv: false" in m["merge_qkv"]
     assert m["not_causal_lm"] and "HF-style causal LM" in m["not_causal_lm"]
     assert m["seq"] and "pad" in m["seq"]
 
@@ -353,3 +352,49 @@ def lm_head_flops(tp_size: int, sequence_parallel: bool) -> tuple[int, int]:
 def test_lm_head_flops_per_rank_are_one_tp_th(gloo_world, sequence_parallel):
     for mine, total in gloo_world(4).run(lm_head_flops, 4, sequence_parallel):
         assert total > 0 and mine * 4 == total, (mine, total)
+
+
+def test_merged_qkv_matches_single_process(gloo_world):
+    """merge_qkv under TP 2: the one qkv_proj split by KV-head groups (SP and overlap on and off)."""
+    cases = [(True, True, "packed", False), (False, False, "batch", True)]
+    for rank, results in enumerate(gloo_world(2).run(check_model_parity, 2, "llama-merged", cases)):
+        for case, r in results.items():
+            for what, err in r["errs"].items():
+                assert err <= TOL, f"rank {rank} merged qkv {case}: {what} {err:.2e}"
+            assert r["spread"] == 0.0, case
+            assert r["dtensor_params"]
+
+
+def count_qkv_gemms() -> dict:
+    """GEMMs (aten mm / addmm) of the q/k/v projection of one layer, SP with the overlapped ring
+    all-gather: merged, one per TP chunk; separate q/k/v (one shared gather), three per chunk."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from xorl.plans.tensor_parallel import apply_tensor_parallel
+
+    class CountGemms(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+            self.n += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm)
+            return func(*args, **(kwargs or {}))
+
+    mesh = tp_mesh(dist.get_world_size())
+    counts = {}
+    for merged in (True, False):
+        config = types.SimpleNamespace(**{**vars(llama_config(kv_heads=2)), "merge_qkv": merged})
+        model = apply_tensor_parallel(build(config, seed=3), mesh, sequence_parallel=True, overlap=True,
+                                      overlap_min_numel=0)
+        attn = model.model.layers[0].self_attn
+        x = torch.randn(1, 4, 16)  # this rank's sequence shard
+        with CountGemms() as gemms:
+            attn.qkv_proj(x) if merged else attn.q_proj(x)
+        counts[merged] = gemms.n
+    return counts
+
+
+def test_merged_qkv_runs_one_gemm_per_chunk(gloo_world):
+    for counts in gloo_world(2).run(count_qkv_gemms):
+        assert counts == {True: 2, False: 6}, counts  # TP 2: two ring chunks

@@ -72,15 +72,23 @@ def test_moe_resume_under_expert_parallel(gloo_world, tmp_path):
     assert max_rel_diff(first + resumed, full) <= 1e-5
 
 
-def test_resume_across_a_layout_change(gloo_world, tmp_path):
-    """Saved under TP=2 (sequence parallel), resumed with FSDP only on the same 2 ranks."""
+@pytest.mark.parametrize("merge_qkv", [False, True])
+def test_resume_across_a_layout_change(gloo_world, tmp_path, merge_qkv):
+    """Saved under TP=2 (sequence parallel), resumed with FSDP only on the same 2 ranks; merge_qkv:
+    the one qkv_proj saved by TP ranks holding whole KV-head groups reads back whole."""
     tp2 = dict(data_parallel_shard_size=1, tensor_parallel_size=2, sequence_parallel=True,
                gradient_accumulation_steps=4)
+
+    def config(out, **train):
+        c = tiny_config(out, **train)
+        c.model.merge_qkv = merge_qkv
+        return c
+
     world = gloo_world(2)
-    full = world.run(train_losses, tiny_config(str(tmp_path / "full"), max_steps=6, **FSDP2))[0]
+    full = world.run(train_losses, config(str(tmp_path / "full"), max_steps=6, **FSDP2))[0]
     run = str(tmp_path / "tp")
-    first = world.run(train_losses, tiny_config(run, max_steps=6, save_steps=3, **tp2), 3)[0]
-    resumed = world.run(train_losses, tiny_config(run, max_steps=6, resume=True, **FSDP2))[0]
+    first = world.run(train_losses, config(run, max_steps=6, save_steps=3, **tp2), 3)[0]
+    resumed = world.run(train_losses, config(run, max_steps=6, resume=True, **FSDP2))[0]
     assert max_rel_diff(first + resumed, full) <= 1e-5
 
 

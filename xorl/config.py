@@ -75,7 +75,8 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # 0: no shared expert
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
-    # One fused q/k/v projection; tensor parallelism needs them separate.
+    # One fused q/k/v projection (rows grouped by KV head, xorl/models/attention.py): under tensor
+    # parallelism each rank runs one GEMM for its q, k and v heads.
     merge_qkv: bool = False
     model_path: str | None = None  # local HF folder with config.json + *.safetensors
     attn_implementation: Literal["xorl", "flash_attn", "sdpa"] = "xorl"

@@ -158,11 +158,6 @@ def _parallel_model_problems(m: Any, p: ParallelConfig) -> list[str]:
                 f"train.tensor_parallel_size={p.tp} (TP splits the dense MLP's columns); use a tensor_parallel_size "
                 f"dividing {m.intermediate_size}"
             )
-        if m.merge_qkv:
-            problems.append(
-                f"train.tensor_parallel_size={p.tp} requires model.merge_qkv: false (TP shards q, k and v "
-                "by heads, each its own projection)"
-            )
     if p.ulysses > 1 and tp_divides_heads:
         local_heads, local_kv = heads // p.tp, kv_heads // p.tp
         if local_heads % p.ulysses:

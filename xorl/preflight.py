@@ -131,6 +131,7 @@ def _plan_run_dir(config: Any, world_size: int, plan: RunPlan) -> list[str]:
     except (KeyError, TypeError, ValueError) as e:
         return [f"checkpoint {checkpoint}: {run_dir.TRAINER_STATE_NAME} lacks or garbles {e}"]
     problems, notes, plan.apply_config_hparams = check_resume(config, stored, checkpoint, step)
+    problems += qkv_layout_problems(config.model, state, checkpoint)
     plan.notes += notes
     if problems:
         return problems
@@ -164,6 +165,21 @@ def _plan_overwrite(out: str, found: list[str], plan: RunPlan) -> list[str]:
     plan.overwrite = True
     plan.notes.append(f"train.overwrite_output_dir=true: removing the earlier run's {_some(found)} from {out}")
     return []
+
+
+_QKV_FIX = ("resume it with the xorl that saved it, or export it there (xorl-export) and start a new run from the "
+            "export with model.model_path")
+
+
+def qkv_layout_problems(model_config: Any, state: dict, checkpoint: str, fix: str = _QKV_FIX) -> list[str]:
+    """A merge_qkv checkpoint whose qkv_proj rows are in another order than this xorl's (same name
+    and shape: loading it would mix heads without any error)."""
+    from xorl.models.spec import QKV_LAYOUT
+
+    if not model_config.merge_qkv or state.get("qkv_layout") == QKV_LAYOUT:
+        return []
+    return [f"checkpoint {checkpoint}: its self_attn.qkv_proj is in the older [q; k; v] row order, and this xorl "
+            f"groups the rows by KV head (qkv_layout {QKV_LAYOUT!r}); {fix}"]
 
 
 def global_batch(config: Any, world_size: int) -> int:

@@ -147,7 +147,14 @@ class LocalAttention(nn.Module):
 
 class Attention(nn.Module):
     """GQA self-attention with HF names: q_proj/k_proj/v_proj (or one fused qkv_proj), o_proj,
-    and for Qwen3 q_norm/k_norm (RMSNorm over head_dim, applied per head before RoPE)."""
+    and for Qwen3 q_norm/k_norm (RMSNorm over head_dim, applied per head before RoPE).
+
+    merge_qkv: ``qkv_proj`` rows are grouped by KV head (Megatron's layout, ``QKV_LAYOUT``): for
+    each of the hkv groups, its hq/hkv query heads, then its key head, then its value head. Why not
+    [q; k; v]: tensor parallelism splits the heads by whole KV groups, and in this layout a group is
+    a contiguous block of rows, so the column split (``Shard(0)``) of the one weight gives every TP
+    rank exactly its q, k and v heads, whatever the TP size (a checkpoint resumes on any TP), and
+    each rank runs one GEMM for all three. HF files keep q_proj / k_proj / v_proj (hf_io converts)."""
 
     def __init__(self, spec: ModelSpec):
         super().__init__()
@@ -158,8 +165,7 @@ class Attention(nn.Module):
         bias = spec.attention_bias
         if spec.merge_qkv:
             self.qkv_proj = nn.Linear(spec.hidden_size, q_size + 2 * kv_size, bias=bias)
-            # The fused weight is [q; k; v] along the output dim (hf_io splits / concatenates it).
-            self.qkv_split = (q_size, kv_size, kv_size)
+            self.q_per_group = spec.num_attention_heads // spec.num_key_value_heads
         else:
             self.q_proj = nn.Linear(spec.hidden_size, q_size, bias=bias)
             self.k_proj = nn.Linear(spec.hidden_size, kv_size, bias=bias)
@@ -184,8 +190,11 @@ class Attention(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         max_seqlen: int | None = None,
     ) -> torch.Tensor:
-        if self.merge_qkv:
-            q, k, v = self.qkv_proj(hidden).split(self.qkv_split, dim=-1)
+        if self.merge_qkv:  # [..., groups (this rank's under TP), q_per_group + 2 heads, head_dim]
+            qkv = self.qkv_proj(hidden)
+            qkv = qkv.view(*qkv.shape[:-1], -1, self.q_per_group + 2, self.head_dim)
+            q, k, v = qkv.split((self.q_per_group, 1, 1), dim=-2)
+            q, k, v = (t.flatten(-3) for t in (q, k, v))
         else:
             q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
         # Shapes come from the projections, not from ``hidden``: under tensor parallelism they hold only

@@ -6,8 +6,9 @@ Name / layout conversions (everything else keeps its name):
   gate columns, then its up columns) and ``...mlp.experts.down_proj`` [E, I, H] ([E, in, out]).
   transformers v5's in-memory fused layout (``experts.gate_up_proj`` [E, 2I, H] and
   ``experts.down_proj`` [E, H, I]) is also accepted when loading.
-- merge_qkv: xorl's ``self_attn.qkv_proj`` is [q; k; v] along the output dim; HF files always hold
-  ``q_proj`` / ``k_proj`` / ``v_proj``.
+- merge_qkv: xorl's ``self_attn.qkv_proj`` rows are grouped by KV head (per group: its query heads,
+  its key head, its value head; xorl/models/attention.py); HF files always hold ``q_proj`` /
+  ``k_proj`` / ``v_proj``.
 - tie_word_embeddings: ``lm_head.weight`` is not written (as in HF) and ignored when loading.
 
 Parallel models: each rank loads only the boxes its DTensor shards (FSDP2 / TP / EP) hold, read
@@ -84,22 +85,33 @@ class _Identity(_Recipe):
         dest.copy_(read(self.sources[0], box.slices))
 
 
-class _ConcatRows(_Recipe):
-    """merge_qkv: ``qkv_proj`` is [q; k; v] along dim 0."""
+class _GroupedQKV(_Recipe):
+    """merge_qkv: ``qkv_proj`` rows in KV-head groups [q heads of group g; k_g; v_g] from HF's q/k/v.
+    A box (a TP rank's whole groups, an FSDP row range) reads only the head rows it covers."""
+
+    def __init__(self, sources: list[str], q_per_group: int, head_dim: int):
+        super().__init__(sources)
+        self.q_per_group, self.head_dim = q_per_group, head_dim
 
     def shape(self, shapes):
         parts = [shapes[s] for s in self.sources]
         return (sum(p[0] for p in parts), *parts[0][1:])
 
+    def _source_row(self, segment: int) -> tuple[str, int]:
+        """The HF tensor and first row of the ``segment``-th head (head_dim rows) of qkv_proj."""
+        group, i = divmod(segment, self.q_per_group + 2)
+        if i < self.q_per_group:
+            return self.sources[0], (group * self.q_per_group + i) * self.head_dim
+        return self.sources[1 if i == self.q_per_group else 2], group * self.head_dim
+
     def fill(self, read, dest, box):
         first, last = box.offset[0], box.offset[0] + box.shape[0]
-        start = 0
-        for source in self.sources:
-            rows = read.shape(source)[0]
-            lo, hi = max(first, start), min(last, start + rows)
-            if lo < hi:
-                dest[lo - first : hi - first].copy_(read(source, (slice(lo - start, hi - start), *box.slices[1:])))
-            start += rows
+        hd = self.head_dim
+        for segment in range(first // hd, (last - 1) // hd + 1):
+            lo, hi = max(first, segment * hd), min(last, (segment + 1) * hd)
+            source, row = self._source_row(segment)
+            start = row + lo - segment * hd
+            dest[lo - first:hi - first].copy_(read(source, (slice(start, start + hi - lo), *box.slices[1:])))
 
 
 class _StackTransposed(_Recipe):
@@ -158,8 +170,9 @@ def _per_expert(prefix: str, proj: str, sources: set[str], count: int = 0) -> li
     return [f"{prefix}.{j}.{proj}.weight" for j in range(max(top + 1, count))]
 
 
-def _plan(targets: list[str], sources: set[str], tied: bool) -> dict[str, _Recipe]:
-    """One recipe per target name, decided from the names alone (before reading any data)."""
+def _plan(targets: list[str], sources: set[str], tied: bool, spec: ModelSpec | None = None) -> dict[str, _Recipe]:
+    """One recipe per target name, decided from the names alone (before reading any data); ``spec``
+    gives merge_qkv's head grouping."""
     recipes: dict[str, _Recipe] = {}
     for name in targets:
         qkv = _QKV.match(name)
@@ -168,7 +181,10 @@ def _plan(targets: list[str], sources: set[str], tied: bool) -> dict[str, _Recip
             recipes[name] = _Identity(["model.embed_tokens.weight"])
         elif qkv:
             p, kind = qkv["prefix"], qkv["kind"]
-            recipes[name] = _ConcatRows([f"{p}.{x}_proj.{kind}" for x in "qkv"])
+            if spec is None:
+                raise ValueError(f"{name}: loading a merged qkv_proj needs the model's spec (its head counts)")
+            recipes[name] = _GroupedQKV([f"{p}.{x}_proj.{kind}" for x in "qkv"],
+                                        spec.num_attention_heads // spec.num_key_value_heads, spec.head_dim)
         elif expert and f"{expert['prefix']}.gate_up_proj" in sources:  # transformers v5 fused layout
             recipes[name] = _Transposed12([f"{expert['prefix']}.{expert['proj']}"])
         elif expert and f"{expert['prefix']}.0.down_proj.weight" in sources:  # per-expert Linears
@@ -273,7 +289,7 @@ def _match(model: nn.Module, folder: str) -> _Match:
     sources = set(reader.file_of)
     tied = bool(getattr(getattr(model, "spec", None), "tie_word_embeddings", False))
     targets = _load_targets(model)
-    recipes = _plan(list(targets), sources, tied)
+    recipes = _plan(list(targets), sources, tied, getattr(model, "spec", None))
     used = {s for r in recipes.values() for s in r.sources}
     missing = sorted(used - sources)
     ignored = {"lm_head.weight"} if tied or "lm_head.weight" not in targets else set()
@@ -369,16 +385,20 @@ def hf_pieces(name: str, shape: tuple[int, ...], spec: ModelSpec) -> list[tuple[
     qkv = _QKV.match(name)
     expert = _STACKED_EXPERT.match(name)
     if qkv:
-        q_size = spec.num_attention_heads * spec.head_dim
-        kv_size = spec.num_key_value_heads * spec.head_dim
-        if shape[0] != q_size + 2 * kv_size:
+        groups, hd = spec.num_key_value_heads, spec.head_dim
+        per = spec.num_attention_heads // groups  # query heads per KV group
+        if shape[0] != groups * (per + 2) * hd:
             raise ValueError(
-                f"{name} has {shape[0]} rows, expected q+k+v = {q_size + 2 * kv_size}: "
-                "save the unsharded model (merge_qkv models cannot be tensor-parallel)"
+                f"{name} has {shape[0]} rows, expected q+k+v = {groups * (per + 2) * hd}: "
+                "save the full tensor (gather a tensor-parallel one with full_tensor())"
             )
-        bounds = {"q": (0, q_size), "k": (q_size, q_size + kv_size), "v": (q_size + kv_size, q_size + 2 * kv_size)}
-        return [(f"{qkv['prefix']}.{part}_proj.{qkv['kind']}", lambda t, a=a, b=b: t[a:b])
-                for part, (a, b) in bounds.items()]
+
+        def part(t: torch.Tensor, heads: slice) -> torch.Tensor:  # KV-head groups -> HF's [heads * hd, ...]
+            blocks = t.view(groups, per + 2, hd, *t.shape[1:])[:, heads]
+            return blocks.reshape(-1, *t.shape[1:])
+
+        parts = {"q": slice(0, per), "k": slice(per, per + 1), "v": slice(per + 1, per + 2)}
+        return [(f"{qkv['prefix']}.{x}_proj.{qkv['kind']}", lambda t, s=s: part(t, s)) for x, s in parts.items()]
     if expert:
         if shape[0] != spec.num_experts:
             raise ValueError(

@@ -35,6 +35,12 @@ def _rope_theta(config: Any) -> float:
     return float(theta)
 
 
+# merge_qkv's layout of ``self_attn.qkv_proj`` (rows grouped by KV head: xorl/models/attention.py),
+# recorded in checkpoints (trainer_state.json) so that one saved in another layout is never read as
+# this one (xorl before 2026-11-24 saved [q; k; v]).
+QKV_LAYOUT = "kv_groups"
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     model_type: str

@@ -82,7 +82,7 @@ VOCAB_PARAMS = ("model.embed_tokens.weight", "lm_head.weight")
 
 # Parameter names inside a decoder layer that the TP plan shards, and the dim (xorl/plans/tensor_parallel.py).
 TP_SHARD_DIM = {
-    **{f"self_attn.{x}_proj.{kind}": 0 for x in "qkv" for kind in ("weight", "bias")},
+    **{f"self_attn.{x}_proj.{kind}": 0 for x in ("q", "k", "v", "qkv") for kind in ("weight", "bias")},
     "self_attn.o_proj.weight": 1,
     **{f"mlp.{x}_proj.{kind}": 0 for x in ("gate", "up") for kind in ("weight", "bias")},
     "mlp.down_proj.weight": 1,

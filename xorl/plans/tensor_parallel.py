@@ -5,8 +5,11 @@
 On every present ``model.model.layers[i]`` (entries may be None under pipeline parallelism):
 
 * ``self_attn.{q,k,v}_proj`` -> ColumnParallelLinear (heads split over TP; the attention module
-  reshapes with -1 heads, and integer head-count attributes, if any, are divided by TP);
-  ``self_attn.o_proj`` -> RowParallelLinear. q/k/v share one gathered input.
+  reshapes with -1 heads, and integer head-count attributes, if any, are divided by TP), sharing one
+  gathered input; or, with merge_qkv, ``self_attn.qkv_proj`` -> one ColumnParallelLinear: its rows
+  are grouped by KV head (xorl/models/attention.py), so the plain column split hands each rank its
+  whole groups, q, k and v, and each overlap chunk runs one GEMM instead of three.
+  ``self_attn.o_proj`` -> RowParallelLinear.
 * ``mlp.{gate,up}_proj`` -> ColumnParallelLinear (sharing one gathered input), ``mlp.down_proj``
   -> RowParallelLinear.
 * ``model.embed_tokens`` -> VocabParallelEmbedding and ``lm_head`` -> VocabParallelLMHead when the
@@ -37,7 +40,7 @@ Communication record: ``xorl.nn.tp_comm.overlap_report()`` after a step, keyed b
 ``model.layers.{i}.self_attn.qkv_proj`` / ``.o_proj`` and ``model.layers.{i}.mlp.gate_up_proj`` /
 ``.down_proj`` (shared-input groups report under the group's name).
 
-Requirements: ``merge_qkv`` off (q, k, v separate), query and KV head counts divisible by TP,
+Requirements: query and KV head counts divisible by TP,
 intermediate size divisible by TP, every rank holding the same full weights before the call
 (same seed or the same checkpoint), and under SP every sequence length divisible by TP.
 """
@@ -99,26 +102,26 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = T
 
 def _parallelize_attention(attn: nn.Module, tp_mesh, tp: TPGroup, prefix: str, linear_kw: dict,
                            memo: dict, share: bool, partial: TPPartialGrads) -> None:
-    if getattr(attn, "qkv_proj", None) is not None:
-        raise ValueError(
-            f"{prefix}: tensor parallel shards q, k and v by heads and needs them as separate projections; "
-            "set model.merge_qkv: false"
-        )
     head_dim = attn.head_dim
-    q_heads, kv_heads = attn.q_proj.out_features // head_dim, attn.k_proj.out_features // head_dim
+    merged = getattr(attn, "qkv_proj", None) is not None
+    if merged:  # rows in KV-head groups of q_per_group + 2 heads
+        kv_heads = attn.qkv_proj.out_features // ((attn.q_per_group + 2) * head_dim)
+        q_heads = kv_heads * attn.q_per_group
+    else:
+        q_heads, kv_heads = attn.q_proj.out_features // head_dim, attn.k_proj.out_features // head_dim
     if q_heads % tp.size or kv_heads % tp.size:
         raise ValueError(
             f"{prefix}: {q_heads} query heads and {kv_heads} key/value heads must both be divisible by "
             f"tensor_parallel_size={tp.size}; use a tensor_parallel_size dividing {kv_heads}"
         )
-    names = ("q_proj", "k_proj", "v_proj")
+    names = ("qkv_proj",) if merged else ("q_proj", "k_proj", "v_proj")
     for name in names:
         layer = ColumnParallelLinear.from_linear(getattr(attn, name), tp_mesh, **linear_kw)
         layer.name = f"{prefix}.{name}"
         setattr(attn, name, layer)
     attn.o_proj = RowParallelLinear.from_linear(attn.o_proj, tp_mesh, **linear_kw)
     attn.o_proj.name = f"{prefix}.o_proj"
-    if share:
+    if share and not merged:
         SharedInputColumnGroup([getattr(attn, n) for n in names], name=f"{prefix}.qkv_proj")
     for attr in _HEAD_COUNT_ATTRS:
         value = getattr(attn, attr, None)
