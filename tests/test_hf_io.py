@@ -73,7 +73,8 @@ def assert_same_state(a: torch.nn.Module, b: torch.nn.Module) -> None:
 
 @pytest.mark.parametrize(
     "model_type, overrides",
-    [("llama", {"merge_qkv": True, "tie_word_embeddings": True, "attention_bias": True}), ("qwen3_moe", {})],
+    [("llama", {"merge_qkv": True, "merge_gate_up": True, "tie_word_embeddings": True, "attention_bias": True}),
+     ("qwen3_moe", {})],
 )
 def test_sharded_save_has_hf_layout_and_loads_back_exactly(model_type, overrides, tmp_path):
     config = model_config(model_type, **overrides)
@@ -103,6 +104,11 @@ def test_sharded_save_has_hf_layout_and_loads_back_exactly(model_type, overrides
         assert torch.equal(tensors["model.layers.1.self_attn.v_proj.weight"], qkv[:, 3].reshape(16, 32))
         qkv_bias = state["model.layers.1.self_attn.qkv_proj.bias"].view(2, 4, 8)
         assert torch.equal(tensors["model.layers.1.self_attn.v_proj.bias"], qkv_bias[:, 3].reshape(16))
+    if getattr(config, "merge_gate_up", False):  # rows alternate gate and up
+        gate_up = state["model.layers.1.mlp.gate_up_proj.weight"]
+        assert gate_up.shape == (80, 32)
+        assert torch.equal(tensors["model.layers.1.mlp.gate_proj.weight"], gate_up[0::2])
+        assert torch.equal(tensors["model.layers.1.mlp.up_proj.weight"], gate_up[1::2])
     if model_type == "qwen3_moe":
         assert not any(k.endswith(("experts.gate_up_proj", "experts.down_proj")) for k in tensors)
         for j in range(4):
@@ -301,3 +307,28 @@ def test_a_box_of_gate_up_reads_only_its_gate_and_up_columns():
         touched = {k.split(".")[2] for k in reads}
         assert touched == ({"gate_proj"} if offset[2] + shape[2] <= inter else {"up_proj"} if offset[2] >= inter
                            else {"gate_proj", "up_proj"})
+
+
+def test_a_box_of_interleaved_gate_up_rows_reads_only_its_rows():
+    """merge_gate_up: any row range of gate_up_proj [2I, H] (an FSDP or TP box) from gate and up."""
+    from xorl.distributed.shard_box import ShardBox
+    from xorl.models.hf_io import _InterleavedRows
+
+    gen = torch.Generator().manual_seed(8)
+    files = {f"m.{x}_proj.weight": torch.randn(5, 3, generator=gen) for x in ("gate", "up")}
+
+    class Reader:
+        def shape(self, key):
+            return tuple(files[key].shape)
+
+        def __call__(self, key, index):
+            return files[key][index]
+
+    recipe = _InterleavedRows(["m.gate_proj.weight", "m.up_proj.weight"])
+    full = torch.stack([files["m.gate_proj.weight"], files["m.up_proj.weight"]], dim=1).reshape(10, 3)
+    assert recipe.shape({k: v.shape for k, v in files.items()}) == (10, 3)
+    for first, last in ((0, 10), (3, 8), (4, 5), (1, 2), (7, 10)):
+        box = ShardBox((10, 3), (first, 0), (last - first, 3))
+        dest = torch.full((last - first, 3), float("nan"))
+        recipe.fill(Reader(), dest, box)
+        assert torch.equal(dest, full[first:last]), (first, last)

@@ -140,7 +140,8 @@ def aligned_labels(input_ids):
 
 CASES = {
     "llama": (llama_config, {}),
-    "llama-merge_qkv-xorl_attn": (llama_config, {"merge_qkv": True, "attn_implementation": "xorl"}),
+    "llama-merge_qkv-xorl_attn": (llama_config, {"merge_qkv": True, "merge_gate_up": True,
+                                                 "attn_implementation": "xorl"}),
     "qwen3_moe": (qwen_config, {}),
     "qwen3_moe-merge_qkv": (qwen_config, {"merge_qkv": True}),
 }

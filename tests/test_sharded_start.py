@@ -37,7 +37,7 @@ def _config(output_dir: str, model_type: str, layout_id: str, model_path: str | 
     config = tiny_config(output_dir, model_type, **train)
     if "uneven" in layout_id:
         config.model.vocab_size = 275  # 275 rows over 4 FSDP ranks: 69, 69, 69, 68
-    config.model.merge_qkv = "merge_qkv" in layout_id
+    config.model.merge_qkv = config.model.merge_gate_up = "merge_qkv" in layout_id  # both fused projections
     config.model.model_path = model_path
     config.train.seed = 3
     return config

@@ -108,8 +108,9 @@ def check_model_parity(tp_size: int, config_name: str, cases: list[tuple]) -> di
         # "llama-odd-vocab": 50 rows do not divide by TP 4, so embedding and lm_head stay replicated.
         vocab = 50 if config_name == "llama-odd-vocab" else 48
         config = moe_config() if config_name == "moe" else llama_config(tie=tie, vocab=vocab)
-        if config_name == "llama-merged":  # one qkv_proj, 2 query heads per KV group
-            config = types.SimpleNamespace(**{**vars(llama_config(tie=tie, kv_heads=2)), "merge_qkv": True})
+        if config_name == "llama-merged":  # one qkv_proj (2 query heads per KV group), one gate_up_proj
+            config = types.SimpleNamespace(**{**vars(llama_config(tie=tie, kv_heads=2)), "merge_qkv": True,
+                                              "merge_gate_up": True})
         base = build(config, seed=1)
         ref = copy.deepcopy(base).double()
         model = apply_tensor_parallel(copy.deepcopy(base), mesh, sequence_parallel=sp, overlap=overlap,
@@ -355,7 +356,8 @@ def test_lm_head_flops_per_rank_are_one_tp_th(gloo_world, sequence_parallel):
 
 
 def test_merged_qkv_matches_single_process(gloo_world):
-    """merge_qkv under TP 2: the one qkv_proj split by KV-head groups (SP and overlap on and off)."""
+    """merge_qkv and merge_gate_up under TP 2: the one qkv_proj split by KV-head groups, the one
+    gate_up_proj by intermediate units (SP and overlap on and off)."""
     cases = [(True, True, "packed", False), (False, False, "batch", True)]
     for rank, results in enumerate(gloo_world(2).run(check_model_parity, 2, "llama-merged", cases)):
         for case, r in results.items():
@@ -366,8 +368,9 @@ def test_merged_qkv_matches_single_process(gloo_world):
 
 
 def count_qkv_gemms() -> dict:
-    """GEMMs (aten mm / addmm) of the q/k/v projection of one layer, SP with the overlapped ring
-    all-gather: merged, one per TP chunk; separate q/k/v (one shared gather), three per chunk."""
+    """GEMMs (aten mm / addmm) of the q/k/v and the gate/up projections of one layer, SP with the
+    overlapped ring all-gather: merged, one per TP chunk each; separate (one shared gather), three
+    and two per chunk."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from xorl.plans.tensor_parallel import apply_tensor_parallel
@@ -384,17 +387,20 @@ def count_qkv_gemms() -> dict:
     mesh = tp_mesh(dist.get_world_size())
     counts = {}
     for merged in (True, False):
-        config = types.SimpleNamespace(**{**vars(llama_config(kv_heads=2)), "merge_qkv": merged})
+        config = types.SimpleNamespace(**{**vars(llama_config(kv_heads=2)), "merge_qkv": merged,
+                                          "merge_gate_up": merged})
         model = apply_tensor_parallel(build(config, seed=3), mesh, sequence_parallel=True, overlap=True,
                                       overlap_min_numel=0)
-        attn = model.model.layers[0].self_attn
+        attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
         x = torch.randn(1, 4, 16)  # this rank's sequence shard
-        with CountGemms() as gemms:
+        with CountGemms() as qkv:
             attn.qkv_proj(x) if merged else attn.q_proj(x)
-        counts[merged] = gemms.n
+        with CountGemms() as gate_up:
+            mlp.gate_up_proj(x) if merged else mlp.gate_proj(x)
+        counts[merged] = (qkv.n, gate_up.n)
     return counts
 
 
 def test_merged_qkv_runs_one_gemm_per_chunk(gloo_world):
     for counts in gloo_world(2).run(count_qkv_gemms):
-        assert counts == {True: 2, False: 6}, counts  # TP 2: two ring chunks
+        assert counts == {True: (2, 2), False: (6, 4)}, counts  # TP 2: two ring chunks

@@ -74,14 +74,14 @@ def test_moe_resume_under_expert_parallel(gloo_world, tmp_path):
 
 @pytest.mark.parametrize("merge_qkv", [False, True])
 def test_resume_across_a_layout_change(gloo_world, tmp_path, merge_qkv):
-    """Saved under TP=2 (sequence parallel), resumed with FSDP only on the same 2 ranks; merge_qkv:
-    the one qkv_proj saved by TP ranks holding whole KV-head groups reads back whole."""
+    """Saved under TP=2 (sequence parallel), resumed with FSDP only on the same 2 ranks; merged: the
+    one qkv_proj and gate_up_proj saved by TP ranks (whole KV-head groups, paired units) read back whole."""
     tp2 = dict(data_parallel_shard_size=1, tensor_parallel_size=2, sequence_parallel=True,
                gradient_accumulation_steps=4)
 
     def config(out, **train):
         c = tiny_config(out, **train)
-        c.model.merge_qkv = merge_qkv
+        c.model.merge_qkv = c.model.merge_gate_up = merge_qkv
         return c
 
     world = gloo_world(2)

@@ -78,6 +78,9 @@ class ModelConfig:
     # One fused q/k/v projection (rows grouped by KV head, xorl/models/attention.py): under tensor
     # parallelism each rank runs one GEMM for its q, k and v heads.
     merge_qkv: bool = False
+    # One fused gate/up projection of the dense MLP (rows alternate gate and up, xorl/models/layers.py):
+    # under tensor parallelism each rank runs one GEMM for both.
+    merge_gate_up: bool = False
     model_path: str | None = None  # local HF folder with config.json + *.safetensors
     attn_implementation: Literal["xorl", "flash_attn", "sdpa"] = "xorl"
     initializer_range: float = 0.02

@@ -29,7 +29,7 @@ from xorl.config_error import ConfigError
 
 HF_CONFIG_NAME = "config.json"
 # Model fields that never come from a model folder: how xorl runs it, and where it is.
-LOCAL_FIELDS = ("model_path", "attn_implementation", "merge_qkv")
+LOCAL_FIELDS = ("model_path", "attn_implementation", "merge_qkv", "merge_gate_up")
 # In config.json but not architecture: the YAML / CLI value wins when set explicitly.
 TRAINING_KNOBS = ("router_aux_loss_coef", "router_z_loss_coef", "initializer_range")
 

@@ -171,7 +171,7 @@ class DecoderForCausalLM(nn.Module):
         self.tie_weights()
 
     def build_mlp(self, spec: ModelSpec, layer_idx: int) -> nn.Module:
-        return SwiGLUMLP(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias)
+        return SwiGLUMLP(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias, merge_gate_up=spec.merge_gate_up)
 
     def tie_weights(self) -> None:
         """lm_head shares the embedding matrix when tie_word_embeddings (re-run after to_empty)."""

@@ -9,6 +9,8 @@ Name / layout conversions (everything else keeps its name):
 - merge_qkv: xorl's ``self_attn.qkv_proj`` rows are grouped by KV head (per group: its query heads,
   its key head, its value head; xorl/models/attention.py); HF files always hold ``q_proj`` /
   ``k_proj`` / ``v_proj``.
+- merge_gate_up: the dense MLP's ``mlp.gate_up_proj`` rows alternate gate and up units (row 2i
+  gate i, row 2i + 1 up i; xorl/models/layers.py); HF files hold ``gate_proj`` / ``up_proj``.
 - tie_word_embeddings: ``lm_head.weight`` is not written (as in HF) and ignored when loading.
 
 Parallel models: each rank loads only the boxes its DTensor shards (FSDP2 / TP / EP) hold, read
@@ -46,6 +48,7 @@ _SHARD_NAME = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 # Wrappers (activation checkpointing, torch.compile, FSDP1) insert these into parameter names.
 _WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 _STACKED_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
+_GATE_UP = re.compile(r"^(?P<prefix>.*\.mlp)\.gate_up_proj\.(?P<kind>weight|bias)$")
 _QKV = re.compile(r"^(?P<prefix>.*\.self_attn)\.qkv_proj\.(?P<kind>weight|bias)$")
 
 
@@ -114,6 +117,23 @@ class _GroupedQKV(_Recipe):
             dest[lo - first:hi - first].copy_(read(source, (slice(start, start + hi - lo), *box.slices[1:])))
 
 
+class _InterleavedRows(_Recipe):
+    """merge_gate_up: ``gate_up_proj`` rows [g_0, u_0, g_1, u_1, ...] from HF's gate and up; a box
+    reads only the gate and up rows it covers."""
+
+    def shape(self, shapes):
+        gate = shapes[self.sources[0]]
+        return (2 * gate[0], *gate[1:])
+
+    def fill(self, read, dest, box):
+        first, last = box.offset[0], box.offset[0] + box.shape[0]
+        rest = box.slices[1:]
+        for source, parity in zip(self.sources, (0, 1)):  # rows 2i + parity hold unit i of the source
+            lo, hi = (first - parity + 1) // 2, (last - parity + 1) // 2
+            if lo < hi:
+                dest[2 * lo + parity - first::2].copy_(read(source, (slice(lo, hi), *rest)))
+
+
 class _StackTransposed(_Recipe):
     """Per-expert HF Linears [out, in] -> stacked [E, in, out]; a box reads only its experts."""
 
@@ -177,6 +197,7 @@ def _plan(targets: list[str], sources: set[str], tied: bool, spec: ModelSpec | N
     for name in targets:
         qkv = _QKV.match(name)
         expert = _STACKED_EXPERT.match(name)
+        gate_up = _GATE_UP.match(name)
         if tied and name == "lm_head.weight":  # HF files do not hold a tied head: it is the embedding
             recipes[name] = _Identity(["model.embed_tokens.weight"])
         elif qkv:
@@ -185,6 +206,9 @@ def _plan(targets: list[str], sources: set[str], tied: bool, spec: ModelSpec | N
                 raise ValueError(f"{name}: loading a merged qkv_proj needs the model's spec (its head counts)")
             recipes[name] = _GroupedQKV([f"{p}.{x}_proj.{kind}" for x in "qkv"],
                                         spec.num_attention_heads // spec.num_key_value_heads, spec.head_dim)
+        elif gate_up:
+            p, kind = gate_up["prefix"], gate_up["kind"]
+            recipes[name] = _InterleavedRows([f"{p}.gate_proj.{kind}", f"{p}.up_proj.{kind}"])
         elif expert and f"{expert['prefix']}.gate_up_proj" in sources:  # transformers v5 fused layout
             recipes[name] = _Transposed12([f"{expert['prefix']}.{expert['proj']}"])
         elif expert and f"{expert['prefix']}.0.down_proj.weight" in sources:  # per-expert Linears
@@ -384,6 +408,10 @@ def hf_pieces(name: str, shape: tuple[int, ...], spec: ModelSpec) -> list[tuple[
         return []
     qkv = _QKV.match(name)
     expert = _STACKED_EXPERT.match(name)
+    gate_up = _GATE_UP.match(name)
+    if gate_up:  # rows alternate gate and up
+        return [(f"{gate_up['prefix']}.{x}_proj.{gate_up['kind']}", lambda t, s=s: t[s::2])
+                for x, s in (("gate", 0), ("up", 1))]
     if qkv:
         groups, hd = spec.num_key_value_heads, spec.head_dim
         per = spec.num_attention_heads // groups  # query heads per KV group

@@ -70,13 +70,27 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class SwiGLUMLP(nn.Module):
-    """down_proj(silu(gate_proj(x)) * up_proj(x)) with HF parameter names."""
+    """down_proj(silu(gate_proj(x)) * up_proj(x)) with HF parameter names.
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
+    ``merge_gate_up``: one ``gate_up_proj`` [2 * intermediate, hidden] whose rows alternate gate and
+    up (row 2i: gate unit i, row 2i + 1: up unit i). Why interleaved: tensor parallelism splits the
+    intermediate units over the ranks, and any contiguous block of rows then holds matching gate and
+    up units, whatever the TP size (a checkpoint resumes on any TP), so each rank runs one GEMM for
+    both. HF files keep gate_proj / up_proj (xorl/models/hf_io.py converts)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, merge_gate_up: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.merge_gate_up = merge_gate_up
+        if merge_gate_up:
+            self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        else:
+            self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+            self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.merge_gate_up:  # [..., units (this rank's under TP), 2]: gate, up
+            gate_up = self.gate_up_proj(x)
+            gate_up = gate_up.view(*gate_up.shape[:-1], -1, 2)
+            return self.down_proj(F.silu(gate_up[..., 0]) * gate_up[..., 1])
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

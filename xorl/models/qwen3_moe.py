@@ -20,7 +20,8 @@ from xorl.nn.moe import MoE
 class Qwen3MoeForCausalLM(DecoderForCausalLM):
     def build_mlp(self, spec: ModelSpec, layer_idx: int) -> nn.Module:
         if not spec.is_moe_layer(layer_idx):
-            return SwiGLUMLP(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias)
+            return SwiGLUMLP(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias,
+                             merge_gate_up=spec.merge_gate_up)
         return MoE(
             spec.hidden_size,
             spec.num_experts,

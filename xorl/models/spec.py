@@ -58,6 +58,7 @@ class ModelSpec:
     attention_bias: bool
     mlp_bias: bool
     merge_qkv: bool
+    merge_gate_up: bool
     initializer_range: float
     attn_implementation: str | None
     # MoE (qwen3_moe only; zero / empty on dense models)
@@ -171,6 +172,7 @@ class ModelSpec:
             attention_bias=bool(_get(config, "attention_bias", False)),
             mlp_bias=bool(_get(config, "mlp_bias", False)),
             merge_qkv=bool(_get(config, "merge_qkv", False)),
+            merge_gate_up=bool(_get(config, "merge_gate_up", False)),
             initializer_range=float(_get(config, "initializer_range", 0.02)),
             attn_implementation=_get(config, "attn_implementation", None),
             **kwargs,

@@ -84,7 +84,7 @@ VOCAB_PARAMS = ("model.embed_tokens.weight", "lm_head.weight")
 TP_SHARD_DIM = {
     **{f"self_attn.{x}_proj.{kind}": 0 for x in ("q", "k", "v", "qkv") for kind in ("weight", "bias")},
     "self_attn.o_proj.weight": 1,
-    **{f"mlp.{x}_proj.{kind}": 0 for x in ("gate", "up") for kind in ("weight", "bias")},
+    **{f"mlp.{x}_proj.{kind}": 0 for x in ("gate", "up", "gate_up") for kind in ("weight", "bias")},
     "mlp.down_proj.weight": 1,
 }
 EXPERT_PARAMS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")

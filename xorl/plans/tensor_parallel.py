@@ -10,8 +10,10 @@ On every present ``model.model.layers[i]`` (entries may be None under pipeline p
   are grouped by KV head (xorl/models/attention.py), so the plain column split hands each rank its
   whole groups, q, k and v, and each overlap chunk runs one GEMM instead of three.
   ``self_attn.o_proj`` -> RowParallelLinear.
-* ``mlp.{gate,up}_proj`` -> ColumnParallelLinear (sharing one gathered input), ``mlp.down_proj``
-  -> RowParallelLinear.
+* ``mlp.{gate,up}_proj`` -> ColumnParallelLinear (sharing one gathered input), or with
+  merge_gate_up ``mlp.gate_up_proj`` -> one ColumnParallelLinear (its rows alternate gate and up
+  units, so a column split keeps them paired: one GEMM per chunk); ``mlp.down_proj`` ->
+  RowParallelLinear.
 * ``model.embed_tokens`` -> VocabParallelEmbedding and ``lm_head`` -> VocabParallelLMHead when the
   vocabulary divides by TP (each rank holds vocab/P rows; logits stay sharded for the
   vocabulary-parallel loss, xorl/nn/cross_entropy.py); otherwise both stay replicated.
@@ -136,21 +138,22 @@ def _parallelize_attention(attn: nn.Module, tp_mesh, tp: TPGroup, prefix: str, l
 def _parallelize_dense_mlp(mlp: nn.Module, tp_mesh, tp: TPGroup, prefix: str, linear_kw: dict,
                            share: bool) -> bool:
     """gate/up column, down row; False when ``mlp`` is not a plain SwiGLU MLP (e.g. a MoE block)."""
-    names = ("gate_proj", "up_proj", "down_proj")
-    if not all(type(getattr(mlp, n, None)) is nn.Linear for n in names):
+    merged = type(getattr(mlp, "gate_up_proj", None)) is nn.Linear
+    columns = ("gate_up_proj",) if merged else ("gate_proj", "up_proj")
+    if not all(type(getattr(mlp, n, None)) is nn.Linear for n in (*columns, "down_proj")):
         return False
-    if mlp.gate_proj.out_features % tp.size:
+    if mlp.down_proj.in_features % tp.size:
         raise ValueError(
-            f"{prefix}: intermediate_size={mlp.gate_proj.out_features} must be divisible by "
+            f"{prefix}: intermediate_size={mlp.down_proj.in_features} must be divisible by "
             f"tensor_parallel_size={tp.size}"
         )
-    for name in ("gate_proj", "up_proj"):
+    for name in columns:
         layer = ColumnParallelLinear.from_linear(getattr(mlp, name), tp_mesh, **linear_kw)
         layer.name = f"{prefix}.{name}"
         setattr(mlp, name, layer)
     mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, tp_mesh, **linear_kw)
     mlp.down_proj.name = f"{prefix}.down_proj"
-    if share:
+    if share and not merged:
         SharedInputColumnGroup([mlp.gate_proj, mlp.up_proj], name=f"{prefix}.gate_up_proj")
     return True
 
