@@ -9,7 +9,7 @@ reduce-scatters its output along it. Without it, the column layer takes the repl
 Weights are DTensors on the 1-D TP mesh, ``Shard(0)`` for column (weight [out, in]) and
 ``Shard(1)`` for row, so FSDP2 ``fully_shard`` on a dp mesh composes on top (2-D), clip-grad sees
 the whole norm and DCP checkpoints save the full logical tensor. The forward multiplies the local
-shards (``to_local()``) inside the autograd functions of ``xorl.nn.tp_overlap``, which decompose
+shards (``to_local()``) inside the autograd functions of ``xorl.nn.tp_comm``, which decompose
 the gather / scatter into TP chunks so each chunk's transfer hides behind the previous chunk's
 GEMM (``overlap=True``, above ``overlap_min_numel`` gathered elements). Gradients land on the
 DTensor parameters (local shard grads wrapped with the parameter's placements).
@@ -41,12 +41,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from xorl.nn.tp_comm import TPGroup, gather_from_shards, split_to_shard, sum_partials, sum_partials_to_shard
-from xorl.nn.tp_overlap import (
+from xorl.nn.tp_comm import (
     DEFAULT_OVERLAP_MIN_NUMEL,
     ColumnParallelMatmul,
     RowParallelMatmul,
+    TPGroup,
     TPMatmulConfig,
+    gather_from_shards,
+    split_to_shard,
+    sum_partials,
+    sum_partials_to_shard,
 )
 
 

@@ -61,8 +61,7 @@ from xorl.nn.tensor_parallel import (
     VocabParallelLMHead,
     replicate_on_tp,
 )
-from xorl.nn.tp_comm import TPGroup, gather_from_shards, split_to_shard
-from xorl.nn.tp_overlap import DEFAULT_OVERLAP_MIN_NUMEL
+from xorl.nn.tp_comm import DEFAULT_OVERLAP_MIN_NUMEL, TPGroup, gather_from_shards, split_to_shard
 
 _HEAD_COUNT_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads")
 _SEQ_DIM = -2
