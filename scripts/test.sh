@@ -8,11 +8,13 @@ cd "$root"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # Two pytest-xdist workers (XORL_TEST_WORKERS=N for another count, 0 for none): a third of a 2-core
 # machine's time was idle with one (process start-ups, ranks waiting on each other, timeouts under
-# test). loadgroup keeps the tests of one expensive module fixture (xdist_group) in one worker.
-# Where pytest-xdist is not installed (an offline GPU image) the suite runs in one process.
+# test). loadfile sends each test file whole to one worker, so a module fixture (the host-memory
+# model, the parity references) is computed once. (loadgroup would be finer, but with pytest 9 it
+# ignores xdist_group.) Where pytest-xdist is not installed (an offline GPU image) the suite runs
+# in one process.
 workers="${XORL_TEST_WORKERS:-2}"
 parallel=()
 if [ "$workers" != 0 ] && python -c "import xdist" 2>/dev/null; then
-  parallel=(-n "$workers" --dist loadgroup)
+  parallel=(-n "$workers" --dist loadfile)
 fi
 exec python -m pytest -q tests "${parallel[@]}" "$@"

@@ -32,10 +32,6 @@ def train_and_export(config, folder: str) -> dict:
     return full if dist.get_rank() == 0 else {}
 
 
-# One worker runs this module under pytest-xdist: its module fixture is computed once.
-pytestmark = pytest.mark.xdist_group("export")
-
-
 @pytest.fixture(scope="module")
 def runs(gloo_world, tmp_path_factory):
     """Llama under FSDP 2 and Qwen3-MoE (merge_qkv) under EP 2 x FSDP 2, each trained 2 steps and exported."""

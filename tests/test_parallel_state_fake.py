@@ -68,10 +68,6 @@ def _probe_main() -> None:
     json.dump(results, sys.stdout)
 
 
-# One worker runs this module under pytest-xdist: its module fixture is computed once.
-pytestmark = pytest.mark.xdist_group("parallel_state_fake")
-
-
 @pytest.fixture(scope="module")
 def observations():
     jobs = [[world, layout, sampled_ranks(world)] for world, layout in LAYOUTS]

@@ -3,7 +3,9 @@
 Each layout runs the real Trainer for 10 optimizer steps on the same tiny model and the same
 global batch (4 microbatches per step, split over the data-parallel ranks) and must log the
 single-process losses (relative difference <= 1e-6 at step 1, before any update, and <= 1e-5 at
-every step) and end with the same weights.
+every step) and end with the same weights. The pipeline layouts run from
+tests/test_parity_matrix_pp.py (the same check; two files so that two pytest-xdist workers share
+the matrix).
 """
 
 import pytest
@@ -57,12 +59,21 @@ LAYOUTS = [
 ]
 
 
+PIPELINE_LAYOUTS = [layout for layout in LAYOUTS if layout[3].get("pipeline_parallel_size", 1) > 1]
+OTHER_LAYOUTS = [layout for layout in LAYOUTS if layout not in PIPELINE_LAYOUTS]
+
+
 def _dp(train: dict) -> int:
     return train.get("data_parallel_replicate_size", 1) * train.get("data_parallel_shard_size", 1)
 
 
 @pytest.fixture(scope="module")
 def references(gloo_world, tmp_path_factory):
+    return single_process_references(gloo_world, tmp_path_factory)
+
+
+def single_process_references(gloo_world, tmp_path_factory):
+    """model type -> the single-process run of the global batch, computed once when first asked."""
     cache = {}
 
     def get(model_type: str) -> dict:
@@ -75,8 +86,13 @@ def references(gloo_world, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("name,world_size,model_type,train", LAYOUTS, ids=[layout[0] for layout in LAYOUTS])
+@pytest.mark.parametrize("name,world_size,model_type,train", OTHER_LAYOUTS, ids=[layout[0] for layout in OTHER_LAYOUTS])
 def test_layout_matches_single_process(name, world_size, model_type, train, gloo_world, references, tmp_path):
+    check_layout(world_size, model_type, train, gloo_world, references, tmp_path)
+
+
+def check_layout(world_size: int, model_type: str, train: dict, gloo_world, references, tmp_path) -> None:
+    """The layout's 10 steps against one process's (see the module docstring)."""
     ref = references(model_type)
     train = dict(train, gradient_accumulation_steps=GLOBAL_MICROBATCHES // _dp(train))
     config = tiny_config(str(tmp_path), model_type, **train)

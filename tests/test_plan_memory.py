@@ -130,10 +130,6 @@ def _example_jobs() -> list:
     return jobs
 
 
-# One worker runs this module under pytest-xdist: its module fixture is computed once.
-pytestmark = pytest.mark.xdist_group("plan_memory")
-
-
 @pytest.fixture(scope="module")
 def probes():
     """Both probes at once (CI has two cores): the small layouts and the examples."""

@@ -20,7 +20,7 @@ import pytest
 from bench.bench_host_memory import measure_host_memory
 
 LIMIT = 0.35
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("scale_memory")]
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
