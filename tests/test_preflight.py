@@ -136,3 +136,14 @@ def test_a_merged_qkv_checkpoint_in_the_older_row_order_is_refused(tmp_path):
     with open(manifest, "w") as f:
         json.dump({**sizes, run_dir.TRAINER_STATE_NAME: os.path.getsize(state_file)}, f)
     assert prepare_run(config, 1).resume is not None  # written by this xorl: resumes
+
+
+def test_an_moe_checkpoint_with_separate_expert_gate_and_up_is_refused(tmp_path):
+    """Saved before experts.gate_up_proj: DCP would fail only at load, after the process groups."""
+    saved = _config(tmp_path)
+    saved.model.model_type, saved.model.num_experts = "qwen3_moe", 4
+    _fake_checkpoint(tmp_path, 2, saved)  # its trainer_state.json has no experts_layout
+    config = _config(tmp_path, resume=True)
+    config.model.model_type, config.model.num_experts = "qwen3_moe", 4
+    message = _refusal(config)
+    assert "its MoE experts hold gate_proj and up_proj apart" in message and "xorl-export" in message

@@ -131,7 +131,7 @@ def _plan_run_dir(config: Any, world_size: int, plan: RunPlan) -> list[str]:
     except (KeyError, TypeError, ValueError) as e:
         return [f"checkpoint {checkpoint}: {run_dir.TRAINER_STATE_NAME} lacks or garbles {e}"]
     problems, notes, plan.apply_config_hparams = check_resume(config, stored, checkpoint, step)
-    problems += qkv_layout_problems(config.model, state, checkpoint)
+    problems += layout_problems(config.model, state, checkpoint)
     plan.notes += notes
     if problems:
         return problems
@@ -167,19 +167,25 @@ def _plan_overwrite(out: str, found: list[str], plan: RunPlan) -> list[str]:
     return []
 
 
-_QKV_FIX = ("resume it with the xorl that saved it, or export it there (xorl-export) and start a new run from the "
-            "export with model.model_path")
+_LAYOUT_FIX = ("resume it with the xorl that saved it, or export it there (xorl-export) and start a new run from "
+               "the export with model.model_path")
 
 
-def qkv_layout_problems(model_config: Any, state: dict, checkpoint: str, fix: str = _QKV_FIX) -> list[str]:
-    """A merge_qkv checkpoint whose qkv_proj rows are in another order than this xorl's (same name
-    and shape: loading it would mix heads without any error)."""
-    from xorl.models.spec import QKV_LAYOUT
+def layout_problems(model_config: Any, state: dict, checkpoint: str, fix: str = _LAYOUT_FIX) -> list[str]:
+    """Checkpoints of an older parameter layout: a merge_qkv one whose qkv_proj rows are in another
+    order (same name and shape: loading it would mix heads without any error), and an MoE one with
+    separate expert gate / up weights (it would fail only when DCP loads it, after start-up)."""
+    from xorl.models.spec import EXPERTS_LAYOUT, QKV_LAYOUT
 
-    if not model_config.merge_qkv or state.get("qkv_layout") == QKV_LAYOUT:
-        return []
-    return [f"checkpoint {checkpoint}: its self_attn.qkv_proj is in the older [q; k; v] row order, and this xorl "
-            f"groups the rows by KV head (qkv_layout {QKV_LAYOUT!r}); {fix}"]
+    problems = []
+    if model_config.merge_qkv and state.get("qkv_layout") != QKV_LAYOUT:
+        problems.append(f"checkpoint {checkpoint}: its self_attn.qkv_proj is in the older [q; k; v] row order, and "
+                        f"this xorl groups the rows by KV head (qkv_layout {QKV_LAYOUT!r}); {fix}")
+    if model_config.num_experts and state.get("experts_layout") != EXPERTS_LAYOUT:
+        problems.append(f"checkpoint {checkpoint}: its MoE experts hold gate_proj and up_proj apart (an older "
+                        f"xorl), and this xorl fuses them into experts.gate_up_proj (experts_layout "
+                        f"{EXPERTS_LAYOUT!r}); {fix}")
+    return problems
 
 
 def global_batch(config: Any, world_size: int) -> int:

@@ -38,7 +38,7 @@ from xorl.memory_report import current_host_bytes, report_startup, reset_peak_ho
 from xorl.metrics import MetricsLogger, startup_summary
 from xorl.mfu import mfu
 from xorl.models.registry import build_model
-from xorl.models.spec import QKV_LAYOUT
+from xorl.models.spec import EXPERTS_LAYOUT, QKV_LAYOUT
 from xorl.nn.tensor_parallel import sum_tp_partial_grads
 from xorl.optim import build_optimizer, set_schedule_step
 from xorl.parallelize import parallelize_model
@@ -218,6 +218,8 @@ class Trainer:
             state["data_state"] = self.loader.state()
         if self.config.model.merge_qkv:
             state["qkv_layout"] = QKV_LAYOUT
+        if self.config.model.num_experts:
+            state["experts_layout"] = EXPERTS_LAYOUT
         files = {run_dir.RUN_CONFIG_NAME: self.config.to_yaml(), run_dir.TRAINER_STATE_NAME: json.dumps(state),
                  MODEL_CONFIG: json.dumps(dataclasses.asdict(self.config.model), indent=2)}
         return self.checkpointer.save(self.step, self.parts, self.optimizers, extra, files, blocking=blocking)

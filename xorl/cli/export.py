@@ -65,9 +65,10 @@ def model_config_for(checkpoint: str, config_path: str | None):
         return Config.from_dict({"model": json.load(f)}, source=stored).model
 
 
-def _check_qkv_layout(checkpoint: str, model_config) -> None:
-    """A merge_qkv checkpoint in another qkv_proj row order would export with its heads mixed."""
-    from xorl.preflight import qkv_layout_problems
+def _check_layout(checkpoint: str, model_config) -> None:
+    """A checkpoint of an older parameter layout (preflight.layout_problems): a merge_qkv one would
+    export with its heads mixed."""
+    from xorl.preflight import layout_problems
     from xorl.run_dir import TRAINER_STATE_NAME
 
     state_path = os.path.join(checkpoint, TRAINER_STATE_NAME)
@@ -75,7 +76,7 @@ def _check_qkv_layout(checkpoint: str, model_config) -> None:
     if os.path.isfile(state_path):
         with open(state_path, encoding="utf-8") as f:
             state = json.load(f)
-    problems = qkv_layout_problems(model_config, state, checkpoint, fix="export it with the xorl that saved it")
+    problems = layout_problems(model_config, state, checkpoint, fix="export it with the xorl that saved it")
     if problems:
         raise ExportError(problems[0])
 
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         if os.path.exists(args.out_dir) and (not os.path.isdir(args.out_dir) or os.listdir(args.out_dir)):
             raise ExportError(f"OUT_DIR={args.out_dir!r} exists: give a new folder (an export never overwrites one)")
         model_config = model_config_for(checkpoint, args.config)
-        _check_qkv_layout(checkpoint, model_config)
+        _check_layout(checkpoint, model_config)
     except (ExportError, ValueError) as err:  # ConfigError is a ValueError
         print(f"xorl-export: {err}", file=sys.stderr)
         return 2

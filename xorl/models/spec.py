@@ -39,6 +39,9 @@ def _rope_theta(config: Any) -> float:
 # recorded in checkpoints (trainer_state.json) so that one saved in another layout is never read as
 # this one (xorl before 2026-11-24 saved [q; k; v]).
 QKV_LAYOUT = "kv_groups"
+# The MoE experts' layout (``experts.gate_up_proj`` [E, H, 2I] and ``down_proj``: xorl/nn/moe_experts.py),
+# recorded the same way: xorl before 2026-11-24 saved separate experts.gate_proj / up_proj.
+EXPERTS_LAYOUT = "gate_up"
 
 
 @dataclass(frozen=True)
