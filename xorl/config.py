@@ -84,6 +84,9 @@ class ModelConfig:
     model_path: str | None = None  # local HF folder with config.json + *.safetensors
     attn_implementation: Literal["xorl", "flash_attn", "sdpa"] = "xorl"
     initializer_range: float = 0.02
+    # The training loss straight from the last hidden states, chunk by chunk over tokens, never
+    # holding the [tokens, vocab] logits (xorl_kernels/fused_linear_ce); false: logits, then the loss.
+    fused_loss: bool = True
 
 
 @dataclass

@@ -4,6 +4,7 @@ One folder per op, each with the public function and its autograd, its kernels (
 csrc wrappers) and its plain-torch reference side by side:
 
     flash_attn/    flash_attn, flash_attn_with_lse (op.py), merge_attn_states (merge.py)
+    fused_linear_ce/  fused_linear_cross_entropy (the summed loss of hidden @ lm_head^T, chunked)
     grouped_gemm/  grouped_gemm
     moe_permute/   permute_tokens, unpermute_tokens, the routing metadata
     ulysses/       the Ulysses all-to-all pack / unpack
@@ -21,12 +22,14 @@ and find the function). Importing this package is cheap: Triton loads on the fir
 from xorl_kernels.cuda_ext import has_cuda_ext
 from xorl_kernels.flash_attn.merge import merge_attn_states
 from xorl_kernels.flash_attn.op import flash_attn, flash_attn_with_lse
+from xorl_kernels.fused_linear_ce.op import fused_linear_cross_entropy
 from xorl_kernels.grouped_gemm.op import grouped_gemm
 from xorl_kernels.moe_permute.op import permute_tokens, unpermute_tokens
 
 __all__ = [
     "flash_attn",
     "flash_attn_with_lse",
+    "fused_linear_cross_entropy",
     "grouped_gemm",
     "has_cuda_ext",
     "merge_attn_states",

@@ -64,6 +64,9 @@ class ModelSpec:
     merge_gate_up: bool
     initializer_range: float
     attn_implementation: str | None
+    # The loss from the last hidden states by the fused chunked kernel, never holding [tokens, vocab]
+    # logits (xorl.nn.cross_entropy.linear_cross_entropy_sum); False: logits, then the loss.
+    fused_loss: bool = True
     # MoE (qwen3_moe only; zero / empty on dense models)
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -178,5 +181,6 @@ class ModelSpec:
             merge_gate_up=bool(_get(config, "merge_gate_up", False)),
             initializer_range=float(_get(config, "initializer_range", 0.02)),
             attn_implementation=_get(config, "attn_implementation", None),
+            fused_loss=bool(_get(config, "fused_loss", True)),
             **kwargs,
         )
