@@ -117,15 +117,24 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                     d_weight.addmm_(logits.T, h)
             del logits
         ctx.save_for_backward(d_hidden, d_weight)
+        ctx.used = False
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
+        if ctx.used:
+            raise RuntimeError(
+                "fused_linear_cross_entropy: backward ran twice through one forward (retain_graph); its "
+                "gradients are scaled in place, so run the forward again instead"
+            )
+        ctx.used = True
         d_hidden, d_weight = ctx.saved_tensors
+        # Scaled in place: a fresh [V, H] copy would add a parameter-sized buffer at the loss's peak.
         scale = grad_loss.to(torch.float32)
-        dh = None if d_hidden is None else (d_hidden * scale).to(d_hidden.dtype)
-        dw = None if d_weight is None else (d_weight * scale).to(d_weight.dtype)
-        return dh, dw, None, None, None, None, None, None, None
+        for grad in (d_hidden, d_weight):
+            if grad is not None:
+                grad.mul_(scale)
+        return d_hidden, d_weight, None, None, None, None, None, None, None
 
 
 def fused_linear_cross_entropy(
