@@ -106,8 +106,8 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
 
     def forward(self, hidden, cos, sin, cu_seqlens=None, max_seqlen=None, token_mask=None):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, cu_seqlens, max_seqlen)
-        x = self.post_attention_layernorm(hidden)
+        attn_out = self.self_attn(self.input_layernorm(hidden), cos, sin, cu_seqlens, max_seqlen)
+        x, hidden = self.post_attention_layernorm(attn_out, residual=hidden)  # fused residual add + norm
         # token_mask (False on padding the context-parallel split added) only matters to an MoE
         # block's routing statistics; a dense MLP is per token anyway.
         if token_mask is not None and isinstance(self.mlp, MoE):

@@ -1,14 +1,19 @@
 """Building blocks shared by the models: RMSNorm, rotary position embedding, SwiGLU MLP.
 
 The arithmetic follows transformers' Llama / Qwen3-MoE code step by step (same dtypes, same order
-of operations) so fp32 logits agree to ~1e-6 relative.
+of operations) so fp32 logits agree to ~1e-6 relative. Each runs as one fused op of xorl_kernels
+(rms_norm with its residual add, apply_rotary, swiglu): Triton kernels on the GPU, the same
+arithmetic in plain torch on the CPU.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from xorl_kernels.rmsnorm.op import rms_norm
+from xorl_kernels.rope.op import apply_rotary as _rope
+from xorl_kernels.swiglu.op import swiglu
 
 
 class RMSNorm(nn.Module):
@@ -22,11 +27,9 @@ class RMSNorm(nn.Module):
     def init_weights(self, std: float) -> None:
         nn.init.ones_(self.weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        input_dtype = x.dtype
-        x = x.to(torch.float32)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(input_dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """RMSNorm(x); with ``residual``: (RMSNorm(x + residual), x + residual) in one fused pass."""
+        return rms_norm(x, self.weight, self.eps, residual)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
@@ -63,10 +66,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [batch, seq, heads, head_dim]; cos/sin [batch, seq, head_dim] (HF's "rotate half" layout)."""
-    cos = cos.unsqueeze(2)
-    sin = sin.unsqueeze(2)
-    return (x * cos) + (rotate_half(x) * sin)
+    """x [batch, seq, heads, head_dim]; cos/sin [batch, seq, rot <= head_dim] (HF's "rotate half" layout;
+    rot < head_dim: partial rotary)."""
+    return _rope(x, cos, sin)
 
 
 class SwiGLUMLP(nn.Module):
@@ -92,5 +94,5 @@ class SwiGLUMLP(nn.Module):
         if self.merge_gate_up:  # [..., units (this rank's under TP), 2]: gate, up
             gate_up = self.gate_up_proj(x)
             gate_up = gate_up.view(*gate_up.shape[:-1], -1, 2)
-            return self.down_proj(F.silu(gate_up[..., 0]) * gate_up[..., 1])
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(swiglu(gate_up[..., 0], gate_up[..., 1]))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor
@@ -41,6 +40,7 @@ from torch.distributed.tensor import DTensor
 from xorl.nn.moe_experts import GroupedExperts
 from xorl.nn.router import Router, check_router_args
 from xorl_kernels.moe_permute.op import permute_tokens, unpermute_tokens
+from xorl_kernels.swiglu.op import swiglu
 
 
 # ----------------------------------------------------------------------------------------------
@@ -228,7 +228,7 @@ class SharedExpertMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class MoE(nn.Module):

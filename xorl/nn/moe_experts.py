@@ -17,11 +17,11 @@ forward and nowhere else.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from xorl_kernels.grouped_gemm.op import grouped_gemm
+from xorl_kernels.swiglu.op import swiglu
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:
@@ -34,7 +34,7 @@ def swiglu_experts(x_sorted, gate_up_proj, down_proj, tokens_per_expert):
     """down(silu(x @ gate) * (x @ up)) per expert over rows sorted by expert: one grouped GEMM for
     gate and up together ([N, 2I]), SwiGLU on its halves, one for down."""
     gate, up = grouped_gemm(x_sorted, gate_up_proj, tokens_per_expert).chunk(2, dim=-1)
-    return grouped_gemm(F.silu(gate) * up, down_proj, tokens_per_expert)
+    return grouped_gemm(swiglu(gate, up), down_proj, tokens_per_expert)
 
 
 class GroupedExperts(nn.Module):

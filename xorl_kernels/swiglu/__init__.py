@@ -1,0 +1,1 @@
+"""SwiGLU activation: op.py (swiglu, dispatch, custom op), triton_kernels.py, reference.py."""
