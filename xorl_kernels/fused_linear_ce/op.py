@@ -114,7 +114,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 if want_dh:
                     torch.mm(logits, weight, out=d_hidden[start:start + chunk_size])
                 if want_dw:
-                    d_weight.addmm_(logits.T, h)
+                    # out= rather than addmm_: the same in-place update, and FLOP counters know addmm.
+                    torch.addmm(d_weight, logits.T, h, out=d_weight)
             del logits
         ctx.save_for_backward(d_hidden, d_weight)
         ctx.used = False
