@@ -237,3 +237,19 @@ def test_second_backward_through_one_forward_is_refused():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backward ran twice"):
         loss.backward()
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_op_bf16_within_bf16_tolerance(backend):
+    """bf16 inputs (the GPU case): chunk logits and their gradient in bf16, d_weight accumulated in bf16."""
+    h, w, labels = _case(300, 333, 48, seed=1)
+    ref_loss, ref_dh, ref_dw = float64_loss_and_grads(h, w, labels, 1e-3, scale=1.0)
+    h, w = h.bfloat16(), w.bfloat16()
+    if backend == "triton":
+        h, w, labels = to_triton(h, w, labels)
+    h, w = h.requires_grad_(), w.requires_grad_()
+    loss = fused_linear_cross_entropy(h, w, labels, z_loss=1e-3, chunk_size=64, backend=backend)
+    loss.backward()
+    assert rel_err(loss, ref_loss) < 1e-3
+    assert rel_err(h.grad, ref_dh) < 1e-2
+    assert rel_err(w.grad, ref_dw) < 1e-2
