@@ -7,6 +7,9 @@ csrc wrappers) and its plain-torch reference side by side:
     fused_linear_ce/  fused_linear_cross_entropy (the summed loss of hidden @ lm_head^T, chunked)
     grouped_gemm/  grouped_gemm
     moe_permute/   permute_tokens, unpermute_tokens, the routing metadata
+    rmsnorm/       rms_norm (optionally with the residual add before it)
+    rope/          apply_rotary (precomputed cos / sin: every RoPE variant, partial rotary)
+    swiglu/        swiglu (silu(gate) * up; strided halves of a merged gate_up read in place)
     ulysses/       the Ulysses all-to-all pack / unpack
     zigzag/        the zig-zag context-parallel gather / scatter (and zigzag_positions)
     dispatch.py    backend names and the XORL_FORCE_REFERENCE switch: every op picks its backend there
@@ -25,8 +28,12 @@ from xorl_kernels.flash_attn.op import flash_attn, flash_attn_with_lse
 from xorl_kernels.fused_linear_ce.op import fused_linear_cross_entropy
 from xorl_kernels.grouped_gemm.op import grouped_gemm
 from xorl_kernels.moe_permute.op import permute_tokens, unpermute_tokens
+from xorl_kernels.rmsnorm.op import rms_norm
+from xorl_kernels.rope.op import apply_rotary
+from xorl_kernels.swiglu.op import swiglu
 
 __all__ = [
+    "apply_rotary",
     "flash_attn",
     "flash_attn_with_lse",
     "fused_linear_cross_entropy",
@@ -34,5 +41,7 @@ __all__ = [
     "has_cuda_ext",
     "merge_attn_states",
     "permute_tokens",
+    "rms_norm",
+    "swiglu",
     "unpermute_tokens",
 ]
