@@ -14,7 +14,7 @@ Why point-to-point rather than a collective per chunk: a ring exchange moves exa
 per rank per step, so the transfer of step i is the same size as the GEMM it hides behind, and
 no rank ever waits for all the others (Megatron / torchtitan async-TP decompose the same way).
 
-Each exchange goes through the one ring primitive, ``xorl.nn.ring_attention.RingExchange``: on GPU it
+Each exchange goes through the one ring primitive, ``xorl.distributed.p2p.RingExchange``: on GPU it
 is issued on a side stream that first waits for the compute stream (so the buffers are ready), and
 waiting makes the compute stream wait for the transfer; on gloo the ops run on gloo's threads while
 Python does the GEMM.
@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from xorl.nn.ring_attention import PendingExchange, RingExchange
+from xorl.distributed.p2p import PendingExchange, RingExchange
 
 # ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` are deprecated in newer torch in favour of
 # the ``*_single`` names, which older torch (2.11 on the GPU machines) may lack.
