@@ -64,12 +64,12 @@ class ZigzagStepKernel:
         return kwargs
 
     def forward(self, q, k, v, q_rank: int, k_rank: int):
-        from xorl_kernels.flash_attn.op import flash_attn_forward
+        from xorl_kernels.attention.op import flash_attn_forward
 
         return flash_attn_forward(q, k, v, **self._mask_kwargs(q_rank, k_rank))
 
     def backward(self, do, q, k, v, out, lse, delta, q_rank: int, k_rank: int, dq_acc, dk_acc, dv_acc):
-        from xorl_kernels.flash_attn.op import flash_attn_backward
+        from xorl_kernels.attention.op import flash_attn_backward
 
         flash_attn_backward(
             do,
@@ -87,7 +87,7 @@ class ZigzagStepKernel:
 
 
 def _merge(out_acc, lse_acc, out, lse):
-    from xorl_kernels.flash_attn.merge import merge_attn_states
+    from xorl_kernels.attention.merge import merge_attn_states
 
     if out_acc is None:
         return out.to(torch.promote_types(out.dtype, torch.float32)), lse
@@ -125,7 +125,7 @@ def ring_backward(
     dkv_comm_dtype: torch.dtype = torch.float32,
 ):
     """(dq, dk, dv) of zig-zag ring attention, in the dtypes of q, k, v."""
-    from xorl_kernels.flash_attn.op import flash_attn_bwd_preprocess
+    from xorl_kernels.attention.op import flash_attn_bwd_preprocess
 
     size = exchange.size if exchange is not None else 1
     rank = exchange.rank if exchange is not None else 0

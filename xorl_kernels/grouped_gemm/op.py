@@ -26,8 +26,8 @@ from __future__ import annotations
 import torch
 
 from xorl_kernels.dispatch import REFERENCE, TRITON, env_flag, pick_backend, triton_interpreting
+from xorl_kernels.grouped_gemm.checks import check_group_sizes_values
 from xorl_kernels.grouped_gemm.reference import (
-    check_group_sizes_values,
     grouped_gemm_reference,
     grouped_gemm_weight_grad_reference,
 )
