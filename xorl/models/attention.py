@@ -108,15 +108,16 @@ def _flash_attn_package(q, k, v, softmax_scale, cu_seqlens, max_seqlen):
 class LocalAttention(nn.Module):
     """Causal single-device core attention with GQA and optional varlen (packed documents).
 
-    backend "auto": xorl_kernels.attention.op on CUDA tensors, plain torch (SDPA) on CPU;
-    "torch": always plain torch; "xorl": always xorl_kernels.attention.op (which itself runs its
-    plain-torch reference on CPU); "flash_attn": the flash-attn pip package.
+    backend (the names of xorl/nn/attention_backends.py): "auto": xorl_kernels.flash_attn on CUDA
+    tensors, plain torch (SDPA) on CPU; "sdpa": always plain torch; "xorl": always
+    xorl_kernels.flash_attn (which itself runs its plain-torch reference on CPU); "flash_attn":
+    the flash-attn pip package.
     """
 
     def __init__(self, softmax_scale: float | None = None, backend: str = "auto"):
         super().__init__()
-        if backend not in ("auto", "torch", "xorl", "flash_attn"):
-            raise ValueError(f"backend={backend!r}: use 'auto', 'torch', 'xorl' or 'flash_attn'")
+        if backend not in ("auto", "sdpa", "xorl", "flash_attn"):
+            raise ValueError(f"backend={backend!r}: use 'auto', 'sdpa', 'xorl' or 'flash_attn'")
         self.softmax_scale = softmax_scale
         self.backend = backend
 

@@ -35,9 +35,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor
 
+from xorl._torch_compat import all_to_all_single_autograd, resolve_process_group
 from xorl.nn.moe_experts import GroupedExperts
 from xorl.nn.router import Router, check_router_args
 from xorl_kernels.moe_permute.op import permute_tokens, unpermute_tokens
@@ -77,7 +77,7 @@ from xorl_kernels.moe_permute.op import permute_tokens, unpermute_tokens
 # that), so the block stays one graph, with the one host read still in it.
 # ----------------------------------------------------------------------------------------------
 def _group(group_name: str):
-    return dist.distributed_c10d._resolve_process_group(group_name)
+    return resolve_process_group(group_name)
 
 
 @torch.library.custom_op("xorl::ep_all_to_all", mutates_args=())

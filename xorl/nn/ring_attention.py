@@ -29,7 +29,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from xorl._torch_compat import resolve_process_group
 from xorl.distributed.p2p import RingExchange
+from xorl.nn.attention_backends import FLASH_ATTN, RING_STEP_KERNELS, XORL
 from xorl_kernels.zigzag.layout import zigzag_positions
 
 _KV_TAG, _DKV_TAG = 0, 1
@@ -173,7 +175,7 @@ def ring_backward(
 
 def _ring_call(q, cu_seqlens, max_seqlen, group_name, causal, softmax_scale, attn_backend):
     """(step kernel, exchange) of one call, rebuilt in the forward and in the backward op."""
-    group = dist.distributed_c10d._resolve_process_group(group_name) if group_name else None
+    group = resolve_process_group(group_name) if group_name else None
     size = 1 if group is None else dist.get_world_size(group)
     kernel = make_step_kernel(q, cu_seqlens, max_seqlen, size, causal, softmax_scale, attn_backend)
     return kernel, (RingExchange(group) if size > 1 else None)
@@ -281,19 +283,20 @@ def make_step_kernel(q, cu_seqlens, max_seqlen, ring_size: int, causal: bool, so
         positions = zigzag_positions(
             local_len * ring_size, None, ring_size, cu_global, q.device, within_document=True
         ).view(ring_size, local_len)
-    if backend == "flash_attn":
+    if backend == FLASH_ATTN:
         from xorl.nn.flash_attn_package import FlashAttnPackageStepKernel
 
         return FlashAttnPackageStepKernel(ring_size, causal, scale, cu_local, max_local, local_len)
-    return ZigzagStepKernel(ring_size, causal, scale, cu_local, max_local, positions, backend)
+    # "xorl": xorl_kernels picks its op backend (backend=None: its dispatch).
+    return ZigzagStepKernel(ring_size, causal, scale, cu_local, max_local, positions, None)
 
 
 class RingAttention(nn.Module):
     """Zig-zag ring attention over ``ring_group`` (None or a 1-rank group = plain local attention).
 
-    ``attn_backend``: None (xorl_kernels dispatch: Triton on GPU, reference on CPU), "triton",
-    "reference", or "flash_attn" (the flash-attn pip package, when it imports). ``causal=False``
-    gives full attention within each document.
+    ``attn_backend`` (the names of xorl/nn/attention_backends.py): "xorl" (xorl_kernels.flash_attn,
+    which picks Triton on GPU, its reference on CPU) or "flash_attn" (the flash-attn pip package,
+    when it imports). ``causal=False`` gives full attention within each document.
     """
 
     def __init__(
@@ -302,15 +305,13 @@ class RingAttention(nn.Module):
         causal: bool = True,
         softmax_scale: float | None = None,
         dkv_comm_dtype: torch.dtype = torch.float32,
-        attn_backend: str | None = None,
+        attn_backend: str = XORL,
     ):
         super().__init__()
         if dkv_comm_dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dkv_comm_dtype must be float32, bfloat16 or float16, got {dkv_comm_dtype}")
-        if attn_backend not in (None, "triton", "reference", "flash_attn"):
-            raise ValueError(
-                f"attn_backend={attn_backend!r}: use None, 'triton', 'reference' or 'flash_attn'"
-            )
+        if attn_backend not in RING_STEP_KERNELS:
+            raise ValueError(f"attn_backend={attn_backend!r}: use one of {list(RING_STEP_KERNELS)}")
         self.ring_group = ring_group
         # The custom op finds the group by name; no group (or a 1-rank one) is local attention.
         self._group_name = "" if ring_group is None or dist.get_world_size(ring_group) == 1 else ring_group.group_name

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from xorl._torch_compat import resolve_process_group
 from xorl.nn.ring_attention import RingAttention
 
 
@@ -57,7 +58,7 @@ def head_to_seq(tensors, group, world):
 # The two directions as torch.library custom ops, each the other's backward: the all-to-all runs
 # inside them (eager), so torch.compile keeps a Ulysses block in one graph; the group travels by name.
 def _group(group_name: str):
-    return dist.distributed_c10d._resolve_process_group(group_name)
+    return resolve_process_group(group_name)
 
 
 @torch.library.custom_op("xorl::ulysses_seq_to_head", mutates_args=())

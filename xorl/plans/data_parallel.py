@@ -55,7 +55,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str = "full", every_n
     (norms, rotary, SwiGLU's activation and products), which hold most of the activation bytes
     for the fewest FLOPs.
     """
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from xorl._torch_compat import checkpoint_wrapper
 
     kwargs = {}
     if mode == "selective":
@@ -133,9 +133,9 @@ def experts_have_own_mesh(state) -> bool:
 def _expert_fsdp_mesh(state):
     """Experts are sharded over "ep_fsdp" and, under HSDP, replicated over dp_replicate."""
     if state.dp_replicate_size > 1:
-        from torch.distributed.device_mesh import DeviceMesh
+        from xorl._torch_compat import concatenate_meshes
 
-        return DeviceMesh._concatenate([state.dp_replicate_mesh, state.ep_fsdp_mesh])
+        return concatenate_meshes([state.dp_replicate_mesh, state.ep_fsdp_mesh])
     return state.ep_fsdp_mesh
 
 
@@ -158,7 +158,9 @@ def all_reduce_gradients(params, group, bucket_bytes: int = 64 * 2**20) -> None:
     all-reduce each, and copied back.
     """
     import torch.distributed as dist
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    from xorl._torch_compat import flatten_dense_tensors as _flatten_dense_tensors
+    from xorl._torch_compat import unflatten_dense_tensors as _unflatten_dense_tensors
 
     by_dtype: dict = {}
     for p in params:
