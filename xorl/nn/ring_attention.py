@@ -32,6 +32,7 @@ from torch import nn
 from xorl._torch_compat import resolve_process_group
 from xorl.distributed.p2p import RingExchange
 from xorl.nn.attention_backends import FLASH_ATTN, RING_STEP_KERNELS, XORL
+from xorl_kernels.checkpoint_saves import SELECTIVE_CHECKPOINT_SAVES
 from xorl_kernels.zigzag.layout import zigzag_positions
 
 _KV_TAG, _DKV_TAG = 0, 1
@@ -179,6 +180,9 @@ def _ring_call(q, cu_seqlens, max_seqlen, group_name, causal, softmax_scale, att
     size = 1 if group is None else dist.get_world_size(group)
     kernel = make_step_kernel(q, cu_seqlens, max_seqlen, size, causal, softmax_scale, attn_backend)
     return kernel, (RingExchange(group) if size > 1 else None)
+
+
+SELECTIVE_CHECKPOINT_SAVES.join("xorl::ring_attention")  # its output is kept, not recomputed
 
 
 @torch.library.custom_op("xorl::ring_attention", mutates_args=())

@@ -81,6 +81,7 @@ from xorl_kernels.attention.layout import (
     pack,
 )
 from xorl_kernels.attention.reference import reference_backward, reference_bwd_preprocess, reference_forward
+from xorl_kernels.checkpoint_saves import SELECTIVE_CHECKPOINT_SAVES
 from xorl_kernels.dispatch import REFERENCE, TRITON, pick_backend
 
 _AVAILABLE = (TRITON, REFERENCE)
@@ -213,6 +214,9 @@ def _lse_shape(q: torch.Tensor, packed: bool) -> tuple:
     if not packed:
         return (q.shape[0], heads, q.shape[1])
     return (1, heads, q.shape[1]) if q.dim() == 4 else (heads, q.shape[0])
+
+
+SELECTIVE_CHECKPOINT_SAVES.join("xorl::flash_attn")  # its output is kept, not recomputed
 
 
 @torch.library.custom_op("xorl::flash_attn", mutates_args=())
