@@ -31,9 +31,9 @@ def _eager_swiglu(g, u):
 
 
 def _cases(ctx: BenchContext):
+    from xorl_kernels.activation.op import swiglu
     from xorl_kernels.rmsnorm.op import rms_norm
     from xorl_kernels.rope.op import apply_rotary
-    from xorl_kernels.swiglu.op import swiglu
 
     dev, dt = ctx.device, torch.bfloat16
     tokens, hidden = (4096, 4096) if ctx.quick else (16384, 8192)

@@ -1,4 +1,4 @@
-"""RMSNorm (+ residual), RoPE and SwiGLU ops (xorl_kernels/rmsnorm, rope, swiglu) vs float64.
+"""RMSNorm (+ residual), RoPE and SwiGLU ops (xorl_kernels/rmsnorm, rope, activation) vs float64.
 
 The references are written out here in float64 with autograd (the textbook formulas, not the ops'
 reference modules), on odd shapes that cross the interpreter's tiles. Both backends run: Triton
@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from tests.triton_helpers import to_triton
+from xorl_kernels.activation.op import swiglu
 from xorl_kernels.rmsnorm.op import rms_norm
 from xorl_kernels.rope.op import apply_rotary
-from xorl_kernels.swiglu.op import swiglu
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 BACKENDS = ["triton", "reference"]

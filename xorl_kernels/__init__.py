@@ -3,34 +3,35 @@
 One folder per op, each with the public function and its autograd, its kernels (Triton and/or
 csrc wrappers) and its plain-torch reference side by side:
 
-    flash_attn/    flash_attn, flash_attn_with_lse (op.py), merge_attn_states (merge.py)
+    activation/    swiglu (silu(gate) * up; strided halves of a merged gate_up read in place)
+    attention/     flash_attn, flash_attn_with_lse (op.py), merge_attn_states (merge.py)
     fused_linear_ce/  fused_linear_cross_entropy (the summed loss of hidden @ lm_head^T, chunked)
     grouped_gemm/  grouped_gemm
     moe_permute/   permute_tokens, unpermute_tokens, the routing metadata
     rmsnorm/       rms_norm (optionally with the residual add before it)
     rope/          apply_rotary (precomputed cos / sin: every RoPE variant, partial rotary)
-    swiglu/        swiglu (silu(gate) * up; strided halves of a merged gate_up read in place)
     ulysses/       the Ulysses all-to-all pack / unpack
     zigzag/        the zig-zag context-parallel gather / scatter (and zigzag_positions)
     dispatch.py    backend names and the XORL_FORCE_REFERENCE switch: every op picks its backend there
     cuda_ext.py    the CUDA extension xorl_kernels._C (has_cuda_ext)
 
-The public names are bound here eagerly, after their folders are imported, so that
-``xorl_kernels.flash_attn`` and ``xorl_kernels.grouped_gemm`` are the functions and not the
-folders of the same name. Import a module of those folders with ``from xorl_kernels.flash_attn
-import op`` (``import xorl_kernels.flash_attn.op as op`` would look the folder up as an attribute
-and find the function). Importing this package is cheap: Triton loads on the first kernel launch.
+The public names are bound here eagerly, after their folders are imported. The attention folder
+is ``attention/`` so that ``xorl_kernels.flash_attn`` names only the function. ``grouped_gemm/``
+still shares its op's name (``xorl_kernels.grouped_gemm`` is the function): import a module of it
+with ``from xorl_kernels.grouped_gemm import op`` (``import xorl_kernels.grouped_gemm.op as op``
+would look the folder up as an attribute and find the function). Importing this package is
+cheap: Triton loads on the first kernel launch.
 """
 
+from xorl_kernels.activation.op import swiglu
+from xorl_kernels.attention.merge import merge_attn_states
+from xorl_kernels.attention.op import flash_attn, flash_attn_with_lse
 from xorl_kernels.cuda_ext import has_cuda_ext
-from xorl_kernels.flash_attn.merge import merge_attn_states
-from xorl_kernels.flash_attn.op import flash_attn, flash_attn_with_lse
 from xorl_kernels.fused_linear_ce.op import fused_linear_cross_entropy
 from xorl_kernels.grouped_gemm.op import grouped_gemm
 from xorl_kernels.moe_permute.op import permute_tokens, unpermute_tokens
 from xorl_kernels.rmsnorm.op import rms_norm
 from xorl_kernels.rope.op import apply_rotary
-from xorl_kernels.swiglu.op import swiglu
 
 __all__ = [
     "apply_rotary",

@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from xorl_kernels.activation.op import swiglu
 from xorl_kernels.rmsnorm.op import rms_norm
 from xorl_kernels.rope.op import apply_rotary as _rope
-from xorl_kernels.swiglu.op import swiglu
 
 
 class RMSNorm(nn.Module):

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from xorl_kernels.activation.op import swiglu
 from xorl_kernels.grouped_gemm.op import grouped_gemm
-from xorl_kernels.swiglu.op import swiglu
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from xorl_kernels.activation.reference import swiglu_backward_reference, swiglu_reference
 from xorl_kernels.dispatch import REFERENCE, TRITON, pick_backend, triton_interpreting
-from xorl_kernels.swiglu.reference import swiglu_backward_reference, swiglu_reference
 
 _AVAILABLE = (TRITON, REFERENCE)
 
@@ -36,7 +36,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 def _swiglu_op(gate: torch.Tensor, up: torch.Tensor, backend: str | None) -> torch.Tensor:
     if _resolve(backend, gate) == REFERENCE:
         return swiglu_reference(gate, up).contiguous()
-    from xorl_kernels.swiglu.triton_kernels import swiglu_forward_triton
+    from xorl_kernels.activation.triton_kernels import swiglu_forward_triton
 
     return swiglu_forward_triton(_rows(gate), _rows(up)).view(gate.shape)
 
@@ -52,7 +52,7 @@ def _swiglu_backward_op(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
     if _resolve(backend, gate) == REFERENCE:
         dg, du = swiglu_backward_reference(dy, gate, up)
         return dg.contiguous(), du.contiguous()
-    from xorl_kernels.swiglu.triton_kernels import swiglu_backward_triton
+    from xorl_kernels.activation.triton_kernels import swiglu_backward_triton
 
     dg, du = swiglu_backward_triton(_rows(dy), _rows(gate), _rows(up))
     return dg.view(gate.shape), du.view(up.shape)

@@ -1,1 +1,0 @@
-"""SwiGLU activation: op.py (swiglu, dispatch, custom op), triton_kernels.py, reference.py."""
