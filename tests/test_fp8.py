@@ -13,12 +13,12 @@ from tests.triton_helpers import to_triton
 from xorl_kernels.fp8.grouped import fp8_grouped_gemm
 from xorl_kernels.fp8.linear import OPERANDS, RECIPES, fp8_linear, scaled_mm_nt
 from xorl_kernels.fp8.quantize import E4M3, E5M2, quantize_blocks
-from xorl_kernels.fp8.triton_blockwise import fp8_blockwise_grouped_forward
 from xorl_kernels.fp8.reference import (
     blockwise_grouped_reference,
     dequantize_reference,
     fp8_linear_reference,
 )
+from xorl_kernels.fp8.triton_blockwise import fp8_blockwise_grouped_forward
 
 
 def rel(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -207,6 +207,7 @@ def _train_losses(model_type: str, fp8: str, batches: list[torch.Tensor]) -> lis
     return losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
 def test_100_steps_per_recipe_stay_within_2_percent_of_fp32(model_type):
     batches = _markov_batches(100, 4, 64, 272)
