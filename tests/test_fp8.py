@@ -219,3 +219,55 @@ def test_100_steps_per_recipe_stay_within_2_percent_of_fp32(model_type):
         print(f"{model_type} {recipe}: max loss deviation after step 20 {deviation:.2e}")
         assert deviation <= 0.02, (recipe, deviation)
         assert got != ref  # FP8 really ran (fp8 rounding moves the curve a little)
+
+
+# -- tensor parallel ---------------------------------------------------------------------------------
+def check_tp_fp8_chain(recipe: str) -> dict:
+    """x -> Column(64->96) -> Row(96->64) on 2 TP ranks in FP8, every (sequence_parallel, overlap)
+    with the ring paths forced (overlap_min_numel=0), against the one-process FP8 Linear chain."""
+    import itertools
+
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from xorl.nn import ColumnParallelLinear, RowParallelLinear
+    from xorl.nn.linear import Linear
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    rank = mesh.get_local_rank()
+    errs = {}
+    for case, (sp, overlap) in enumerate(itertools.product([True, False], [True, False])):
+        torch.manual_seed(200 + case)  # same on every rank
+        ref_col, ref_row = Linear(64, 96, fp8=recipe), Linear(96, 64, fp8=recipe)
+        x = torch.randn(2, 16, 64)
+        g = torch.randn(2, 16, 64)
+        x_ref = x.clone().requires_grad_(True)
+        (ref_row(ref_col(x_ref)) * g).sum().backward()
+        kw = dict(sequence_parallel=sp, overlap=overlap, overlap_min_numel=0)
+        col = ColumnParallelLinear.from_linear(ref_col, mesh, **kw)
+        row = RowParallelLinear.from_linear(ref_row, mesh, **kw)
+        assert col.config.fp8 == row.config.fp8 == recipe  # carried over by from_linear
+        x_local = (x.chunk(2, dim=-2)[rank] if sp else x).clone().requires_grad_(True)
+        y = row(col(x_local))
+        (y * (g.chunk(2, dim=-2)[rank] if sp else g)).sum().backward()
+        y_ref = ref_row(ref_col(x)).detach()
+        y_fp32 = F.linear(F.linear(x, ref_col.weight, ref_col.bias), ref_row.weight, ref_row.bias).detach()
+        dx_ref = x_ref.grad.chunk(2, dim=-2)[rank] if sp else x_ref.grad
+        errs[(sp, overlap)] = {
+            "out": rel(y, y_ref.chunk(2, dim=-2)[rank] if sp else y_ref),
+            "dx": rel(x_local.grad, dx_ref),
+            "col_dw": rel(col.weight.grad.full_tensor(), ref_col.weight.grad),
+            "row_dw": rel(row.weight.grad.full_tensor(), ref_row.weight.grad),
+            "fp8_vs_fp32": rel(y, y_fp32.chunk(2, dim=-2)[rank] if sp else y_fp32),
+        }
+    return errs
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_tp_linears_in_fp8_match_one_process_including_the_overlapped_ring(gloo_world, recipe):
+    for rank, errs in enumerate(gloo_world(2).run(check_tp_fp8_chain, recipe)):
+        for case, e in errs.items():
+            print(recipe, rank, case, {k: f"{v:.1e}" for k, v in e.items()})
+            assert e["fp8_vs_fp32"] > 1e-3, (case, e)  # FP8 really ran on the TP path
+            for what in ("out", "dx", "col_dw", "row_dw"):
+                assert e[what] <= 1e-5, (recipe, rank, case, what, e)
