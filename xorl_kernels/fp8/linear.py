@@ -54,7 +54,8 @@ def check_recipe(recipe: str) -> None:
         raise ValueError(f"fp8 recipe {recipe!r}: use one of {RECIPES} (or 'none' for no FP8)")
 
 
-def _quantize(t: torch.Tensor, recipe: str, role: str):
+def quantize_operand(t: torch.Tensor, recipe: str, role: str):
+    """The operand ``role`` (OPERANDS) of ``recipe`` quantised: (q, scale, block shape)."""
     block, dtype = OPERANDS[recipe][role]
     q, scale = quantize_blocks(t, *block, dtype)
     return q, scale, block
@@ -99,17 +100,20 @@ def scaled_mm_nt(qa, sa, a_block, qb, sb, b_block, out_dtype: torch.dtype, backe
 
 def linear_forward(x2d: torch.Tensor, weight: torch.Tensor, recipe: str) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T in FP8 -> [M, N] in x's dtype."""
-    return scaled_mm_nt(*_quantize(x2d, recipe, "x"), *_quantize(weight, recipe, "w"), x2d.dtype)
+    return scaled_mm_nt(*quantize_operand(x2d, recipe, "x"), *quantize_operand(weight, recipe, "w"),
+                        x2d.dtype)
 
 
 def linear_dgrad(dy2d: torch.Tensor, weight: torch.Tensor, recipe: str) -> torch.Tensor:
     """dy [M, N] @ weight [N, K] in FP8 -> dx [M, K] in dy's dtype."""
-    return scaled_mm_nt(*_quantize(dy2d, recipe, "dy"), *_quantize(weight.t(), recipe, "w_t"), dy2d.dtype)
+    return scaled_mm_nt(*quantize_operand(dy2d, recipe, "dy"), *quantize_operand(weight.t(), recipe, "w_t"),
+                        dy2d.dtype)
 
 
 def linear_wgrad(dy2d: torch.Tensor, x2d: torch.Tensor, recipe: str) -> torch.Tensor:
     """dy [M, N]^T @ x [M, K] in FP8 -> dw [N, K] in float32 (the caller casts to the weight's dtype)."""
-    return scaled_mm_nt(*_quantize(dy2d.t(), recipe, "dy_t"), *_quantize(x2d.t(), recipe, "x_t"), torch.float32)
+    return scaled_mm_nt(*quantize_operand(dy2d.t(), recipe, "dy_t"), *quantize_operand(x2d.t(), recipe, "x_t"),
+                        torch.float32)
 
 
 class _FP8Linear(torch.autograd.Function):
