@@ -26,11 +26,22 @@ tensors are what a bf16 linear saves (under FSDP2 the weight is re-gathered anyw
 no activation memory. The non-autograd pieces (``linear_forward``, ``linear_dgrad``,
 ``linear_wgrad``) are public so the tensor-parallel matmuls (``xorl.nn.tp_comm``) run the same
 GEMMs inside their own autograd functions.
+
+What comes from torchao and what does not: the scale arithmetic is torchao's (quantize.py).
+torchao's ``Float8Linear`` is not used: ``convert_to_float8_training`` swaps the model's
+nn.Linear modules after they are built (xorl builds each module once, with its recipe), its
+layer multiplies whole (DTensor) weights where xorl's TP layers run their own overlapped chunked
+GEMMs on local shards (``tp_comm``), and it has no 1 x 128 / 128 x 128 blockwise training recipe.
+For the same reason there is no ``train.fp8_all_gather``: torchao all-gathers FP8 weights under
+FSDP2 only for its own ``Float8Linear`` weights (a tensor subclass that FSDP2's pre-/post-all-gather
+hooks cast), tensorwise only; adopting it means adopting the module swap. Here FSDP2 gathers the
+weights in ``train.dtype`` (bf16 on GPU) and each GEMM quantises its gathered weight.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from xorl_kernels.fp8.quantize import BLOCK, E4M3, E5M2, expand_block_scale, quantize_blocks
 
@@ -61,16 +72,33 @@ def quantize_operand(t: torch.Tensor, recipe: str, role: str):
     return q, scale, block
 
 
+def _pad16(q: torch.Tensor) -> torch.Tensor:
+    """Zero-pad both dims of an fp8 matrix to multiples of 16, which torch._scaled_mm requires on
+    CUDA (token counts of a shard need not be): zeros add nothing to the products. Through uint8,
+    as F.pad has no fp8 kernels; the byte 0 is +0.0 in both fp8 formats."""
+    rows, cols = q.shape
+    pad_rows, pad_cols = -rows % 16, -cols % 16
+    if not (pad_rows or pad_cols):
+        return q
+    return F.pad(q.view(torch.uint8), (0, pad_cols, 0, pad_rows)).view(q.dtype)
+
+
 def scaled_mm_nt(qa, sa, a_block, qb, sb, b_block, out_dtype: torch.dtype, backend: str | None = None):
     """``(qa * sa) @ (qb * sb)^T`` for qa [M, K], qb [N, K] and their block scales.
 
     ``backend`` (blockwise only): None picks Triton on CUDA and the sliced ``torch._scaled_mm``
     elsewhere; "triton" forces the kernel (CPU needs TRITON_INTERPRET=1), "scaled_mm" the slices.
     """
-    if a_block == _TENSOR and b_block == _TENSOR:
-        return torch._scaled_mm(qa, qb.t(), scale_a=sa.reshape(()), scale_b=sb.reshape(()), out_dtype=out_dtype)
-    if a_block == _ROW and b_block == _ROW:
-        return torch._scaled_mm(qa, qb.t(), scale_a=sa, scale_b=sb.reshape(1, -1), out_dtype=out_dtype)
+    if a_block in (_TENSOR, _ROW) and b_block == a_block:
+        m, n = qa.shape[0], qb.shape[0]
+        qa, qb = _pad16(qa), _pad16(qb)
+        if a_block == _TENSOR:
+            sa, sb = sa.reshape(()), sb.reshape(())
+        else:  # padded rows get scale 1 (their values are 0)
+            sa = F.pad(sa, (0, 0, 0, qa.shape[0] - m), value=1.0)
+            sb = F.pad(sb, (0, 0, 0, qb.shape[0] - n), value=1.0).reshape(1, -1)
+        out = torch._scaled_mm(qa, qb.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+        return out[:m, :n]
     if a_block != _TILE or b_block not in (_TILE, _BLOCK):
         raise ValueError(f"scaled_mm_nt: unsupported scale blocks {a_block} x {b_block}")
     if backend is None:
