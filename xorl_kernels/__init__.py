@@ -7,6 +7,7 @@ csrc wrappers) and its plain-torch reference side by side:
     attention/     flash_attn, flash_attn_with_lse (op.py), merge_attn_states (merge.py)
     fused_linear_ce/  fused_linear_cross_entropy (the summed loss of hidden @ lm_head^T, chunked)
     grouped_gemm/  grouped_gemm
+    fp8/           fp8_linear (torch._scaled_mm), fp8_grouped_gemm (blockwise, Triton): train.fp8
     moe_permute/   permute_tokens, unpermute_tokens, the routing metadata
     rmsnorm/       rms_norm (optionally with the residual add before it)
     rope/          apply_rotary (precomputed cos / sin: every RoPE variant, partial rotary)
