@@ -97,14 +97,18 @@ def test_write_config_is_accepted_by_the_trainer(capsys, tmp_path):
 
 
 def test_step_time_compute_follows_the_6n_rule():
-    # Roofline compute at the peak vs the 6N + attention FLOPs estimate (xorl/mfu.py): above it by the
-    # element-wise and memory-bound work the roofline adds (about a quarter for an 8B layer at 8K).
+    # Compute at achieved efficiency vs the 6N + attention FLOPs estimate (xorl/mfu.py) at the peak:
+    # the implied MFU of an 8B dense layer at 8K tokens without recompute lies where measured runs
+    # do (torchtitan's published 8B FSDP runs: 33-43 % of the H100 SXM peak), never above the
+    # large-GEMM efficiency the curves allow.
+    from xorl.planner.efficiency import load
+
     config = with_layout(load_config(LLAMA_8B), {"activation_checkpointing": False, "data_parallel_shard_size": 8})
     hw = Hardware()
     t = step_time(config, _parallel(config, 8), model_shapes(config.model), hw)
     tokens = config.train.gradient_accumulation_steps * config.data.seq_len * 8
     ideal = flops_per_token(config.model, config.data.seq_len) * tokens / 8 / (hw.peak_tflops * 1e12)
-    assert 1.1 <= t.compute / ideal <= 1.35, t.compute / ideal
+    assert 0.33 <= ideal / t.compute <= load().gemm_max, ideal / t.compute
 
 
 def _parallel(config, gpus):
@@ -168,8 +172,11 @@ def test_unsupported_hf_model_type_is_refused(tmp_path, capsys):
 
 
 def test_fsdp_alone_is_not_forced_when_it_is_much_slower(capsys):
-    # 30B on two nodes: FSDP2 alone fits, but every layer's all-gather crosses IB; TP x PP wins.
-    out = _plan_json(capsys, os.path.join(EXAMPLES, "llama_30b_fsdp_pp2.yaml"), "--gpus", "16")
+    # 30B on two nodes joined by one 25 Gb/s NIC each: FSDP2 alone fits, but every layer's all-gather
+    # and reduce-scatter crosses that link; TP x PP wins. (Over 8 x 400 Gb/s NICs per node FSDP's
+    # collectives hide behind the layers, as torchtitan's 128-GPU FSDP run shows: no longer this case.)
+    out = _plan_json(capsys, os.path.join(EXAMPLES, "llama_30b_fsdp_pp2.yaml"), "--gpus", "16",
+                     "--nics-per-node", "1", "--nic-gbps", "3")
     first = out["candidates"][0]["layout"]
     assert first["tensor_parallel_size"] > 1 or first["pipeline_parallel_size"] > 1
     simple = [c for c in out["candidates"] if c["fits"] and c["layout"]["tensor_parallel_size"] == 1

@@ -90,6 +90,7 @@ TP_SHARD_DIM = {
 EXPERT_PARAMS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 PRECISIONS = {"fp32-master": (4, 4, 8), "fp16": (2, 2, 4)}  # bytes per parameter: weights, grads, optimizer
 WORKSPACE_BYTES = 256 * 2**20
+FUSED_LOSS_CHUNK = 4096  # tokens per chunk of the fused loss when the config does not say
 DDP_BUCKET_BYTES = 2 * 64 * 2**20
 
 
@@ -258,6 +259,26 @@ def inflight_microbatches(schedule: str, p: int, m: int, v: int, rank: int) -> f
     return min(m, p - rank)
 
 
+def vocab_split(vocab_size: int, tp: int) -> int:
+    """The TP ranks lm_head's vocabulary (and so the logits and the loss) is split over."""
+    return tp if tp > 1 and vocab_size % tp == 0 else 1
+
+
+def fused_loss(model_config) -> bool:
+    """model.fused_loss: the chunked linear cross-entropy that never holds [tokens, vocab] fp32 logits.
+    Read with a default so the planner runs on configs from before the field existed."""
+    return bool(getattr(model_config, "fused_loss", False))
+
+
+def loss_bytes(spec, model_config, a: int, t: int, tp: int, prev_logits: bool) -> float:
+    """The loss's peak on the last stage (see the module docstring)."""
+    vocab = spec.vocab_size / vocab_split(spec.vocab_size, tp)
+    if fused_loss(model_config):
+        chunk = min(t, getattr(model_config, "fused_loss_chunk_tokens", None) or FUSED_LOSS_CHUNK)
+        return chunk * vocab * (a + 8) + 4 * t * spec.hidden_size
+    return t * vocab * (a + 12) + (a * t * vocab if prev_logits else 0)
+
+
 def checkpointing(train) -> tuple[str, int]:
     """(none | full | selective, every n-th layer) from train.activation_checkpointing (bool or mode)."""
     setting = train.activation_checkpointing
@@ -332,9 +353,7 @@ def estimate(config, p: ParallelConfig, shapes: ModelShapes, pp_rank: int, preci
         kept, working = sum(per_layer), 0
     activations = t * (inflight * (kept + 2 * a * spec.head_dim) + working)
     if rp.has_last:
-        activations += t * spec.vocab_size * (a + 12)
-        if p.pp == 1 and m > 1:
-            activations += t * spec.vocab_size * a
+        activations += loss_bytes(spec, config.model, a, t, p.tp, p.pp == 1 and m > 1)
     other = WORKSPACE_BYTES + _comm_buffers(spec, p, a, t, inflight)
     if fsdp:
         grad_copy = 4 if a != 4 else 0
