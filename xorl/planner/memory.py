@@ -42,13 +42,17 @@ parallel, else 1; h hidden, hq / hkv query / KV width (heads x head_dim), I inte
   full recompute (activation_checkpointing: full / true) keeps only a checkpointed layer's input,
   a h / s (every n-th layer with activation_checkpointing_every_n_layers: n; the others keep all),
   and the backward adds one layer's no-recompute activations while it recomputes; selective keeps
-  the matmul, attention and collective outputs: (a (2hq + 2hkv) + 4 heads) / tp + 2 a h / s
+  the matmul, attention and collective outputs and the block's input: (a (2hq + 2hkv) + 4 heads) / tp
+  + 3 a h / s
   + (2 a I / tp dense | 2 a k h + 2 a k I_moe + 8E MoE).
   Microbatches in flight on pipeline rank r of p (m microbatches, v stages per rank): 1 without
   PP; 1F1B min(m, p - r); GPipe m; interleaved (v-1) p + 2 (p-1-r) + 1 chunks of layers/v
   layers (torch's warm-up count); ZBV min(m, p) (as 1F1B, per the zero-bubble-V paper).
-  Loss (last stage, one microbatch): t x vocab x (a + 12): the logits, the fp32 log-softmax kept
-  for backward and two fp32 gradient temporaries; without PP and with m > 1 the trainer's loop
+  Loss (last stage, one microbatch), vocab = V / tp when TP splits the vocabulary (lm_head is
+  vocabulary-parallel, xorl/nn/cross_entropy.py): t x vocab x (a + 12): the logits, the fp32
+  log-softmax kept for backward and two fp32 gradient temporaries; with model.fused_loss (the
+  chunked linear cross-entropy) one chunk's [chunk, vocab] x (a + 8) and the fp32 gradient of the
+  hidden states 4 t h; without PP and with m > 1 the trainer's loop
   also still holds the previous microbatch's logits (a t vocab) while the next forward runs.
 
   other: FSDP2's unsharded blocks in flight: the largest decoder layer (TP/EP-local size) x (2 p_u
@@ -90,6 +94,11 @@ TP_SHARD_DIM = {
 EXPERT_PARAMS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 PRECISIONS = {"fp32-master": (4, 4, 8), "fp16": (2, 2, 4)}  # bytes per parameter: weights, grads, optimizer
 WORKSPACE_BYTES = 256 * 2**20
+# ASSUMPTION until scripts/plan_calibrate.py measures max_memory_reserved against max_memory_allocated
+# on a GPU: the caching allocator's block rounding and fragmentation keep about 8% more than is
+# allocated of the memory that is freed and re-allocated during the step (parameters, gradients and
+# optimizer state are allocated once and pack without waste).
+ALLOCATOR_OVERHEAD = 0.08
 FUSED_LOSS_CHUNK = 4096  # tokens per chunk of the fused loss when the config does not say
 DDP_BUCKET_BYTES = 2 * 64 * 2**20
 
@@ -230,9 +239,16 @@ class Memory:
     def total(self) -> int:
         return self.params + self.grads + self.optimizer + (self.activations or 0) + (self.other or 0)
 
+    @property
+    def reserved(self) -> int:
+        """What the caching allocator holds at the peak (torch.cuda.max_memory_reserved): the total plus
+        ALLOCATOR_OVERHEAD of the bytes that come and go within a step (activations, other)."""
+        return self.total + int(ALLOCATOR_OVERHEAD * ((self.activations or 0) + (self.other or 0)))
+
     def as_dict(self) -> dict:
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
-                "activations": self.activations, "other": self.other, "total": self.total}
+                "activations": self.activations, "other": self.other, "total": self.total,
+                "reserved": self.reserved}
 
 
 def state_bytes(numel: int, precision: str) -> tuple[int, int, int]:
@@ -298,7 +314,8 @@ def selective_bytes_per_token(spec, moe_layer: bool, a: int, tp: int, sp: bool) 
     """One decoder layer under selective checkpointing: matmul / attention / collective outputs."""
     h, heads = spec.hidden_size, spec.num_attention_heads
     hq, hkv = heads * spec.head_dim, spec.num_key_value_heads * spec.head_dim
-    kept = (a * (2 * hq + 2 * hkv) + 4 * heads) / tp + 2 * a * h / (tp if sp else 1)
+    # + the block's input, which the checkpoint keeps (the previous block's residual sum, recomputed there)
+    kept = (a * (2 * hq + 2 * hkv) + 4 * heads) / tp + 3 * a * h / (tp if sp else 1)
     if moe_layer:
         k = spec.num_experts_per_tok
         return kept + 2 * a * k * h + 2 * a * k * spec.moe_intermediate_size + 8 * spec.num_experts
