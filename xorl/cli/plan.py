@@ -174,6 +174,8 @@ def write_config(candidate: Candidate, path: str, header: dict) -> None:
     with open(path, "w") as f:
         f.write(f"# Written by xorl-plan for {header['model']} on {gpus} GPUs: {short_layout(candidate.layout)}\n"
                 f"# world_size: {gpus}\n# {launch} -m xorl.cli.train {path}\n")
+        for note in header.get("notes", []):
+            f.write(f"# note: {note}\n")
         f.write(candidate.config.to_yaml())
     load_config(path).validate(gpus)  # what xorl-train will do with it
 
