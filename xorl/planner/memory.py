@@ -31,14 +31,19 @@ parallel, else 1; h hidden, hq / hkv query / KV width (heads x head_dim), I inte
   activations, bytes per token of one decoder layer with no recompute:
     2 norms        2 x ((4 + 2a) h + 4) / s   RMSNorm keeps its fp32 input, its normalised output
                                               and 1/rms; the next linear keeps the norm output
-    attention      (a (2hq + 2hkv) + a (hq + 2hkv) + a hq + 4 heads [+ (4 + a)(hq + hkv) q/k norm]) / tp
-                                              q, k before RoPE and their rotate_half; q, k, v for
-                                              the attention backward; its output and log-sum-exp
+    attention      (a (hq + 2hkv) + a hq + 4 heads [+ (4 + a)(hq + hkv) q/k norm]) / tp
+                                              q, k (after RoPE), v for the attention backward; its
+                                              output and log-sum-exp. RoPE keeps nothing per layer:
+                                              its products save only cos / sin, shared by all layers
     dense MLP      4 a I / tp                 gate, silu(gate), up, and their product
     MoE MLP        8E + 2 a k h + 4 a k I_moe + 4 a I_shared + 8k [+ a h gathered under TP+SP]
                                               fp32 router logits and probabilities, the k routed
                                               copies of the token and the expert outputs, the
                                               experts' SwiGLU intermediates (balanced routing)
+  backward working set (every policy): the gradients one layer's backward holds beyond what it
+    frees, 2 a h / s + a I / tp (MoE: 2 a h / s + a k (h + I_moe) + a I_shared), see
+    backward_bytes_per_token; with recompute also that layer's recomputed activations (selective:
+    the no-recompute bytes less the saved ones).
   full recompute (activation_checkpointing: full / true) keeps only a checkpointed layer's input,
   a h / s (every n-th layer with activation_checkpointing_every_n_layers: n; the others keep all),
   and the backward adds one layer's no-recompute activations while it recomputes; selective keeps
@@ -194,7 +199,7 @@ class RankParams:
     layers: tuple[int, ...]  # the decoder layers it runs
     stage_layers: tuple[int, ...]  # layers per stage it runs
     largest_layer_unsharded: int  # TP/EP-local elements of its largest layer (what FSDP all-gathers)
-    root_unsharded: int  # embedding / final norm / lm_head elements (TP-local)
+    root_unsharded: int  # embedding / final norm / lm_head elements (TP-local: vocabulary-parallel)
     stage_unsharded: int  # every TP/EP-local element it runs
     has_first: bool
     has_last: bool
@@ -221,7 +226,7 @@ def rank_params(shapes: ModelShapes, p: ParallelConfig, schedule: str, virtual: 
         largest = max(largest, full)
     root = [*(shapes.first if has_first else ()), *(shapes.last if has_last else ())]
     root_local = sum(local_numel(n, s, p, fsdp, shard_rank) for n, s in root)
-    root_full = sum(math.prod(s) for _, s in root)  # replicated over TP
+    root_full = sum(local_numel(n, s, p, False, 0) for n, s in root)  # TP-local: vocab-parallel when TP divides V
     return RankParams(local + root_local, tuple(layers), tuple(len(s) for s in stages), largest, root_full,
                       unsharded + root_full, has_first, has_last)
 
@@ -234,6 +239,10 @@ class Memory:
     activations: int | None = None
     other: int | None = None
     pp_rank: int = 0  # the pipeline rank these bytes are for (the peak one)
+    # The modelled peak moment of a step above parameters + optimizer state (gradients, activations,
+    # buffers at that moment). The buckets' total can exceed params + optimizer + step_peak by at most
+    # the gradients, when the peak comes before the backward has created them.
+    step_peak: int | None = None
 
     @property
     def total(self) -> int:
@@ -322,13 +331,25 @@ def selective_bytes_per_token(spec, moe_layer: bool, a: int, tp: int, sp: bool) 
     return kept + 2 * a * spec.intermediate_size / tp
 
 
+def backward_bytes_per_token(spec, moe_layer: bool, a: int, tp: int, sp: bool) -> float:
+    """What a layer's backward holds at once beyond the tensors it frees as it goes: the gradient of
+    its output and of its input (2 a h / s) and one intermediate-sized gradient (a I / tp; MoE: of
+    the k routed copies, a k (h + I_moe) + a I_shared). Measured on CPU (scripts/plan_calibrate.py
+    --cpu-activations): the other intermediate gradients replace the MLP's saved tensors they free."""
+    h, s = spec.hidden_size, tp if sp else 1
+    if moe_layer:
+        k = spec.num_experts_per_tok
+        return 2 * a * h / s + a * k * (h + spec.moe_intermediate_size) + a * spec.shared_expert_intermediate_size
+    return 2 * a * h / s + a * spec.intermediate_size / tp
+
+
 def activation_bytes_per_token(spec, moe_layer: bool, a: int, tp: int, sp: bool) -> float:
     """One decoder layer, no recompute (the docstring's table)."""
     h, d, heads = spec.hidden_size, spec.head_dim, spec.num_attention_heads
     hq, hkv = heads * d, spec.num_key_value_heads * d
     s = tp if sp else 1
     norms = 2 * ((4 + 2 * a) * h + 4) / s
-    attn = a * (2 * hq + 2 * hkv) + a * (hq + 2 * hkv) + a * hq + 4 * heads
+    attn = a * (hq + 2 * hkv) + a * hq + 4 * heads
     if spec.qk_norm:
         attn += (4 + a) * (hq + hkv)
     if moe_layer:
@@ -363,28 +384,46 @@ def estimate(config, p: ParallelConfig, shapes: ModelShapes, pp_rank: int, preci
                    for i, x in zip(rp.layers, per_layer))
         working = max(per_layer, default=0)
     elif mode == "selective":
-        kept = sum(selective_bytes_per_token(spec, shapes.is_moe_kind(shapes.layer_kind[i]), a, p.tp, sp)
-                   for i in rp.layers)
-        working = max(per_layer, default=0)  # one layer's element-wise ops recomputed at a time
+        selective = [selective_bytes_per_token(spec, shapes.is_moe_kind(shapes.layer_kind[i]), a, p.tp, sp)
+                     for i in rp.layers]
+        kept = sum(selective)
+        # one layer's element-wise outputs recomputed at a time: what it keeps without recompute, less the saved
+        working = max((x - y for x, y in zip(per_layer, selective)), default=0)
     else:
         kept, working = sum(per_layer), 0
-    activations = t * (inflight * (kept + 2 * a * spec.head_dim) + working)
-    if rp.has_last:
-        activations += loss_bytes(spec, config.model, a, t, p.tp, p.pp == 1 and m > 1)
-    other = WORKSPACE_BYTES + _comm_buffers(spec, p, a, t, inflight)
+    held = t * inflight * (kept + 2 * a * spec.head_dim)  # kept through the forward, into the backward
+    work = t * (working + max(backward_bytes_per_token(spec, shapes.is_moe_kind(k), a, p.tp, sp)
+                              for k in range(len(shapes.kinds))))
+    loss = loss_bytes(spec, config.model, a, t, p.tp, p.pp == 1 and m > 1) if rp.has_last else 0
+    fixed = WORKSPACE_BYTES + _comm_buffers(spec, p, a, t, inflight)  # held throughout
+    gathered = grad_buffers = 0  # FSDP2: gathered parameters; one layer's gradient buffers in backward
     if fsdp:
         grad_copy = 4 if a != 4 else 0
+        grad_buffers = rp.largest_layer_unsharded * (a + grad_copy + 4)
         if p.pp > 1 and schedule in SPLIT_BACKWARD_SCHEDULES:
-            other += rp.stage_unsharded * (a + 4)
+            gathered, grad_buffers = rp.stage_unsharded * (a + 4), 0
         elif not reshards_after_forward(train, p.pp):
-            other += rp.stage_unsharded * a + rp.largest_layer_unsharded * (a + grad_copy + 4)
+            gathered = rp.stage_unsharded * a
         else:
-            other += rp.largest_layer_unsharded * (2 * a + a + grad_copy + 4)
-            other += rp.root_unsharded * (a + a)
+            gathered = rp.largest_layer_unsharded * 2 * a + rp.root_unsharded * (a + a)
     elif p.dp_cp > 1:
-        other += DDP_BUCKET_BYTES
-    other = max(int(other), 4 * rp.local - int(activations))
-    return Memory(params, grads, optimizer, int(activations), other, pp_rank)
+        fixed += DDP_BUCKET_BYTES
+    # The peak is one moment, the largest of three (gradients are created in the backward,
+    # set_to_none after the optimizer step): the loss's backward (every kept activation and the
+    # loss's buffers), the first layer's backward (its recompute and gradient buffers instead of
+    # the loss's) and the end of the step (every gradient and the optimizer's foreach temporaries,
+    # 4 bytes per local parameter, once the activations are freed).
+    at_loss = held + loss + gathered
+    at_layer = held + work + gathered + grad_buffers
+    at_end = grads + 4 * rp.local
+    activations = held + (loss if at_loss >= at_layer else work)
+    peak = max(at_loss, at_layer, at_end) + fixed
+    # Buckets: grads are the exact gradient bytes (held at the end); other is what the peak holds
+    # beyond them and the activations, at least the buffers held throughout. Where the peak comes
+    # before the gradients exist, the total overstates it by at most grads - (other at the peak).
+    other = max(fixed + (gathered + (grad_buffers if at_layer > at_loss else 0) if fsdp else 0),
+                peak - activations - grads)
+    return Memory(params, grads, optimizer, int(activations), int(other), pp_rank, int(peak))
 
 
 def _stage_starts(rp: RankParams) -> list[tuple[int, int]]:
