@@ -71,7 +71,17 @@ parallel, else 1; h hidden, hq / hkv query / KV width (heads x head_dim), I inte
   a t h, Ulysses 2 a t (hq + 2 hkv) / tp, ring 2 a t 2hkv / tp + 4 t hq / tp (fp32 merge), EP 2 a
   t k h, PP 2 a t h per microbatch in flight, ddp 128 MiB buckets; 256 MiB of kernel workspace.
   The optimizer step's foreach temporaries (4 bytes per local parameter) come when activations are
-  freed: other is the larger of the above and (temporaries - activations).
+  freed.
+
+  The peak is one moment (step_peak): the largest of the loss's backward (kept activations, the
+  loss's buffers, the gathered blocks), the first layer's backward (kept activations, its recompute
+  and gradient working set, the gathered blocks and one layer's gradient buffers) and the end of the
+  step (gradients and the optimizer's temporaries), plus what is held throughout (workspace,
+  communication buffers). Buckets: activations at the peak; other, the buffers at the peak or
+  what the peak holds beyond activations and gradients, whichever is larger. Held to the CPU
+  allocator by tests/test_plan_activations.py (none / selective within 7 %; full 10-19 % below).
+  Reserved (what torch.cuda.max_memory_reserved reports): the total plus ALLOCATOR_OVERHEAD of the
+  activations and other buffers.
 """
 
 from __future__ import annotations
@@ -257,7 +267,7 @@ class Memory:
     def as_dict(self) -> dict:
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
                 "activations": self.activations, "other": self.other, "total": self.total,
-                "reserved": self.reserved}
+                "reserved": self.reserved, "step_peak": self.step_peak}
 
 
 def state_bytes(numel: int, precision: str) -> tuple[int, int, int]:
