@@ -84,7 +84,10 @@ def test_moe_scales_with_expert_parallelism(capsys):
     out = _plan_json(capsys, os.path.join(EXAMPLES, "qwen3_30b_a3b_pp2_ep8_cp4.yaml"), "--gpus", "16")
     first = out["candidates"][0]["layout"]
     assert out["candidates"][0]["fits"]
-    assert first["tensor_parallel_size"] == 1 and first["expert_parallel_size"] >= 8
+    # EP is the MoE dimension; TP may split attention (the MoE block runs on each TP rank's token shard,
+    # xorl/plans/tensor_parallel.py, so TP costs no redundant expert compute) within the guide's sizes.
+    assert first["expert_parallel_size"] >= 8
+    assert not [w for w in out["candidates"][0]["warnings"] if w.startswith("guide:")]
 
 
 def test_write_config_is_accepted_by_the_trainer(capsys, tmp_path):

@@ -16,7 +16,7 @@ lower; pitfalls are warnings only):
   40% of the fastest layout that fits (room for recompute), it is the recommendation and every
   other layout deviates.
   Pitfalls: Ulysses or EP all-to-all across nodes, FSDP across nodes without HSDP, PP without
-  interleaving (with its bubble fraction), TP on an MoE model (redundant expert compute), TP
+  interleaving (with its bubble fraction), TP on an MoE model (it splits attention only), TP
   without sequence parallel.
 
 A layout fits when its total is at most 90% of --gpu-memory-gb GiB (the rest is the CUDA
@@ -196,8 +196,9 @@ def pitfalls(config: Config, p: ParallelConfig, hw: Hardware, shapes: ModelShape
         else:
             out.append(f"pipeline bubble (p-1)/(v m+p-1) = {bubble:.0%} of the step")
     if moe and p.tp > 1:
-        out.append(f"tensor_parallel_size={p.tp} on an MoE model: TP splits attention only, every TP rank runs "
-                   "the whole MoE block (redundant expert compute); prefer expert_parallel_size")
+        out.append(f"tensor_parallel_size={p.tp} on an MoE model: TP splits attention only; each MoE block runs on "
+                   "its TP rank's token shard with the experts split by expert_parallel_size, which is the MoE "
+                   "dimension to grow")
     if p.tp > 1 and not t.sequence_parallel and config.data.seq_len >= 2048:
         out.append("tensor_parallel_size > 1 without sequence_parallel: norms and residuals hold the full "
                    "sequence on every TP rank; set sequence_parallel: true")

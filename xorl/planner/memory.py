@@ -36,12 +36,12 @@ parallel, else 1; h hidden, hq / hkv query / KV width (heads x head_dim), I inte
                                               output and log-sum-exp. RoPE keeps nothing per layer:
                                               its products save only cos / sin, shared by all layers
     dense MLP      4 a I / tp                 gate, silu(gate), up, and their product
-    MoE MLP        8E + 2 a k h + 4 a k I_moe + 4 a I_shared + 8k [+ a h gathered under TP+SP]
+    MoE MLP        (8E + 2 a k h + 4 a k I_moe + 4 a I_shared + 8k) / tp [+ a h gathered under TP without SP]
                                               fp32 router logits and probabilities, the k routed
                                               copies of the token and the expert outputs, the
                                               experts' SwiGLU intermediates (balanced routing)
   backward working set (every policy): the gradients one layer's backward holds beyond what it
-    frees, 2 a h / s + a I / tp (MoE: 2 a h / s + a k (h + I_moe) + a I_shared), see
+    frees, 2 a h / s + 2 a I / tp (MoE: 2 a h / s + a k h + 2 a (k I_moe + I_shared)), see
     backward_bytes_per_token; with recompute also that layer's recomputed activations (selective:
     the no-recompute bytes less the saved ones).
   full recompute (activation_checkpointing: full / true) keeps only a checkpointed layer's input,
@@ -335,22 +335,24 @@ def selective_bytes_per_token(spec, moe_layer: bool, a: int, tp: int, sp: bool) 
     hq, hkv = heads * spec.head_dim, spec.num_key_value_heads * spec.head_dim
     # + the block's input, which the checkpoint keeps (the previous block's residual sum, recomputed there)
     kept = (a * (2 * hq + 2 * hkv) + 4 * heads) / tp + 3 * a * h / (tp if sp else 1)
-    if moe_layer:
-        k = spec.num_experts_per_tok
-        return kept + 2 * a * k * h + 2 * a * k * spec.moe_intermediate_size + 8 * spec.num_experts
+    if moe_layer:  # on this TP rank's token shard: the router's, experts' and shared expert's matmul outputs
+        k, shared = spec.num_experts_per_tok, spec.shared_expert_intermediate_size
+        return kept + (a * spec.num_experts + a * k * h + 2 * a * k * spec.moe_intermediate_size
+                       + (2 * a * shared + a * h + a if shared else 0)) / tp
     return kept + 2 * a * spec.intermediate_size / tp
 
 
 def backward_bytes_per_token(spec, moe_layer: bool, a: int, tp: int, sp: bool) -> float:
-    """What a layer's backward holds at once beyond the tensors it frees as it goes: the gradient of
-    its output and of its input (2 a h / s) and one intermediate-sized gradient (a I / tp; MoE: of
-    the k routed copies, a k (h + I_moe) + a I_shared). Measured on CPU (scripts/plan_calibrate.py
-    --cpu-activations): the other intermediate gradients replace the MLP's saved tensors they free."""
+    """What a layer's backward holds at once beyond its saved tensors: the gradient of its output
+    and of its input (2 a h / s) and, at the SwiGLU backward, the gradients of the product, of gate
+    and of up (3 a I / tp) less down_proj's saved input that its backward has freed by then: 2 a I / tp
+    (MoE: of the k routed copies, a k h + 2 a k I_moe + 2 a I_shared)."""
     h, s = spec.hidden_size, tp if sp else 1
     if moe_layer:
         k = spec.num_experts_per_tok
-        return 2 * a * h / s + a * k * (h + spec.moe_intermediate_size) + a * spec.shared_expert_intermediate_size
-    return 2 * a * h / s + a * spec.intermediate_size / tp
+        return 2 * a * h / s + (a * k * h + 2 * a * (k * spec.moe_intermediate_size
+                                                     + spec.shared_expert_intermediate_size)) / tp
+    return 2 * a * h / s + 2 * a * spec.intermediate_size / tp
 
 
 def activation_bytes_per_token(spec, moe_layer: bool, a: int, tp: int, sp: bool) -> float:
@@ -364,8 +366,10 @@ def activation_bytes_per_token(spec, moe_layer: bool, a: int, tp: int, sp: bool)
         attn += (4 + a) * (hq + hkv)
     if moe_layer:
         k = spec.num_experts_per_tok
+        # Under TP the block runs on this rank's token shard (xorl/plans/tensor_parallel.py); without
+        # sequence parallelism it then gathers its output over TP (a h).
         mlp = (8 * spec.num_experts + 2 * a * k * h + 4 * a * k * spec.moe_intermediate_size
-               + 4 * a * spec.shared_expert_intermediate_size + 8 * k + (a * h if tp > 1 and sp else 0))
+               + 4 * a * spec.shared_expert_intermediate_size + 8 * k) / tp + (a * h if tp > 1 and not sp else 0)
     else:
         mlp = 4 * a * spec.intermediate_size / tp
     return norms + attn / tp + mlp

@@ -6,8 +6,9 @@ xorl/planner/efficiency.json (each with its source: a published figure or a stat
 
 Compute, per decoder layer and microbatch, t tokens on the rank (a = bytes per activation element):
   GEMMs   q/k/v [t, (hq + 2hkv)/tp, h], o [t, h, hq/tp]; dense MLP gate/up [t, 2I/tp, h], down
-          [t, h, I/tp]; MoE router [t, E, h], experts as a grouped GEMM (t k tokens over the E/ep
-          local experts: tokens per expert t k ep / E under balanced routing), a shared expert.
+          [t, h, I/tp]; MoE (on the TP rank's token shard, t / tp tokens) router [t, E, h], experts
+          as a grouped GEMM (t k tokens over the E/ep local experts: tokens per expert t k ep / E
+          under balanced routing), a shared expert.
           Each runs at peak x gemm(m, n, k) (the efficiency curve by its smallest dimension; grouped
           GEMMs by tokens per expert), or at the HBM roofline of its bytes if that is slower, or
           the launch time if that is longer. Backward: two GEMMs of the same shape per forward GEMM.
@@ -172,10 +173,10 @@ def elementwise_forward(spec, moe: bool, a: int, tp: int, sp: bool, compiled: bo
         norm_b, norm_ops, rope_b, res_b, glu_b, ops = 4 * a + 28, 7, 10 * a, 3 * a, 5 * a, 2 + 10 + 2
     nbytes = 2 * (norm_b + res_b) * h / s + rope_b * (hq + hkv) / tp
     ops += 2 * norm_ops
-    if moe:
+    if moe:  # on this TP rank's token shard
         k = spec.num_experts_per_tok
-        nbytes += 16 * spec.num_experts + 6 * a * k * h + glu_b * (k * spec.moe_intermediate_size
-                                                                  + spec.shared_expert_intermediate_size)
+        nbytes += (16 * spec.num_experts + 6 * a * k * h + glu_b * (k * spec.moe_intermediate_size
+                                                                   + spec.shared_expert_intermediate_size)) / tp
         ops += 12
     else:
         nbytes += glu_b * spec.intermediate_size / tp
@@ -199,16 +200,16 @@ def _layer(spec, moe: bool, p: ParallelConfig, c: _Cost, t: int, seq: int, sp: b
     hq, hkv = heads * d, spec.num_key_value_heads * d
     gemm = c.gemm(t, (hq + 2 * hkv) / tp, h) + c.gemm(t, h, hq / tp)
     shared = 0.0
-    if moe:
-        k, inter, experts = spec.num_experts_per_tok, spec.moe_intermediate_size, spec.num_experts
-        gemm += c.gemm(t, experts, h)
-        per_expert = t * k * p.ep / experts
+    if moe:  # on this TP rank's token shard (xorl/plans/tensor_parallel.py): t / tp tokens
+        k, inter, experts, tm = spec.num_experts_per_tok, spec.moe_intermediate_size, spec.num_experts, t / tp
+        gemm += c.gemm(tm, experts, h)
+        per_expert = tm * k * p.ep / experts
         for n_, k_ in ((2 * inter, h), (h, inter)):
-            gemm += c.gemm(t * k, n_, k_, weight_elems=experts // p.ep * n_ * k_,
+            gemm += c.gemm(tm * k, n_, k_, weight_elems=experts // p.ep * n_ * k_,
                            fraction=c.eff.grouped(per_expert, n_, k_))
         if spec.shared_expert_intermediate_size:
-            shared = c.gemm(t, 2 * spec.shared_expert_intermediate_size, h) + c.gemm(
-                t, h, spec.shared_expert_intermediate_size)
+            shared = c.gemm(tm, 2 * spec.shared_expert_intermediate_size, h) + c.gemm(
+                tm, h, spec.shared_expert_intermediate_size)
             gemm += shared
     else:
         gemm += c.gemm(t, 2 * spec.intermediate_size / tp, h) + c.gemm(t, h, spec.intermediate_size / tp)
@@ -232,7 +233,7 @@ def _layer(spec, moe: bool, p: ParallelConfig, c: _Cost, t: int, seq: int, sp: b
                 exposed += per_pass
     exposed += passes * 2 * c.collective(a * t * (hq + 2 * hkv) / tp, p.ulysses, tp, "all_to_all")
     if moe and p.ep > 1:
-        a2a = 2 * c.collective(a * t * spec.num_experts_per_tok * h, p.ep, tp, "all_to_all")
+        a2a = 2 * c.collective(a * t / tp * spec.num_experts_per_tok * h, p.ep, 1, "all_to_all")
         exposed += passes * max(0.0, a2a - shared)
     if p.ring > 1:  # each step sends this rank's K/V block to its neighbour, overlapped with that step
         transfer = c.collective(a * t * 2 * hkv / tp, 2, tp * p.ulysses, "send")
