@@ -7,12 +7,11 @@ compared with the planner's modelled peak moment (Memory.step_peak less the GPU 
 The whole grid (2 models x FSDP 2 / TP 2 + SP / ring 2 x none / selective / full) runs with
 `python scripts/plan_calibrate.py --cpu-activations`; this file checks a cut of it in a minute.
 
-Measured at this commit (predicted vs measured, the full grid): 13 of 17 runs within 10 % (dense
-none / selective within 9 % on every layout); not yet: ring 2 with full recompute (-15 %: the
-recompute's own forward temporaries under ring attention), the MoE under TP 2 + SP (+16 %), the MoE
-with full recompute under FSDP (-10.1 %) and selective under ring 2 (+10.4 %). Those are left out of
-this cut (the measured figures move by a few MB with what the ranks ran before, too close to a
-strict xfail's edge); the grid prints them.
+Measured at this commit (the full grid, bench/results/plan-cpu-activations.json): 13 of the 17 runs
+xorl-train accepts within 10 %; not yet: the MoE under TP 2 + SP (+12 % none, +16 % full) and
+selective under ring 2 (+11 % Llama, +10 % MoE). Those are left out of this cut; the measured peaks
+also move by a few MB with what the ranks ran before (lazily built process-wide state), too close to
+a strict xfail's edge. The grid prints them.
 """
 
 from __future__ import annotations
