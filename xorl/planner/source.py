@@ -3,9 +3,10 @@
 - ``run.yaml``: the config as ``xorl-train`` would load it (its layout is the one ``--layout`` with
   no value evaluates).
 - ``/models/Llama-3-70B/``: the architecture fields of its ``config.json`` (the Hugging Face names
-  are xorl's ModelConfig names, see xorl/config.py); ``model_path`` points at the folder and a
+  are xorl's ModelConfig names, see xorl/config.py); ``model_path`` points at the folder when it holds
+  weights (*.safetensors; else it stays unset: seeded initialisation, and a note says so) and a
   ``tokenizer.json`` next to it becomes ``data.tokenizer``, so ``--write-config`` starts from those
-  weights. Only config.json is read: no weights, no network.
+  weights. Only config.json and the file names are read: no weights, no network.
 - ``70B`` / ``7.5e9``: a parameter count, for the back-of-envelope state arithmetic of published
   tables (parameters split evenly over TP x PP [x the FSDP shards]); no shapes, so no activations,
   step time or ranking.
@@ -82,7 +83,9 @@ def _from_hf_folder(folder: str) -> ModelSource:
     for f in fields(ModelConfig):
         if f.name in hf and hf[f.name] is not None and f.name not in ("model_path", "attn_implementation"):
             set_field(config, "model", f.name, hf[f.name], source)
-    config.model.model_path = folder
+    weights = any(name.endswith(".safetensors") for name in os.listdir(folder))
+    if weights:
+        config.model.model_path = folder
     tokenizer = os.path.join(folder, "tokenizer.json")
     if os.path.isfile(tokenizer):
         config.data.tokenizer = tokenizer
@@ -93,4 +96,7 @@ def _from_hf_folder(folder: str) -> ModelSource:
         f"config.json {name}={hf[name]!r} is not an xorl model field: ignored (xorl models use plain RoPE)"
         for name in _IGNORED_HF_FIELDS if hf.get(name)
     )
+    if not weights:  # a config-only folder: a written config must still run
+        notes += (f"no weights (*.safetensors) found in {folder}: model.model_path is left unset, so a written "
+                  f"config trains from seeded initialisation; set model.model_path: {folder} once they are there",)
     return ModelSource(label=folder, config=config, notes=notes)
