@@ -87,7 +87,8 @@ def scaled_inv_freq(head_dim: int, rotary_dim: int, theta: float, rope_scaling: 
     # Any PreTrainedConfig with these attributes serves: the functions read only them.
     config = LlamaConfig(hidden_size=head_dim, num_attention_heads=1, head_dim=head_dim,
                          max_position_embeddings=max_position_embeddings, rope_parameters=params)
-    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, torch.device("cpu"))
+    with torch.device("cpu"):  # also when the model is built under torch.device("meta")
+        inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, torch.device("cpu"))
     return inv_freq.float(), float(attention_scaling)
 
 

@@ -10,6 +10,8 @@ from xorl.models.decoder import DecoderForCausalLM
 from xorl.models.schema import Family
 
 FAMILY = Family("qwen3_moe", "Qwen3MoeForCausalLM", moe=True, qk_norm="head",
+                # hub files say num_experts; transformers 5 writes num_local_experts
+                hf_names={"num_experts": ("num_experts", "num_local_experts")},
                 hf_extra={"use_sliding_window": False, "sliding_window": None})
 
 

@@ -112,7 +112,8 @@ class Family:
     qk_norm: Literal["none", "head", "width"] = "none"  # RMSNorm of q/k per head, or over the whole width
     o_proj_bias: bool | None = None  # None: o_proj has a bias when attention_bias; False: never
     shared_expert_gate: bool = True  # a shared expert's output goes through sigmoid(shared_expert_gate(x))
-    hf_names: dict[str, str] = field(default_factory=dict)  # field -> its config.json key
+    # field -> its config.json key, or keys (the first is written; any is read)
+    hf_names: dict[str, str | tuple[str, ...]] = field(default_factory=dict)
     fixed: dict[str, Any] = field(default_factory=dict)  # values the HF class hard-codes
     # (raw config.json, the fields read so far) -> problems; may fill derived fields in place.
     read_hf: Callable[[dict, dict], list[str]] | None = None
@@ -127,8 +128,12 @@ class Family:
     def carries(self, name: str) -> bool:
         return self.model_type in FIELD[name].families
 
+    def hf_keys(self, name: str) -> tuple[str, ...]:
+        keys = self.hf_names.get(name, name)
+        return (keys,) if isinstance(keys, str) else keys
+
     def hf_key(self, name: str) -> str:
-        return self.hf_names.get(name, name)
+        return self.hf_keys(name)[0]
 
 
 def model_config_class() -> type:
@@ -263,8 +268,12 @@ def hf_to_fields(raw: dict, family: Family, where: str) -> tuple[dict[str, Any],
     problems = []
     values: dict[str, Any] = {}
     for f in FIELDS:
-        if f.kind != "local" and family.carries(f.name) and raw.get(family.hf_key(f.name)) is not None:
-            values[f.name] = raw[family.hf_key(f.name)]
+        if f.kind == "local" or not family.carries(f.name):
+            continue
+        for key in family.hf_keys(f.name):
+            if raw.get(key) is not None:
+                values[f.name] = raw[key]
+                break
     theta, scaling, partial = _rope_from_hf(raw)
     if theta is not None:
         values["rope_theta"] = theta
