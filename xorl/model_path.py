@@ -92,6 +92,11 @@ def apply_model_path(config: Any) -> list[str]:
             setattr(model, name, value)
         elif name not in TRAINING_KNOBS and not _same(model, name, value):
             problems.append(_conflict(model, name, value, origin))
+    from xorl.data.tokenizer import has_tokenizer
+
+    # The tokenizer comes with the model: the folder's, unless data.tokenizer is set explicitly.
+    if config.origins.get("data.tokenizer") is None and has_tokenizer(model.model_path):
+        config.data.tokenizer = model.model_path
     return problems
 
 
