@@ -9,21 +9,15 @@ from xorl.models.schema import Family
 def _read_hf(raw: dict, values: dict) -> list[str]:
     values["moe_intermediate_size"] = raw.get("intermediate_size", values.get("intermediate_size"))
     if raw.get("router_jitter_noise"):
-        return [f"router_jitter_noise={raw['router_jitter_noise']}: xorl routes without noise"]
+        return [f"router_jitter_noise={raw['router_jitter_noise']}: xorl routes without noise; set it to 0"]
     return []
-
-
-def _write_hf(spec, out: dict) -> None:
-    if spec.moe_intermediate_size != spec.intermediate_size:
-        raise ValueError(f"moe_intermediate_size={spec.moe_intermediate_size}: MixtralForCausalLM's experts are "
-                         f"intermediate_size={spec.intermediate_size} wide")
-    out["router_jitter_noise"] = 0.0
 
 
 FAMILY = Family(
     "mixtral", "MixtralForCausalLM", moe=True,
     hf_names={"num_experts": "num_local_experts"}, fixed={"norm_topk_prob": True},
-    derived=("moe_intermediate_size",), read_hf=_read_hf, write_hf=_write_hf, hf_extra={"sliding_window": None},
+    derived=("moe_intermediate_size",), same_as={"moe_intermediate_size": "intermediate_size"},
+    read_hf=_read_hf, hf_extra={"sliding_window": None, "router_jitter_noise": 0.0},
     weight_names=(("mlp.experts.{j}.gate_proj.", "block_sparse_moe.experts.{j}.w1."),
                   ("mlp.experts.{j}.up_proj.", "block_sparse_moe.experts.{j}.w3."),
                   ("mlp.experts.{j}.down_proj.", "block_sparse_moe.experts.{j}.w2."),

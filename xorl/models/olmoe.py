@@ -1,5 +1,6 @@
 """OLMoE (transformers' OlmoeForCausalLM): q/k RMSNorm over the whole projection width (all heads
-at once, before the split into heads), a softmax top-k MoE whose experts are intermediate_size wide."""
+at once, before the split into heads; so no tensor parallelism: config_rules refuses it), a softmax
+top-k MoE whose experts are intermediate_size wide."""
 
 from xorl.models.decoder import DecoderForCausalLM
 from xorl.models.schema import Family
@@ -12,13 +13,7 @@ def _read_hf(raw: dict, values: dict) -> list[str]:
     return []
 
 
-def _write_hf(spec, out: dict) -> None:
-    if spec.moe_intermediate_size != spec.intermediate_size:
-        raise ValueError(f"moe_intermediate_size={spec.moe_intermediate_size}: OlmoeForCausalLM's experts are "
-                         f"intermediate_size={spec.intermediate_size} wide")
-    out["clip_qkv"] = None
-
-
 FAMILY = Family("olmoe", "OlmoeForCausalLM", moe=True, qk_norm="width", derived=("moe_intermediate_size",),
-                read_hf=_read_hf, write_hf=_write_hf)
+                same_as={"moe_intermediate_size": "intermediate_size"}, read_hf=_read_hf,
+                hf_extra={"clip_qkv": None})
 MODEL = DecoderForCausalLM

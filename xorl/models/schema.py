@@ -124,6 +124,8 @@ class Family:
     weight_names: tuple[tuple[str, str], ...] = ()
     ignore_extra_layers: bool = False  # HF files hold layers past num_hidden_layers (GLM's MTP layer)
     derived: tuple[str, ...] = ()  # fields read_hf computes from others (not exported under their name)
+    # field -> the field whose value it always takes (Mixtral's / OLMoE's experts are intermediate_size wide)
+    same_as: dict[str, str] = field(default_factory=dict)
 
     def carries(self, name: str) -> bool:
         return self.model_type in FIELD[name].families

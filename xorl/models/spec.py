@@ -91,6 +91,8 @@ class _SpecMethods:
                     problems.append(f"{name}={values[name]!r}: model_type={model_type!r} always has {value!r}")
                 values[name] = value
             values["attn_implementation"] = getattr(config, "attn_implementation", None)
+        for name, source in fam.same_as.items():
+            values[name] = values[source]
         problems += shape_problems(values, fam)
         if problems:
             raise ValueError("; ".join(p.removeprefix("model.") for p in problems))
