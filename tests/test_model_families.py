@@ -183,3 +183,42 @@ def test_published_config_has_transformers_parameter_count(name, tmp_path):
     assert count == sum(p.numel() for p in hf.parameters())
     if published is not None:
         assert count == published
+
+
+def test_glm_multi_token_prediction_layer_in_the_files_is_skipped(tmp_path):
+    """GLM-4.5 files hold their MTP layer after the last layer (num_nextn_predict_layers); transformers
+    does not build it, nor do we, and loading skips its tensors instead of calling them unexpected."""
+    from safetensors.torch import load_file, save_file
+
+    hf = hf_checkpoint("glm4_moe", tmp_path / "hf", seed=5)
+    path = tmp_path / "hf" / "model.safetensors"
+    tensors = load_file(path)
+    extra = SMALL["num_hidden_layers"]  # the layer after the last
+    tensors[f"model.layers.{extra}.eh_proj.weight"] = torch.randn(8, 8)
+    tensors[f"model.layers.{extra}.mlp.experts.0.gate_proj.weight"] = torch.randn(8, 8)
+    save_file(tensors, path, metadata={"format": "pt"})
+    ours = xorl.models.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
+    input_ids = torch.randint(0, SMALL["vocab_size"], (1, 16), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        assert rel_err(ours(input_ids).logits, hf(input_ids=input_ids).logits) < TOL
+
+
+def test_hub_style_config_json_loads_through_the_run_config(tmp_path):
+    """A config.json as the hub ships Llama-3.1 (transformers v4 keys: rope_theta, rope_scaling with
+    rope_type) fills the run config, and a dynamic or sliding-window one is refused naming the field."""
+    from xorl.config import ConfigError, load_config
+
+    fields = dict(PUBLISHED["Llama-3.1-8B"][1], architectures=["LlamaForCausalLM"], hidden_act="silu",
+                  bos_token_id=128000, eos_token_id=[128001, 128008, 128009])
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    config = load_config(None, [f"--model.model_path={tmp_path}"])
+    assert config.model.rope_scaling["rope_type"] == "llama3" and config.model.rope_theta == 500000.0
+    assert config.model.max_position_embeddings == 131072
+    fields["rope_scaling"] = {"type": "dynamic", "factor": 2.0}
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    with pytest.raises(ConfigError, match="rope_type 'dynamic' is refused: dynamic NTK"):
+        load_config(None, [f"--model.model_path={tmp_path}"])
+    mistral = dict(PUBLISHED["Mistral-7B-v0.3"][1], sliding_window=4096)
+    (tmp_path / "config.json").write_text(json.dumps(mistral))
+    with pytest.raises(ConfigError, match="sliding_window=4096: sliding-window attention is not supported yet"):
+        load_config(None, [f"--model.model_path={tmp_path}"])
