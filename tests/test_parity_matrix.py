@@ -59,6 +59,8 @@ LAYOUTS = [
     # The families of issue 20, each on a layout that exercises what is new in it (tests/parity_runs.MODELS).
     ("llama3.1 rope-scaled ring2 x fsdp2, past original_max_position_embeddings", 4, "llama3.1-rope",
      dict(data_parallel_shard_size=2, ringattn_parallel_size=2)),
+    ("llama3.1 rope-scaled ring2 x ulysses2", 4, "llama3.1-rope",
+     dict(data_parallel_shard_size=1, ringattn_parallel_size=2, ulysses_parallel_size=2)),
     ("qwen3 dense tp2+sp x fsdp2 (q/k norm, biases)", 4, "qwen3",
      dict(data_parallel_shard_size=2, tensor_parallel_size=2, sequence_parallel=True)),
     ("mixtral ep2 x fsdp2", 4, "mixtral", dict(data_parallel_shard_size=4, expert_parallel_size=2)),

@@ -78,16 +78,12 @@ def _attention_problems(m: Any) -> list[str]:
 def _model_problems(m: Any) -> list[str]:
     """The schema's shape rules (xorl/models/schema.py: the same ones ModelSpec raises)."""
     from xorl.models.registry import family
-    from xorl.models.schema import FIELD, field_values, shape_problems
+    from xorl.models.schema import apply_family, field_values, shape_problems
 
     values = field_values(m)
     values["head_dim"], values["rope_scaling"] = m.head_dim, m.rope_scaling
     fam = family(m.model_type)
-    problems = shape_problems(values, fam)
-    problems += [f"model.{name}={values[name]!r}: model_type={m.model_type!r} always has {value!r}"
-                 for name, value in fam.fixed.items()
-                 if values[name] not in (value, FIELD[name].default)]
-    return problems
+    return apply_family(values, fam) + shape_problems(values, fam)
 
 
 def _parallel_model_problems(m: Any, p: ParallelConfig) -> list[str]:

@@ -161,6 +161,19 @@ def field_values(config: Any) -> dict[str, Any]:
     return values
 
 
+def apply_family(values: dict[str, Any], family: Family) -> list[str]:
+    """Set what ``family``'s HF class hard-codes (``fixed``, ``same_as``) in ``values``; a problem for
+    each field explicitly set (not its default) to another value."""
+    problems = []
+    for name, value in family.fixed.items():
+        if _plain(values[name]) not in (_plain(value), _plain(FIELD[name].default)):
+            problems.append(f"model.{name}={values[name]!r}: model_type={family.model_type!r} always has {value!r}")
+        values[name] = value
+    for name, source in family.same_as.items():
+        values[name] = values[source]
+    return problems
+
+
 # ------------------------------------------------------------------------------------------------
 # Shape rules (one place: config_rules.py reports them before launch, ModelSpec raises them)
 # ------------------------------------------------------------------------------------------------

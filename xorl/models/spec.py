@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from xorl.models.schema import FIELDS, Family, field_values, hf_to_fields, shape_problems
+from xorl.models.schema import FIELDS, Family, apply_family, field_values, hf_to_fields, shape_problems
 
 # merge_qkv's layout of ``self_attn.qkv_proj`` (rows grouped by KV head: xorl/models/attention.py),
 # recorded in checkpoints (trainer_state.json) so that one saved in another layout is never read as
@@ -80,19 +80,13 @@ class _SpecMethods:
             values = field_values(object())
             hf_values, problems = hf_to_fields(config.to_dict(), fam, f"{type(config).__name__}")
             values.update(hf_values)
+            problems += apply_family(values, fam)
             values["attn_implementation"] = getattr(config, "attn_implementation", None)
             values["model_type"] = model_type
         else:
             values = field_values(config)
-            problems = []
-            for name, value in fam.fixed.items():
-                default = next(f.default for f in FIELDS if f.name == name)
-                if values[name] not in (value, default):
-                    problems.append(f"{name}={values[name]!r}: model_type={model_type!r} always has {value!r}")
-                values[name] = value
+            problems = apply_family(values, fam)
             values["attn_implementation"] = getattr(config, "attn_implementation", None)
-        for name, source in fam.same_as.items():
-            values[name] = values[source]
         problems += shape_problems(values, fam)
         if problems:
             raise ValueError("; ".join(p.removeprefix("model.") for p in problems))
