@@ -66,6 +66,8 @@ LAYOUTS = [
     ("mixtral ep2 x fsdp2", 4, "mixtral", dict(data_parallel_shard_size=4, expert_parallel_size=2)),
     ("olmoe ulysses2 x fsdp2, ep2 (width q/k norm; TP refused)", 4, "olmoe",
      dict(data_parallel_shard_size=2, ulysses_parallel_size=2, expert_parallel_size=2)),
+    ("glm4.5 tp2+sp x fsdp2, ep4 (partial rotary, q/k/v biases under TP)", 4, "glm4_moe",
+     dict(data_parallel_shard_size=2, tensor_parallel_size=2, sequence_parallel=True, expert_parallel_size=4)),
     ("glm4.5 pp2 x ep2 x fsdp2, dense first layer", 4, "glm4_moe",
      dict(data_parallel_shard_size=2, pipeline_parallel_size=2, expert_parallel_size=2)),
 ]
