@@ -74,9 +74,9 @@ def randomize_(model: torch.nn.Module, seed: int) -> None:
             p.copy_(noise * p.shape[-1] ** -0.5)
 
 
-def hf_checkpoint(name: str, folder, seed: int = 0):
+def hf_checkpoint(name: str, folder, seed: int = 0, **overrides):
     cls_name, config_name, fields = FAMILIES[name]
-    config = getattr(transformers, config_name)(**{**SMALL, **fields}, attn_implementation="eager")
+    config = getattr(transformers, config_name)(**{**SMALL, **fields, **overrides}, attn_implementation="eager")
     torch.manual_seed(seed)
     model = getattr(transformers, cls_name)(config).eval()
     randomize_(model, seed)
@@ -222,3 +222,22 @@ def test_hub_style_config_json_loads_through_the_run_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(mistral))
     with pytest.raises(ConfigError, match="sliding_window=4096: sliding-window attention is not supported yet"):
         load_config(None, [f"--model.model_path={tmp_path}"])
+
+
+@pytest.mark.parametrize("name", ["mixtral", "glm4_moe"])
+def test_sharded_start_from_a_family_folder_reads_its_weights(name, gloo_world, tmp_path):
+    """FSDP 2 x EP 2 ranks start from the folder (each reading its own boxes, through the family's
+    file names: Mixtral's block_sparse_moe.experts.{j}.w1, GLM's shared_experts) with exactly the
+    weights one process loads."""
+    from tests.parity_runs import initial_weights
+    from xorl.config import load_config
+
+    experts = {"num_local_experts": 4} if name == "mixtral" else {}
+    hf_checkpoint(name, tmp_path / "hf", seed=7, vocab_size=272, **experts)
+    one = xorl.models.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).state_dict()
+    config = load_config(None, [f"--model.model_path={tmp_path / 'hf'}", f"--train.output_dir={tmp_path / 'run'}",
+                                "--train.data_parallel_shard_size=2", "--train.expert_parallel_size=2",
+                                "--data.seq_len=32", "--data.micro_batch_size=1"])
+    loaded = gloo_world(2).run(initial_weights, config)[0]
+    assert loaded.keys() == one.keys()
+    assert all(torch.equal(loaded[k], one[k]) for k in one), [k for k in one if not torch.equal(loaded[k], one[k])]
