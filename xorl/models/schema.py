@@ -230,13 +230,14 @@ def shape_problems(m: dict[str, Any], family: Family) -> list[str]:
             problems.append(f"model.router_n_group={groups}, router_topk_group={topk_group}: num_experts={e} must "
                             "split into router_n_group equal groups, router_topk_group <= router_n_group, and the "
                             "chosen groups must hold num_experts_per_tok experts")
-    return problems + rope_problems(m["rope_scaling"], m["max_position_embeddings"])
+    return problems + rope_problems(m["rope_scaling"])
 
 
 ROPE_TYPES = ("llama3", "linear", "yarn")
 
 
-def rope_problems(scaling: dict | None, max_position_embeddings: int) -> list[str]:
+def rope_problems(scaling: dict | None) -> list[str]:
+    """What makes a RoPE scaling unbuildable (or untrainable), naming model.rope_scaling."""
     if not scaling:
         return []
     kind = scaling.get("rope_type", scaling.get("type"))
@@ -293,7 +294,7 @@ def hf_to_fields(raw: dict, family: Family, where: str) -> tuple[dict[str, Any],
     if theta is not None:
         values["rope_theta"] = theta
     values["rope_scaling"] = scaling
-    problems += [p.replace("model.rope_scaling", "rope_scaling") for p in rope_problems(scaling, 0)]
+    problems += [p.replace("model.rope_scaling", "rope_scaling") for p in rope_problems(scaling)]
     if partial is not None and partial != 1.0:
         if not family.carries("partial_rotary_factor"):
             problems.append(f"{where}: partial_rotary_factor={partial}: {family.architecture} rotates whole heads")
