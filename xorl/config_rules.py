@@ -77,7 +77,7 @@ def _attention_problems(m: Any) -> list[str]:
 
 def _model_problems(m: Any) -> list[str]:
     """The schema's shape rules (xorl/models/schema.py: the same ones ModelSpec raises)."""
-    from xorl.models.registry import family
+    from xorl.models.families import family
     from xorl.models.schema import apply_family, field_values, shape_problems
 
     values = field_values(m)
@@ -92,7 +92,7 @@ def _parallel_model_problems(m: Any, p: ParallelConfig) -> list[str]:
     if heads < 1 or kv_heads < 1:
         return problems  # reported by _model_problems
     tp_divides_heads = heads % p.tp == 0 and kv_heads % p.tp == 0
-    from xorl.models.registry import family
+    from xorl.models.families import family
 
     if p.tp > 1 and m.model_type in _MODEL_TYPES and family(m.model_type).qk_norm == "width":
         problems.append(

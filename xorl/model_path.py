@@ -52,7 +52,7 @@ def read_hf_config(folder: str) -> dict[str, Any]:
 def hf_model_fields(folder: str) -> tuple[dict[str, Any], list[str]]:
     """(ModelConfig field -> value that ``folder``'s config.json defines, problems found in it)."""
     from xorl.config import ModelConfig, _type_hints, coerce
-    from xorl.models.registry import MODEL_TYPES, family
+    from xorl.models.families import MODEL_TYPES, family
 
     raw = read_hf_config(folder)
     path = os.path.join(folder, HF_CONFIG_NAME)

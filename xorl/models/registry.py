@@ -1,43 +1,13 @@
-"""The families, and build_model / to_hf_config_dict, the entry points the trainer uses.
-
-Adding a family: one file in xorl/models/ declaring ``FAMILY`` (a schema.Family: what its
-transformers class hard-codes, its config.json names and weight names) and ``MODEL`` (the
-nn.Module class; usually DecoderForCausalLM or a subclass choosing the MLP per layer), plus its
-line here. The family modules are imported when first asked for (this module imports no torch).
-"""
+"""build_model / to_hf_config_dict: the entry points the trainer uses (the families are listed in
+xorl/models/families.py)."""
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
-from xorl.models.schema import ALL
+from xorl.models.families import MODEL_TYPES, family, family_module
 
-# model_type -> module holding FAMILY and MODEL
-_FAMILY_MODULES = {
-    "llama": "xorl.models.llama",
-    "qwen2": "xorl.models.qwen2",
-    "qwen3": "xorl.models.qwen3",
-    "mistral": "xorl.models.mistral",
-    "qwen3_moe": "xorl.models.qwen3_moe",
-    "qwen2_moe": "xorl.models.qwen2_moe",
-    "mixtral": "xorl.models.mixtral",
-    "olmoe": "xorl.models.olmoe",
-    "glm4_moe": "xorl.models.glm4_moe",
-}
-MODEL_TYPES = tuple(_FAMILY_MODULES)
-assert set(MODEL_TYPES) == set(ALL), "schema.ALL and the registry must list the same families"
-
-
-def _module(model_type: str):
-    if model_type not in _FAMILY_MODULES:
-        raise ValueError(f"model_type={model_type!r} is not supported; use one of {list(MODEL_TYPES)}")
-    return importlib.import_module(_FAMILY_MODULES[model_type])
-
-
-def family(model_type: str):
-    """The family's schema.Family declaration."""
-    return _module(model_type).FAMILY
+__all__ = ["MODEL_TYPES", "build_model", "family", "to_hf_config_dict"]
 
 
 def build_model(model_config: Any):
@@ -50,7 +20,7 @@ def build_model(model_config: Any):
     from xorl.models.spec import ModelSpec
 
     spec = ModelSpec.from_config(model_config)
-    model = _module(spec.model_type).MODEL(model_config)
+    model = family_module(spec.model_type).MODEL(model_config)
     if next(model.parameters()).device.type != "meta":
         model.init_weights()
     return model

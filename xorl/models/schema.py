@@ -15,7 +15,7 @@ class cannot represent), ``knob`` (training settings: config.json may hold them,
 explicit value wins), ``local`` (how xorl runs the model; never in config.json).
 
 A family (its block wiring and HF weight names) is one file in xorl/models/ declaring a ``Family``,
-plus its line in xorl/models/registry.py. No torch import here: the config is checked before any
+plus its line in xorl/models/families.py. No torch import here: the config is checked before any
 process group or model exists.
 """
 
@@ -46,7 +46,7 @@ def _f(name, tp, default, kind="arch", families=ALL, doc=""):
 
 
 FIELDS: tuple[Field, ...] = (
-    _f("model_type", Literal[ALL], "llama", doc="the family (xorl/models/registry.py)"),
+    _f("model_type", Literal[ALL], "llama", doc="the family (xorl/models/families.py)"),
     _f("vocab_size", int, 272, doc="272 = 256 bytes + 16 special tokens for the byte tokenizer"),
     _f("hidden_size", int, 64),
     _f("intermediate_size", int, 128, doc="the dense MLP's width (Mixtral: each expert's)"),

@@ -27,7 +27,7 @@ class _SpecMethods:
 
     @property
     def family(self) -> Family:
-        from xorl.models.registry import family
+        from xorl.models.families import family
 
         return family(self.model_type)
 
@@ -70,7 +70,7 @@ class _SpecMethods:
     def from_config(cls, config: Any) -> ModelSpec:
         if isinstance(config, ModelSpec):
             return config
-        from xorl.models.registry import MODEL_TYPES, family
+        from xorl.models.families import MODEL_TYPES, family
 
         model_type = getattr(config, "model_type", None) or ""
         if model_type not in MODEL_TYPES:
