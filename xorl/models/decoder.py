@@ -24,6 +24,7 @@ lm_head ``output.logits`` holds the hidden states.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -137,10 +138,11 @@ class DecoderModel(nn.Module):
 class DecoderForCausalLM(nn.Module):
     """The causal LM of every family: the spec (and its family's traits) decides each block."""
 
-    def __init__(self, config):
+    def __init__(self, config, fp8: str = "none"):
         super().__init__()
         self.config = config
-        self.spec = ModelSpec.from_config(config)
+        # train.fp8 is a compute choice of this build, so it joins the spec here, not the model config.
+        self.spec = dataclasses.replace(ModelSpec.from_config(config), fp8=fp8)
         spec = self.spec
         layers = [DecoderLayer(spec, self.build_mlp(spec, i)) for i in range(spec.num_hidden_layers)]
         self.model = DecoderModel(spec, layers)
@@ -151,7 +153,7 @@ class DecoderForCausalLM(nn.Module):
         """A dense SwiGLU MLP, or on an MoE layer (``spec.is_moe_layer``) the family's MoE block."""
         if not spec.is_moe_layer(layer_idx):
             return SwiGLUMLP(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias,
-                             merge_gate_up=spec.merge_gate_up)
+                             merge_gate_up=spec.merge_gate_up, fp8=spec.fp8)
         return MoE(
             spec.hidden_size,
             spec.num_experts,
@@ -168,6 +170,7 @@ class DecoderForCausalLM(nn.Module):
             shared_expert_gate=spec.family.shared_expert_gate,
             aux_loss_coef=spec.router_aux_loss_coef,
             z_loss_coef=spec.router_z_loss_coef,
+            fp8=spec.fp8,
         )
 
     def tie_weights(self) -> None:

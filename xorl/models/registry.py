@@ -10,17 +10,18 @@ from xorl.models.families import MODEL_TYPES, family, family_module
 __all__ = ["MODEL_TYPES", "build_model", "family", "to_hf_config_dict"]
 
 
-def build_model(model_config: Any):
+def build_model(model_config: Any, fp8: str = "none"):
     """Build the model named by ``model_config.model_type`` on the current default device.
 
     Under ``with torch.device("meta"):`` nothing is allocated; materialise later with
     ``model.to_empty(device=...)`` then ``model.init_weights()``. On a real device the weights are
-    initialised here (normal(0, initializer_range), norms 1).
+    initialised here (normal(0, initializer_range), norms 1). ``fp8``: the projections' FP8
+    recipe (train.fp8; xorl/nn/linear.py), fixed at construction.
     """
     from xorl.models.spec import ModelSpec
 
     spec = ModelSpec.from_config(model_config)
-    model = family_module(spec.model_type).MODEL(model_config)
+    model = family_module(spec.model_type).MODEL(model_config, fp8=fp8)
     if next(model.parameters()).device.type != "meta":
         model.init_weights()
     return model

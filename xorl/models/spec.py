@@ -98,7 +98,12 @@ class _SpecMethods:
 
 
 ModelSpec = dataclasses.make_dataclass(
-    "ModelSpec", [(f.name, f.type) for f in FIELDS], bases=(_SpecMethods,), frozen=True, eq=True
+    "ModelSpec",
+    [(f.name, f.type) for f in FIELDS]
+    # FP8 recipe of the projections (train.fp8, a compute choice of the build, not a model field and
+    # not part of the checkpoint): "none", "tensorwise", "rowwise" or "blockwise" (xorl/nn/linear.py).
+    + [("fp8", str, dataclasses.field(default="none"))],
+    bases=(_SpecMethods,), frozen=True, eq=True,
 )
 ModelSpec.__module__ = __name__
 ModelSpec.__doc__ = "The resolved model config (fields: xorl/models/schema.py FIELDS)."
