@@ -10,19 +10,35 @@ import torch.distributed as dist
 from xorl.config import Config
 from xorl.export import full_state_dict
 
+# Router losses on: balanced over each whole microbatch (its context-parallel shards summed,
+# model.router_balance_scope), which every layout computes as one process does.
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+            router_aux_loss_coef=0.01)
+# Each family's tiny model: what is new in it is on (RoPE scaling with original_max_position_embeddings
+# below data.seq_len, partial rotary, biases, a dense first layer, group-limited sigmoid routing).
+MODELS = {
+    "llama": {},
+    "qwen3_moe": dict(model_type="qwen3_moe", **_MOE),
+    "llama3.1-rope": dict(model_type="llama", rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8}),
+    "qwen3": dict(model_type="qwen3", attention_bias=True),
+    "mixtral": dict(model_type="mixtral", **_MOE),
+    "olmoe": dict(model_type="olmoe", **{**_MOE, "norm_topk_prob": False}),
+    "glm4_moe": dict(model_type="glm4_moe", **_MOE, num_hidden_layers=4, first_k_dense_replace=1,
+                     shared_expert_intermediate_size=32, router_n_group=2, router_topk_group=1,
+                     routed_scaling_factor=2.0, attention_bias=True, partial_rotary_factor=0.5),
+}
 
-def tiny_config(output_dir: str, model_type: str = "llama", **train) -> Config:
+
+def tiny_config(output_dir: str, model: str = "llama", **train) -> Config:
+    """``model``: a key of MODELS (its model_type and what is new in the family)."""
     config = Config()
     m = config.model
-    m.model_type = model_type
     m.vocab_size, m.hidden_size, m.intermediate_size = 272, 32, 64
     m.num_hidden_layers, m.num_attention_heads, m.num_key_value_heads = 4, 4, 2
-    if model_type == "qwen3_moe":
-        m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size = 4, 2, 32
-        m.norm_topk_prob = True
-        # Router losses on: balanced over each whole microbatch (its context-parallel shards summed,
-        # model.router_balance_scope), which every layout computes as one process does.
-        m.router_aux_loss_coef = 0.01
+    for key, value in MODELS[model].items():
+        setattr(m, key, value)
     config.data.seq_len = 32
     config.data.micro_batch_size = 1
     t = config.train

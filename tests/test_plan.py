@@ -174,9 +174,32 @@ def test_bad_input_is_one_clean_message(capsys, argv, message):
 
 
 def test_unsupported_hf_model_type_is_refused(tmp_path, capsys):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mistral", "hidden_size": 64}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_oss", "hidden_size": 64}))
     assert main([str(tmp_path), "--gpus", "8"]) == 2
-    assert "model_type='mistral'" in capsys.readouterr().err
+    assert "model_type='gpt_oss'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("cls_name, fields", [
+    ("MixtralForCausalLM", dict(num_local_experts=8, num_experts_per_tok=2)),
+    ("Glm4MoeForCausalLM", dict(n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=64,
+                                first_k_dense_replace=1, head_dim=32)),
+    ("Qwen2ForCausalLM", {}),
+])
+def test_hf_folder_of_every_family_has_transformers_parameter_count(tmp_path, cls_name, fields):
+    """The planner reads a family's config.json as xorl-train does, and counts its parameters exactly."""
+    import torch
+
+    from xorl.planner.memory import model_shapes
+
+    transformers = pytest.importorskip("transformers")
+    config_cls = getattr(transformers, cls_name.replace("ForCausalLM", "Config"))
+    hf = config_cls(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                    num_attention_heads=8, num_key_value_heads=4, **fields)
+    hf.save_pretrained(tmp_path)
+    model = read_model_source(str(tmp_path)).config.model
+    with torch.device("meta"):
+        count = sum(p.numel() for p in getattr(transformers, cls_name)(hf).parameters())
+    assert model_shapes(model).num_params == count
 
 
 def test_fsdp_alone_is_not_forced_when_it_is_much_slower(capsys):

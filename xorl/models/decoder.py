@@ -1,4 +1,4 @@
-"""The decoder-only causal LM shared by the Llama and Qwen3-MoE families.
+"""The decoder-only causal LM every family builds (xorl/models/registry.py lists them).
 
 Module tree and parameter names mirror transformers (LlamaForCausalLM / Qwen3MoeForCausalLM):
     model.embed_tokens, model.layers[i].{input_layernorm, self_attn, post_attention_layernorm, mlp},
@@ -63,30 +63,6 @@ class CausalLMOutput:
     router_stats: dict = field(default_factory=dict)
 
 
-def hf_decoder_config(spec: ModelSpec, architecture: str, model_type: str) -> dict:
-    """The config.json fields every transformers decoder family here shares (Llama, Qwen3-MoE)."""
-    return {
-        "architectures": [architecture],
-        "model_type": model_type,
-        "vocab_size": spec.vocab_size,
-        "hidden_size": spec.hidden_size,
-        "intermediate_size": spec.intermediate_size,
-        "num_hidden_layers": spec.num_hidden_layers,
-        "num_attention_heads": spec.num_attention_heads,
-        "num_key_value_heads": spec.num_key_value_heads,
-        "head_dim": spec.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": spec.max_position_embeddings,
-        "initializer_range": spec.initializer_range,
-        "rms_norm_eps": spec.rms_norm_eps,
-        "rope_theta": spec.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta},
-        "tie_word_embeddings": spec.tie_word_embeddings,
-        "attention_bias": spec.attention_bias,
-        "attention_dropout": 0.0,
-    }
-
-
 def positions_from_cu_seqlens(cu_seqlens: torch.Tensor, seq_len: int) -> torch.Tensor:
     """[seq_len] positions restarting at 0 at each document start."""
     positions = torch.arange(seq_len, device=cu_seqlens.device)
@@ -120,7 +96,8 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(spec.head_dim, spec.rope_theta)
+        self.rotary_emb = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling, spec.rotary_dim,
+                                          spec.max_position_embeddings)
 
     def forward(self, input_ids, position_ids=None, cu_seqlens=None, max_seqlen=None, token_mask=None):
         if self.embed_tokens is not None:
@@ -159,7 +136,7 @@ class DecoderModel(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    """Base of LlamaForCausalLM / Qwen3MoeForCausalLM; subclasses choose the MLP of each layer."""
+    """The causal LM of every family: the spec (and its family's traits) decides each block."""
 
     def __init__(self, config, fp8: str = "none"):
         super().__init__()
@@ -173,8 +150,28 @@ class DecoderForCausalLM(nn.Module):
         self.tie_weights()
 
     def build_mlp(self, spec: ModelSpec, layer_idx: int) -> nn.Module:
-        return SwiGLUMLP(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias, merge_gate_up=spec.merge_gate_up,
-                         fp8=spec.fp8)
+        """A dense SwiGLU MLP, or on an MoE layer (``spec.is_moe_layer``) the family's MoE block."""
+        if not spec.is_moe_layer(layer_idx):
+            return SwiGLUMLP(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias,
+                             merge_gate_up=spec.merge_gate_up, fp8=spec.fp8)
+        return MoE(
+            spec.hidden_size,
+            spec.num_experts,
+            spec.num_experts_per_tok,
+            spec.moe_intermediate_size,
+            norm_topk_prob=spec.norm_topk_prob,
+            scoring=spec.router_scoring,
+            expert_bias=spec.router_expert_bias,
+            bias_update_rate=spec.router_bias_update_rate,
+            n_group=spec.router_n_group,
+            topk_group=spec.router_topk_group,
+            routed_scaling_factor=spec.routed_scaling_factor,
+            shared_expert_intermediate_size=spec.shared_expert_intermediate_size,
+            shared_expert_gate=spec.family.shared_expert_gate,
+            aux_loss_coef=spec.router_aux_loss_coef,
+            z_loss_coef=spec.router_z_loss_coef,
+            fp8=spec.fp8,
+        )
 
     def tie_weights(self) -> None:
         """lm_head shares the embedding matrix when tie_word_embeddings (re-run after to_empty)."""

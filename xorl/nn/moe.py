@@ -262,7 +262,11 @@ class MoE(nn.Module):
         scoring: str = "softmax",
         expert_bias: bool = False,
         bias_update_rate: float = 1e-3,
+        n_group: int = 1,
+        topk_group: int = 1,
+        routed_scaling_factor: float = 1.0,
         shared_expert_intermediate_size: int = 0,
+        shared_expert_gate: bool = True,
         aux_loss_coef: float = 1e-3,
         z_loss_coef: float = 0.0,
         ep_group: dist.ProcessGroup | None = None,
@@ -295,6 +299,9 @@ class MoE(nn.Module):
             norm_topk_prob=norm_topk_prob,
             expert_bias=expert_bias,
             bias_update_rate=bias_update_rate,
+            n_group=n_group,
+            topk_group=topk_group,
+            routed_scaling_factor=routed_scaling_factor,
             device=device,
             dtype=dtype,
         )
@@ -303,7 +310,9 @@ class MoE(nn.Module):
         )
         if shared_expert_intermediate_size > 0:
             self.shared_expert = SharedExpertMLP(hidden_size, shared_expert_intermediate_size, device, dtype)
-            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False, device=device, dtype=dtype)
+            # Qwen2-MoE gates the shared expert with sigmoid(shared_expert_gate(x)); GLM-4.5 does not.
+            self.shared_expert_gate = (nn.Linear(hidden_size, 1, bias=False, device=device, dtype=dtype)
+                                       if shared_expert_gate else None)
         else:
             self.shared_expert = None
             self.shared_expert_gate = None
@@ -345,6 +354,8 @@ class MoE(nn.Module):
         if self.shared_expert is not None:  # computed while the dispatch all_to_all is in flight
 
             def shared():
+                if self.shared_expert_gate is None:
+                    return self.shared_expert(x)
                 return self.shared_expert(x) * torch.sigmoid(self.shared_expert_gate(x))
 
         out = expert_parallel_moe(
@@ -371,7 +382,8 @@ class MoE(nn.Module):
         self.experts.init_weights(std)
         if self.shared_expert is not None:
             for linear in (*self.shared_expert.children(), self.shared_expert_gate):
-                nn.init.normal_(linear.weight, std=std)
+                if linear is not None:
+                    nn.init.normal_(linear.weight, std=std)
 
     # -- loading --------------------------------------------------------------------------------
     def _slice_full_experts(self, state_dict, prefix, *args, **kwargs):

@@ -151,7 +151,8 @@ def _shapes(model_fields: tuple) -> ModelShapes:
     from xorl.models.registry import build_model
     from xorl.models.spec import ModelSpec
 
-    model_config = ModelConfig(**dict(model_fields))
+    model_config = ModelConfig(**{k: dict(v[1]) if isinstance(v, tuple) and v[:1] == ("__dict__",) else v
+                                  for k, v in model_fields})
     with torch.device("meta"):
         model = build_model(model_config)
     spec = ModelSpec.from_config(model_config)
@@ -173,8 +174,10 @@ def _shapes(model_fields: tuple) -> ModelShapes:
 
 
 def model_shapes(model_config) -> ModelShapes:
-    return _shapes(tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
-                                for k, v in dataclasses.asdict(model_config).items())))
+    def hashable(v):  # lru_cache keys: lists as tuples, dicts (rope_scaling) as tagged item tuples
+        return tuple(v) if isinstance(v, list) else ("__dict__", tuple(sorted(v.items()))) if isinstance(v, dict) else v
+
+    return _shapes(tuple(sorted((k, hashable(v)) for k, v in dataclasses.asdict(model_config).items())))
 
 
 def local_numel(name: str, shape: tuple[int, ...], p: ParallelConfig, fsdp: bool, shard_rank: int) -> int:
@@ -362,7 +365,7 @@ def activation_bytes_per_token(spec, moe_layer: bool, a: int, tp: int, sp: bool)
     s = tp if sp else 1
     norms = 2 * ((4 + 2 * a) * h + 4) / s
     attn = a * (hq + 2 * hkv) + a * hq + 4 * heads
-    if spec.qk_norm:
+    if spec.qk_norm != "none":
         attn += (4 + a) * (hq + hkv)
     if moe_layer:
         k = spec.num_experts_per_tok
