@@ -81,10 +81,10 @@ def apply_expert_parallel(model: nn.Module, ep_mesh) -> list[str]:
 
 def set_router_balance_group(model: nn.Module, group: dist.ProcessGroup | None) -> int:
     """Every router of ``model`` computes its load-balancing statistics over ``group``'s tokens."""
-    routers = [m.gate for m in model.modules() if isinstance(m, MoE)]
-    for router in routers:
-        router.balance_group = group
-    return len(routers)
+    blocks = [m for m in model.modules() if isinstance(m, MoE)]
+    for moe in blocks:
+        moe.set_balance_group(group)
+    return len(blocks)
 
 
 @torch.no_grad()

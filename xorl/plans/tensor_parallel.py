@@ -52,6 +52,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from xorl.nn.moe import MoE
 from xorl.nn.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -158,24 +159,18 @@ def _parallelize_dense_mlp(mlp: nn.Module, tp_mesh, tp: TPGroup, prefix: str, li
 
 
 def _moe_on_token_shards(layer: nn.Module, tp: TPGroup, sequence_parallel: bool, partial: TPPartialGrads) -> None:
-    """A non-dense MLP (MoE) runs on this TP rank's tokens (see the module docstring)."""
+    """A non-dense MLP (an xorl MoE block) runs on this TP rank's tokens (see the module docstring)."""
     moe = layer.mlp
+    if not isinstance(moe, MoE):
+        raise ValueError(
+            f"apply_tensor_parallel: {type(moe).__name__} is neither a SwiGLU MLP nor an xorl.nn.MoE block; "
+            "build the model from xorl.models (or convert the block with MoE.from_block first)"
+        )
     for name, _ in moe.named_parameters():
         if not name.startswith("experts."):  # router, shared expert: a share of the tokens here
             owner_name, _, leaf = name.rpartition(".")
             partial.slots.append((moe.get_submodule(owner_name) if owner_name else moe, leaf))
-
-    def shard_inputs(module, args, kwargs):
-        mask = kwargs.get("token_mask")
-        if mask is not None:  # the mask covers the (CP-local) sequence; keep this rank's chunk
-            kwargs = {**kwargs, "token_mask": mask.chunk(tp.size, dim=-1)[tp.rank]}
-        if not sequence_parallel:  # replicated input: keep this rank's chunk of the sequence
-            args = (split_to_shard(args[0], tp, _SEQ_DIM), *args[1:])
-        return args, kwargs
-
-    moe.register_forward_pre_hook(shard_inputs, with_kwargs=True)
-    if not sequence_parallel:
-        moe.register_forward_hook(lambda module, args, output: gather_from_shards(output, tp, _SEQ_DIM))
+    moe.run_on_token_shards(tp, sequence_parallel)
 
 
 def _parallelize_vocabulary(model: nn.Module, decoder: nn.Module, tp_mesh, tp: TPGroup, sequence_parallel: bool,
