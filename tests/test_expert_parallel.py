@@ -204,7 +204,7 @@ def check_plan_on_qwen3_moe_model(num_experts, use_mesh) -> dict:
         ep = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
     else:  # the 2-D EP mesh the trainer passes (ParallelState.ep_mesh), with an ep_fsdp dim of 1
         ep = init_device_mesh("cpu", (1, world), mesh_dim_names=("ep_fsdp", "ep"))
-    replaced = apply_expert_parallel(model, ep)
+    replaced = apply_expert_parallel(model, ep).blocks
     gen = torch.Generator().manual_seed(2)
     ids = torch.randint(0, 97, (world, 6), generator=gen)
     grad = torch.randn(world, 6, 97, generator=gen)

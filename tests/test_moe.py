@@ -152,7 +152,7 @@ def test_plan_swaps_transformers_model_blocks():
     hf = transformers.Qwen3MoeForCausalLM(config).eval()
     ids = torch.randint(0, 61, (2, 7))
     ref = hf(ids).logits
-    assert apply_expert_parallel(hf, None) == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    assert apply_expert_parallel(hf, None).blocks == ["model.layers.0.mlp", "model.layers.1.mlp"]
     assert isinstance(hf.model.layers[1].mlp, MoE)
     assert rel_err(hf(ids).logits, ref) < 1e-5
 

@@ -429,18 +429,16 @@ class TPPartialGrads:
 
 
 @torch.no_grad()
-def sum_tp_partial_grads(models) -> int:
-    """Sum the partial gradients of every model part over TP: one all-reduce per (group, dtype).
-
-    Call once per optimizer step, after the last backward and before clipping. Returns the
-    number of all-reduces issued (0 without TP).
+def sum_tp_partial_grads(partials: list[TPPartialGrads]) -> int:
+    """Sum the partial gradients listed in ``partials`` (one per model part) over TP: one all-reduce
+    per (group, dtype). Call once per optimizer step, after the last backward and before clipping.
+    Returns the number of all-reduces issued (0 without TP).
     """
     import torch.distributed as dist
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
     buckets: dict = {}
-    for model in models:
-        partial = getattr(model, "tp_partial_grads", None)
+    for partial in partials:
         if partial is None or partial.tp.size == 1:
             continue
         for grad in partial.local_grads():

@@ -1,6 +1,6 @@
 """The tensor-parallel plan: shard attention and MLP projections of an HF-style causal LM.
 
-    apply_tensor_parallel(model, tp_mesh, sequence_parallel=True, overlap=True)
+    record = apply_tensor_parallel(model, tp_mesh, sequence_parallel=True, overlap=True)
 
 On every present ``model.model.layers[i]`` (entries may be None under pipeline parallelism):
 
@@ -27,9 +27,9 @@ does. Under pipelining the activations between stages are therefore sequence sha
 region the norms and residual adds run on the shard; the column layers all-gather along the
 sequence, the row layers reduce-scatter along it. Replicated parameters used inside the region on
 a shard of the data have partial gradients: the decoder and final norms under SP, q/k norms
-always (each rank normalises only its own heads). They are listed in ``model.tp_partial_grads``,
-and the trainer sums them over TP once per optimizer step
-(``xorl.nn.tensor_parallel.sum_tp_partial_grads``: one all-reduce).
+always (each rank normalises only its own heads). They are listed in the returned record's
+``partial_grads``, and the step sums them over TP once per optimizer step
+(``xorl.nn.tensor_parallel.sum_tp_partial_grads``: one all-reduce; xorl/parallelize.py's ParallelPlan).
 
 MoE models: attention is tensor-parallel, and each MoE block runs on this TP rank's token shard,
 its experts split over the TP ranks by expert parallelism (EP folds over dp_shard x CP x TP, see
@@ -48,6 +48,8 @@ intermediate size divisible by TP, every rank holding the same full weights befo
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -68,13 +70,29 @@ _HEAD_COUNT_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", 
 _SEQ_DIM = -2
 
 
+@dataclass
+class TensorParallelRecord:
+    """What ``apply_tensor_parallel`` did, for the step (xorl/parallelize.py's ParallelPlan)."""
+
+    tp: TPGroup
+    sequence_parallel: bool  # activations between layers (and pipeline stages) are sequence shards
+    partial_grads: TPPartialGrads  # replicated parameters whose gradients the step sums over TP
+    moe_on_token_shards: bool  # MoE blocks route this rank's tokens: router losses differ per TP rank
+
+    @property
+    def sequence_shards(self) -> int:
+        """Into how many shards a rank's sequence is split between layers (1 without SP)."""
+        return self.tp.size if self.sequence_parallel else 1
+
+
 def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = True, overlap: bool = True, *,
                           overlap_min_numel: int = DEFAULT_OVERLAP_MIN_NUMEL,
-                          share_gathered_inputs: bool = True) -> nn.Module:
-    """Shard ``model`` in place over the 1-D ``tp_mesh``; returns the model. TP size 1: unchanged."""
+                          share_gathered_inputs: bool = True) -> TensorParallelRecord:
+    """Shard ``model`` in place over the 1-D ``tp_mesh``; returns what was done. TP size 1: unchanged."""
     tp = TPGroup.from_mesh(tp_mesh)
+    partial = TPPartialGrads(tp)
     if tp.size == 1:
-        return model
+        return TensorParallelRecord(tp, False, partial, False)
     decoder = getattr(model, "model", None)
     layers = getattr(decoder, "layers", None)
     if layers is None:
@@ -86,7 +104,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = T
     linear_kw = {"sequence_parallel": bool(sequence_parallel), "overlap": overlap,
                  "overlap_min_numel": int(overlap_min_numel)}
     memo: dict[int, nn.Parameter] = {}
-    partial = TPPartialGrads(tp)
+    moe_blocks = 0
     present = [(i, layer) for i, layer in enumerate(layers) if layer is not None]
     for i, layer in present:
         prefix = f"model.layers.{i}"
@@ -94,12 +112,12 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = T
                                share_gathered_inputs, partial)
         if not _parallelize_dense_mlp(layer.mlp, tp_mesh, tp, f"{prefix}.mlp", linear_kw, share_gathered_inputs):
             _moe_on_token_shards(layer, tp, sequence_parallel, partial)
+            moe_blocks += 1
         for norm in ("input_layernorm", "post_attention_layernorm"):
             replicate_on_tp(getattr(layer, norm), tp_mesh, memo, partial if sequence_parallel else None)
     _parallelize_vocabulary(model, decoder, tp_mesh, tp, sequence_parallel, overlap, memo, partial)
-    model.tp_partial_grads = partial
     _check_every_parameter_placed(model)
-    return model
+    return TensorParallelRecord(tp, bool(sequence_parallel), partial, moe_blocks > 0)
 
 
 def _parallelize_attention(attn: nn.Module, tp_mesh, tp: TPGroup, prefix: str, linear_kw: dict,
