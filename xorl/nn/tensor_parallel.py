@@ -88,13 +88,13 @@ class _TPLinearBase(nn.Module):
     bias_placement: Shard | Replicate
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp_mesh, sequence_parallel: bool,
-                 overlap: bool, overlap_min_numel: int, device, dtype):
+                 overlap: bool, overlap_min_numel: int, device, dtype, name: str | None = None):
         super().__init__()
         self.tp_mesh = tp_mesh
         self.tp = TPGroup.from_mesh(tp_mesh)
         self.in_features, self.out_features = in_features, out_features
         self.config = TPMatmulConfig(self.tp, bool(sequence_parallel), bool(overlap), int(overlap_min_numel),
-                                     name=f"{type(self).__name__}@{id(self):x}")
+                                     name=name or f"{type(self).__name__}@{id(self):x}")
         local_w = torch.empty(self._local_weight_shape(), device=device, dtype=dtype)
         self.weight = _dtensor_param(local_w, tp_mesh, self.weight_placement)
         if bias:
@@ -114,12 +114,9 @@ class _TPLinearBase(nn.Module):
 
     @property
     def name(self) -> str:
-        """Key of this layer in ``xorl.nn.tp_comm.overlap_report()`` (the plan sets the module path)."""
+        """Key of this layer in ``xorl.nn.tp_comm.overlap_report()`` (the constructor's ``name``: the
+        plan passes the module path)."""
         return self.config.name
-
-    @name.setter
-    def name(self, value: str) -> None:
-        self.config.name = value
 
     @property
     def sequence_parallel(self) -> bool:
@@ -209,11 +206,12 @@ class ColumnParallelLinear(_TPLinearBase):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, tp_mesh=None,
                  sequence_parallel: bool = False, overlap: bool = True, gather_output: bool = False, *,
-                 overlap_min_numel: int = DEFAULT_OVERLAP_MIN_NUMEL, device=None, dtype=None):
+                 overlap_min_numel: int = DEFAULT_OVERLAP_MIN_NUMEL, device=None, dtype=None,
+                 name: str | None = None):
         tp = TPGroup.from_mesh(tp_mesh)
         _check_divisible(out_features, tp, "out_features", "ColumnParallelLinear")
         super().__init__(in_features, out_features, bias, tp_mesh, sequence_parallel, overlap,
-                         overlap_min_numel, device, dtype)
+                         overlap_min_numel, device, dtype, name)
         self.gather_output = bool(gather_output)
         self.shared_group: SharedInputColumnGroup | None = None
 
@@ -222,6 +220,13 @@ class ColumnParallelLinear(_TPLinearBase):
 
     def _local_bias_shape(self):
         return (self.out_features // self.tp.size,)
+
+    def share_input_with(self, group: SharedInputColumnGroup) -> None:
+        """Compute through ``group`` (which gathers the shared input once for all its members)."""
+        if self.shared_group is not None and self.shared_group is not group:
+            raise ValueError(f"{self.name}: already computes through SharedInputColumnGroup "
+                             f"{self.shared_group.config.name!r}")
+        self.shared_group = group
 
     def local_params(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The local weight / bias shards as plain tensors (differentiable back to the DTensors)."""
@@ -253,11 +258,12 @@ class RowParallelLinear(_TPLinearBase):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, tp_mesh=None,
                  input_is_parallel: bool = True, sequence_parallel: bool = False, overlap: bool = True, *,
-                 overlap_min_numel: int = DEFAULT_OVERLAP_MIN_NUMEL, device=None, dtype=None):
+                 overlap_min_numel: int = DEFAULT_OVERLAP_MIN_NUMEL, device=None, dtype=None,
+                 name: str | None = None):
         tp = TPGroup.from_mesh(tp_mesh)
         _check_divisible(in_features, tp, "in_features", "RowParallelLinear")
         super().__init__(in_features, out_features, bias, tp_mesh, sequence_parallel, overlap,
-                         overlap_min_numel, device, dtype)
+                         overlap_min_numel, device, dtype, name)
         self.input_is_parallel = bool(input_is_parallel)
 
     def _local_weight_shape(self):
@@ -386,7 +392,7 @@ class SharedInputColumnGroup:
         self._input: torch.Tensor | None = None
         self._ready: dict[int, torch.Tensor] = {}
         for m in members:
-            m.shared_group = self
+            m.share_input_with(self)
 
     def output_for(self, member: ColumnParallelLinear, x: torch.Tensor) -> torch.Tensor:
         index = next(i for i, m in enumerate(self.members) if m is member)

@@ -136,11 +136,9 @@ def _parallelize_attention(attn: nn.Module, tp_mesh, tp: TPGroup, prefix: str, l
         )
     names = ("qkv_proj",) if merged else ("q_proj", "k_proj", "v_proj")
     for name in names:
-        layer = ColumnParallelLinear.from_linear(getattr(attn, name), tp_mesh, **linear_kw)
-        layer.name = f"{prefix}.{name}"
-        setattr(attn, name, layer)
-    attn.o_proj = RowParallelLinear.from_linear(attn.o_proj, tp_mesh, **linear_kw)
-    attn.o_proj.name = f"{prefix}.o_proj"
+        setattr(attn, name, ColumnParallelLinear.from_linear(getattr(attn, name), tp_mesh, name=f"{prefix}.{name}",
+                                                             **linear_kw))
+    attn.o_proj = RowParallelLinear.from_linear(attn.o_proj, tp_mesh, name=f"{prefix}.o_proj", **linear_kw)
     if share and not merged:
         SharedInputColumnGroup([getattr(attn, n) for n in names], name=f"{prefix}.qkv_proj")
     for attr in _HEAD_COUNT_ATTRS:
@@ -166,11 +164,9 @@ def _parallelize_dense_mlp(mlp: nn.Module, tp_mesh, tp: TPGroup, prefix: str, li
             f"tensor_parallel_size={tp.size}"
         )
     for name in columns:
-        layer = ColumnParallelLinear.from_linear(getattr(mlp, name), tp_mesh, **linear_kw)
-        layer.name = f"{prefix}.{name}"
-        setattr(mlp, name, layer)
-    mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, tp_mesh, **linear_kw)
-    mlp.down_proj.name = f"{prefix}.down_proj"
+        setattr(mlp, name, ColumnParallelLinear.from_linear(getattr(mlp, name), tp_mesh, name=f"{prefix}.{name}",
+                                                            **linear_kw))
+    mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, tp_mesh, name=f"{prefix}.down_proj", **linear_kw)
     if share and not merged:
         SharedInputColumnGroup([mlp.gate_proj, mlp.up_proj], name=f"{prefix}.gate_up_proj")
     return True
@@ -222,8 +218,7 @@ def _parallelize_vocabulary(model: nn.Module, decoder: nn.Module, tp_mesh, tp: T
     if head is not None:
         if vocab_parallel:
             model.lm_head = VocabParallelLMHead.from_linear(head, tp_mesh, sequence_parallel=sequence_parallel,
-                                                            overlap=overlap)
-            model.lm_head.name = "lm_head"
+                                                            overlap=overlap, name="lm_head")
             if tied:
                 model.lm_head.weight = decoder.embed_tokens.weight
         else:
