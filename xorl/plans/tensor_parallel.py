@@ -57,6 +57,8 @@ from torch.distributed.tensor import DTensor
 from xorl.nn.moe import MoE
 from xorl.nn.tensor_parallel import (
     ColumnParallelLinear,
+    ReplicatedEmbedding,
+    ReplicatedLMHead,
     RowParallelLinear,
     SharedInputColumnGroup,
     TPPartialGrads,
@@ -64,10 +66,9 @@ from xorl.nn.tensor_parallel import (
     VocabParallelLMHead,
     replicate_on_tp,
 )
-from xorl.nn.tp_comm import DEFAULT_OVERLAP_MIN_NUMEL, TPGroup, gather_from_shards, split_to_shard
+from xorl.nn.tp_comm import DEFAULT_OVERLAP_MIN_NUMEL, TPGroup
 
 _HEAD_COUNT_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads")
-_SEQ_DIM = -2
 
 
 @dataclass
@@ -210,9 +211,7 @@ def _parallelize_vocabulary(model: nn.Module, decoder: nn.Module, tp_mesh, tp: T
         if vocab_parallel:
             decoder.embed_tokens = VocabParallelEmbedding.from_embedding(embed, tp_mesh, sequence_parallel)
         else:
-            replicate_on_tp(embed, tp_mesh, memo)
-            if sequence_parallel:
-                embed.register_forward_hook(lambda module, args, out: split_to_shard(out, tp, _SEQ_DIM))
+            decoder.embed_tokens = ReplicatedEmbedding(embed, tp_mesh, sequence_parallel, memo)
     if norm is not None:
         replicate_on_tp(norm, tp_mesh, memo, partial if sequence_parallel else None)
     if head is not None:
@@ -222,9 +221,7 @@ def _parallelize_vocabulary(model: nn.Module, decoder: nn.Module, tp_mesh, tp: T
             if tied:
                 model.lm_head.weight = decoder.embed_tokens.weight
         else:
-            replicate_on_tp(head, tp_mesh, memo)
-            if sequence_parallel:
-                head.register_forward_pre_hook(lambda module, args: (gather_from_shards(args[0], tp, _SEQ_DIM),))
+            model.lm_head = ReplicatedLMHead(head, tp_mesh, sequence_parallel, memo)
 
 
 def _check_every_parameter_placed(model: nn.Module) -> None:
