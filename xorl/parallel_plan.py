@@ -38,13 +38,14 @@ class ParallelPlan:
         global_batch = model.router_balance_scope == "global_batch"
         group_size = state.dp_cp_tp_size if global_batch else state.cp_tp_size
         self.balance_groups = state.dp_cp_tp_size // group_size
-        # Each CP rank's shard is split again over TP under sequence parallel and in MoE blocks.
-        splits_over_tp = config.train.sequence_parallel or model.num_experts > 0
-        self.cp_local_multiple = state.tp_size if splits_over_tp else 1
-        # Activations between pipeline stages are TP sequence shards under sequence parallel
-        # (plans/tensor_parallel.py's record says how many).
-        tensor = [part.tensor for part in parts if part.tensor is not None]
-        self.sequence_shards = tensor[0].sequence_shards if tensor else 1
+        # The tensor-parallel record (the same on every part): activations between layers and
+        # pipeline stages are TP sequence shards under sequence parallel.
+        tensor = next((part.tensor for part in parts if part.tensor is not None), None)
+        self.sequence_shards = tensor.sequence_shards if tensor is not None else 1
+        # Each CP rank's shard is split again over TP under sequence parallel and in MoE blocks
+        # (which run on TP token shards on every stage, so the multiple is the model's, not a part's).
+        splits_over_tp = tensor is not None and (tensor.sequence_parallel or model.num_experts > 0)
+        self.cp_local_multiple = tensor.tp.size if splits_over_tp else 1
 
     # -- the model parts --------------------------------------------------------------------
     @property

@@ -1,11 +1,11 @@
-"""The tensor-parallel plan: shard attention and MLP projections of an HF-style causal LM.
+"""The tensor-parallel plan: shard attention and MLP projections of an xorl causal LM (xorl/models).
 
     record = apply_tensor_parallel(model, tp_mesh, sequence_parallel=True, overlap=True)
 
 On every present ``model.model.layers[i]`` (entries may be None under pipeline parallelism):
 
 * ``self_attn.{q,k,v}_proj`` -> ColumnParallelLinear (heads split over TP; the attention module
-  reshapes with -1 heads, and integer head-count attributes, if any, are divided by TP), sharing one
+  reshapes with -1 heads, so it needs no head count of its own), sharing one
   gathered input; or, with merge_qkv, ``self_attn.qkv_proj`` -> one ColumnParallelLinear: its rows
   are grouped by KV head (xorl/models/attention.py), so the plain column split hands each rank its
   whole groups, q, k and v, and each overlap chunk runs one GEMM instead of three.
@@ -67,8 +67,6 @@ from xorl.nn.tensor_parallel import (
     replicate_on_tp,
 )
 from xorl.nn.tp_comm import DEFAULT_OVERLAP_MIN_NUMEL, TPGroup
-
-_HEAD_COUNT_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads")
 
 
 @dataclass
@@ -142,10 +140,6 @@ def _parallelize_attention(attn: nn.Module, tp_mesh, tp: TPGroup, prefix: str, l
     attn.o_proj = RowParallelLinear.from_linear(attn.o_proj, tp_mesh, name=f"{prefix}.o_proj", **linear_kw)
     if share and not merged:
         SharedInputColumnGroup([getattr(attn, n) for n in names], name=f"{prefix}.qkv_proj")
-    for attr in _HEAD_COUNT_ATTRS:
-        value = getattr(attn, attr, None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            setattr(attn, attr, value // tp.size)
     for norm in ("q_norm", "k_norm"):  # per-head norms: each rank sees only its own heads
         module = getattr(attn, norm, None)
         if module is not None:
