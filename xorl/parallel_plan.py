@@ -32,12 +32,12 @@ class ParallelPlan:
         self.pipeline = pipeline  # plans.pipeline_parallel.PipelineRecord, or None
         model = config.model
         self.has_router_loss = model.num_experts > 0
-        # Router load balancing is computed per group of ranks (model.router_balance_scope): the
-        # context-parallel shards of one microbatch, or every data x context rank's microbatch.
-        # Under TP the MoE blocks run on token shards, so the TP ranks hold different router-loss shares.
-        global_batch = model.router_balance_scope == "global_batch"
-        group_size = state.dp_cp_tp_size if global_batch else state.cp_tp_size
-        self.balance_groups = state.dp_cp_tp_size // group_size
+        # Router load balancing is computed per group of ranks (the group the expert-parallel plan
+        # gave the routers, from model.router_balance_scope): each rank's router loss is its share of
+        # its group's loss, so the step averages over the groups among the data x context x tensor ranks.
+        balance = next((part.router_balance for part in parts if part.router_balance is not None), None)
+        group_size = 1 if balance is None or balance.group is None else dist.get_world_size(balance.group)
+        self.balance_groups = state.dp_cp_tp_size // group_size if balance is not None else 1
         # The tensor-parallel record (the same on every part): activations between layers and
         # pipeline stages are TP sequence shards under sequence parallel.
         tensor = next((part.tensor for part in parts if part.tensor is not None), None)
