@@ -115,7 +115,7 @@ class Trainer:
         self.checkpointer = Checkpointer(config.train.output_dir)
         # Build on the meta device, split for PP, then TP -> CP -> EP -> AC -> FSDP2, then allocate.
         with torch.device("meta"):
-            model = build_model(config.model)
+            model = build_model(config.model, fp8=config.train.fp8)
         self.num_parameters = sum(p.numel() for p in model.parameters())
         # What the plans did (xorl/parallel_plan.py): the step asks it what to shard and reduce.
         self.parallel = build_parallel_plan(model, self.state, config)

@@ -287,6 +287,7 @@ class MoE(nn.Module):
         returns_aux: bool = True,
         device=None,
         dtype=None,
+        fp8: str = "none",
     ):
         super().__init__()
         check_router_args(num_experts, top_k, scoring)
@@ -319,7 +320,7 @@ class MoE(nn.Module):
             dtype=dtype,
         )
         self.experts = GroupedExperts(
-            self.num_local_experts, hidden_size, moe_intermediate_size, device=device, dtype=dtype
+            self.num_local_experts, hidden_size, moe_intermediate_size, device=device, dtype=dtype, fp8=fp8
         )
         if shared_expert_intermediate_size > 0:
             self.shared_expert = SharedExpertMLP(hidden_size, shared_expert_intermediate_size, device, dtype)
