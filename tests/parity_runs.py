@@ -56,26 +56,12 @@ def tiny_config(output_dir: str, model: str = "llama", **train) -> Config:
     return config
 
 
-def release_moe_graphs(trainer) -> None:
-    """Drop the aux loss each MoE block keeps, autograd graph included, after the run.
-
-    Through FSDP's autograd nodes that graph refers back to the model: a cycle that Python's
-    collector cannot see into, so the model, its meshes and its process groups would outlive the
-    check (and the harness would then warn and restart the world).
-    """
-    for part in trainer.parts:
-        for module in part.modules():
-            if getattr(module, "last_aux_loss", None) is not None:
-                module.last_aux_loss = None
-
-
 def train_and_report(config: Config) -> dict:
     """Run the trainer; return losses, grad norms and the full final weights (rank 0)."""
     from xorl.trainer import Trainer
 
     trainer = Trainer(config)
     results = trainer.train()
-    release_moe_graphs(trainer)
     full = full_state_dict(trainer.parts, trainer.state.pp_group)
     if dist.get_rank() != 0:
         return {}
@@ -104,7 +90,6 @@ def train_losses(config: Config, stop_at: int | None = None) -> list[float]:
 
     trainer = Trainer(config)
     losses = [r.loss for r in trainer.train(stop_at)]
-    release_moe_graphs(trainer)
     return losses
 
 
@@ -138,7 +123,6 @@ def train_with_nan_at(config: Config, bad_step: int) -> str:
         return str(err)
     finally:
         trainer_module.token_loss_sum = original
-        release_moe_graphs(trainer)
     raise AssertionError("the trainer did not stop on a NaN loss")
 
 

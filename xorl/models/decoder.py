@@ -34,7 +34,7 @@ from xorl.models.attention import Attention
 from xorl.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
 from xorl.models.spec import ModelSpec
 from xorl.nn.cross_entropy import cross_entropy_sum
-from xorl.nn.moe import MoE
+from xorl.nn.moe import MoE, MoEAux
 
 IGNORE_INDEX = -100
 
@@ -47,7 +47,7 @@ class CausalLMOutput:
     loss              mean cross-entropy over label tokens != -100 (fp32); None without labels.
                       Contains NO router loss.
     num_label_tokens  number of label tokens that entered ``loss`` (so loss * num_label_tokens is the sum)
-    router_loss       MoE only: sum over this forward's MoE layers of each block's ``last_aux_loss``
+    router_loss       MoE only: sum over this forward's MoE layers of the ``aux.loss`` each block returns
                       = router_aux_loss_coef * load_balancing_loss + router_z_loss_coef * z_loss
                       (already weighted, differentiable: add it to the LM loss); None on dense models
     router_stats      MoE only, detached, one row per MoE layer of this forward:
@@ -78,14 +78,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         self.mlp = mlp
 
-    def forward(self, hidden, cos, sin, cu_seqlens=None, max_seqlen=None, token_mask=None):
+    def forward(self, hidden, cos, sin, cu_seqlens=None, max_seqlen=None, token_mask=None
+                ) -> tuple[torch.Tensor, MoEAux | None]:
+        """(hidden, the MoE block's auxiliary losses, or None for a dense MLP)."""
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, cu_seqlens, max_seqlen)
         x = self.post_attention_layernorm(hidden)
         # token_mask (False on padding the context-parallel split added) only matters to an MoE
         # block's routing statistics; a dense MLP is per token anyway.
-        if token_mask is not None and isinstance(self.mlp, MoE):
-            return hidden + self.mlp(x, token_mask=token_mask)
-        return hidden + self.mlp(x)
+        if isinstance(self.mlp, MoE):
+            out, aux = self.mlp(x, token_mask=token_mask)
+            return hidden + out, aux
+        return hidden + self.mlp(x), None
 
 
 class DecoderModel(nn.Module):
@@ -99,7 +102,9 @@ class DecoderModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling, spec.rotary_dim,
                                           spec.max_position_embeddings)
 
-    def forward(self, input_ids, position_ids=None, cu_seqlens=None, max_seqlen=None, token_mask=None):
+    def forward(self, input_ids, position_ids=None, cu_seqlens=None, max_seqlen=None, token_mask=None
+                ) -> tuple[torch.Tensor, list[tuple[int, MoEAux]]]:
+        """(hidden states, [(layer index, its MoE block's auxiliary losses)] for the MoE layers run)."""
         if self.embed_tokens is not None:
             if input_ids.dtype.is_floating_point:
                 raise TypeError("input_ids must be integer token ids [batch, seq]")
@@ -127,12 +132,15 @@ class DecoderModel(nn.Module):
         if cu_seqlens is not None and max_seqlen is None:
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
         cos, sin = self.rotary_emb(position_ids, hidden.dtype)
-        for layer in self.layers:
+        auxes = []
+        for idx, layer in enumerate(self.layers):
             if layer is not None:
-                hidden = layer(hidden, cos, sin, cu_seqlens, max_seqlen, token_mask)
+                hidden, aux = layer(hidden, cos, sin, cu_seqlens, max_seqlen, token_mask)
+                if aux is not None:
+                    auxes.append((idx, aux))
         if self.norm is not None:
             hidden = self.norm(hidden)
-        return hidden
+        return hidden, auxes
 
 
 class DecoderForCausalLM(nn.Module):
@@ -196,7 +204,7 @@ class DecoderForCausalLM(nn.Module):
 
     def forward(self, input_ids, position_ids=None, labels=None, cu_seqlens=None, max_seqlen=None,
                 token_mask=None):
-        hidden = self.model(input_ids, position_ids, cu_seqlens, max_seqlen, token_mask)
+        hidden, auxes = self.model(input_ids, position_ids, cu_seqlens, max_seqlen, token_mask)
         logits = self.lm_head(hidden) if self.lm_head is not None else hidden
         output = CausalLMOutput(logits=logits)
         if labels is not None:
@@ -207,22 +215,15 @@ class DecoderForCausalLM(nn.Module):
             token_loss = cross_entropy_sum(logits, labels)  # vocabulary-sharded logits too (TP)
             output.num_label_tokens = (labels != IGNORE_INDEX).sum()
             output.loss = token_loss / output.num_label_tokens.clamp(min=1)
-        self._collect_router_stats(output)
+        _add_router_losses(output, auxes)
         return output
 
-    def _collect_router_stats(self, output: CausalLMOutput) -> None:
-        """Read the router losses every MoE block (reference or xorl.nn.MoE) left on itself."""
-        moe_layers, aux_losses, stats = [], [], []
-        for idx, layer in enumerate(self.model.layers):
-            aux = getattr(layer.mlp, "last_aux_loss", None) if layer is not None else None
-            if aux is None:
-                continue
-            moe_layers.append(idx)
-            aux_losses.append(aux)
-            stats.append(layer.mlp.last_stats)
-        if not moe_layers:
-            return
-        output.router_loss = torch.stack(aux_losses).sum()
-        output.router_stats = {"moe_layers": moe_layers}
-        for key in ("load_balancing_loss", "z_loss", "tokens_per_expert"):
-            output.router_stats[key] = torch.stack([s[key] for s in stats])
+
+def _add_router_losses(output: CausalLMOutput, auxes: list[tuple[int, MoEAux]]) -> None:
+    """The sum of the router losses the MoE layers returned, and their statistics, one row each."""
+    if not auxes:
+        return
+    output.router_loss = torch.stack([aux.loss for _, aux in auxes]).sum()
+    output.router_stats = {"moe_layers": [idx for idx, _ in auxes]}
+    for key in ("load_balancing_loss", "z_loss", "tokens_per_expert"):
+        output.router_stats[key] = torch.stack([getattr(aux, key) for _, aux in auxes])

@@ -13,8 +13,9 @@ Two auxiliary losses are computed on every forward and returned unscaled:
   returns ``K`` times this value (it divides the counts by T, not T * K).
 * router z-loss (ST-MoE): ``z = mean_t logsumexp_e(logits[t])^2``.
 
-Which tokens the statistics cover (``balance_group``): by default this rank's tokens. Set it to a
-process group and the expert counts and the token count are summed over that group (one small
+Which tokens the statistics cover (``balance_group``, a constructor argument or
+``set_balance_group``): by default this rank's tokens. Given a process group, the expert counts
+and the token count are summed over that group (one small
 all-reduce per layer, on the device) before f_e, P_e and z are formed, while each rank's
 differentiable part stays its own tokens' share; summed over the group, the parts give the loss
 of all the group's tokens. With the context-parallel group this is the loss of the whole
@@ -96,6 +97,7 @@ class Router(nn.Module):
         n_group: int = 1,
         topk_group: int = 1,
         routed_scaling_factor: float = 1.0,
+        balance_group: dist.ProcessGroup | None = None,
         device=None,
         dtype=None,
     ):
@@ -110,9 +112,9 @@ class Router(nn.Module):
         self.num_experts = num_experts
         self.top_k = top_k
         self.scoring = scoring
-        # Process group whose tokens the balancing statistics cover (None: this rank's); set by the
-        # expert-parallel plan from model.router_balance_scope.
-        self.balance_group: dist.ProcessGroup | None = None
+        # Process group whose tokens the balancing statistics cover (None: this rank's); the
+        # expert-parallel plan passes it from model.router_balance_scope (set_balance_group).
+        self.balance_group: dist.ProcessGroup | None = balance_group
         self.norm_topk_prob = norm_topk_prob
         self.bias_update_rate = bias_update_rate
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, device=device, dtype=dtype))
@@ -126,6 +128,10 @@ class Router(nn.Module):
         # uninitialised; this count is made (zeros, on the activations' device) at first use.
         self.load_since_update: torch.Tensor | None = None
         self.init_weights(hidden_size**-0.5)
+
+    def set_balance_group(self, group: dist.ProcessGroup | None) -> None:
+        """Compute the balancing statistics over ``group``'s tokens (None: this rank's)."""
+        self.balance_group = group
 
     @torch.no_grad()
     def init_weights(self, std: float) -> None:
