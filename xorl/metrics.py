@@ -54,7 +54,8 @@ class MetricsLogger:
         """True when there is no progress bar (stderr is not a terminal): print a line per log."""
         return self._bar is None or self._bar.disable
 
-    def log(self, step: int, metrics: dict[str, float], elapsed_s: float | None = None) -> None:
+    def log(self, step: int, metrics: dict[str, float], elapsed_s: float | None = None, show: bool = True) -> None:
+        """One row of metrics.jsonl (and TensorBoard) for ``step``; a console line too when ``show``."""
         if not self.enabled:
             return
         elapsed = time.time() - self._t_start if elapsed_s is None else elapsed_s
@@ -64,6 +65,8 @@ class MetricsLogger:
         if self._tb is not None:
             for key, value in metrics.items():
                 self._tb.add_scalar(key, value, step)
+        if not show:
+            return
         if self.plain_lines:
             print(format_step_line(step, self.total_steps, row), flush=True)
         else:

@@ -63,13 +63,13 @@ def main(argv: list[str] | None = None) -> None:
     import torch.distributed as dist
 
     from xorl.checkpoint import CheckpointError
-    from xorl.trainer import run_training
+    from xorl.trainer import NonFiniteLossError, run_training
 
     try:
         results = run_training(config, plan)
     except (ConfigError, DataError) as e:
         _fail(str(e), CONFIG_ERROR_EXIT, rank)
-    except CheckpointError as e:
+    except (CheckpointError, NonFiniteLossError) as e:
         _fail(str(e), 1, rank)
     if dist.is_initialized():
         if dist.get_rank() == 0 and results:
