@@ -115,6 +115,7 @@ class TrainConfig(ParallelFields):
     adam_eps: float = 1e-8  # AdamW epsilon
     max_grad_norm: float = 1.0  # 0: no clipping
     seed: int = 0  # the seeded initialisation of a model without model_path
+    # bfloat16: bf16 compute with fp32 master weights, on GPU under FSDP2 (CPU runs compute in float32).
     dtype: Literal["float32", "bfloat16"] = "float32"
     # none | full | selective (keep matmul / attention / collective outputs, recompute the rest);
     # true / false read as full / none. Full checkpointing applies to every n-th decoder block.
@@ -140,6 +141,14 @@ class TrainConfig(ParallelFields):
     collective_timeout_s: float = 600.0
     # Rank 0 prints a line every heartbeat_s while a step or save takes longer than that (0: never).
     heartbeat_s: float = 60.0
+
+
+def compute_dtype(train: TrainConfig, device_type: str) -> str:
+    """The dtype a run computes in: ``train.dtype: bfloat16`` is FSDP2's mixed-precision policy (bf16
+    matmuls, fp32 master weights and gradient reduction) on GPU; on CPU and without FSDP2 it is float32."""
+    if train.dtype == "bfloat16" and device_type == "cuda" and train.data_parallel_mode == "fsdp2":
+        return "bfloat16"
+    return "float32"
 
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}

@@ -124,20 +124,35 @@ def read_metrics(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def startup_summary(config, parallel, n_params: int, start_step: int, device_type: str) -> str:
-    """What the run is about to do, in four lines (printed by rank 0 before the first step)."""
+def startup_summary(config, parallel, n_params: int, start_step: int, device_type: str,
+                    data_sequences: int | None = None) -> str:
+    """What the run is about to do, in four lines, and a fifth with the epochs when the number of
+    packed sequences in the data is known (``data_sequences``; not for streamed data). Printed by rank 0
+    before the first step."""
+    from xorl.config import compute_dtype
     from xorl.distributed.parallel_config import MESH_DIM_NAMES
 
     t, d, m = config.train, config.data, config.model
+    dtype = compute_dtype(t, device_type)
+    # Say what runs, not only what was asked for.
+    unlike = f" (train.dtype={t.dtype} computes in bf16 on GPU under FSDP2 only)" if dtype != t.dtype else ""
     dims = " x ".join(f"{name} {size}" for name, size in zip(MESH_DIM_NAMES, parallel.mesh_shape) if size > 1)
     ep = f", expert parallel {parallel.ep}" if parallel.ep > 1 else ""
     sequences = d.micro_batch_size * t.gradient_accumulation_steps * parallel.dp
     count = f"{n_params / 1e9:.2f}B" if n_params >= 1e9 else f"{n_params / 1e6:.2f}M"
-    return "\n".join([
-        f"xorl: {m.model_type} model, {count} parameters, {t.dtype} on {device_type}",
+    lines = [
+        f"xorl: {m.model_type} model, {count} parameters, {dtype} on {device_type}{unlike}",
         f"xorl: world size {parallel.world_size} = {dims or 'one process'} ({t.data_parallel_mode}{ep})",
         f"xorl: {sequences} sequences x {d.seq_len} tokens = {sequences * d.seq_len} tokens a step "
         f"(micro batch {d.micro_batch_size} x accumulation {t.gradient_accumulation_steps} x data parallel "
         f"{parallel.dp})",
         f"xorl: steps {start_step} -> {t.max_steps}, writing to {t.output_dir}",
-    ])
+    ]
+    if data_sequences:
+        epochs = t.max_steps * sequences / data_sequences
+        small = (f"; fewer than one step's {sequences}: every step repeats some of them"
+                 if data_sequences < sequences else "")
+        plural = "s" * (data_sequences != 1)
+        lines.append(f"xorl: the data packs into {data_sequences} sequence{plural}{small}; {t.max_steps} steps "
+                     f"= {epochs:.3g} epochs")
+    return "\n".join(lines)

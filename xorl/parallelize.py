@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from xorl.config import compute_dtype
 from xorl.plans.data_parallel import (
     apply_activation_checkpointing,
     apply_fsdp,
@@ -56,7 +57,7 @@ def parallelize_model(model: nn.Module, state, config) -> nn.Module:
         apply_compile(model, "inductor" if train.compile is True else train.compile,
                       capture_scalar_outputs=state.ep_size > 1, fullgraph=not nested_fsdp)
     if train.data_parallel_mode == "fsdp2":
-        bf16 = train.dtype == "bfloat16" and torch.cuda.is_available()
+        bf16 = compute_dtype(train, "cuda" if torch.cuda.is_available() else "cpu") == "bfloat16"
         apply_fsdp(model, state, reshard_after_forward=reshard_after_forward(train, state.pp_size),
                    bf16_compute=bf16)
     return model

@@ -164,8 +164,9 @@ class Trainer:
         self._maybe_resume()
         self._take_over_output_dir()
         if self.rank == 0:
-            print(startup_summary(config, self.parallel_config, self.num_parameters, self.step, self.device.type),
-                  flush=True)
+            data_sequences = None if config.data.streaming else len(self.loader.dataset)
+            print(startup_summary(config, self.parallel_config, self.num_parameters, self.step, self.device.type,
+                                  data_sequences), flush=True)
         # startup.json: each rank's peak host (and device) memory with the weights in place, before step 1.
         self.startup = report_startup(config.train.output_dir, self.device, time.perf_counter() - started,
                                       self.num_parameters,
