@@ -49,17 +49,21 @@ def first_nonfinite_parameters(parts, config) -> list[str]:
     from xorl.distributed.shard_box import local_tensor
     from xorl.trainer import initialise_part
 
-    bad: list[tuple[int, str]] = []
+    bad: list[tuple[int, int, str]] = []
     for part in parts:
         initialise_part(part, config)
-        for name, param in part.named_parameters():
+        for index, (name, param) in enumerate(part.named_parameters()):
             if not torch.isfinite(local_tensor(param)).all():
-                bad.append((_order(name), name))
+                bad.append((_order(name), index, name))
     if dist.is_initialized() and dist.get_world_size() > 1:
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, bad)
         bad = [item for rank_bad in gathered for item in rank_bad]
-    return [name for _, name in sorted(set(bad))]
+    names: list[str] = []
+    for *_, name in sorted(set(bad)):  # the same parameter is found by each rank holding a shard of it
+        if name not in names:
+            names.append(name)
+    return names
 
 
 def _order(name: str) -> int:
