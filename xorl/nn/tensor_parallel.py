@@ -436,7 +436,9 @@ def sum_tp_partial_grads(models) -> int:
     number of all-reduces issued (0 without TP).
     """
     import torch.distributed as dist
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    from xorl._torch_compat import flatten_dense_tensors as _flatten_dense_tensors
+    from xorl._torch_compat import unflatten_dense_tensors as _unflatten_dense_tensors
 
     buckets: dict = {}
     for model in models:

@@ -14,7 +14,7 @@ Why point-to-point rather than a collective per chunk: a ring exchange moves exa
 per rank per step, so the transfer of step i is the same size as the GEMM it hides behind, and
 no rank ever waits for all the others (Megatron / torchtitan async-TP decompose the same way).
 
-Each exchange goes through the one ring primitive, ``xorl.nn.ring_attention.RingExchange``: on GPU it
+Each exchange goes through the one ring primitive, ``xorl.distributed.p2p.RingExchange``: on GPU it
 is issued on a side stream that first waits for the compute stream (so the buffers are ready), and
 waiting makes the compute stream wait for the transfer; on gloo the ops run on gloo's threads while
 Python does the GEMM.
@@ -33,11 +33,12 @@ Region boundaries (each says what its backward does, because that is where TP go
   straight into the sequence-parallel shard. Backward: identity / all-gather, since each rank's
   partial was computed from the same upstream values.
 
-The record (``overlap_report()``): per layer name, the P2P ops issued, the chunked GEMMs, the
-plain collectives, and on GPU the milliseconds the compute stream stood waiting at the wait
-points (CUDA events recorded just before and after each wait, once ``record_exposed_time()`` turned
-it on; resolved when the report is read, so the step itself never synchronises). Otherwise, and on
-CPU, exposed time is not recorded (``None``).
+The record (``overlap_report(model)``): per layer name, the P2P ops issued, the chunked GEMMs,
+the plain collectives, and on GPU the milliseconds the compute stream stood waiting at the wait
+points (CUDA events recorded just before and after each wait, once the group's
+``record_exposed_time()`` turned it on; resolved when the report is read, so the step itself
+never synchronises). Otherwise, and on CPU, exposed time is not recorded (``None``). The record
+lives on each layer's ``TPGroup`` (no module-level state): the report walks the modules it is given.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from xorl.nn.ring_attention import PendingExchange, RingExchange
+from xorl.distributed.p2p import PendingExchange, RingExchange
 
 # ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` are deprecated in newer torch in favour of
 # the ``*_single`` names, which older torch (2.11 on the GPU machines) may lack.
@@ -66,6 +67,25 @@ class TPGroup:
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.ring = RingExchange(group) if self.size > 1 else None
+        self.comm_stats: dict[str, LayerCommStats] = {}  # layer name -> its record (overlap_report)
+        self.time_exposed = False
+
+    def layer_stats(self, name: str) -> LayerCommStats:
+        """The (created on first use) record of layer ``name`` on this group."""
+        stats = self.comm_stats.get(name)
+        if stats is None:
+            stats = self.comm_stats[name] = LayerCommStats(timed=self.time_exposed)
+        return stats
+
+    def record_exposed_time(self, enabled: bool = True) -> None:
+        """Turn on (or off) the per-wait CUDA-event timing read by ``overlap_report()["exposed_ms"]``.
+
+        Off by default, so a training step creates no events; when on, finished pairs are folded
+        into the total as new ones are recorded, so the list stays at the pairs still in flight.
+        """
+        self.time_exposed = enabled
+        for stats in self.comm_stats.values():
+            stats.timed = enabled
 
     @classmethod
     def from_mesh(cls, tp_mesh) -> TPGroup:
@@ -86,6 +106,8 @@ class LayerCommStats:
     collectives: int = 0  # plain (non-decomposed) collectives
     _events: deque = field(default_factory=deque, repr=False)  # (start, end) CUDA event pairs in flight
     exposed_ms_resolved: float = 0.0
+    timed: bool = False  # record exposed time (the group's record_exposed_time)
+    seen_gpu: bool = False  # a timed wait happened on the GPU
 
     def exposed_ms(self) -> float:
         if self._events:
@@ -100,45 +122,31 @@ class LayerCommStats:
             self.exposed_ms_resolved += start.elapsed_time(end)
 
 
-_STATS: dict[str, LayerCommStats] = {}
-_ON_GPU_SEEN = {"cuda": False}
-# Exposed-time recording is opt-in (benchmarks, profiling): each wait then records two CUDA events.
-_TIMING = {"enabled": False}
+def overlap_report(*modules, reset: bool = False) -> dict[str, dict]:
+    """Per layer of ``modules`` (and their submodules): p2p_ops, ring_steps, chunk_gemms,
+    collectives and exposed_ms (None on CPU or with timing off).
 
-
-def record_exposed_time(enabled: bool = True) -> None:
-    """Turn on (or off) the per-wait CUDA-event timing read by ``overlap_report()["exposed_ms"]``.
-
-    Off by default, so a training step creates no events; when on, finished pairs are folded into
-    the total as new ones are recorded, so the list stays at the pairs still in flight.
+    Read it after a step; on GPU this synchronises once to resolve the CUDA events. ``reset``
+    clears the records it read.
     """
-    _TIMING["enabled"] = enabled
-
-
-def layer_stats(name: str) -> LayerCommStats:
-    """The (created on first use) record of layer ``name``."""
-    stats = _STATS.get(name)
-    if stats is None:
-        stats = _STATS[name] = LayerCommStats()
-    return stats
-
-
-def overlap_report(reset: bool = False) -> dict[str, dict]:
-    """Per layer: p2p_ops, ring_steps, chunk_gemms, collectives and exposed_ms (None on CPU).
-
-    Read it after a step; on GPU this synchronises once to resolve the CUDA events.
-    """
+    groups = {}
+    for module in modules:
+        for sub in module.modules():
+            tp = getattr(sub, "tp", None)
+            if isinstance(tp, TPGroup):
+                groups[id(tp)] = tp
     report = {}
-    for name, s in _STATS.items():
-        report[name] = {
-            "p2p_ops": s.p2p_ops,
-            "ring_steps": s.ring_steps,
-            "chunk_gemms": s.chunk_gemms,
-            "collectives": s.collectives,
-            "exposed_ms": s.exposed_ms() if _ON_GPU_SEEN["cuda"] and _TIMING["enabled"] else None,
-        }
-    if reset:
-        _STATS.clear()
+    for tp in groups.values():
+        for name, s in tp.comm_stats.items():
+            report[name] = {
+                "p2p_ops": s.p2p_ops,
+                "ring_steps": s.ring_steps,
+                "chunk_gemms": s.chunk_gemms,
+                "collectives": s.collectives,
+                "exposed_ms": s.exposed_ms() if s.seen_gpu and s.timed else None,
+            }
+        if reset:
+            tp.comm_stats.clear()
     return report
 
 
@@ -147,8 +155,8 @@ def wait_all(works, stats: LayerCommStats, on_gpu: bool) -> None:
     long the compute stream stood still doing so."""
     if not works:
         return
-    if on_gpu and _TIMING["enabled"]:
-        _ON_GPU_SEEN["cuda"] = True
+    if on_gpu and stats.timed:
+        stats.seen_gpu = True
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
@@ -402,7 +410,7 @@ class TPMatmulConfig:
 
     @property
     def stats(self) -> LayerCommStats:
-        return layer_stats(self.name)
+        return self.tp.layer_stats(self.name)
 
     @property
     def sequence_sharded(self) -> bool:

@@ -38,7 +38,7 @@ input already is the rank's sequence shard; without SP it keeps its chunk of the
 sequence and gathers the outputs again. The router and shared-expert parameters then see a
 share of the tokens on each TP rank: their gradients are listed with the partial ones.
 
-Communication record: ``xorl.nn.tp_comm.overlap_report()`` after a step, keyed by module path:
+Communication record: ``xorl.nn.tp_comm.overlap_report(model)`` after a step, keyed by module path:
 ``model.layers.{i}.self_attn.qkv_proj`` / ``.o_proj`` and ``model.layers.{i}.mlp.gate_up_proj`` /
 ``.down_proj`` (shared-input groups report under the group's name).
 

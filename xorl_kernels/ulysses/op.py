@@ -17,8 +17,8 @@ from xorl_kernels.ulysses.csrc import (
     ext_ulysses_unpack,
     ext_ulysses_unpack_reverse,
 )
+from xorl_kernels.ulysses.layout import check_pack_inputs
 from xorl_kernels.ulysses.reference import (
-    check_pack_inputs,
     ulysses_pack_reference,
     ulysses_pack_reverse_reference,
     ulysses_unpack_reference,
