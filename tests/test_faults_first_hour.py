@@ -266,6 +266,7 @@ def _plot(*args: str, cwd) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_plot_metrics_reads_a_run_folder_and_refuses_what_it_cannot_plot(tmp_path):
     pytest.importorskip("matplotlib")
     run = tmp_path / "out"
@@ -305,6 +306,7 @@ def test_plot_metrics_counts_steps_from_1(tmp_path, monkeypatch):
 
 
 # -- 15. the first set-up says what it does ---------------------------------------------------------------
+@pytest.mark.slow
 def test_the_first_setup_says_what_it_does(tmp_path):
     """setup_env.sh against a stub venv whose python records the pip calls: one line per phase."""
     venv, calls = tmp_path / "venv", tmp_path / "calls"

@@ -17,13 +17,14 @@ import torch.distributed as dist
 from xorl.checkpoint import latest_checkpoint
 
 
-def explain_nonfinite(trainer, error: Exception) -> str:
+def explain_nonfinite(trainer, error: Exception, initialise) -> str:
     """The message for ``error`` (a NonFiniteLossError raised by ``trainer.train_step``); collective at
-    the first step of a fresh run (every rank fails at the same step: the loss and norm are global)."""
+    the first step of a fresh run (every rank fails at the same step: the loss and norm are global).
+    ``initialise(part, config)`` fills a part's shards with the initial weights (xorl/trainer.py's)."""
     config = trainer.config
     what = str(error)  # "step N: loss=... grad_norm=..."
     if trainer.step == 0 and trainer.plan.resume is None:
-        bad = first_nonfinite_parameters(trainer.parts, config)
+        bad = first_nonfinite_parameters(trainer.parts, config, initialise)
         source = (f"model.model_path={config.model.model_path!r}" if config.model.model_path
                   else f"the seeded initialisation (train.seed={config.train.seed}, "
                        f"model.initializer_range={config.model.initializer_range})")
@@ -44,14 +45,13 @@ def explain_nonfinite(trainer, error: Exception) -> str:
 
 
 @torch.no_grad()
-def first_nonfinite_parameters(parts, config) -> list[str]:
+def first_nonfinite_parameters(parts, config, initialise) -> list[str]:
     """Names of the parameters whose initial values hold NaN or inf, in the model's order, over all ranks."""
     from xorl.distributed.shard_box import local_tensor
-    from xorl.trainer import initialise_part
 
     bad: list[tuple[int, int, str]] = []
     for part in parts:
-        initialise_part(part, config)
+        initialise(part, config)
         for index, (name, param) in enumerate(part.named_parameters()):
             if not torch.isfinite(local_tensor(param)).all():
                 bad.append((_order(name), index, name))

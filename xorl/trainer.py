@@ -437,7 +437,7 @@ class Trainer:
                     try:
                         result = self.train_step()
                     except NonFiniteLossError as e:  # the weights, the data or divergence: say which
-                        raise NonFiniteLossError(explain_nonfinite(self, e)) from None
+                        raise NonFiniteLossError(explain_nonfinite(self, e, initialise_part)) from None
                 dt = time.perf_counter() - t0
                 results.append(result)
                 # metrics.jsonl gets every step; the console a line every log_steps (and the last).
