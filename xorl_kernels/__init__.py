@@ -5,6 +5,7 @@ csrc wrappers) and its plain-torch reference side by side:
 
     attention/     flash_attn, flash_attn_with_lse (op.py), merge_attn_states (merge.py)
     grouped_gemm/  grouped_gemm
+    fp8/           fp8_linear (torch._scaled_mm), fp8_grouped_gemm (blockwise, Triton): train.fp8
     moe_permute/   permute_tokens, unpermute_tokens, the routing metadata
     ulysses/       the Ulysses all-to-all pack / unpack
     zigzag/        the zig-zag context-parallel gather / scatter (and zigzag_positions)

@@ -16,6 +16,7 @@ from torch import nn
 from xorl.models.layers import RMSNorm, apply_rotary
 from xorl.models.spec import ModelSpec
 from xorl.nn.attention_backends import attention_backend
+from xorl.nn.linear import Linear
 
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seq_len: int) -> None:
@@ -165,13 +166,13 @@ class Attention(nn.Module):
         kv_size = spec.num_key_value_heads * spec.head_dim
         bias = spec.attention_bias
         if spec.merge_qkv:
-            self.qkv_proj = nn.Linear(spec.hidden_size, q_size + 2 * kv_size, bias=bias)
+            self.qkv_proj = Linear(spec.hidden_size, q_size + 2 * kv_size, bias=bias, fp8=spec.fp8)
             self.q_per_group = spec.num_attention_heads // spec.num_key_value_heads
         else:
-            self.q_proj = nn.Linear(spec.hidden_size, q_size, bias=bias)
-            self.k_proj = nn.Linear(spec.hidden_size, kv_size, bias=bias)
-            self.v_proj = nn.Linear(spec.hidden_size, kv_size, bias=bias)
-        self.o_proj = nn.Linear(q_size, spec.hidden_size, bias=bias)
+            self.q_proj = Linear(spec.hidden_size, q_size, bias=bias, fp8=spec.fp8)
+            self.k_proj = Linear(spec.hidden_size, kv_size, bias=bias, fp8=spec.fp8)
+            self.v_proj = Linear(spec.hidden_size, kv_size, bias=bias, fp8=spec.fp8)
+        self.o_proj = Linear(q_size, spec.hidden_size, bias=bias, fp8=spec.fp8)
         if spec.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, eps=spec.rms_norm_eps)
             self.k_norm = RMSNorm(spec.head_dim, eps=spec.rms_norm_eps)

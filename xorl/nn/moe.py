@@ -268,6 +268,7 @@ class MoE(nn.Module):
         ep_group: dist.ProcessGroup | None = None,
         device=None,
         dtype=None,
+        fp8: str = "none",
     ):
         super().__init__()
         check_router_args(num_experts, top_k, scoring)
@@ -298,7 +299,7 @@ class MoE(nn.Module):
             dtype=dtype,
         )
         self.experts = GroupedExperts(
-            self.num_local_experts, hidden_size, moe_intermediate_size, device=device, dtype=dtype
+            self.num_local_experts, hidden_size, moe_intermediate_size, device=device, dtype=dtype, fp8=fp8
         )
         if shared_expert_intermediate_size > 0:
             self.shared_expert = SharedExpertMLP(hidden_size, shared_expert_intermediate_size, device, dtype)

@@ -407,6 +407,7 @@ class TPMatmulConfig:
     overlap: bool
     overlap_min_numel: int = DEFAULT_OVERLAP_MIN_NUMEL
     name: str = "tp_linear"  # key of this layer in overlap_report()
+    fp8: str = "none"  # train.fp8: every GEMM below runs in FP8 (xorl_kernels/fp8/linear.py), chunks too
 
     @property
     def stats(self) -> LayerCommStats:
@@ -427,9 +428,32 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
-def _linear_into(dst: torch.Tensor, a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
+def _linear(fp8: str, a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """a @ w^T (+ b); in FP8 when ``fp8`` names a recipe. Under the ring paths each chunk is
+    quantised on its own (its own scales), which is still the recipe's formula on that chunk."""
+    if fp8 == "none":
+        return F.linear(a, w, b)
+    from xorl_kernels.fp8.linear import linear_forward
+
+    y = linear_forward(_rows(a), w, fp8).view(*a.shape[:-1], w.shape[0])
+    return y if b is None else y.add_(b)
+
+
+def _dgrad(fp8: str, g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """g @ w (the input gradient of a linear); in FP8 when ``fp8`` names a recipe."""
+    if fp8 == "none":
+        return g @ w
+    from xorl_kernels.fp8.linear import linear_dgrad
+
+    return linear_dgrad(_rows(g), w, fp8).view(*g.shape[:-1], w.shape[1])
+
+
+def _linear_into(dst: torch.Tensor, a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+                 fp8: str = "none") -> None:
     """dst = a @ w^T (+ b), written in place (dst is a slice of a preallocated output)."""
-    if dst.is_contiguous():
+    if fp8 != "none":
+        dst.copy_(_linear(fp8, a, w, b))
+    elif dst.is_contiguous():
         out = dst.view(-1, dst.shape[-1])
         if b is None:
             torch.mm(_rows(a), w.t(), out=out)
@@ -439,15 +463,18 @@ def _linear_into(dst: torch.Tensor, a: torch.Tensor, w: torch.Tensor, b: torch.T
         dst.copy_(F.linear(a, w, b))
 
 
-def _mm_into(dst: torch.Tensor, a: torch.Tensor, w: torch.Tensor) -> None:
+def _mm_into(dst: torch.Tensor, a: torch.Tensor, w: torch.Tensor, fp8: str = "none") -> None:
     """dst = a @ w (dx of a linear), in place."""
-    if dst.is_contiguous():
+    if fp8 != "none":
+        dst.copy_(_dgrad(fp8, a, w))
+    elif dst.is_contiguous():
         torch.mm(_rows(a), w, out=dst.view(-1, dst.shape[-1]))
     else:
         dst.copy_(a @ w)
 
 
-def _accumulate_wgrad(acc: torch.Tensor | None, grad_out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
+def _accumulate_wgrad(acc: torch.Tensor | None, grad_out: torch.Tensor, inp: torch.Tensor,
+                      fp8: str = "none") -> torch.Tensor:
     """acc += grad_out^T @ inp over all tokens; one fp32 buffer for 16-bit weights.
 
     Why one buffer: the chunked paths call this once per sequence chunk, and a 16-bit GEMM result
@@ -456,6 +483,11 @@ def _accumulate_wgrad(acc: torch.Tensor | None, grad_out: torch.Tensor, inp: tor
     weights are fp32 anyway, or a torch without it) the 16-bit product is added.
     """
     g, x = _rows(grad_out), _rows(inp)
+    if fp8 != "none":  # the FP8 GEMM returns float32 already
+        from xorl_kernels.fp8.linear import linear_wgrad
+
+        partial = linear_wgrad(g, x, fp8)
+        return partial if acc is None else acc.add_(partial)
     wide = g.dtype in (torch.bfloat16, torch.float16)
     if not wide:
         return g.t() @ x if acc is None else acc.addmm_(g.t(), x)
@@ -504,14 +536,14 @@ class ColumnParallelMatmul(torch.autograd.Function):
 
                 def consume(chunk: torch.Tensor, src: int) -> None:
                     for out, w, b in zip(outs, weights, biases):
-                        _linear_into(out.narrow(-2, src * shard, shard), chunk, w, b)
+                        _linear_into(out.narrow(-2, src * shard, shard), chunk, w, b, cfg.fp8)
 
                 ring_all_gather(x, tp, consume, stats)
             else:
                 gathered = all_gather_sequence(x, tp, stats)
-                outs = [F.linear(gathered, w, b) for w, b in zip(weights, biases)]
+                outs = [_linear(cfg.fp8, gathered, w, b) for w, b in zip(weights, biases)]
         else:
-            outs = [F.linear(x, w, b) for w, b in zip(weights, biases)]
+            outs = [_linear(cfg.fp8, x, w, b) for w, b in zip(weights, biases)]
         ctx.cfg, ctx.chunked = cfg, chunked
         ctx.has_bias = [b is not None for b in biases]
         ctx.save_for_backward(x, *weights)
@@ -531,7 +563,7 @@ class ColumnParallelMatmul(torch.autograd.Function):
             """sum_j dy_j @ W_j over sequence rows start .. start+length (all rows by default)."""
             total = None
             for g, w in zip(grads, weights):
-                part = (g if length is None else g.narrow(-2, start, length)) @ w
+                part = _dgrad(cfg.fp8, g if length is None else g.narrow(-2, start, length), w)
                 total = part if total is None else total.add_(part)
             return total
 
@@ -542,7 +574,8 @@ class ColumnParallelMatmul(torch.autograd.Function):
                     def consume(chunk: torch.Tensor, src: int) -> None:
                         for j, g in enumerate(grads):
                             if need_dw[j]:
-                                dws[j] = _accumulate_wgrad(dws[j], g.narrow(-2, src * shard, shard), chunk)
+                                dws[j] = _accumulate_wgrad(dws[j], g.narrow(-2, src * shard, shard), chunk,
+                                                           cfg.fp8)
 
                     ring_all_gather(x, tp, consume, stats)
                 if need_dx:
@@ -550,7 +583,7 @@ class ColumnParallelMatmul(torch.autograd.Function):
             else:
                 if any(need_dw):
                     gathered = all_gather_sequence(x, tp, stats)
-                    dws = [_accumulate_wgrad(None, g, gathered) if need else None
+                    dws = [_accumulate_wgrad(None, g, gathered, cfg.fp8) if need else None
                            for g, need in zip(grads, need_dw)]
                 if need_dx:
                     dx = reduce_scatter_sequence(input_grad(), tp, stats)
@@ -560,7 +593,7 @@ class ColumnParallelMatmul(torch.autograd.Function):
                 dx = input_grad()
                 if tp.size > 1:  # replicated input: every rank's dx is a partial sum
                     work = all_reduce_async(dx, tp, stats)
-            dws = [_accumulate_wgrad(None, g, x) if need else None for g, need in zip(grads, need_dw)]
+            dws = [_accumulate_wgrad(None, g, x, cfg.fp8) if need else None for g, need in zip(grads, need_dw)]
             if work is not None:
                 wait_all([work], stats, dx.is_cuda)
         result = [None, dx]
@@ -584,12 +617,12 @@ class RowParallelMatmul(torch.autograd.Function):
             chunked = cfg.use_ring(x.numel() // x.shape[-1] * weight.shape[0])
             if chunked:
                 y = ring_reduce_scatter(
-                    lambda c: F.linear(x.narrow(-2, c * shard, shard), weight), tp, stats
+                    lambda c: _linear(cfg.fp8, x.narrow(-2, c * shard, shard), weight), tp, stats
                 )
             else:
-                y = reduce_scatter_sequence(F.linear(x, weight), tp, stats)
+                y = reduce_scatter_sequence(_linear(cfg.fp8, x, weight), tp, stats)
         else:
-            y = F.linear(x, weight)
+            y = _linear(cfg.fp8, x, weight)
             if tp.size > 1:
                 wait_all([all_reduce_async(y, tp, stats)], stats, y.is_cuda)
         if bias is not None:
@@ -619,18 +652,18 @@ class RowParallelMatmul(torch.autograd.Function):
                 def consume(chunk: torch.Tensor, src: int) -> None:
                     nonlocal dw
                     if need_dx:
-                        _mm_into(dx.narrow(-2, src * shard, shard), chunk, weight)
+                        _mm_into(dx.narrow(-2, src * shard, shard), chunk, weight, cfg.fp8)
                     if need_dw:
-                        dw = _accumulate_wgrad(dw, chunk, x.narrow(-2, src * shard, shard))
+                        dw = _accumulate_wgrad(dw, chunk, x.narrow(-2, src * shard, shard), cfg.fp8)
 
                 ring_all_gather(grad_out, tp, consume, stats)
             else:
                 gathered = all_gather_sequence(grad_out, tp, stats)
-                dx = gathered @ weight if need_dx else None
-                dw = _accumulate_wgrad(None, gathered, x) if need_dw else None
+                dx = _dgrad(cfg.fp8, gathered, weight) if need_dx else None
+                dw = _accumulate_wgrad(None, gathered, x, cfg.fp8) if need_dw else None
         else:
-            dx = grad_out @ weight if need_dx else None
-            dw = _accumulate_wgrad(None, grad_out, x) if need_dw else None
+            dx = _dgrad(cfg.fp8, grad_out, weight) if need_dx else None
+            dw = _accumulate_wgrad(None, grad_out, x, cfg.fp8) if need_dw else None
         if bias_work is not None:
             wait_all([bias_work], stats, db.is_cuda)
         return None, dx, dw.to(weight.dtype) if dw is not None else None, db
