@@ -31,6 +31,9 @@ CPU_ONLY = {
     ("moe_permute/op.py", "permute_tokens"),
     ("moe_permute/routing.py", "_check_routing_args"),
     ("attention.py", "check_cu_seqlens"),
+    # Called by the reference, and by the Triton path only for CPU group sizes (or with the debug
+    # switch XORL_CHECK_GROUP_SIZES): device group sizes are never read on the host.
+    ("grouped_gemm/checks.py", "check_group_sizes_values"),
 }
 CPU_ONLY_FILES = ("attention/reference.py", "grouped_gemm/reference.py")
 # The one read the algorithm needs: the split sizes of the uneven expert-parallel all_to_all.

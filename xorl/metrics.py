@@ -126,7 +126,7 @@ def read_metrics(path: str) -> list[dict]:
 
 def startup_summary(config, parallel, n_params: int, start_step: int, device_type: str,
                     data_sequences: int | None = None) -> str:
-    """What the run is about to do, in four lines, and a fifth with the epochs when the number of
+    """What the run is about to do, in five lines, and a sixth with the epochs when the number of
     packed sequences in the data is known (``data_sequences``; not for streamed data). Printed by rank 0
     before the first step."""
     from xorl.config import compute_dtype
@@ -146,6 +146,7 @@ def startup_summary(config, parallel, n_params: int, start_step: int, device_typ
         f"xorl: {sequences} sequences x {d.seq_len} tokens = {sequences * d.seq_len} tokens a step "
         f"(micro batch {d.micro_batch_size} x accumulation {t.gradient_accumulation_steps} x data parallel "
         f"{parallel.dp})",
+        f"xorl: data {d.dataset}, tokenizer {d.tokenizer}",
         f"xorl: steps {start_step} -> {t.max_steps}, writing to {t.output_dir}",
     ]
     if data_sequences:

@@ -1,5 +1,5 @@
 """Ulysses pack / unpack, dispatched: the csrc block-transpose kernel (every tensor in one launch) on
-CUDA when the extension is built, the plain-torch references elsewhere. Layouts: ulysses/reference.py.
+CUDA when the extension is built, the plain-torch references elsewhere. Layouts: ulysses/layout.py.
 
 Not differentiable by themselves: the context-parallel attention (xorl.nn) owns the autograd.
 """
