@@ -268,8 +268,12 @@ def flop_counter():
 
 
 def lm_head_flops(counts: dict[str, dict]) -> int:
-    """FLOPs of the modules whose tracked name ends in ``lm_head`` (forward and backward)."""
-    return sum(sum(v.values()) for name, v in counts.items() if name.split(".")[-1] == "lm_head")
+    """FLOPs of the head and the loss (forward and backward): the step's total less each model part's
+    decoder stack (``<Root>.model``). Why not the ``lm_head`` module's own count: the fused loss
+    (model.fused_loss) multiplies by the head's weight without calling the module."""
+    total = sum(counts.get("Global", {}).values())
+    stacks = sum(sum(v.values()) for name, v in counts.items() if name.count(".") == 1 and name.endswith(".model"))
+    return total - stacks
 
 
 # ----------------------------------------------------------------------------------------------

@@ -113,6 +113,8 @@ def _xorl_model_check(ring_size, ulysses_size):
     ids, labels = _tokens_and_shifted_labels()
     ref = ref_model(ids, labels=labels, cu_seqlens=torch.tensor(DOC_CU))
     ref.loss.backward()
+    with torch.no_grad():  # with labels the loss is fused (no logits); a call without them gives logits
+        ref.logits = ref_model(ids, cu_seqlens=torch.tensor(DOC_CU)).logits
 
     apply_context_parallel(model, ring, ulysses)
     batch, where = _cp_batch(ids, ring, ulysses)

@@ -1,9 +1,12 @@
-"""Metrics file, its plot, and the learning-rate schedule."""
+"""Metrics file, its plot, the learning-rate schedule and the AdamW implementation choice."""
 
 import io
 import json
 import math
 import sys
+
+import pytest
+import torch
 
 from xorl.cli.plot_metrics import main as plot_main
 from xorl.metrics import MetricsLogger, read_metrics
@@ -46,3 +49,38 @@ def test_a_resumed_logger_keeps_each_step_once_and_time_cumulative(tmp_path, cap
     assert got[:3] == rows[:3] and got[3]["time"] >= 10.0
     out = capsys.readouterr().out  # stderr is not a terminal here: plain lines, no bar
     assert "step 4/8 loss 0.5000 lr 1.00e-03 time 10." in out and "xorl: saved checkpoint somewhere" in out
+
+
+def _adamw_config():
+    from xorl.config import TrainConfig
+
+    return TrainConfig(lr=1e-2, weight_decay=0.1)
+
+
+def test_adamw_is_foreach_on_cpu():
+    from xorl.optim import build_optimizer
+
+    params = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3))]
+    optimizer, _ = build_optimizer(params, _adamw_config())
+    assert optimizer.defaults["foreach"] is True and not optimizer.defaults["fused"]
+
+
+@pytest.mark.gpu
+def test_adamw_is_fused_on_cuda_and_matches_foreach():
+    from xorl.optim import build_optimizer
+
+    torch.manual_seed(0)
+    init = [torch.randn(64, 33), torch.randn(33)]
+    grads = [[torch.randn_like(t) for t in init] for _ in range(3)]
+    results = []
+    for device in ("cuda", "cpu"):
+        params = [torch.nn.Parameter(t.clone().to(device)) for t in init]
+        optimizer, _ = build_optimizer(params, _adamw_config())
+        assert bool(optimizer.defaults["fused"]) == (device == "cuda")
+        for step in grads:
+            for p, g in zip(params, step):
+                p.grad = g.to(device)
+            optimizer.step()
+        results.append([p.detach().cpu() for p in params])
+    for a, b in zip(*results):
+        assert ((a - b).norm() / b.norm()).item() < 1e-5

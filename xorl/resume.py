@@ -23,7 +23,7 @@ from typing import Any
 HPARAM_FIELDS = ("lr", "min_lr_ratio", "warmup_steps", "max_steps", "weight_decay", "adam_betas", "adam_eps")
 # Model fields a checkpoint does not depend on: kernels, where initial weights came from, loss knobs.
 FREE_MODEL_FIELDS = ("attn_implementation", "model_path", "initializer_range", "router_aux_loss_coef",
-                     "router_z_loss_coef")
+                     "router_z_loss_coef", "fused_loss")
 DATA_ORDER_FIELDS = ("dataset", "text_key", "tokenizer", "seq_len", "packing", "seed", "streaming")
 # How to resume, not what: never compared.
 NOT_COMPARED = ("train.resume", "train.resume_hparams", "train.overwrite_output_dir", "train.output_dir")

@@ -309,9 +309,9 @@ class Trainer:
         for mb in microbatches:
             out = self.model(
                 mb["input_ids"], position_ids=mb["position_ids"], cu_seqlens=mb["cu_seqlens"],
-                max_seqlen=mb["max_seqlen"], token_mask=mb.get("token_mask"),
+                max_seqlen=mb["max_seqlen"], token_mask=mb.get("token_mask"), labels=mb["labels"],
             )
-            local_sum = token_loss_sum(out.logits, mb["labels"])
+            local_sum = out.loss_sum  # fused from the hidden states unless model.fused_loss is off
             loss = local_sum / denominator
             if out.router_loss is not None:
                 # Each rank's router loss is its share of its balance group's loss (xorl/nn/router.py);

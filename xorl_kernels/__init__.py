@@ -3,10 +3,14 @@
 One folder per op, each with the public function and its autograd, its kernels (Triton and/or
 csrc wrappers) and its plain-torch reference side by side:
 
+    activation/    swiglu (silu(gate) * up; strided halves of a merged gate_up read in place)
     attention/     flash_attn, flash_attn_with_lse (op.py), merge_attn_states (merge.py)
+    fused_linear_ce/  fused_linear_cross_entropy (the summed loss of hidden @ lm_head^T, chunked)
     grouped_gemm/  grouped_gemm
     fp8/           fp8_linear (torch._scaled_mm), fp8_grouped_gemm (blockwise, Triton): train.fp8
     moe_permute/   permute_tokens, unpermute_tokens, the routing metadata
+    rmsnorm/       rms_norm (optionally with the residual add before it)
+    rope/          apply_rotary (precomputed cos / sin: every RoPE variant, partial rotary)
     ulysses/       the Ulysses all-to-all pack / unpack
     zigzag/        the zig-zag context-parallel gather / scatter (and zigzag_positions)
     dispatch.py    backend names and the XORL_FORCE_REFERENCE switch: every op picks its backend there
@@ -20,18 +24,26 @@ would look the folder up as an attribute and find the function). Importing this 
 cheap: Triton loads on the first kernel launch.
 """
 
+from xorl_kernels.activation.op import swiglu
 from xorl_kernels.attention.merge import merge_attn_states
 from xorl_kernels.attention.op import flash_attn, flash_attn_with_lse
 from xorl_kernels.cuda_ext import has_cuda_ext
+from xorl_kernels.fused_linear_ce.op import fused_linear_cross_entropy
 from xorl_kernels.grouped_gemm.op import grouped_gemm
 from xorl_kernels.moe_permute.op import permute_tokens, unpermute_tokens
+from xorl_kernels.rmsnorm.op import rms_norm
+from xorl_kernels.rope.op import apply_rotary
 
 __all__ = [
+    "apply_rotary",
     "flash_attn",
     "flash_attn_with_lse",
+    "fused_linear_cross_entropy",
     "grouped_gemm",
     "has_cuda_ext",
     "merge_attn_states",
     "permute_tokens",
+    "rms_norm",
+    "swiglu",
     "unpermute_tokens",
 ]

@@ -33,7 +33,7 @@ from torch import nn
 from xorl.models.attention import Attention
 from xorl.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
 from xorl.models.spec import ModelSpec
-from xorl.nn.cross_entropy import cross_entropy_sum
+from xorl.nn.cross_entropy import cross_entropy_sum, linear_cross_entropy_sum
 from xorl.nn.moe import MoE, MoEAux
 
 IGNORE_INDEX = -100
@@ -43,9 +43,12 @@ IGNORE_INDEX = -100
 class CausalLMOutput:
     """What the models return.
 
-    logits            [batch, seq, vocab] (fp of the model's dtype)
+    logits            [batch, seq, vocab] (fp of the model's dtype); None when labels were given
+                      and the model computes its loss fused (spec.fused_loss: no logits are formed)
     loss              mean cross-entropy over label tokens != -100 (fp32); None without labels.
                       Contains NO router loss.
+    loss_sum          the sum of those cross-entropies (fp32; what the trainer divides by the step's
+                      label tokens); None without labels
     num_label_tokens  number of label tokens that entered ``loss`` (so loss * num_label_tokens is the sum)
     router_loss       MoE only: sum over this forward's MoE layers of the ``aux.loss`` each block returns
                       = router_aux_loss_coef * load_balancing_loss + router_z_loss_coef * z_loss
@@ -56,8 +59,9 @@ class CausalLMOutput:
                       "tokens_per_expert" [L, num_experts] int64
     """
 
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     loss: torch.Tensor | None = None
+    loss_sum: torch.Tensor | None = None
     num_label_tokens: torch.Tensor | None = None
     router_loss: torch.Tensor | None = None
     router_stats: dict = field(default_factory=dict)
@@ -81,8 +85,8 @@ class DecoderLayer(nn.Module):
     def forward(self, hidden, cos, sin, cu_seqlens=None, max_seqlen=None, token_mask=None
                 ) -> tuple[torch.Tensor, MoEAux | None]:
         """(hidden, the MoE block's auxiliary losses, or None for a dense MLP)."""
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, cu_seqlens, max_seqlen)
-        x = self.post_attention_layernorm(hidden)
+        attn_out = self.self_attn(self.input_layernorm(hidden), cos, sin, cu_seqlens, max_seqlen)
+        x, hidden = self.post_attention_layernorm(attn_out, residual=hidden)  # fused residual add + norm
         # token_mask (False on padding the context-parallel split added) only matters to an MoE
         # block's routing statistics; a dense MLP is per token anyway.
         if isinstance(self.mlp, MoE):
@@ -205,14 +209,20 @@ class DecoderForCausalLM(nn.Module):
     def forward(self, input_ids, position_ids=None, labels=None, cu_seqlens=None, max_seqlen=None,
                 token_mask=None):
         hidden, auxes = self.model(input_ids, position_ids, cu_seqlens, max_seqlen, token_mask)
-        logits = self.lm_head(hidden) if self.lm_head is not None else hidden
-        output = CausalLMOutput(logits=logits)
+        if labels is not None and self.spec.fused_loss and self.lm_head is not None:
+            output = CausalLMOutput(logits=None)
+            token_loss = linear_cross_entropy_sum(hidden, self.lm_head, labels)  # vocabulary-parallel too (TP)
+        else:
+            logits = self.lm_head(hidden) if self.lm_head is not None else hidden
+            output = CausalLMOutput(logits=logits)
+            if labels is not None:
+                if labels.shape != logits.shape[:-1]:
+                    raise ValueError(
+                        f"labels shape {tuple(labels.shape)} must equal [batch, seq]={tuple(logits.shape[:-1])}"
+                    )
+                token_loss = cross_entropy_sum(logits, labels)  # vocabulary-sharded logits too (TP)
         if labels is not None:
-            if labels.shape != logits.shape[:-1]:
-                raise ValueError(
-                    f"labels shape {tuple(labels.shape)} must equal [batch, seq]={tuple(logits.shape[:-1])}"
-                )
-            token_loss = cross_entropy_sum(logits, labels)  # vocabulary-sharded logits too (TP)
+            output.loss_sum = token_loss
             output.num_label_tokens = (labels != IGNORE_INDEX).sum()
             output.loss = token_loss / output.num_label_tokens.clamp(min=1)
         _add_router_losses(output, auxes)

@@ -1,16 +1,20 @@
 """Building blocks shared by the models: RMSNorm, rotary position embedding, SwiGLU MLP.
 
 The arithmetic follows transformers' Llama / Qwen3-MoE code step by step (same dtypes, same order
-of operations) so fp32 logits agree to ~1e-6 relative.
+of operations) so fp32 logits agree to ~1e-6 relative. Each runs as one fused op of xorl_kernels
+(rms_norm with its residual add, apply_rotary, swiglu): Triton kernels on the GPU, the same
+arithmetic in plain torch on the CPU.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from xorl.nn.linear import Linear
+from xorl_kernels.activation.op import swiglu
+from xorl_kernels.rmsnorm.op import rms_norm
+from xorl_kernels.rope.op import apply_rotary as _rope
 
 
 class RMSNorm(nn.Module):
@@ -24,11 +28,9 @@ class RMSNorm(nn.Module):
     def init_weights(self, std: float) -> None:
         nn.init.ones_(self.weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        input_dtype = x.dtype
-        x = x.to(torch.float32)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(input_dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """RMSNorm(x); with ``residual``: (RMSNorm(x + residual), x + residual) in one fused pass."""
+        return rms_norm(x, self.weight, self.eps, residual)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
@@ -100,15 +102,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [batch, seq, heads, head_dim]; cos/sin [batch, seq, rotary_dim] (HF's "rotate half" layout).
-    With rotary_dim < head_dim (partial rotary, GLM-4.5) only the first rotary_dim dims turn."""
-    cos = cos.unsqueeze(2)
-    sin = sin.unsqueeze(2)
-    rotary_dim = cos.shape[-1]
-    if rotary_dim < x.shape[-1]:
-        x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
-        return torch.cat(((x_rot * cos) + (rotate_half(x_rot) * sin), x_pass), dim=-1)
-    return (x * cos) + (rotate_half(x) * sin)
+    """x [batch, seq, heads, head_dim]; cos/sin [batch, seq, rot <= head_dim] (HF's "rotate half" layout;
+    rot < head_dim: partial rotary)."""
+    return _rope(x, cos, sin)
 
 
 class SwiGLUMLP(nn.Module):
@@ -135,5 +131,5 @@ class SwiGLUMLP(nn.Module):
         if self.merge_gate_up:  # [..., units (this rank's under TP), 2]: gate, up
             gate_up = self.gate_up_proj(x)
             gate_up = gate_up.view(*gate_up.shape[:-1], -1, 2)
-            return self.down_proj(F.silu(gate_up[..., 0]) * gate_up[..., 1])
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(swiglu(gate_up[..., 0], gate_up[..., 1]))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))

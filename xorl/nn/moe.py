@@ -35,7 +35,6 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -43,6 +42,7 @@ from xorl._torch_compat import all_to_all_single_autograd, resolve_process_group
 from xorl.nn.moe_experts import GroupedExperts
 from xorl.nn.router import Router, check_router_args
 from xorl.nn.tp_comm import TPGroup, gather_from_shards, split_to_shard
+from xorl_kernels.activation.op import swiglu
 from xorl_kernels.checkpoint_saves import SELECTIVE_CHECKPOINT_SAVES
 from xorl_kernels.moe_permute.op import permute_tokens, unpermute_tokens
 
@@ -249,7 +249,7 @@ class SharedExpertMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class MoE(nn.Module):

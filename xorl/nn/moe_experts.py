@@ -17,10 +17,10 @@ forward and nowhere else.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from xorl_kernels.activation.op import swiglu
 from xorl_kernels.grouped_gemm.op import grouped_gemm
 
 # train.fp8 -> whether the experts' grouped GEMM runs in FP8: only blockwise has an FP8 grouped
@@ -43,7 +43,7 @@ def swiglu_experts(x_sorted, gate_up_proj, down_proj, tokens_per_expert, fp8: bo
     else:
         gemm = grouped_gemm
     gate, up = gemm(x_sorted, gate_up_proj, tokens_per_expert).chunk(2, dim=-1)
-    return gemm(F.silu(gate) * up, down_proj, tokens_per_expert)
+    return gemm(swiglu(gate, up), down_proj, tokens_per_expert)
 
 
 class GroupedExperts(nn.Module):
