@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from xorl import run_dir
+from xorl import run_dir, run_lock
 from xorl.checkpoint import MODEL_CONFIG, Checkpointer, latest_checkpoint, load_checkpoint
 from xorl.config import Config
 from xorl.data.loader import MicrobatchLoader, PackedDataset
@@ -45,6 +45,7 @@ from xorl.parallelize import parallelize_model
 from xorl.plans.data_parallel import all_reduce_gradients
 from xorl.plans.expert_parallel import update_router_biases
 from xorl.plans.pipeline_parallel import build_schedule, split_into_stages
+from xorl.preemption import PreemptionGuard
 from xorl.preflight import RunPlan, prepare_run
 from xorl.resume import apply_config_hparams
 from xorl.watchdog import Heartbeat
@@ -113,6 +114,7 @@ class Trainer:
         # Every rule, the run folder and the checkpoint to resume, before any process group exists.
         self.plan = plan if plan is not None else prepare_run(config, world_size)
         self.device = init_distributed(config.train.collective_timeout_s)
+        run_lock.hold(config.train.output_dir, self.device)  # one run per output_dir, before any write
         self.parallel_config = ParallelConfig.from_config(config, world_size)
         self.state = init_parallel_state(self.parallel_config, device_type=self.device.type)
         self.rank = dist.get_rank()
@@ -198,6 +200,9 @@ class Trainer:
             out = self.config.train.output_dir
             if self.plan.overwrite:
                 run_dir.clear_output_dir(out)
+            keep = self.plan.resume.path if self.plan.discard_later and self.plan.resume else None
+            for line in run_dir.tidy_checkpoints(out, discard_after=keep):  # discard_later, unfinished saves
+                print(f"xorl: {line}", flush=True)
             os.makedirs(out, exist_ok=True)
             run_dir.write_text_atomic(os.path.join(out, run_dir.CONFIG_NAME), self.config.to_yaml())
         dist.barrier()
@@ -428,6 +433,7 @@ class Trainer:
         logger = MetricsLogger(train.output_dir, train.max_steps, self.step, enabled=self.rank == 0,
                                time_offset=self.elapsed_offset_s)
         heartbeat = Heartbeat(train.heartbeat_s, train.collective_timeout_s, enabled=self.rank == 0)
+        preemption = PreemptionGuard(train.preempt_signals, train.preempt_grace_s, self.device)
         results = []
         self._clock = time.perf_counter()
         try:
@@ -448,6 +454,11 @@ class Trainer:
                     if result.aux_loss is not None:
                         metrics["router_loss"] = result.aux_loss
                     logger.log(result.step, metrics, elapsed_s=self.elapsed_s())
+                stop = preemption.should_stop()  # every rank stops after the same step (xorl/preemption.py)
+                if stop and self.step < last:
+                    with heartbeat.busy(f"saving the checkpoint of step {self.step} (preempted)"):
+                        path = self.save(blocking=True)
+                    raise preemption.stopped(stop, self.step, path)
                 if train.save_steps and (self.step % train.save_steps == 0 or self.step == train.max_steps):
                     # In the background, except the last one: nothing is left to overlap it.
                     with heartbeat.busy(f"saving the checkpoint of step {self.step}"):
@@ -457,6 +468,7 @@ class Trainer:
         finally:
             self.elapsed_offset_s, self._clock = self.elapsed_s(), None
             heartbeat.close()
+            preemption.close()
             logger.close()
         self.checkpointer.wait()  # the last save is complete (and `latest`) when train returns
         return results
