@@ -22,9 +22,9 @@ What happens now:
 
 Under torchrun: a signal sent to the workers (SLURM signals every process of the job step) is
 handled as above, and torchrun's summary shows exit code 75 for each rank. A SIGTERM sent to the
-torchrun process itself makes torchrun forward SIGTERM to the workers and kill them 30 s later,
-so the step and the save must fit in those 30 s; prefer SIGUSR1, which torchrun does not catch,
-sent to the workers.
+torchrun process itself makes torchrun forward SIGTERM to the workers and SIGKILL them
+``--shutdown-timeout`` seconds later (default 30): give torchrun the same grace, or signal the
+workers (SIGUSR1, which torchrun does not catch, is a scheduler's usual choice).
 """
 
 from __future__ import annotations
