@@ -364,7 +364,9 @@ def test_enospc_in_the_middle_of_a_write_is_named(gloo_world, tmp_path):
     message = gloo_world(1).run(_save_with_disk_full_midway, out)[0]
     root = os.path.join(out, "checkpoints")
     assert message.startswith(f"no space left on {root}: "), message
-    assert "bytes needed" in message and "free; checkpoint step_00000001 was not written" in message
+    needed = int(message.split(": ")[1].split(" bytes needed")[0])
+    assert needed >= 3 * (256 * 256 + 256) * 4  # the weights and AdamW's two moments: the state's size
+    assert "free; checkpoint step_00000001 was not written and no earlier checkpoint exists" in message
     assert not os.path.exists(os.path.join(root, "step_00000001.tmp"))
     assert not os.path.exists(os.path.join(root, "latest"))
 

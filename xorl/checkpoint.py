@@ -193,8 +193,11 @@ class Checkpointer:
         pipeline stages hold different ones). Rank 0 measures and broadcasts; the broadcast also
         orders every rank's writes after rank 0 made ``step_N.tmp``.
         """
-        previous = latest_checkpoint(self.output_dir)
-        needed = checkpoint_bytes(previous) if previous else None
+        previous = latest_checkpoint(self.output_dir) if _is_rank0() else None
+        known = torch.tensor([float(checkpoint_bytes(previous) or -1) if previous else -1.0], dtype=torch.float64)
+        if self.group is not None:  # rank 0's view decides (another node's may lag on a network filesystem)
+            dist.broadcast(known, src=0, group=self.group)
+        needed = int(known.item()) if known.item() >= 0 else None
         if needed is None:
             sizes = _state_bytes(state)
             if self.group is not None:
@@ -215,6 +218,7 @@ class Checkpointer:
             raise CheckpointError(
                 f"no space left on {root}: {needed} bytes needed, {free} free; checkpoint {name} was not started "
                 f"and {_kept(root)}. Free space (or move train.output_dir), then continue with --train.resume=true")
+        return needed
 
     def wait(self) -> str | None:
         """Block until the last save is complete and ``latest`` names it; re-raise its failure here."""
