@@ -57,7 +57,9 @@ def prepare_run(config: Any, world_size: int) -> RunPlan:
     except ConfigError as e:
         problems += e.problems
     plan = RunPlan()
-    busy = run_lock.holder(config.train.output_dir)  # another run in this folder: refuse, nothing else
+    # Another run in this folder: refuse, nothing else. Rank 0 looks (it is the one that takes the lock,
+    # xorl/run_lock.py); another rank would take its own job's rank 0 of an earlier start for a stranger.
+    busy = run_lock.holder(config.train.output_dir) if os.environ.get("RANK", "0") == "0" else None
     if busy:
         raise ConfigError(problems + [busy])
     try:

@@ -429,6 +429,7 @@ class Trainer:
         """Run to ``train.max_steps``, or stop early after step ``stop_at`` (as a preempted job would;
         the learning-rate schedule still follows max_steps). Saves every ``save_steps`` and at the end."""
         train = self.config.train
+        run_lock.hold(train.output_dir, self.device)  # again: an earlier train() of this Trainer gave it back
         last = train.max_steps if stop_at is None else min(stop_at, train.max_steps)
         logger = MetricsLogger(train.output_dir, train.max_steps, self.step, enabled=self.rank == 0,
                                time_offset=self.elapsed_offset_s)
@@ -471,6 +472,7 @@ class Trainer:
             preemption.close()
             logger.close()
         self.checkpointer.wait()  # the last save is complete (and `latest`) when train returns
+        run_lock.release(train.output_dir)  # a process that trains again (tests, notebooks) takes it again
         return results
 
     def _memory_metrics(self) -> dict[str, float]:
@@ -483,5 +485,6 @@ def run_training(config: Config, plan: RunPlan | None = None) -> list[StepResult
     trainer = Trainer(config, plan)
     results = trainer.train()
     if config.train.export_hf:
+        run_lock.hold(config.train.output_dir, trainer.device)
         trainer.export_hf(os.path.join(config.train.output_dir, "hf"))
     return results
