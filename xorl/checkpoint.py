@@ -303,17 +303,16 @@ def _verify_checksums(path: str) -> None:
         try:
             crc = file_crc32(file)
         except OSError as e:
-            bad.append(f"checkpoint file {file} is unreadable ({e.strerror})")
+            bad.append(f"{e.strerror} (reading {file})")
             continue
         if crc != manifest[name]["crc32"]:
-            bad.append(f"checkpoint file {file} is damaged: its CRC-32 is {crc:08x}, {manifest[name]['crc32']:08x} "
-                       "was written")
+            bad.append(f"damaged bytes: CRC-32 {crc:08x}, {manifest[name]['crc32']:08x} was written (reading {file})")
     if world > 1:
         gathered: list = [None] * world
         dist.all_gather_object(gathered, bad)
         bad = [line for part in gathered for line in part]
     if bad:
-        raise CheckpointError("; ".join(bad) + f"; {resume_hint(path)}")
+        raise CheckpointError(f"cannot load checkpoint {path}: " + "; ".join(bad) + f"; {resume_hint(path)}")
 
 
 def _check_metadata(path: str) -> None:
