@@ -1,4 +1,4 @@
-"""Flash attention: xorl_kernels.flash_attn.op vs torch SDPA, and the cost of the zig-zag ring split.
+"""Flash attention: xorl_kernels.attention.op vs torch SDPA, and the cost of the zig-zag ring split.
 
 1. Causal attention, bf16, head_dim 128, 16 heads, 16K tokens per batch (seq 4K-32K): forward
    and forward+backward TFLOP/s against the fastest torch SDPA backend (flash / efficient /
@@ -28,7 +28,7 @@ from functools import partial
 import torch
 
 from bench.context import BenchContext, Result
-from xorl_kernels.flash_attn.op import (
+from xorl_kernels.attention.op import (
     flash_attn,
     flash_attn_backward,
     flash_attn_bwd_preprocess,
@@ -93,7 +93,7 @@ def _time_sdpa_best(ctx: BenchContext, q, k, v, do, backward: bool) -> tuple[flo
 
 def _flash_attn_package():
     try:
-        from flash_attn import flash_attn_func  # the pip package, not xorl_kernels.flash_attn.op
+        from flash_attn import flash_attn_func  # the pip package, not xorl_kernels.attention.op
     except Exception:  # noqa: BLE001 - absent or built for another torch
         return None
     return flash_attn_func

@@ -73,6 +73,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from bench.context import BenchContext, Result  # noqa: E402
+from xorl._torch_compat import resolve_process_group  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
@@ -233,7 +234,7 @@ class CommCounter(TorchDispatchMode):
 
     def _record_funcol(self, name: str, kind: str, args, kwargs) -> None:
         group_name = args[-1] if isinstance(args[-1], str) else kwargs.get("group_name")
-        group = dist.distributed_c10d._resolve_process_group(group_name)
+        group = resolve_process_group(group_name)
         ranks = tuple(dist.get_process_group_ranks(group))
         if kind == "all_to_all":
             nbytes = _a2a_single_bytes(args[0], args[2], len(ranks), dist.get_rank(group))

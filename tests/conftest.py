@@ -1,4 +1,11 @@
-"""Shared pytest set-up: the `gpu` marker skips without CUDA; `gloo_world(n)` reuses N-rank worlds."""
+"""Shared pytest set-up: the `gpu` marker skips without CUDA; `gloo_world(n)` reuses N-rank worlds.
+
+The quick tier (`scripts/test.sh --quick`, i.e. ``-m "not slow and not gpu"``) leaves out every
+test marked `slow`: those that start other processes (a subprocess, torchrun, a gloo world).
+A test that asks for the `gloo_world` fixture, directly or through another fixture, is marked
+`slow` here, so a new multi-rank test cannot land in the quick tier by forgetting the marker;
+tests that start processes another way carry ``@pytest.mark.slow`` themselves.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +24,9 @@ from xorl.testing.multirank import GlooWorld, set_deadline
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "gloo_world" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

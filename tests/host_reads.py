@@ -25,14 +25,17 @@ HOST_READS = {"item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool_
 # Files are named by their base name, or "<op folder>/<file>" inside xorl_kernels (whose op folders
 # all hold an op.py and a reference.py).
 CPU_ONLY = {
-    ("flash_attn/layout.py", "_check_cu_seqlens"),
-    ("flash_attn/layout.py", "_check_positions"),
+    ("attention/layout.py", "_check_cu_seqlens"),
+    ("attention/layout.py", "_check_positions"),
     ("ring_attention.py", "_local_boundaries"),
     ("moe_permute/op.py", "permute_tokens"),
     ("moe_permute/routing.py", "_check_routing_args"),
     ("attention.py", "check_cu_seqlens"),
+    # Called by the reference, and by the Triton path only for CPU group sizes (or with the debug
+    # switch XORL_CHECK_GROUP_SIZES): device group sizes are never read on the host.
+    ("grouped_gemm/checks.py", "check_group_sizes_values"),
 }
-CPU_ONLY_FILES = ("flash_attn/reference.py", "grouped_gemm/reference.py")
+CPU_ONLY_FILES = ("attention/reference.py", "grouped_gemm/reference.py")
 # The one read the algorithm needs: the split sizes of the uneven expert-parallel all_to_all.
 EP_SPLIT_SIZES = ("moe.py", "_deduplicated_dispatch")  # the one read of the split sizes
 

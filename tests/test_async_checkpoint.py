@@ -67,6 +67,7 @@ def crash_while_saving_step_4(config) -> None:
     _TRAINER["trainer"].train()
 
 
+@pytest.mark.slow
 def test_a_crash_mid_save_keeps_latest_and_the_previous_checkpoint(tmp_path):
     run = str(tmp_path / "run")
     config = tiny_config(run, max_steps=6, save_steps=2)

@@ -1,15 +1,25 @@
 """attn_implementation maps in one place (xorl/nn/attention_backends.py) to the local kernel and
-the ring-step kernel; the model, the context-parallel plan and the config rules all read it."""
+the ring-step kernel. These tests check what each name does, not what the table says: which
+kernel runs, that it computes the same attention as a float64 SDPA model, and that a name whose
+package is missing says so."""
 
+import importlib.util
 import types
 
 import pytest
 import torch
 
+import xorl.models.attention as attention_module
+import xorl_kernels.attention.op as xorl_attention_op
 from xorl.nn.attention_backends import ATTENTION_BACKENDS, attention_backend, missing_package
+from xorl.nn.ring_attention import RingAttention
+
+NAMES = sorted(k for k in ATTENTION_BACKENDS if k)
+SDPA_NAMES = {"sdpa", "eager", "torch", "auto"}  # "auto" is SDPA on CPU tensors
+PACKAGE_NAMES = {"flash_attn", "flash_attention_2"}  # the flash-attn package, not installed here
 
 
-def _tiny(attn: str):
+def _tiny(attn: str, seed: int = 0):
     from xorl.models.registry import build_model
 
     config = types.SimpleNamespace(
@@ -17,13 +27,43 @@ def _tiny(attn: str):
         num_attention_heads=4, num_key_value_heads=2, head_dim=4, rms_norm_eps=1e-6, rope_theta=10000.0,
         tie_word_embeddings=False, attn_implementation=attn, max_position_embeddings=64,
     )
+    torch.manual_seed(seed)
     return build_model(config)
 
 
-@pytest.mark.parametrize("name", sorted(k for k in ATTENTION_BACKENDS if k))
-def test_the_model_builds_the_local_kernel_the_table_names(name):
+def _spy(monkeypatch):
+    """Record which kernel each attention call ran: 'xorl' (xorl_kernels.flash_attn) or 'sdpa'."""
+    ran = []
+    xorl_kernel, sdpa = xorl_attention_op.flash_attn, attention_module.causal_attention_reference
+
+    def xorl_spy(*args, **kwargs):
+        ran.append("xorl")
+        return xorl_kernel(*args, **kwargs)
+
+    def sdpa_spy(*args, **kwargs):
+        ran.append("sdpa")
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(xorl_attention_op, "flash_attn", xorl_spy)
+    monkeypatch.setattr(attention_module, "causal_attention_reference", sdpa_spy)
+    return ran
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_each_name_runs_its_kernel_and_computes_the_float64_sdpa_model(name, monkeypatch):
+    ids = torch.randint(0, 32, (1, 12), generator=torch.Generator().manual_seed(1))
+    cu = torch.tensor([0, 5, 12])
+    expected = _tiny("sdpa").double()(ids, cu_seqlens=cu, max_seqlen=7).logits
     model = _tiny(name)
-    assert model.model.layers[0].self_attn.core_attention.backend == attention_backend(name).local
+    ran = _spy(monkeypatch)
+    if name in PACKAGE_NAMES and importlib.util.find_spec("flash_attn") is None:
+        with pytest.raises(RuntimeError, match="needs the flash-attn package"):
+            model(ids, cu_seqlens=cu, max_seqlen=7)
+        assert ran == []  # neither xorl's kernel nor SDPA stood in for the package
+        return
+    logits = model(ids, cu_seqlens=cu, max_seqlen=7).logits
+    assert ran == ["sdpa" if name in SDPA_NAMES else "xorl"]
+    torch.testing.assert_close(logits.double(), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_an_unknown_name_is_refused_with_the_known_ones():
@@ -33,26 +73,29 @@ def test_an_unknown_name_is_refused_with_the_known_ones():
         _tiny("flash3")
 
 
-def test_the_context_parallel_plan_takes_the_ring_step_kernel_from_the_table(monkeypatch):
-    """parallelize_model hands apply_context_parallel the table's ring-step kernel."""
-    import xorl.plans.context_parallel as cp_plan
-    from xorl.parallelize import parallelize_model
+def _float64_attention(q, k, v):
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(q.shape[2] // k.shape[2], dim=2))
+    scores = scores * q.shape[-1] ** -0.5
+    mask = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool).tril()
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    return torch.einsum("bhqk,bkhd->bqhd", probs, v.repeat_interleave(q.shape[2] // v.shape[2], dim=2))
 
-    seen = []
-    monkeypatch.setattr(cp_plan, "apply_context_parallel", lambda model, **kw: seen.append(kw["attn_backend"]))
-    state = types.SimpleNamespace(tp_size=1, cp_size=2, ring_group=None, ulysses_group=None, ep_size=1)
-    for name in ("xorl", "sdpa", "flash_attn"):
-        config = types.SimpleNamespace(
-            model=types.SimpleNamespace(attn_implementation=name, num_experts=0),
-            train=types.SimpleNamespace(activation_checkpointing="none", compile=False, data_parallel_mode="ddp"),
-        )
-        parallelize_model(torch.nn.Module(), state, config)
-    assert seen == [None, None, "flash_attn"]
+
+@pytest.mark.parametrize("name", NAMES)
+def test_each_names_ring_step_computes_attention_with_its_lse_or_names_the_package(name):
+    """Under context parallelism every name needs a ring step that returns the log-sum-exp: the
+    SDPA names (SDPA returns none) run the xorl kernel; the flash-attn names need the package."""
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 8, h, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    ring = RingAttention(None, attn_backend=attention_backend(name).ring_step)
+    if name in PACKAGE_NAMES and importlib.util.find_spec("flash_attn") is None:
+        with pytest.raises((ImportError, RuntimeError), match="flash-attn"):
+            ring(q, k, v)
+        return
+    torch.testing.assert_close(ring(q, k, v), _float64_attention(q, k, v))
 
 
 def test_the_package_check_reads_the_table(monkeypatch):
-    import importlib.util
-
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "flash_attn" else real(n, *a))
     assert missing_package("flash_attention_2") == "flash_attn"

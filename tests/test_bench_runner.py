@@ -19,6 +19,7 @@ from bench.context import BenchContext, Result
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_quick_copy_run_writes_complete_json(tmp_path):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # the CPU path, even on a GPU machine
     done = subprocess.run(

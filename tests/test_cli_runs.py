@@ -18,7 +18,8 @@ from tests.cli_runs import ROOT, alive, children, env, rank_of, torchrun, torchr
 from xorl.metrics import read_metrics
 from xorl.optim import lr_factor
 
-pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc for process ids")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc for process ids")]
 
 
 def _no_traceback(text: str) -> bool:

@@ -94,6 +94,8 @@ def test_compiled_training_matches_eager(gloo_world, tmp_path):
     assert max(abs(a - b) / abs(b) for a, b in zip(compiled, eager)) < 1e-6, (compiled, eager)
 
 
+# Slow: inductor compiles its generated C++ in compiler subprocesses (~30 s on a 2-core machine).
+@pytest.mark.slow
 def test_inductor_block_matches_eager():
     """One dense decoder block through inductor's generated code: output and gradients as eager."""
     layer, (hidden, cos, sin, cu, max_seqlen) = decoder_block("llama")

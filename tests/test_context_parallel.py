@@ -125,7 +125,7 @@ def _xorl_model_check(ring_size, ulysses_size):
 def _hf_model_check(ring_size, ulysses_size):
     from transformers import LlamaForCausalLM
 
-    from xorl.nn.hf_attention import register_xorl_attention
+    from tests.hf_cp_attention import register_xorl_attention
 
     ring, ulysses = cp_groups(ring_size, ulysses_size)
     name = register_xorl_attention(ring, ulysses)

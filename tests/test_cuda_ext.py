@@ -16,7 +16,7 @@ import torch
 from tests.csrc_helpers import require_cuda_ext
 from xorl_kernels import cuda_ext
 from xorl_kernels.moe_permute.csrc import ext_permute_rows, ext_routing_metadata
-from xorl_kernels.ulysses.reference import ulysses_piece_numels
+from xorl_kernels.ulysses.layout import ulysses_piece_numels
 
 needs_ext = pytest.mark.skipif(not cuda_ext.has_cuda_ext(), reason="xorl_kernels._C not built (no nvcc)")
 

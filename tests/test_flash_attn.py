@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from tests.triton_helpers import to_triton, triton_device
-from xorl_kernels.flash_attn import common
-from xorl_kernels.flash_attn.merge import merge_attn_states
-from xorl_kernels.flash_attn.op import (
+from xorl_kernels.attention import common
+from xorl_kernels.attention.merge import merge_attn_states
+from xorl_kernels.attention.op import (
     flash_attn,
     flash_attn_backward,
     flash_attn_bwd_preprocess,
@@ -343,7 +343,7 @@ def test_triton_backward_accumulates(poisoned):
 
 def test_dkdv_head_splits_fill_an_h100():
     """The dK/dV grid is split over query-head slices only while the key blocks alone are too few."""
-    from xorl_kernels.flash_attn.bwd_triton import dkdv_head_splits
+    from xorl_kernels.attention.bwd_triton import dkdv_head_splits
 
     # 32 q / 4 kv heads at 4k tokens: 4 * (32 + 1) programs without slices, 132 SMs.
     splits = dkdv_head_splits(4096, 1, 4, 8, sms=132)
@@ -358,7 +358,7 @@ def test_triton_dkdv_head_slices(poisoned, monkeypatch, splits):
     """GQA group of 4 split into 1, 2 or 4 slices of query heads: varlen documents with zig-zag
     positions (masked, mask-free and skipped tiles), lse in the loss, fp32 accumulators with random
     start values. Every split must give the float64 gradients."""
-    from xorl_kernels.flash_attn import bwd_triton as flash_attn_bwd_triton
+    from xorl_kernels.attention import bwd_triton as flash_attn_bwd_triton
 
     monkeypatch.setattr(flash_attn_bwd_triton, "dkdv_head_splits", lambda *args: splits)
     torch.manual_seed(11)
@@ -435,7 +435,7 @@ def test_gpu_gqa_dkdv_head_slices(poisoned, monkeypatch, splits):
     """32 q / 4 kv heads (Llama-3-70B's ratio), bf16, two causal documents, compiled and autotuned:
     the dK/dV kernel with no slices, 2 slices and the planned ones (here one query head per program)
     against float64."""
-    from xorl_kernels.flash_attn import bwd_triton as flash_attn_bwd_triton
+    from xorl_kernels.attention import bwd_triton as flash_attn_bwd_triton
 
     if splits is not None:
         monkeypatch.setattr(flash_attn_bwd_triton, "dkdv_head_splits", lambda *args: splits)

@@ -304,6 +304,7 @@ def compile_for_sm90() -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the gpu tests run the kernels for real")
 def test_kernels_compile_for_h100_with_pipelined_k_loop():
     """The interpreter accepts code the GPU compiler rejects: compile for sm_90 to catch that."""

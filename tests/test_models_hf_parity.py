@@ -365,7 +365,7 @@ def test_reference_moe_block_matches_float64_formula(scoring, norm_topk_prob):
 
 @pytest.mark.gpu
 def test_cuda_bf16_kernel_attention_matches_torch_attention():
-    """On CUDA the default core attention is xorl_kernels.flash_attn.op; compare with the SDPA path."""
+    """On CUDA the default core attention is xorl_kernels.attention.op; compare with the SDPA path."""
     # Dense model: in bf16 a tiny attention difference could flip MoE routing and hide the signal.
     config = xorl_model_config(llama_config(), attn_implementation="xorl")
     torch.manual_seed(12)

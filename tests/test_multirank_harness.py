@@ -13,6 +13,7 @@ import torch.distributed as dist
 from xorl.testing.multirank import GlooWorld, RankError, set_deadline
 
 pytest_plugins = ["pytester"]
+pytestmark = pytest.mark.slow  # every test here starts gloo worlds
 
 
 def _all_reduce_rank() -> float:

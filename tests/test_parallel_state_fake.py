@@ -84,6 +84,7 @@ def observations():
     return {(i, rank): next(results) for i, (_, _, ranks) in enumerate(jobs) for rank in ranks}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=[f"{w}ranks-{i}" for i, (w, _) in enumerate(LAYOUTS)])
 def test_big_layouts_match_rank_arithmetic(observations, index):
     world_size, layout = LAYOUTS[index]

@@ -59,6 +59,26 @@ LAYOUTS = [
 ]
 
 
+# FP8 rows (train.fp8, xorl_kernels/fp8): the layout against one process running the same recipe.
+# Before any update the FP8 quantisation is the same on every layout (power-of-2 scales: a TP
+# shard's row scale rounds its values exactly as the whole row's would, above underflow), so step
+# 1 keeps the fp32 bounds. After updates a last-bit fp32 difference from a layout's summation
+# order can move an element across an fp8 rounding boundary, a 2^-4 (e4m3) relative jump in that
+# element; measured on fsdp2 x tp2 rowwise (10 steps): steps 1-4 within 4e-7, then losses 2.1e-4,
+# weights 4.0e-4, and grad norms 1.6e-4 except 5.8e-2 on step 7's gradient spike (norm 4.3 against
+# ~1.5; the tiny model's chaotic step, parity_runs.tiny_config). Hence FP8_TOLERANCE below. EP 2
+# blockwise meets the fp32 bounds (measured: losses equal, grad norms 2.4e-7, weights 3.3e-8):
+# expert parallelism moves whole tokens, whose 1 x 128 tiles and the experts' 128 x 128 blocks are
+# those of one process.
+FP32_TOLERANCE = dict(losses=1e-5, grad_norms=1e-4, weights=1e-5)
+FP8_TOLERANCE = dict(losses=1e-3, grad_norms=1e-1, weights=1e-3)
+FP8_LAYOUTS = [
+    ("fp8 rowwise fsdp2 x tp2", 4, "llama", dict(data_parallel_shard_size=2, tensor_parallel_size=2,
+                                                 sequence_parallel=True, fp8="rowwise"), FP8_TOLERANCE),
+    ("fp8 blockwise moe ep2", 2, "qwen3_moe", dict(data_parallel_shard_size=2, expert_parallel_size=2,
+                                                  fp8="blockwise"), FP32_TOLERANCE),
+]
+
 PIPELINE_LAYOUTS = [layout for layout in LAYOUTS if layout[3].get("pipeline_parallel_size", 1) > 1]
 OTHER_LAYOUTS = [layout for layout in LAYOUTS if layout not in PIPELINE_LAYOUTS]
 
@@ -76,12 +96,12 @@ def single_process_references(gloo_world, tmp_path_factory):
     """model type -> the single-process run of the global batch, computed once when first asked."""
     cache = {}
 
-    def get(model_type: str) -> dict:
-        if model_type not in cache:
-            out = str(tmp_path_factory.mktemp(f"ref-{model_type}"))
-            config = tiny_config(out, model_type, gradient_accumulation_steps=GLOBAL_MICROBATCHES)
-            cache[model_type] = gloo_world(1).run(train_and_report, config)[0]
-        return cache[model_type]
+    def get(model_type: str, fp8: str = "none") -> dict:
+        if (model_type, fp8) not in cache:
+            out = str(tmp_path_factory.mktemp(f"ref-{model_type}-{fp8}"))
+            config = tiny_config(out, model_type, gradient_accumulation_steps=GLOBAL_MICROBATCHES, fp8=fp8)
+            cache[model_type, fp8] = gloo_world(1).run(train_and_report, config)[0]
+        return cache[model_type, fp8]
 
     return get
 
@@ -91,9 +111,18 @@ def test_layout_matches_single_process(name, world_size, model_type, train, gloo
     check_layout(world_size, model_type, train, gloo_world, references, tmp_path)
 
 
-def check_layout(world_size: int, model_type: str, train: dict, gloo_world, references, tmp_path) -> None:
-    """The layout's 10 steps against one process's (see the module docstring)."""
-    ref = references(model_type)
+@pytest.mark.parametrize("name,world_size,model_type,train,tolerance", FP8_LAYOUTS,
+                         ids=[layout[0] for layout in FP8_LAYOUTS])
+def test_fp8_layout_matches_single_process(name, world_size, model_type, train, tolerance, gloo_world, references,
+                                           tmp_path):
+    check_layout(world_size, model_type, train, gloo_world, references, tmp_path, tolerance)
+
+
+def check_layout(world_size: int, model_type: str, train: dict, gloo_world, references, tmp_path,
+                 tol: dict = FP32_TOLERANCE) -> None:
+    """The layout's 10 steps against one process's (see the module docstring); ``tol``: the bounds
+    after step 1 (looser for the FP8 rows)."""
+    ref = references(model_type, train.get("fp8", "none"))
     train = dict(train, gradient_accumulation_steps=GLOBAL_MICROBATCHES // _dp(train))
     config = tiny_config(str(tmp_path), model_type, **train)
     # A generous timeout: 8 ranks share 2 cores on CI, and a slow run is not a hang.
@@ -104,12 +133,12 @@ def check_layout(world_size: int, model_type: str, train: dict, gloo_world, refe
     assert max_rel_diff(got["losses"][:1], ref["losses"][:1]) <= 1e-6, (got["losses"][0], ref["losses"][0])
     assert max_rel_diff(got["grad_norms"][:1], ref["grad_norms"][:1]) <= 1e-6, (got["grad_norms"][0],
                                                                                  ref["grad_norms"][0])
-    assert max_rel_diff(got["losses"], ref["losses"]) <= 1e-5, (got["losses"], ref["losses"])
-    assert max_rel_diff(got["grad_norms"], ref["grad_norms"]) <= 1e-4
+    assert max_rel_diff(got["losses"], ref["losses"]) <= tol["losses"], (got["losses"], ref["losses"])
+    assert max_rel_diff(got["grad_norms"], ref["grad_norms"]) <= tol["grad_norms"]
     if model_type == "qwen3_moe":  # router losses on, balanced over each whole microbatch
         assert all(x > 0 for x in ref["router_losses"])
         assert max_rel_diff(got["router_losses"], ref["router_losses"]) <= 1e-5
-    assert weights_rel_diff(got["weights"], ref["weights"]) <= 1e-5
+    assert weights_rel_diff(got["weights"], ref["weights"]) <= tol["weights"]
 
 
 def _moe_router_config(out: str, dp: int, mbs: int, ga: int, **model):

@@ -150,6 +150,7 @@ def _small_config(model: dict, train: dict) -> Config:
     return config
 
 
+@pytest.mark.slow
 def test_every_rank_of_small_layouts_matches_the_sharded_model(probes):
     configs = [_small_config(model, train) for model, train, _ in SMALL]
     observed = iter(_result(probes["small"]))
@@ -167,6 +168,7 @@ def test_every_rank_of_small_layouts_matches_the_sharded_model(probes):
             assert len({g["numel"] for g in per_rank}) > 1
 
 
+@pytest.mark.slow
 def test_examples_at_their_world_size_match_the_sharded_model(probes):
     observed = iter(_result(probes["examples"]))
     for path, (config_dict, world, ranks, _) in zip(EXAMPLES, _example_jobs()):

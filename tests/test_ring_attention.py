@@ -93,7 +93,7 @@ def _install_fake_flash_attn():
     import sys
     import types
 
-    from xorl_kernels.flash_attn.reference import reference_backward, reference_bwd_preprocess, reference_forward
+    from xorl_kernels.attention.reference import reference_backward, reference_bwd_preprocess, reference_forward
 
     def fwd(
         q,

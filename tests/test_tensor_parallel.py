@@ -105,13 +105,13 @@ def check_column_row_chain(tp_size: int, shape_prefix: tuple[int, ...]) -> dict:
             "row_dw": rel_err(row.weight.grad.full_tensor(), ref_row.weight.grad),
             "row_db": rel_err(row.bias.grad.full_tensor(), ref_row.bias.grad),
         }
-        report = overlap_report()
+        report = overlap_report(col, row)
         results[(sp, overlap)] = {
             "errs": errs, "fwd_calls": fwd_calls, "bwd_calls": bwd_calls,
             "col": report[col.name], "row": report[row.name],
             "grad_placements": (col.weight.grad.placements, row.weight.grad.placements),
         }
-    overlap_report(reset=True)
+        overlap_report(col, row, reset=True)
     return results
 
 
@@ -185,9 +185,9 @@ def check_shared_group_and_cutoff(tp_size: int) -> dict:
         counts[key] = {
             "fwd_calls": fwd_calls, "total_calls": counter["calls"],
             "unused_grad_max": 0.0 if unused is None else unused.full_tensor().abs().max().item(),
-            "report": overlap_report()[group.config.name],
+            "report": overlap_report(*layers)[group.config.name],
         }
-    overlap_report(reset=True)
+        overlap_report(*layers, reset=True)
     return {"errs": errs, "counts": counts}
 
 

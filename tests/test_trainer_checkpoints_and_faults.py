@@ -135,6 +135,7 @@ def test_nan_loss_stops_with_the_step_number(gloo_world, tmp_path):
     assert all("step 3" in m and "loss=nan" in m for m in messages)
 
 
+@pytest.mark.slow
 def test_a_dying_rank_makes_the_others_fail_not_hang(tmp_path):
     with GlooWorld(2, timeout_s=120) as world:
         start = time.monotonic()

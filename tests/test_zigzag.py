@@ -13,7 +13,7 @@ from xorl.distributed.zigzag import (
     zigzag_unshard,
     zigzag_unshard_from_shards,
 )
-from xorl_kernels.zigzag.reference import zigzag_positions
+from xorl_kernels.zigzag.layout import zigzag_positions
 
 DOCS = [0, 8, 24, 32]  # three documents of 8, 16, 8 tokens: divisible by 2P for P <= 4
 

@@ -125,6 +125,11 @@ class TrainConfig(ParallelFields):
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     # torch.compile each decoder block (true: inductor; "aot_eager": no code generation, for debugging).
     compile: Literal["inductor", "aot_eager"] | bool = False
+    # FP8 GEMMs in the dense linears (attention and MLP projections; lm_head and router stay in
+    # dtype) and, with blockwise, the MoE experts: tensorwise | rowwise scales per tensor / row,
+    # blockwise 1x128 activations and 128x128 weights (DeepSeek-V3). A compute choice: master
+    # weights, optimizer state and checkpoints are unchanged (xorl_kernels/fp8).
+    fp8: Literal["none", "tensorwise", "rowwise", "blockwise"] = "none"
     output_dir: str = "outputs"
     save_steps: int = 0  # 0: no periodic checkpoints
     resume: bool | str = False  # true: latest checkpoint in output_dir; a path: that checkpoint

@@ -41,6 +41,7 @@ def validate_config(config: Any, world_size: int) -> None:
     problems += _train_problems(config.train)
     problems += _export_problems(config.model, config.train)
     problems += _compile_problems(config.train, config.model)
+    problems += _fp8_problems(config.train, config.model)
     if not problems:
         from xorl.model_path import model_path_conflicts
 
@@ -480,6 +481,32 @@ def _compile_problems(t: Any, m: Any) -> list[str]:
             "train.compile with model.attn_implementation: flash_attn (no context parallelism): the flash-attn "
             "package's functions trace only in the versions that register them as torch custom ops, and xorl has "
             "not verified any under compile; use attn_implementation: xorl (or sdpa), or compile: false"
+        )
+    return problems
+
+
+# -- FP8 ----------------------------------------------------------------------------------
+def _fp8_problems(t: Any, m: Any) -> list[str]:
+    """train.fp8 (xorl_kernels/fp8): what it needs, and the combinations it does not cover.
+
+    Every parallel layout composes: the FP8 GEMMs are local to each linear (TP shards quantise
+    their own shards, the ring-overlapped TP paths each chunk), FSDP2 / HSDP gather the
+    high-precision weights as before, and EP / PP / CP do not touch the linears' maths."""
+    if t.fp8 == "none":
+        return []
+    import importlib.util
+
+    problems = []
+    if importlib.util.find_spec("torchao") is None:
+        problems.append(
+            f"train.fp8: {t.fp8} quantises with torchao's float8 scaling helpers, and torchao is not installed; "
+            "pip install torchao (the 'fp8' extra), or set fp8: none"
+        )
+    if t.compile:
+        problems.append(
+            f"train.fp8: {t.fp8} with train.compile: the FP8 GEMMs are autograd Functions around torch._scaled_mm "
+            "and a Triton kernel that are not registered as torch custom ops, so a compiled block would break "
+            "its graph (and fullgraph is on); set compile: false, or fp8: none"
         )
     return problems
 

@@ -121,7 +121,7 @@ class Trainer:
         self.checkpointer = Checkpointer(config.train.output_dir)
         # Build on the meta device, split for PP, then TP -> CP -> EP -> AC -> FSDP2, then allocate.
         with torch.device("meta"):
-            model = build_model(config.model)
+            model = build_model(config.model, fp8=config.train.fp8)
         self.num_parameters = sum(p.numel() for p in model.parameters())
         self.pipeline = None
         if self.state.pp_size > 1:

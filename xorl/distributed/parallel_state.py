@@ -37,6 +37,7 @@ import dataclasses
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from xorl._torch_compat import concatenate_meshes, flatten_mesh, unflatten_mesh
 from xorl.config_error import ConfigError
 from xorl.distributed.parallel_config import MESH_DIM_NAMES, ParallelConfig
 
@@ -203,14 +204,14 @@ def init_parallel_state(config: ParallelConfig, device_type: str | None = None) 
     mesh = init_device_mesh(device_type, config.mesh_shape, mesh_dim_names=MESH_DIM_NAMES)
     views = {name: mesh[name] for name in MESH_DIM_NAMES}
     for name, dims in FLATTENED_DIMS.items():
-        views[name] = mesh[dims]._flatten(name)
+        views[name] = flatten_mesh(mesh[dims], name)
     if config.dp_replicate > 1:
         # Reuses the dp_replicate and dp_shard_cp groups rather than creating new ones.
-        fsdp_mesh = DeviceMesh._concatenate([views["dp_replicate"], views["dp_shard_cp"]])
+        fsdp_mesh = concatenate_meshes([views["dp_replicate"], views["dp_shard_cp"]])
     else:
         fsdp_mesh = views["dp_shard_cp"]
     # dim 0 as an int: torch 2.11's _unflatten rejects a dim given by name.
-    ep_mesh = views["ep_fold"]._unflatten(0, (config.ep_fsdp, config.ep), EP_DIM_NAMES)
+    ep_mesh = unflatten_mesh(views["ep_fold"], 0, (config.ep_fsdp, config.ep), EP_DIM_NAMES)
     for name in EP_DIM_NAMES:
         views[name] = ep_mesh[name]
     return ParallelState(config, mesh, views, fsdp_mesh, ep_mesh)

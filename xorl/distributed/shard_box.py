@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from xorl._torch_compat import compute_local_shape_and_global_offset
 
 
 @dataclass(frozen=True)

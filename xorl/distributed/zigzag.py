@@ -1,6 +1,7 @@
 """Zig-zag sequence sharding for context parallelism (ring × Ulysses), and its inverse.
 
-The layout (one definition, used by the data path, the attention modules and the tests):
+The layout (defined once, as ``xorl_kernels.zigzag.layout.zigzag_positions``; the data path, the
+attention modules and the tests use it):
 
 1. Ring level (``ring_size = P``). Every document of the packed sequence (the whole sequence when
    there is no ``cu_seqlens``) is cut into ``2P`` equal chunks; ring rank ``r`` holds chunks ``r``
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from xorl_kernels.zigzag.layout import zigzag_positions
 from xorl_kernels.zigzag.op import zigzag_gather
 
 
@@ -76,12 +78,15 @@ def _check_cu_seqlens(cu: list[int], total_len: int) -> None:
 # the layout: which global tokens a rank holds
 # ----------------------------------------------------------------------------------------------
 def ring_local_indices(total_len: int, cu_seqlens, ring_rank: int, ring_size: int) -> torch.Tensor:
-    """Global token indices held by ring rank ``ring_rank``, in its local order (CPU int64)."""
+    """Global token indices held by ring rank ``ring_rank``, in its local order (CPU int64).
+
+    The row order is ``xorl_kernels.zigzag.layout.zigzag_positions``, the layout's one definition;
+    this adds the host-side checks with messages that name the padding helper.
+    """
     cu = [0, total_len] if cu_seqlens is None else _as_int_list(cu_seqlens)
     _check_cu_seqlens(cu, total_len)
     if ring_size == 1:
         return torch.arange(total_len)
-    pieces = []
     for start, end in zip(cu[:-1], cu[1:]):
         length = end - start
         if length % (2 * ring_size):
@@ -90,10 +95,7 @@ def ring_local_indices(total_len: int, cu_seqlens, ring_rank: int, ring_size: in
                 f"{2 * ring_size}; pad it with xorl.distributed.zigzag.prepare_context_parallel_batch "
                 "(documents are padded, never truncated)"
             )
-        chunk = length // (2 * ring_size)
-        for c in (ring_rank, 2 * ring_size - 1 - ring_rank):
-            pieces.append(torch.arange(start + c * chunk, start + (c + 1) * chunk))
-    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+    return zigzag_positions(total_len, ring_rank, ring_size, torch.tensor(cu, dtype=torch.int64))
 
 
 def zigzag_local_indices(

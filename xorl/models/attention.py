@@ -16,6 +16,7 @@ from torch import nn
 from xorl.models.layers import RMSNorm, apply_rotary
 from xorl.models.spec import ModelSpec
 from xorl.nn.attention_backends import attention_backend
+from xorl.nn.linear import Linear
 
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seq_len: int) -> None:
@@ -74,11 +75,11 @@ def causal_attention_reference(
 
 
 def _xorl_flash_attn():
-    """xorl_kernels.flash_attn.op, or None while that op is not in the tree."""
+    """xorl_kernels.attention.op, or None while that op is not in the tree."""
     try:
-        from xorl_kernels.flash_attn.op import flash_attn
+        from xorl_kernels.attention.op import flash_attn
     except ModuleNotFoundError as error:
-        if error.name != "xorl_kernels.flash_attn.op":
+        if error.name != "xorl_kernels.attention.op":
             raise
         return None
     return flash_attn
@@ -108,15 +109,16 @@ def _flash_attn_package(q, k, v, softmax_scale, cu_seqlens, max_seqlen):
 class LocalAttention(nn.Module):
     """Causal single-device core attention with GQA and optional varlen (packed documents).
 
-    backend "auto": xorl_kernels.flash_attn.op on CUDA tensors, plain torch (SDPA) on CPU;
-    "torch": always plain torch; "xorl": always xorl_kernels.flash_attn.op (which itself runs its
-    plain-torch reference on CPU); "flash_attn": the flash-attn pip package.
+    backend (the names of xorl/nn/attention_backends.py): "auto": xorl_kernels.flash_attn on CUDA
+    tensors, plain torch (SDPA) on CPU; "sdpa": always plain torch; "xorl": always
+    xorl_kernels.flash_attn (which itself runs its plain-torch reference on CPU); "flash_attn":
+    the flash-attn pip package.
     """
 
     def __init__(self, softmax_scale: float | None = None, backend: str = "auto"):
         super().__init__()
-        if backend not in ("auto", "torch", "xorl", "flash_attn"):
-            raise ValueError(f"backend={backend!r}: use 'auto', 'torch', 'xorl' or 'flash_attn'")
+        if backend not in ("auto", "sdpa", "xorl", "flash_attn"):
+            raise ValueError(f"backend={backend!r}: use 'auto', 'sdpa', 'xorl' or 'flash_attn'")
         self.softmax_scale = softmax_scale
         self.backend = backend
 
@@ -134,7 +136,7 @@ class LocalAttention(nn.Module):
         if self.backend == "xorl" or (self.backend == "auto" and q.is_cuda):
             flash_attn = _xorl_flash_attn()
             if flash_attn is None and self.backend == "xorl":
-                raise RuntimeError("attn_implementation='xorl' but xorl_kernels.flash_attn.op is not available")
+                raise RuntimeError("attn_implementation='xorl' but xorl_kernels.attention.op is not available")
             if flash_attn is not None:
                 return flash_attn(
                     q, k, v, causal=True, softmax_scale=scale, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen
@@ -164,13 +166,13 @@ class Attention(nn.Module):
         kv_size = spec.num_key_value_heads * spec.head_dim
         bias = spec.attention_bias
         if spec.merge_qkv:
-            self.qkv_proj = nn.Linear(spec.hidden_size, q_size + 2 * kv_size, bias=bias)
+            self.qkv_proj = Linear(spec.hidden_size, q_size + 2 * kv_size, bias=bias, fp8=spec.fp8)
             self.q_per_group = spec.num_attention_heads // spec.num_key_value_heads
         else:
-            self.q_proj = nn.Linear(spec.hidden_size, q_size, bias=bias)
-            self.k_proj = nn.Linear(spec.hidden_size, kv_size, bias=bias)
-            self.v_proj = nn.Linear(spec.hidden_size, kv_size, bias=bias)
-        self.o_proj = nn.Linear(q_size, spec.hidden_size, bias=bias)
+            self.q_proj = Linear(spec.hidden_size, q_size, bias=bias, fp8=spec.fp8)
+            self.k_proj = Linear(spec.hidden_size, kv_size, bias=bias, fp8=spec.fp8)
+            self.v_proj = Linear(spec.hidden_size, kv_size, bias=bias, fp8=spec.fp8)
+        self.o_proj = Linear(q_size, spec.hidden_size, bias=bias, fp8=spec.fp8)
         if spec.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, eps=spec.rms_norm_eps)
             self.k_norm = RMSNorm(spec.head_dim, eps=spec.rms_norm_eps)

@@ -24,6 +24,7 @@ lm_head ``output.logits`` holds the hidden states.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -160,10 +161,11 @@ class DecoderModel(nn.Module):
 class DecoderForCausalLM(nn.Module):
     """Base of LlamaForCausalLM / Qwen3MoeForCausalLM; subclasses choose the MLP of each layer."""
 
-    def __init__(self, config):
+    def __init__(self, config, fp8: str = "none"):
         super().__init__()
         self.config = config
-        self.spec = ModelSpec.from_config(config)
+        # train.fp8 is a compute choice of this build, so it joins the spec here, not the model config.
+        self.spec = dataclasses.replace(ModelSpec.from_config(config), fp8=fp8)
         spec = self.spec
         layers = [DecoderLayer(spec, self.build_mlp(spec, i)) for i in range(spec.num_hidden_layers)]
         self.model = DecoderModel(spec, layers)
@@ -171,7 +173,8 @@ class DecoderForCausalLM(nn.Module):
         self.tie_weights()
 
     def build_mlp(self, spec: ModelSpec, layer_idx: int) -> nn.Module:
-        return SwiGLUMLP(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias, merge_gate_up=spec.merge_gate_up)
+        return SwiGLUMLP(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias, merge_gate_up=spec.merge_gate_up,
+                         fp8=spec.fp8)
 
     def tie_weights(self) -> None:
         """lm_head shares the embedding matrix when tie_word_embeddings (re-run after to_empty)."""

@@ -38,6 +38,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from xorl.distributed.shard_box import ShardBox, local_tensor, parameter_box
+from xorl.models.param_names import clean_name
 from xorl.models.registry import to_hf_config_dict
 from xorl.models.spec import ModelSpec
 
@@ -45,17 +46,9 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 _TMP_PREFIX = ".xorl-shard-"
 _SHARD_NAME = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
-# Wrappers (activation checkpointing, torch.compile, FSDP1) insert these into parameter names.
-_WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 _STACKED_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
 _GATE_UP = re.compile(r"^(?P<prefix>.*\.mlp)\.gate_up_proj\.(?P<kind>weight|bias)$")
 _QKV = re.compile(r"^(?P<prefix>.*\.self_attn)\.qkv_proj\.(?P<kind>weight|bias)$")
-
-
-def clean_name(name: str) -> str:
-    for segment in _WRAPPER_SEGMENTS:
-        name = name.replace(segment, "")
-    return name
 
 
 # ----------------------------------------------------------------------------------------------

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from xorl.nn.linear import Linear
+
 
 class RMSNorm(nn.Module):
     """y = weight * (x / sqrt(mean(x^2) + eps)); the normalisation runs in fp32, as in HF."""
@@ -78,15 +80,16 @@ class SwiGLUMLP(nn.Module):
     up units, whatever the TP size (a checkpoint resumes on any TP), so each rank runs one GEMM for
     both. HF files keep gate_proj / up_proj (xorl/models/hf_io.py converts)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, merge_gate_up: bool = False):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, merge_gate_up: bool = False,
+                 fp8: str = "none"):
         super().__init__()
         self.merge_gate_up = merge_gate_up
         if merge_gate_up:
-            self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
+            self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias, fp8=fp8)
         else:
-            self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-            self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+            self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias, fp8=fp8)
+            self.up_proj = Linear(hidden_size, intermediate_size, bias=bias, fp8=fp8)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, fp8=fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.merge_gate_up:  # [..., units (this rank's under TP), 2]: gate, up

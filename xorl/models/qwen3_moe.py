@@ -21,7 +21,7 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
     def build_mlp(self, spec: ModelSpec, layer_idx: int) -> nn.Module:
         if not spec.is_moe_layer(layer_idx):
             return SwiGLUMLP(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias,
-                             merge_gate_up=spec.merge_gate_up)
+                             merge_gate_up=spec.merge_gate_up, fp8=spec.fp8)
         return MoE(
             spec.hidden_size,
             spec.num_experts,
@@ -34,6 +34,7 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
             shared_expert_intermediate_size=spec.shared_expert_intermediate_size,
             aux_loss_coef=spec.router_aux_loss_coef,
             z_loss_coef=spec.router_z_loss_coef,
+            fp8=spec.fp8,
         )
 
 

@@ -16,16 +16,17 @@ _FAMILIES = {
 }
 
 
-def build_model(model_config: Any) -> nn.Module:
+def build_model(model_config: Any, fp8: str = "none") -> nn.Module:
     """Build the model named by ``model_config.model_type`` on the current default device.
 
     Under ``with torch.device("meta"):`` nothing is allocated; materialise later with
     ``model.to_empty(device=...)`` then ``model.init_weights()``. On a real device the weights are
-    initialised here (normal(0, initializer_range), norms 1).
+    initialised here (normal(0, initializer_range), norms 1). ``fp8``: the projections' FP8
+    recipe (train.fp8; xorl/nn/linear.py), fixed at construction.
     """
     spec = ModelSpec.from_config(model_config)
     model_cls, _ = _FAMILIES[spec.model_type]
-    model = model_cls(model_config)
+    model = model_cls(model_config, fp8=fp8)
     if next(model.parameters()).device.type != "meta":
         model.init_weights()
     return model

@@ -77,6 +77,9 @@ class ModelSpec:
     router_bias_update_rate: float = 1e-3
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = field(default_factory=tuple)
+    # FP8 recipe of the projections (train.fp8, a compute choice, not part of the checkpoint):
+    # "none", "tensorwise", "rowwise" or "blockwise" (xorl/nn/linear.py, xorl_kernels/fp8).
+    fp8: str = "none"
 
     @property
     def is_moe(self) -> bool:

@@ -1,5 +1,11 @@
 """``attn_implementation`` -> the kernels that compute attention: the one place that maps the name.
 
+One vocabulary for the attention kernels, here and in the modules that take them:
+``"xorl"`` is xorl_kernels.flash_attn (which picks its own op backend, csrc / triton / reference,
+in xorl_kernels/dispatch.py: the only other backend names, one level down), ``"sdpa"`` is torch's
+scaled_dot_product_attention, ``"flash_attn"`` is the flash-attn pip package, and ``"auto"``
+(LocalAttention only) is xorl on CUDA tensors, SDPA on CPU.
+
 Each name picks two kernels, and the package it needs:
 
 - ``local``: ``LocalAttention``'s backend (xorl/models/attention.py), attention on one device;
@@ -13,14 +19,13 @@ Each name picks two kernels, and the package it needs:
 =============================  ===========================================  =========================
 name                           local                                        ring step
 =============================  ===========================================  =========================
-``xorl`` (the default)         xorl_kernels.flash_attn (Triton on GPU,      xorl_kernels dispatch
-                               its torch reference on CPU)
-``sdpa``, ``eager``, ``torch`` torch SDPA                                   xorl_kernels dispatch:
-                                                                            SDPA returns no
+``xorl`` (the default)         ``xorl``: xorl_kernels.flash_attn (Triton    ``xorl``
+                               on GPU, its torch reference on CPU)
+``sdpa``, ``eager``, ``torch`` ``sdpa``: torch SDPA                         ``xorl``: SDPA returns no
                                                                             log-sum-exp
-``flash_attn``,                the flash-attn package                       the flash-attn package
+``flash_attn``,                ``flash_attn``: the flash-attn package       ``flash_attn``
 ``flash_attention_2``
-``auto`` (or unset)            xorl on CUDA tensors, SDPA on CPU            xorl_kernels dispatch
+``auto`` (or unset)            ``auto``: xorl on CUDA tensors, SDPA on CPU  ``xorl``
 =============================  ===========================================  =========================
 
 (``sdpa``, ``eager``, ``flash_attention_2``: the names transformers uses, so a model folder's
@@ -31,17 +36,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+XORL, SDPA, FLASH_ATTN, AUTO = "xorl", "sdpa", "flash_attn", "auto"
+LOCAL_KERNELS = (AUTO, SDPA, XORL, FLASH_ATTN)  # LocalAttention(backend=...)
+RING_STEP_KERNELS = (XORL, FLASH_ATTN)  # RingAttention(attn_backend=...): the step must return its lse
+
 
 @dataclass(frozen=True)
 class AttentionBackend:
-    local: str  # LocalAttention(backend=...): "auto", "torch", "xorl" or "flash_attn"
-    ring_step: str | None  # RingAttention(attn_backend=...): None (xorl_kernels dispatch) or "flash_attn"
+    local: str  # one of LOCAL_KERNELS
+    ring_step: str  # one of RING_STEP_KERNELS
     package: str | None = None  # the pip package the kernels import
 
 
-_XORL = AttentionBackend(local="xorl", ring_step=None)
-_SDPA = AttentionBackend(local="torch", ring_step=None)
-_FLASH_ATTN = AttentionBackend(local="flash_attn", ring_step="flash_attn", package="flash_attn")
+_XORL = AttentionBackend(local=XORL, ring_step=XORL)
+_SDPA = AttentionBackend(local=SDPA, ring_step=XORL)
+_FLASH_ATTN = AttentionBackend(local=FLASH_ATTN, ring_step=FLASH_ATTN, package="flash_attn")
 
 ATTENTION_BACKENDS: dict[str | None, AttentionBackend] = {
     "xorl": _XORL,
@@ -50,7 +59,7 @@ ATTENTION_BACKENDS: dict[str | None, AttentionBackend] = {
     "torch": _SDPA,
     "flash_attn": _FLASH_ATTN,
     "flash_attention_2": _FLASH_ATTN,
-    "auto": AttentionBackend(local="auto", ring_step=None),
+    "auto": AttentionBackend(local=AUTO, ring_step=XORL),
 }
 ATTENTION_BACKENDS[None] = ATTENTION_BACKENDS["auto"]
 

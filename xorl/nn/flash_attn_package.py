@@ -29,7 +29,7 @@ def _interface():
     except ImportError as error:
         raise ImportError(
             "attn_backend='flash_attn' needs the flash-attn package (pip install flash-attn); "
-            "leave attn_backend=None to use the xorl kernels"
+            "use attn_backend='xorl' for the xorl kernels"
         ) from error
     return flash_attn_interface
 

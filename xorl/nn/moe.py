@@ -35,11 +35,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor
 
+from xorl._torch_compat import all_to_all_single_autograd, resolve_process_group
 from xorl.nn.moe_experts import GroupedExperts
 from xorl.nn.router import Router, check_router_args
+from xorl_kernels.checkpoint_saves import SELECTIVE_CHECKPOINT_SAVES
 from xorl_kernels.moe_permute.op import permute_tokens, unpermute_tokens
 
 
@@ -77,7 +78,10 @@ from xorl_kernels.moe_permute.op import permute_tokens, unpermute_tokens
 # that), so the block stays one graph, with the one host read still in it.
 # ----------------------------------------------------------------------------------------------
 def _group(group_name: str):
-    return dist.distributed_c10d._resolve_process_group(group_name)
+    return resolve_process_group(group_name)
+
+
+SELECTIVE_CHECKPOINT_SAVES.join("xorl::ep_all_to_all")  # its output is kept, not recomputed
 
 
 @torch.library.custom_op("xorl::ep_all_to_all", mutates_args=())
@@ -107,6 +111,9 @@ _all_to_all_op.register_autograd(_all_to_all_backward, setup_context=_all_to_all
 def all_to_all_rows(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
     """Differentiable uneven all_to_all over dim 0: send ``input_splits[r]`` rows to rank r."""
     return torch.ops.xorl.ep_all_to_all(x, output_splits, input_splits, group.group_name)
+
+
+SELECTIVE_CHECKPOINT_SAVES.join("xorl::ep_exchange_counts")  # its output is kept, not recomputed
 
 
 @torch.library.custom_op("xorl::ep_exchange_counts", mutates_args=())
@@ -261,6 +268,7 @@ class MoE(nn.Module):
         ep_group: dist.ProcessGroup | None = None,
         device=None,
         dtype=None,
+        fp8: str = "none",
     ):
         super().__init__()
         check_router_args(num_experts, top_k, scoring)
@@ -291,7 +299,7 @@ class MoE(nn.Module):
             dtype=dtype,
         )
         self.experts = GroupedExperts(
-            self.num_local_experts, hidden_size, moe_intermediate_size, device=device, dtype=dtype
+            self.num_local_experts, hidden_size, moe_intermediate_size, device=device, dtype=dtype, fp8=fp8
         )
         if shared_expert_intermediate_size > 0:
             self.shared_expert = SharedExpertMLP(hidden_size, shared_expert_intermediate_size, device, dtype)

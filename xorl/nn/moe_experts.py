@@ -23,6 +23,11 @@ from torch.distributed.tensor import DTensor
 
 from xorl_kernels.grouped_gemm.op import grouped_gemm
 
+# train.fp8 -> whether the experts' grouped GEMM runs in FP8: only blockwise has an FP8 grouped
+# kernel (DeepSeek-V3's 1x128 / 128x128 scales); under tensorwise / rowwise the experts compute in
+# train.dtype and only the dense projections use FP8 (README, train.fp8).
+_EXPERT_FP8 = {"none": False, "tensorwise": False, "rowwise": False, "blockwise": True}
+
 
 def _local(weight: torch.Tensor) -> torch.Tensor:
     """This rank's experts: the local shard when the weight is a DTensor sharded over the EP mesh
@@ -30,18 +35,26 @@ def _local(weight: torch.Tensor) -> torch.Tensor:
     return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
-def swiglu_experts(x_sorted, gate_up_proj, down_proj, tokens_per_expert):
+def swiglu_experts(x_sorted, gate_up_proj, down_proj, tokens_per_expert, fp8: bool = False):
     """down(silu(x @ gate) * (x @ up)) per expert over rows sorted by expert: one grouped GEMM for
-    gate and up together ([N, 2I]), SwiGLU on its halves, one for down."""
-    gate, up = grouped_gemm(x_sorted, gate_up_proj, tokens_per_expert).chunk(2, dim=-1)
-    return grouped_gemm(F.silu(gate) * up, down_proj, tokens_per_expert)
+    gate and up together ([N, 2I]), SwiGLU on its halves, one for down. ``fp8``: blockwise FP8 GEMMs."""
+    if fp8:
+        from xorl_kernels.fp8.grouped import fp8_grouped_gemm as gemm
+    else:
+        gemm = grouped_gemm
+    gate, up = gemm(x_sorted, gate_up_proj, tokens_per_expert).chunk(2, dim=-1)
+    return gemm(F.silu(gate) * up, down_proj, tokens_per_expert)
 
 
 class GroupedExperts(nn.Module):
     """``num_experts`` SwiGLU experts evaluated with ``xorl_kernels.grouped_gemm.op``."""
 
-    def __init__(self, num_experts: int, hidden_size: int, moe_intermediate_size: int, device=None, dtype=None):
+    def __init__(self, num_experts: int, hidden_size: int, moe_intermediate_size: int, device=None, dtype=None,
+                 fp8: str = "none"):
         super().__init__()
+        if fp8 not in _EXPERT_FP8:
+            raise ValueError(f"GroupedExperts: fp8={fp8!r}; use one of {tuple(_EXPERT_FP8)}")
+        self.fp8 = fp8
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.moe_intermediate_size = moe_intermediate_size
@@ -91,10 +104,11 @@ class GroupedExperts(nn.Module):
                 f"tokens_per_expert must be [{self.num_experts}] (one count per local expert), "
                 f"got {tuple(tokens_per_expert.shape)}"
             )
-        return swiglu_experts(x_sorted, _local(self.gate_up_proj), _local(self.down_proj), tokens_per_expert)
+        return swiglu_experts(x_sorted, _local(self.gate_up_proj), _local(self.down_proj), tokens_per_expert,
+                              fp8=_EXPERT_FP8[self.fp8])
 
     def extra_repr(self) -> str:
         return (
             f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
-            f"moe_intermediate_size={self.moe_intermediate_size}"
+            f"moe_intermediate_size={self.moe_intermediate_size}" + ("" if self.fp8 == "none" else f", fp8={self.fp8}")
         )

@@ -29,87 +29,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from xorl_kernels.zigzag.reference import zigzag_positions
-
-# ----------------------------------------------------------------------------------------------
-# The one ring point-to-point primitive: send to rank+1 and receive from rank-1 (or reversed).
-#
-# Ring attention passes K/V (and dK/dV) around its ring with it; tensor parallelism's overlapped
-# all-gather and reduce-scatter (xorl/nn/tp_comm.py) pass sequence chunks and partial sums.
-#
-# One ``start(send, recv)`` posts ONE isend and ONE irecv in a single ``batch_isend_irecv`` (callers
-# pack K and V — or dK and dV — into one buffer so a step is one message each way). The caller owns
-# the double buffers: it computes on one while the other is being received.
-#
-# Why a side stream on GPU: the exchange is issued on a dedicated CUDA stream that first waits for
-# the work already queued on the compute stream (so a buffer is never overwritten while a kernel
-# still reads it); ``wait()`` then makes the compute stream wait on the side stream. Neither side
-# blocks the host, so the next step's attention kernel runs while the blocks are in flight. On CPU
-# (gloo) ``wait()`` blocks, which is inherent to gloo.
-# ----------------------------------------------------------------------------------------------
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SIDE_STREAMS:
-        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
-    return _SIDE_STREAMS[index]
-
-
-class PendingExchange:
-    """Handle of one posted exchange; ``wait()`` once before reading the received buffer."""
-
-    def __init__(self, works, stream):
-        self._works, self._stream = works, stream
-
-    def wait(self) -> None:
-        if self._stream is None:
-            for work in self._works:
-                work.wait()
-        else:
-            with torch.cuda.stream(self._stream):
-                for work in self._works:
-                    work.wait()
-            torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
-        self._works = []
-
-
-class RingExchange:
-    """Neighbour exchange inside ``group`` (None = the default group)."""
-
-    def __init__(self, group):
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.size = dist.get_world_size(group)
-        # P2POp wants global ranks (group_peer is newer than torch 2.6).
-        self.send_peer = self._global((self.rank + 1) % self.size)
-        self.recv_peer = self._global((self.rank - 1) % self.size)
-
-    def _global(self, group_rank: int) -> int:
-        return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
-
-    def start(self, send: torch.Tensor, recv: torch.Tensor, tag: int = 0, reverse: bool = False) -> PendingExchange:
-        """Post send -> rank+1 and recv <- rank-1 (``reverse``: send -> rank-1, recv <- rank+1).
-
-        Both tensors must stay alive until ``wait()``. ``tag`` keeps two exchanges in flight at
-        once apart on gloo (ring backward: K/V and dK/dV).
-        """
-        if not (send.is_contiguous() and recv.is_contiguous()):
-            raise ValueError("ring exchange buffers must be contiguous")
-        to_peer, from_peer = (self.recv_peer, self.send_peer) if reverse else (self.send_peer, self.recv_peer)
-        ops = [
-            dist.P2POp(dist.isend, send, to_peer, self.group, tag),
-            dist.P2POp(dist.irecv, recv, from_peer, self.group, tag),
-        ]
-        if not send.is_cuda:
-            return PendingExchange(dist.batch_isend_irecv(ops), None)
-        stream = _side_stream(send.device)
-        stream.wait_stream(torch.cuda.current_stream(send.device))
-        with torch.cuda.stream(stream):
-            works = dist.batch_isend_irecv(ops)
-        return PendingExchange(works, stream)
-
+from xorl._torch_compat import resolve_process_group
+from xorl.distributed.p2p import RingExchange
+from xorl.nn.attention_backends import FLASH_ATTN, RING_STEP_KERNELS, XORL
+from xorl_kernels.checkpoint_saves import SELECTIVE_CHECKPOINT_SAVES
+from xorl_kernels.zigzag.layout import zigzag_positions
 
 _KV_TAG, _DKV_TAG = 0, 1
 
@@ -143,12 +67,12 @@ class ZigzagStepKernel:
         return kwargs
 
     def forward(self, q, k, v, q_rank: int, k_rank: int):
-        from xorl_kernels.flash_attn.op import flash_attn_forward
+        from xorl_kernels.attention.op import flash_attn_forward
 
         return flash_attn_forward(q, k, v, **self._mask_kwargs(q_rank, k_rank))
 
     def backward(self, do, q, k, v, out, lse, delta, q_rank: int, k_rank: int, dq_acc, dk_acc, dv_acc):
-        from xorl_kernels.flash_attn.op import flash_attn_backward
+        from xorl_kernels.attention.op import flash_attn_backward
 
         flash_attn_backward(
             do,
@@ -166,7 +90,7 @@ class ZigzagStepKernel:
 
 
 def _merge(out_acc, lse_acc, out, lse):
-    from xorl_kernels.flash_attn.merge import merge_attn_states
+    from xorl_kernels.attention.merge import merge_attn_states
 
     if out_acc is None:
         return out.to(torch.promote_types(out.dtype, torch.float32)), lse
@@ -204,7 +128,7 @@ def ring_backward(
     dkv_comm_dtype: torch.dtype = torch.float32,
 ):
     """(dq, dk, dv) of zig-zag ring attention, in the dtypes of q, k, v."""
-    from xorl_kernels.flash_attn.op import flash_attn_bwd_preprocess
+    from xorl_kernels.attention.op import flash_attn_bwd_preprocess
 
     size = exchange.size if exchange is not None else 1
     rank = exchange.rank if exchange is not None else 0
@@ -252,10 +176,13 @@ def ring_backward(
 
 def _ring_call(q, cu_seqlens, max_seqlen, group_name, causal, softmax_scale, attn_backend):
     """(step kernel, exchange) of one call, rebuilt in the forward and in the backward op."""
-    group = dist.distributed_c10d._resolve_process_group(group_name) if group_name else None
+    group = resolve_process_group(group_name) if group_name else None
     size = 1 if group is None else dist.get_world_size(group)
     kernel = make_step_kernel(q, cu_seqlens, max_seqlen, size, causal, softmax_scale, attn_backend)
     return kernel, (RingExchange(group) if size > 1 else None)
+
+
+SELECTIVE_CHECKPOINT_SAVES.join("xorl::ring_attention")  # its output is kept, not recomputed
 
 
 @torch.library.custom_op("xorl::ring_attention", mutates_args=())
@@ -360,19 +287,20 @@ def make_step_kernel(q, cu_seqlens, max_seqlen, ring_size: int, causal: bool, so
         positions = zigzag_positions(
             local_len * ring_size, None, ring_size, cu_global, q.device, within_document=True
         ).view(ring_size, local_len)
-    if backend == "flash_attn":
+    if backend == FLASH_ATTN:
         from xorl.nn.flash_attn_package import FlashAttnPackageStepKernel
 
         return FlashAttnPackageStepKernel(ring_size, causal, scale, cu_local, max_local, local_len)
-    return ZigzagStepKernel(ring_size, causal, scale, cu_local, max_local, positions, backend)
+    # "xorl": xorl_kernels picks its op backend (backend=None: its dispatch).
+    return ZigzagStepKernel(ring_size, causal, scale, cu_local, max_local, positions, None)
 
 
 class RingAttention(nn.Module):
     """Zig-zag ring attention over ``ring_group`` (None or a 1-rank group = plain local attention).
 
-    ``attn_backend``: None (xorl_kernels dispatch: Triton on GPU, reference on CPU), "triton",
-    "reference", or "flash_attn" (the flash-attn pip package, when it imports). ``causal=False``
-    gives full attention within each document.
+    ``attn_backend`` (the names of xorl/nn/attention_backends.py): "xorl" (xorl_kernels.flash_attn,
+    which picks Triton on GPU, its reference on CPU) or "flash_attn" (the flash-attn pip package,
+    when it imports). ``causal=False`` gives full attention within each document.
     """
 
     def __init__(
@@ -381,15 +309,13 @@ class RingAttention(nn.Module):
         causal: bool = True,
         softmax_scale: float | None = None,
         dkv_comm_dtype: torch.dtype = torch.float32,
-        attn_backend: str | None = None,
+        attn_backend: str = XORL,
     ):
         super().__init__()
         if dkv_comm_dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dkv_comm_dtype must be float32, bfloat16 or float16, got {dkv_comm_dtype}")
-        if attn_backend not in (None, "triton", "reference", "flash_attn"):
-            raise ValueError(
-                f"attn_backend={attn_backend!r}: use None, 'triton', 'reference' or 'flash_attn'"
-            )
+        if attn_backend not in RING_STEP_KERNELS:
+            raise ValueError(f"attn_backend={attn_backend!r}: use one of {list(RING_STEP_KERNELS)}")
         self.ring_group = ring_group
         # The custom op finds the group by name; no group (or a 1-rank one) is local attention.
         self._group_name = "" if ring_group is None or dist.get_world_size(ring_group) == 1 else ring_group.group_name

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from xorl.nn.linear import check_fp8
 from xorl.nn.tp_comm import (
     DEFAULT_OVERLAP_MIN_NUMEL,
     ColumnParallelMatmul,
@@ -88,13 +89,13 @@ class _TPLinearBase(nn.Module):
     bias_placement: Shard | Replicate
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp_mesh, sequence_parallel: bool,
-                 overlap: bool, overlap_min_numel: int, device, dtype):
+                 overlap: bool, overlap_min_numel: int, device, dtype, fp8: str = "none"):
         super().__init__()
         self.tp_mesh = tp_mesh
         self.tp = TPGroup.from_mesh(tp_mesh)
         self.in_features, self.out_features = in_features, out_features
         self.config = TPMatmulConfig(self.tp, bool(sequence_parallel), bool(overlap), int(overlap_min_numel),
-                                     name=f"{type(self).__name__}@{id(self):x}")
+                                     name=f"{type(self).__name__}@{id(self):x}", fp8=check_fp8(fp8))
         local_w = torch.empty(self._local_weight_shape(), device=device, dtype=dtype)
         self.weight = _dtensor_param(local_w, tp_mesh, self.weight_placement)
         if bias:
@@ -184,6 +185,8 @@ class _TPLinearBase(nn.Module):
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"{cls.__name__}.from_linear expects an nn.Linear, got {type(linear).__name__}")
         device = linear.weight.device
+        # An xorl.nn.Linear's FP8 recipe (fixed when the model was built) carries over to the TP layer.
+        kwargs.setdefault("fp8", getattr(linear, "fp8", "none"))
         layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, tp_mesh=tp_mesh,
                     device="meta" if device.type == "meta" else device, dtype=linear.weight.dtype, **kwargs)
         if device.type != "meta":
@@ -209,11 +212,11 @@ class ColumnParallelLinear(_TPLinearBase):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, tp_mesh=None,
                  sequence_parallel: bool = False, overlap: bool = True, gather_output: bool = False, *,
-                 overlap_min_numel: int = DEFAULT_OVERLAP_MIN_NUMEL, device=None, dtype=None):
+                 overlap_min_numel: int = DEFAULT_OVERLAP_MIN_NUMEL, device=None, dtype=None, fp8: str = "none"):
         tp = TPGroup.from_mesh(tp_mesh)
         _check_divisible(out_features, tp, "out_features", "ColumnParallelLinear")
         super().__init__(in_features, out_features, bias, tp_mesh, sequence_parallel, overlap,
-                         overlap_min_numel, device, dtype)
+                         overlap_min_numel, device, dtype, fp8)
         self.gather_output = bool(gather_output)
         self.shared_group: SharedInputColumnGroup | None = None
 
@@ -253,11 +256,11 @@ class RowParallelLinear(_TPLinearBase):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, tp_mesh=None,
                  input_is_parallel: bool = True, sequence_parallel: bool = False, overlap: bool = True, *,
-                 overlap_min_numel: int = DEFAULT_OVERLAP_MIN_NUMEL, device=None, dtype=None):
+                 overlap_min_numel: int = DEFAULT_OVERLAP_MIN_NUMEL, device=None, dtype=None, fp8: str = "none"):
         tp = TPGroup.from_mesh(tp_mesh)
         _check_divisible(in_features, tp, "in_features", "RowParallelLinear")
         super().__init__(in_features, out_features, bias, tp_mesh, sequence_parallel, overlap,
-                         overlap_min_numel, device, dtype)
+                         overlap_min_numel, device, dtype, fp8)
         self.input_is_parallel = bool(input_is_parallel)
 
     def _local_weight_shape(self):
@@ -373,16 +376,17 @@ class SharedInputColumnGroup:
             if not isinstance(m, ColumnParallelLinear):
                 raise TypeError(f"SharedInputColumnGroup {name!r}: {type(m).__name__} is not a ColumnParallelLinear")
             if m.tp.group is not first.tp.group or m.config.sequence_parallel != first.config.sequence_parallel \
-                    or m.config.overlap != first.config.overlap or m.in_features != first.in_features:
+                    or m.config.overlap != first.config.overlap or m.in_features != first.in_features \
+                    or m.config.fp8 != first.config.fp8:
                 raise ValueError(
-                    f"SharedInputColumnGroup {name!r}: members must share TP group, sequence_parallel, overlap "
-                    "and in_features"
+                    f"SharedInputColumnGroup {name!r}: members must share TP group, sequence_parallel, overlap, "
+                    "fp8 and in_features"
                 )
             if m.shared_group is not None:
                 raise ValueError(f"SharedInputColumnGroup {name!r}: a member already belongs to a group")
         self.members = list(members)
         self.config = TPMatmulConfig(first.tp, first.config.sequence_parallel, first.config.overlap,
-                                     first.config.overlap_min_numel, name=name)
+                                     first.config.overlap_min_numel, name=name, fp8=first.config.fp8)
         self._input: torch.Tensor | None = None
         self._ready: dict[int, torch.Tensor] = {}
         for m in members:
@@ -436,7 +440,9 @@ def sum_tp_partial_grads(models) -> int:
     number of all-reduces issued (0 without TP).
     """
     import torch.distributed as dist
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    from xorl._torch_compat import flatten_dense_tensors as _flatten_dense_tensors
+    from xorl._torch_compat import unflatten_dense_tensors as _unflatten_dense_tensors
 
     buckets: dict = {}
     for model in models:

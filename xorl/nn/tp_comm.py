@@ -14,7 +14,7 @@ Why point-to-point rather than a collective per chunk: a ring exchange moves exa
 per rank per step, so the transfer of step i is the same size as the GEMM it hides behind, and
 no rank ever waits for all the others (Megatron / torchtitan async-TP decompose the same way).
 
-Each exchange goes through the one ring primitive, ``xorl.nn.ring_attention.RingExchange``: on GPU it
+Each exchange goes through the one ring primitive, ``xorl.distributed.p2p.RingExchange``: on GPU it
 is issued on a side stream that first waits for the compute stream (so the buffers are ready), and
 waiting makes the compute stream wait for the transfer; on gloo the ops run on gloo's threads while
 Python does the GEMM.
@@ -33,11 +33,12 @@ Region boundaries (each says what its backward does, because that is where TP go
   straight into the sequence-parallel shard. Backward: identity / all-gather, since each rank's
   partial was computed from the same upstream values.
 
-The record (``overlap_report()``): per layer name, the P2P ops issued, the chunked GEMMs, the
-plain collectives, and on GPU the milliseconds the compute stream stood waiting at the wait
-points (CUDA events recorded just before and after each wait, once ``record_exposed_time()`` turned
-it on; resolved when the report is read, so the step itself never synchronises). Otherwise, and on
-CPU, exposed time is not recorded (``None``).
+The record (``overlap_report(model)``): per layer name, the P2P ops issued, the chunked GEMMs,
+the plain collectives, and on GPU the milliseconds the compute stream stood waiting at the wait
+points (CUDA events recorded just before and after each wait, once the group's
+``record_exposed_time()`` turned it on; resolved when the report is read, so the step itself
+never synchronises). Otherwise, and on CPU, exposed time is not recorded (``None``). The record
+lives on each layer's ``TPGroup`` (no module-level state): the report walks the modules it is given.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from xorl.nn.ring_attention import PendingExchange, RingExchange
+from xorl.distributed.p2p import PendingExchange, RingExchange
 
 # ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` are deprecated in newer torch in favour of
 # the ``*_single`` names, which older torch (2.11 on the GPU machines) may lack.
@@ -66,6 +67,25 @@ class TPGroup:
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.ring = RingExchange(group) if self.size > 1 else None
+        self.comm_stats: dict[str, LayerCommStats] = {}  # layer name -> its record (overlap_report)
+        self.time_exposed = False
+
+    def layer_stats(self, name: str) -> LayerCommStats:
+        """The (created on first use) record of layer ``name`` on this group."""
+        stats = self.comm_stats.get(name)
+        if stats is None:
+            stats = self.comm_stats[name] = LayerCommStats(timed=self.time_exposed)
+        return stats
+
+    def record_exposed_time(self, enabled: bool = True) -> None:
+        """Turn on (or off) the per-wait CUDA-event timing read by ``overlap_report()["exposed_ms"]``.
+
+        Off by default, so a training step creates no events; when on, finished pairs are folded
+        into the total as new ones are recorded, so the list stays at the pairs still in flight.
+        """
+        self.time_exposed = enabled
+        for stats in self.comm_stats.values():
+            stats.timed = enabled
 
     @classmethod
     def from_mesh(cls, tp_mesh) -> TPGroup:
@@ -86,6 +106,8 @@ class LayerCommStats:
     collectives: int = 0  # plain (non-decomposed) collectives
     _events: deque = field(default_factory=deque, repr=False)  # (start, end) CUDA event pairs in flight
     exposed_ms_resolved: float = 0.0
+    timed: bool = False  # record exposed time (the group's record_exposed_time)
+    seen_gpu: bool = False  # a timed wait happened on the GPU
 
     def exposed_ms(self) -> float:
         if self._events:
@@ -100,45 +122,31 @@ class LayerCommStats:
             self.exposed_ms_resolved += start.elapsed_time(end)
 
 
-_STATS: dict[str, LayerCommStats] = {}
-_ON_GPU_SEEN = {"cuda": False}
-# Exposed-time recording is opt-in (benchmarks, profiling): each wait then records two CUDA events.
-_TIMING = {"enabled": False}
+def overlap_report(*modules, reset: bool = False) -> dict[str, dict]:
+    """Per layer of ``modules`` (and their submodules): p2p_ops, ring_steps, chunk_gemms,
+    collectives and exposed_ms (None on CPU or with timing off).
 
-
-def record_exposed_time(enabled: bool = True) -> None:
-    """Turn on (or off) the per-wait CUDA-event timing read by ``overlap_report()["exposed_ms"]``.
-
-    Off by default, so a training step creates no events; when on, finished pairs are folded into
-    the total as new ones are recorded, so the list stays at the pairs still in flight.
+    Read it after a step; on GPU this synchronises once to resolve the CUDA events. ``reset``
+    clears the records it read.
     """
-    _TIMING["enabled"] = enabled
-
-
-def layer_stats(name: str) -> LayerCommStats:
-    """The (created on first use) record of layer ``name``."""
-    stats = _STATS.get(name)
-    if stats is None:
-        stats = _STATS[name] = LayerCommStats()
-    return stats
-
-
-def overlap_report(reset: bool = False) -> dict[str, dict]:
-    """Per layer: p2p_ops, ring_steps, chunk_gemms, collectives and exposed_ms (None on CPU).
-
-    Read it after a step; on GPU this synchronises once to resolve the CUDA events.
-    """
+    groups = {}
+    for module in modules:
+        for sub in module.modules():
+            tp = getattr(sub, "tp", None)
+            if isinstance(tp, TPGroup):
+                groups[id(tp)] = tp
     report = {}
-    for name, s in _STATS.items():
-        report[name] = {
-            "p2p_ops": s.p2p_ops,
-            "ring_steps": s.ring_steps,
-            "chunk_gemms": s.chunk_gemms,
-            "collectives": s.collectives,
-            "exposed_ms": s.exposed_ms() if _ON_GPU_SEEN["cuda"] and _TIMING["enabled"] else None,
-        }
-    if reset:
-        _STATS.clear()
+    for tp in groups.values():
+        for name, s in tp.comm_stats.items():
+            report[name] = {
+                "p2p_ops": s.p2p_ops,
+                "ring_steps": s.ring_steps,
+                "chunk_gemms": s.chunk_gemms,
+                "collectives": s.collectives,
+                "exposed_ms": s.exposed_ms() if s.seen_gpu and s.timed else None,
+            }
+        if reset:
+            tp.comm_stats.clear()
     return report
 
 
@@ -147,8 +155,8 @@ def wait_all(works, stats: LayerCommStats, on_gpu: bool) -> None:
     long the compute stream stood still doing so."""
     if not works:
         return
-    if on_gpu and _TIMING["enabled"]:
-        _ON_GPU_SEEN["cuda"] = True
+    if on_gpu and stats.timed:
+        stats.seen_gpu = True
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
@@ -399,10 +407,11 @@ class TPMatmulConfig:
     overlap: bool
     overlap_min_numel: int = DEFAULT_OVERLAP_MIN_NUMEL
     name: str = "tp_linear"  # key of this layer in overlap_report()
+    fp8: str = "none"  # train.fp8: every GEMM below runs in FP8 (xorl_kernels/fp8/linear.py), chunks too
 
     @property
     def stats(self) -> LayerCommStats:
-        return layer_stats(self.name)
+        return self.tp.layer_stats(self.name)
 
     @property
     def sequence_sharded(self) -> bool:
@@ -419,9 +428,32 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
-def _linear_into(dst: torch.Tensor, a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
+def _linear(fp8: str, a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """a @ w^T (+ b); in FP8 when ``fp8`` names a recipe. Under the ring paths each chunk is
+    quantised on its own (its own scales), which is still the recipe's formula on that chunk."""
+    if fp8 == "none":
+        return F.linear(a, w, b)
+    from xorl_kernels.fp8.linear import linear_forward
+
+    y = linear_forward(_rows(a), w, fp8).view(*a.shape[:-1], w.shape[0])
+    return y if b is None else y.add_(b)
+
+
+def _dgrad(fp8: str, g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """g @ w (the input gradient of a linear); in FP8 when ``fp8`` names a recipe."""
+    if fp8 == "none":
+        return g @ w
+    from xorl_kernels.fp8.linear import linear_dgrad
+
+    return linear_dgrad(_rows(g), w, fp8).view(*g.shape[:-1], w.shape[1])
+
+
+def _linear_into(dst: torch.Tensor, a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+                 fp8: str = "none") -> None:
     """dst = a @ w^T (+ b), written in place (dst is a slice of a preallocated output)."""
-    if dst.is_contiguous():
+    if fp8 != "none":
+        dst.copy_(_linear(fp8, a, w, b))
+    elif dst.is_contiguous():
         out = dst.view(-1, dst.shape[-1])
         if b is None:
             torch.mm(_rows(a), w.t(), out=out)
@@ -431,15 +463,18 @@ def _linear_into(dst: torch.Tensor, a: torch.Tensor, w: torch.Tensor, b: torch.T
         dst.copy_(F.linear(a, w, b))
 
 
-def _mm_into(dst: torch.Tensor, a: torch.Tensor, w: torch.Tensor) -> None:
+def _mm_into(dst: torch.Tensor, a: torch.Tensor, w: torch.Tensor, fp8: str = "none") -> None:
     """dst = a @ w (dx of a linear), in place."""
-    if dst.is_contiguous():
+    if fp8 != "none":
+        dst.copy_(_dgrad(fp8, a, w))
+    elif dst.is_contiguous():
         torch.mm(_rows(a), w, out=dst.view(-1, dst.shape[-1]))
     else:
         dst.copy_(a @ w)
 
 
-def _accumulate_wgrad(acc: torch.Tensor | None, grad_out: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
+def _accumulate_wgrad(acc: torch.Tensor | None, grad_out: torch.Tensor, inp: torch.Tensor,
+                      fp8: str = "none") -> torch.Tensor:
     """acc += grad_out^T @ inp over all tokens; one fp32 buffer for 16-bit weights.
 
     Why one buffer: the chunked paths call this once per sequence chunk, and a 16-bit GEMM result
@@ -448,6 +483,11 @@ def _accumulate_wgrad(acc: torch.Tensor | None, grad_out: torch.Tensor, inp: tor
     weights are fp32 anyway, or a torch without it) the 16-bit product is added.
     """
     g, x = _rows(grad_out), _rows(inp)
+    if fp8 != "none":  # the FP8 GEMM returns float32 already
+        from xorl_kernels.fp8.linear import linear_wgrad
+
+        partial = linear_wgrad(g, x, fp8)
+        return partial if acc is None else acc.add_(partial)
     wide = g.dtype in (torch.bfloat16, torch.float16)
     if not wide:
         return g.t() @ x if acc is None else acc.addmm_(g.t(), x)
@@ -496,14 +536,14 @@ class ColumnParallelMatmul(torch.autograd.Function):
 
                 def consume(chunk: torch.Tensor, src: int) -> None:
                     for out, w, b in zip(outs, weights, biases):
-                        _linear_into(out.narrow(-2, src * shard, shard), chunk, w, b)
+                        _linear_into(out.narrow(-2, src * shard, shard), chunk, w, b, cfg.fp8)
 
                 ring_all_gather(x, tp, consume, stats)
             else:
                 gathered = all_gather_sequence(x, tp, stats)
-                outs = [F.linear(gathered, w, b) for w, b in zip(weights, biases)]
+                outs = [_linear(cfg.fp8, gathered, w, b) for w, b in zip(weights, biases)]
         else:
-            outs = [F.linear(x, w, b) for w, b in zip(weights, biases)]
+            outs = [_linear(cfg.fp8, x, w, b) for w, b in zip(weights, biases)]
         ctx.cfg, ctx.chunked = cfg, chunked
         ctx.has_bias = [b is not None for b in biases]
         ctx.save_for_backward(x, *weights)
@@ -523,7 +563,7 @@ class ColumnParallelMatmul(torch.autograd.Function):
             """sum_j dy_j @ W_j over sequence rows start .. start+length (all rows by default)."""
             total = None
             for g, w in zip(grads, weights):
-                part = (g if length is None else g.narrow(-2, start, length)) @ w
+                part = _dgrad(cfg.fp8, g if length is None else g.narrow(-2, start, length), w)
                 total = part if total is None else total.add_(part)
             return total
 
@@ -534,7 +574,8 @@ class ColumnParallelMatmul(torch.autograd.Function):
                     def consume(chunk: torch.Tensor, src: int) -> None:
                         for j, g in enumerate(grads):
                             if need_dw[j]:
-                                dws[j] = _accumulate_wgrad(dws[j], g.narrow(-2, src * shard, shard), chunk)
+                                dws[j] = _accumulate_wgrad(dws[j], g.narrow(-2, src * shard, shard), chunk,
+                                                           cfg.fp8)
 
                     ring_all_gather(x, tp, consume, stats)
                 if need_dx:
@@ -542,7 +583,7 @@ class ColumnParallelMatmul(torch.autograd.Function):
             else:
                 if any(need_dw):
                     gathered = all_gather_sequence(x, tp, stats)
-                    dws = [_accumulate_wgrad(None, g, gathered) if need else None
+                    dws = [_accumulate_wgrad(None, g, gathered, cfg.fp8) if need else None
                            for g, need in zip(grads, need_dw)]
                 if need_dx:
                     dx = reduce_scatter_sequence(input_grad(), tp, stats)
@@ -552,7 +593,7 @@ class ColumnParallelMatmul(torch.autograd.Function):
                 dx = input_grad()
                 if tp.size > 1:  # replicated input: every rank's dx is a partial sum
                     work = all_reduce_async(dx, tp, stats)
-            dws = [_accumulate_wgrad(None, g, x) if need else None for g, need in zip(grads, need_dw)]
+            dws = [_accumulate_wgrad(None, g, x, cfg.fp8) if need else None for g, need in zip(grads, need_dw)]
             if work is not None:
                 wait_all([work], stats, dx.is_cuda)
         result = [None, dx]
@@ -576,12 +617,12 @@ class RowParallelMatmul(torch.autograd.Function):
             chunked = cfg.use_ring(x.numel() // x.shape[-1] * weight.shape[0])
             if chunked:
                 y = ring_reduce_scatter(
-                    lambda c: F.linear(x.narrow(-2, c * shard, shard), weight), tp, stats
+                    lambda c: _linear(cfg.fp8, x.narrow(-2, c * shard, shard), weight), tp, stats
                 )
             else:
-                y = reduce_scatter_sequence(F.linear(x, weight), tp, stats)
+                y = reduce_scatter_sequence(_linear(cfg.fp8, x, weight), tp, stats)
         else:
-            y = F.linear(x, weight)
+            y = _linear(cfg.fp8, x, weight)
             if tp.size > 1:
                 wait_all([all_reduce_async(y, tp, stats)], stats, y.is_cuda)
         if bias is not None:
@@ -611,18 +652,18 @@ class RowParallelMatmul(torch.autograd.Function):
                 def consume(chunk: torch.Tensor, src: int) -> None:
                     nonlocal dw
                     if need_dx:
-                        _mm_into(dx.narrow(-2, src * shard, shard), chunk, weight)
+                        _mm_into(dx.narrow(-2, src * shard, shard), chunk, weight, cfg.fp8)
                     if need_dw:
-                        dw = _accumulate_wgrad(dw, chunk, x.narrow(-2, src * shard, shard))
+                        dw = _accumulate_wgrad(dw, chunk, x.narrow(-2, src * shard, shard), cfg.fp8)
 
                 ring_all_gather(grad_out, tp, consume, stats)
             else:
                 gathered = all_gather_sequence(grad_out, tp, stats)
-                dx = gathered @ weight if need_dx else None
-                dw = _accumulate_wgrad(None, gathered, x) if need_dw else None
+                dx = _dgrad(cfg.fp8, gathered, weight) if need_dx else None
+                dw = _accumulate_wgrad(None, gathered, x, cfg.fp8) if need_dw else None
         else:
-            dx = grad_out @ weight if need_dx else None
-            dw = _accumulate_wgrad(None, grad_out, x) if need_dw else None
+            dx = _dgrad(cfg.fp8, grad_out, weight) if need_dx else None
+            dw = _accumulate_wgrad(None, grad_out, x, cfg.fp8) if need_dw else None
         if bias_work is not None:
             wait_all([bias_work], stats, db.is_cuda)
         return None, dx, dw.to(weight.dtype) if dw is not None else None, db

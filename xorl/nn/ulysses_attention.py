@@ -25,7 +25,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from xorl._torch_compat import resolve_process_group
 from xorl.nn.ring_attention import RingAttention
+from xorl_kernels.checkpoint_saves import SELECTIVE_CHECKPOINT_SAVES
 
 
 # ----------------------------------------------------------------------------------------------
@@ -57,7 +59,10 @@ def head_to_seq(tensors, group, world):
 # The two directions as torch.library custom ops, each the other's backward: the all-to-all runs
 # inside them (eager), so torch.compile keeps a Ulysses block in one graph; the group travels by name.
 def _group(group_name: str):
-    return dist.distributed_c10d._resolve_process_group(group_name)
+    return resolve_process_group(group_name)
+
+
+SELECTIVE_CHECKPOINT_SAVES.join("xorl::ulysses_seq_to_head")  # its output is kept, not recomputed
 
 
 @torch.library.custom_op("xorl::ulysses_seq_to_head", mutates_args=())
@@ -68,6 +73,9 @@ def _seq_to_head_op(tensors: list[torch.Tensor], group_name: str, world: int) ->
 @_seq_to_head_op.register_fake
 def _(tensors, group_name, world):
     return [t.new_empty((t.shape[0], world * t.shape[1], t.shape[2] // world, t.shape[3])) for t in tensors]
+
+
+SELECTIVE_CHECKPOINT_SAVES.join("xorl::ulysses_head_to_seq")  # its output is kept, not recomputed
 
 
 @torch.library.custom_op("xorl::ulysses_head_to_seq", mutates_args=())

@@ -52,7 +52,7 @@ def apply_context_parallel(model: nn.Module, ring_group=None, ulysses_group=None
         swapped += 1
     if swapped == 0:
         raise ValueError(
-            "apply_context_parallel found no module with a `core_attention` attribute; for transformers "
-            "models use xorl.nn.hf_attention.register_xorl_attention and attn_implementation='xorl_cp'"
+            "apply_context_parallel found no module with a `core_attention` attribute (xorl.models "
+            "build one per attention layer; the transformers drop-in was removed, see the README)"
         )
     return model

@@ -55,7 +55,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str = "full", every_n
     (norms, rotary, SwiGLU's activation and products), which hold most of the activation bytes
     for the fewest FLOPs.
     """
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from xorl._torch_compat import checkpoint_wrapper
 
     kwargs = {}
     if mode == "selective":
@@ -81,11 +81,11 @@ def _save_ops() -> set:
     functional = getattr(torch.ops, "_c10d_functional", None)
     if functional is not None:
         names += [(functional, n) for n in ("reduce_scatter_tensor", "all_gather_into_tensor", "all_to_all_single")]
-    # Our custom ops (xorl_kernels, xorl/nn): attention, expert matmuls and the collectives, which a
-    # recompute would send again. Those not registered in this process are skipped below.
-    names += [(torch.ops.xorl, n) for n in ("flash_attn", "grouped_gemm", "ring_attention", "ulysses_seq_to_head",
-                                            "ulysses_head_to_seq", "ep_all_to_all", "ep_exchange_counts")]
-    ops = set()
+    # Our custom ops (xorl_kernels, xorl/nn) join xorl_kernels/checkpoint_saves.py where they are
+    # defined; an op named there but not registered is an error, not skipped.
+    from xorl_kernels.checkpoint_saves import SELECTIVE_CHECKPOINT_SAVES
+
+    ops = SELECTIVE_CHECKPOINT_SAVES.ops()
     for namespace, name in names:
         packet = getattr(namespace, name, None)
         if packet is not None:
@@ -133,9 +133,9 @@ def experts_have_own_mesh(state) -> bool:
 def _expert_fsdp_mesh(state):
     """Experts are sharded over "ep_fsdp" and, under HSDP, replicated over dp_replicate."""
     if state.dp_replicate_size > 1:
-        from torch.distributed.device_mesh import DeviceMesh
+        from xorl._torch_compat import concatenate_meshes
 
-        return DeviceMesh._concatenate([state.dp_replicate_mesh, state.ep_fsdp_mesh])
+        return concatenate_meshes([state.dp_replicate_mesh, state.ep_fsdp_mesh])
     return state.ep_fsdp_mesh
 
 
@@ -158,7 +158,9 @@ def all_reduce_gradients(params, group, bucket_bytes: int = 64 * 2**20) -> None:
     all-reduce each, and copied back.
     """
     import torch.distributed as dist
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    from xorl._torch_compat import flatten_dense_tensors as _flatten_dense_tensors
+    from xorl._torch_compat import unflatten_dense_tensors as _unflatten_dense_tensors
 
     by_dtype: dict = {}
     for p in params:

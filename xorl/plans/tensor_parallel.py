@@ -38,7 +38,7 @@ input already is the rank's sequence shard; without SP it keeps its chunk of the
 sequence and gathers the outputs again. The router and shared-expert parameters then see a
 share of the tokens on each TP rank: their gradients are listed with the partial ones.
 
-Communication record: ``xorl.nn.tp_comm.overlap_report()`` after a step, keyed by module path:
+Communication record: ``xorl.nn.tp_comm.overlap_report(model)`` after a step, keyed by module path:
 ``model.layers.{i}.self_attn.qkv_proj`` / ``.o_proj`` and ``model.layers.{i}.mlp.gate_up_proj`` /
 ``.down_proj`` (shared-input groups report under the group's name).
 
@@ -137,9 +137,10 @@ def _parallelize_attention(attn: nn.Module, tp_mesh, tp: TPGroup, prefix: str, l
 def _parallelize_dense_mlp(mlp: nn.Module, tp_mesh, tp: TPGroup, prefix: str, linear_kw: dict,
                            share: bool) -> bool:
     """gate/up column, down row; False when ``mlp`` is not a plain SwiGLU MLP (e.g. a MoE block)."""
-    merged = type(getattr(mlp, "gate_up_proj", None)) is nn.Linear
+    # isinstance: the models' projections are xorl.nn.Linear (nn.Linear carrying the FP8 recipe).
+    merged = isinstance(getattr(mlp, "gate_up_proj", None), nn.Linear)
     columns = ("gate_up_proj",) if merged else ("gate_proj", "up_proj")
-    if not all(type(getattr(mlp, n, None)) is nn.Linear for n in (*columns, "down_proj")):
+    if not all(isinstance(getattr(mlp, n, None), nn.Linear) for n in (*columns, "down_proj")):
         return False
     if mlp.down_proj.in_features % tp.size:
         raise ValueError(

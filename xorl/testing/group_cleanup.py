@@ -47,7 +47,8 @@ def clear_torch_mesh_caches() -> None:
 def destroy_groups_not_in(keep: set) -> None:
     """Destroy every process group created since ``keep`` was taken (never the default group)."""
     import torch.distributed as dist
-    from torch._C import _distributed_c10d as c10d
+
+    from xorl._torch_compat import reregister_process_groups
 
     clear_torch_mesh_caches()
     # Collect the check's garbage while its groups still exist: collected after they are destroyed,
@@ -59,10 +60,7 @@ def destroy_groups_not_in(keep: set) -> None:
     # The C++ name -> group registry (what functional collectives resolve names with) can hold a
     # group under more names than destroy_process_group unregisters (DeviceMesh views in torch
     # 2.13 do), so it is emptied and refilled with the groups that stay.
-    if hasattr(c10d, "_unregister_all_process_groups"):
-        c10d._unregister_all_process_groups()
-        for kept in keep | {dist.GroupMember.WORLD}:
-            c10d._register_process_group(kept.group_name, kept)
+    reregister_process_groups(keep | {dist.GroupMember.WORLD})
     # Meshes, FSDP states and models of the finished check form reference cycles that hold the
     # groups' C++ objects (and their threads) until a collection.
     freeze_survivors()

@@ -1,2 +1,2 @@
 """Grouped GEMM for MoE experts: op.py (grouped_gemm, autograd, dispatch), triton_kernels.py,
-reference.py (plain torch)."""
+checks.py (group_sizes on the host), reference.py (plain torch)."""

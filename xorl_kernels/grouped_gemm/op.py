@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import torch
 
+from xorl_kernels.checkpoint_saves import SELECTIVE_CHECKPOINT_SAVES
 from xorl_kernels.dispatch import REFERENCE, TRITON, env_flag, pick_backend, triton_interpreting
+from xorl_kernels.grouped_gemm.checks import check_group_sizes_values
 from xorl_kernels.grouped_gemm.reference import (
-    check_group_sizes_values,
     grouped_gemm_reference,
     grouped_gemm_weight_grad_reference,
 )
@@ -108,6 +109,9 @@ def _apply_autocast(x, w):
 # The op is a torch.library custom op with a fake implementation and a registered backward, so
 # torch.compile traces an MoE block through it; the backend is resolved inside (it reads the
 # environment), where the group sizes can also be checked on the host.
+
+
+SELECTIVE_CHECKPOINT_SAVES.join("xorl::grouped_gemm")  # its output is kept, not recomputed
 
 
 @torch.library.custom_op("xorl::grouped_gemm", mutates_args=())

@@ -1,2 +1,2 @@
 """Ulysses all-to-all pack / unpack: op.py (dispatch), csrc.py (the extension's wrappers),
-reference.py (layouts, checks, plain torch)."""
+layout.py (the layouts, shape checks), reference.py (plain torch)."""

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from xorl_kernels.cuda_ext import check, check_out, launch, require_ext
-from xorl_kernels.ulysses.reference import ulysses_piece_numels
+from xorl_kernels.ulysses.layout import ulysses_piece_numels
 
 
 def _pack_inputs(tensors: Sequence[torch.Tensor], world: int, split_dim: int, op: str, host: bool):

@@ -1,5 +1,5 @@
 """Ulysses pack / unpack, dispatched: the csrc block-transpose kernel (every tensor in one launch) on
-CUDA when the extension is built, the plain-torch references elsewhere. Layouts: ulysses/reference.py.
+CUDA when the extension is built, the plain-torch references elsewhere. Layouts: ulysses/layout.py.
 
 Not differentiable by themselves: the context-parallel attention (xorl.nn) owns the autograd.
 """
@@ -17,8 +17,8 @@ from xorl_kernels.ulysses.csrc import (
     ext_ulysses_unpack,
     ext_ulysses_unpack_reverse,
 )
+from xorl_kernels.ulysses.layout import check_pack_inputs
 from xorl_kernels.ulysses.reference import (
-    check_pack_inputs,
     ulysses_pack_reference,
     ulysses_pack_reverse_reference,
     ulysses_unpack_reference,

@@ -2,7 +2,7 @@
 
 Its one job: validate a full tensor and a zig-zag local shard (and optional ``cu_seqlens``), view
 them as [outer, seq_len, row_bytes], and launch ``_C.zigzag_copy`` (gather or scatter) through the
-shared checks and ``launch`` of ``xorl_kernels.cuda_ext``. The layout is documented in zigzag/reference.py.
+shared checks and ``launch`` of ``xorl_kernels.cuda_ext``. The layout is documented in zigzag/layout.py.
 """
 
 from __future__ import annotations

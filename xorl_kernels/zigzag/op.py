@@ -1,5 +1,5 @@
 """Zig-zag gather / scatter, dispatched and differentiable: the csrc kernel on CUDA (extension built),
-the plain-torch index_select / index_copy elsewhere. The layout is documented in zigzag/reference.py.
+the plain-torch index_select / index_copy elsewhere. The layout is documented in zigzag/layout.py.
 
 ``zigzag_gather(x, dim, rank, world, cu_seqlens=None)``: rank's shard (None: every shard in rank order).
 ``zigzag_scatter(y, dim, rank, world, cu_seqlens=None, out=None)``: the inverse (in place into
@@ -12,7 +12,7 @@ import torch
 
 from xorl_kernels.dispatch import CSRC, REFERENCE, pick_backend
 from xorl_kernels.zigzag.csrc import ext_zigzag_copy
-from xorl_kernels.zigzag.reference import (
+from xorl_kernels.zigzag.layout import (
     check_args,
     check_scatter_out,
     check_seq_len,

@@ -2,7 +2,7 @@
 
 Every backend works on ``Packed``: q [total_q, heads_q, head_dim], k/v [total_k, heads_kv,
 head_dim], int32 ``cu_seqlens_q`` / ``cu_seqlens_k`` and optional int32 positions. ``pack`` checks
-the public arguments (layouts in flash_attn/op.py) and builds it; the ``*_to_public`` /
+the public arguments (layouts in attention/op.py) and builds it; the ``*_to_public`` /
 ``*_to_packed`` helpers convert outputs, lse and gradients between the public layout and the
 packed one. Value checks that would read device memory run only for CPU tensors (a GPU check
 would cost a host sync per call, and ring attention calls once per step).
@@ -20,7 +20,7 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 @dataclass
 class Packed:
-    """One call normalised to the packed form every backend works on (see flash_attn/reference.py)."""
+    """One call normalised to the packed form every backend works on (see attention/reference.py)."""
 
     q: torch.Tensor  # [total_q, heads_q, head_dim]
     k: torch.Tensor  # [total_k, heads_kv, head_dim]

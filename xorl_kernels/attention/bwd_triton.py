@@ -21,7 +21,7 @@ lse = -inf (no visible key anywhere) are exponentiated against 0, so their P is 
 
 Results are written in the gradient buffers' dtype; ``ACCUMULATE`` adds into existing fp32
 buffers instead (ring attention keeps fp32 accumulators across steps). Visibility and block
-skipping are the forward's (see flash_attn/fwd_triton.py): bounds, same document, and under causal
+skipping are the forward's (see attention/fwd_triton.py): bounds, same document, and under causal
 k_pos <= q_pos with per-block position ranges.
 """
 
@@ -31,8 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from xorl_kernels.flash_attn import common
-from xorl_kernels.flash_attn.common import (
+from xorl_kernels.attention import common
+from xorl_kernels.attention.common import (
     INTERPRET,
     LOG2E,
     POS_HIGH,
@@ -267,7 +267,7 @@ def _flash_attn_bwd_dq_kernel(
     q_pos = load_positions(QPOS, q_start, offs_m, m_valid, HAS_POS)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    # Loop bounds exactly as in the forward (see flash_attn/fwd_triton.py).
+    # Loop bounds exactly as in the forward (see attention/fwd_triton.py).
     if IS_CAUSAL:
         if HAS_POS:
             q_lo = tl.min(tl.where(m_valid, q_pos, POS_HIGH))

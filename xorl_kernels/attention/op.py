@@ -62,17 +62,16 @@ the dtype of q / k / v. Ring attention keeps one fp32 dq buffer across steps and
 Dispatch
 --------
 Through xorl_kernels.dispatch: ``backend=None``: CUDA tensors -> Triton, CPU tensors -> the
-plain-torch reference (flash_attn/reference.py); ``XORL_FORCE_REFERENCE=1`` forces the reference.
+plain-torch reference (attention/reference.py); ``XORL_FORCE_REFERENCE=1`` forces the reference.
 ``backend="triton"`` forces Triton (on CPU this needs ``TRITON_INTERPRET=1`` set before triton is
-imported), ``backend="reference"`` the reference. Input normalisation: flash_attn/layout.py.
+imported), ``backend="reference"`` the reference. Input normalisation: attention/layout.py.
 """
 
 from __future__ import annotations
 
 import torch
 
-from xorl_kernels.dispatch import REFERENCE, TRITON, pick_backend
-from xorl_kernels.flash_attn.layout import (
+from xorl_kernels.attention.layout import (
     Packed,
     grad_to_packed,
     lse_to_packed,
@@ -81,7 +80,9 @@ from xorl_kernels.flash_attn.layout import (
     out_to_public,
     pack,
 )
-from xorl_kernels.flash_attn.reference import reference_backward, reference_bwd_preprocess, reference_forward
+from xorl_kernels.attention.reference import reference_backward, reference_bwd_preprocess, reference_forward
+from xorl_kernels.checkpoint_saves import SELECTIVE_CHECKPOINT_SAVES
+from xorl_kernels.dispatch import REFERENCE, TRITON, pick_backend
 
 _AVAILABLE = (TRITON, REFERENCE)
 
@@ -104,7 +105,7 @@ def _max_seqlen(given: int | None, cu: torch.Tensor) -> int:
 
 def _forward_packed(p: Packed, backend: str | None) -> tuple[torch.Tensor, torch.Tensor]:
     if _use_triton(backend, p.q):
-        from xorl_kernels.flash_attn.fwd_triton import triton_forward
+        from xorl_kernels.attention.fwd_triton import triton_forward
 
         return triton_forward(
             p.q, p.k, p.v, p.cu_seqlens_q, p.cu_seqlens_k,
@@ -121,7 +122,7 @@ def _forward_packed(p: Packed, backend: str | None) -> tuple[torch.Tensor, torch
 def _backward_packed(p: Packed, do, lse, delta, dq_acc, dk_acc, dv_acc, backend):
     """Gradients into the given packed fp32 accumulators (added) or fresh tensors (q/k/v dtype)."""
     if _use_triton(backend, p.q):
-        from xorl_kernels.flash_attn.bwd_triton import triton_backward
+        from xorl_kernels.attention.bwd_triton import triton_backward
 
         return triton_backward(
             do, p.q, p.k, p.v, lse, delta, p.cu_seqlens_q, p.cu_seqlens_k,
@@ -165,7 +166,7 @@ def flash_attn_bwd_preprocess(out: torch.Tensor, do: torch.Tensor, backend: str 
     if out.dim() not in (3, 4):
         raise ValueError(f"out must be [batch, seq, heads, head_dim] or [total, heads, head_dim], got {out.dim()}-D")
     if out.dtype != torch.float64 and do.dtype != torch.float64 and _use_triton(backend, out):
-        from xorl_kernels.flash_attn.bwd_triton import triton_bwd_preprocess
+        from xorl_kernels.attention.bwd_triton import triton_bwd_preprocess
 
         return triton_bwd_preprocess(out, do)
     return reference_bwd_preprocess(out, do)
@@ -213,6 +214,9 @@ def _lse_shape(q: torch.Tensor, packed: bool) -> tuple:
     if not packed:
         return (q.shape[0], heads, q.shape[1])
     return (1, heads, q.shape[1]) if q.dim() == 4 else (heads, q.shape[0])
+
+
+SELECTIVE_CHECKPOINT_SAVES.join("xorl::flash_attn")  # its output is kept, not recomputed
 
 
 @torch.library.custom_op("xorl::flash_attn", mutates_args=())

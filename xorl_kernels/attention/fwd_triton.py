@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from xorl_kernels.flash_attn import common
-from xorl_kernels.flash_attn.common import (
+from xorl_kernels.attention import common
+from xorl_kernels.attention.common import (
     INTERPRET,
     LN2,
     LOG2E,

@@ -1,4 +1,9 @@
-"""Context-parallel attention as a `transformers` attention implementation ("xorl_cp").
+"""Test helper: context-parallel attention as a `transformers` attention implementation ("xorl_cp").
+
+It lived in xorl/nn/hf_attention.py as a drop-in for stock transformers models, but only tests
+reached it (with a process-wide registry of groups), so the drop-in was removed from the library;
+tests/test_context_parallel.py keeps it to check xorl's ContextParallelAttention against a
+transformers Llama computed by transformers' own code.
 
     register_xorl_attention(ring_group, ulysses_group)            # once per process, before building
     model = LlamaForCausalLM.from_pretrained(..., attn_implementation="xorl_cp")
@@ -38,7 +43,7 @@ def xorl_cp_attention_forward(
     """transformers attention-function signature: q [b, hq, s, d], k/v [b, hkv, s, d] -> ([b, s, hq, d], None)."""
     name = kwargs.get("attn_implementation_name", ATTN_IMPLEMENTATION)
     if name not in _REGISTERED:
-        raise RuntimeError(f"call xorl.nn.hf_attention.register_xorl_attention(...) before using {name!r}")
+        raise RuntimeError(f"call tests.hf_cp_attention.register_xorl_attention(...) before using {name!r}")
     if dropout:
         raise ValueError(f"{name} does not implement attention dropout (got dropout={dropout}); set it to 0")
     if attention_mask is not None:

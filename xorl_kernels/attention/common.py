@@ -1,6 +1,6 @@
 """Pieces shared by the Triton flash-attention forward and backward kernels.
 
-Both kernels work on the packed form (see flash_attn/reference.py): q [total_q, heads_q, d],
+Both kernels work on the packed form (see attention/reference.py): q [total_q, heads_q, d],
 k/v [total_k, heads_kv, d], lse/delta fp32 [heads_q, total_q], documents given by cu_seqlens.
 Only the last dimension must be contiguous; token and head strides are passed in.
 

@@ -1,0 +1,35 @@
+"""Selective checkpointing's save list: each custom op joins it where it is defined, and a name
+that is not a registered op is an error rather than silently skipped."""
+
+import pytest
+import torch
+
+import xorl.nn.moe  # noqa: F401  (defines the EP ops)
+import xorl.nn.ring_attention  # noqa: F401
+import xorl.nn.ulysses_attention  # noqa: F401
+from xorl_kernels.checkpoint_saves import SELECTIVE_CHECKPOINT_SAVES, OpRegistry
+
+
+def test_the_attention_expert_and_collective_ops_are_saved():
+    names = set(SELECTIVE_CHECKPOINT_SAVES.names())
+    assert names == {f"xorl::{n}" for n in ("flash_attn", "grouped_gemm", "ring_attention", "ulysses_seq_to_head",
+                                             "ulysses_head_to_seq", "ep_all_to_all", "ep_exchange_counts")}
+    ops = SELECTIVE_CHECKPOINT_SAVES.ops()
+    assert torch.ops.xorl.ring_attention.default in ops and torch.ops.xorl.grouped_gemm.default in ops
+    assert len(ops) == len(names)
+
+
+def test_an_unknown_op_is_an_error_not_skipped():
+    registry = OpRegistry()
+    registry.join("xorl::flash_attn")
+    registry.join("xorl::flash_atn")
+    with pytest.raises(RuntimeError, match=r"not registered: \['xorl::flash_atn'\]"):
+        registry.ops()
+    with pytest.raises(ValueError, match="namespace::name"):
+        registry.join("flash_attn")
+
+
+def test_the_checkpointing_plan_saves_the_registered_ops():
+    from xorl.plans.data_parallel import _save_ops
+
+    assert SELECTIVE_CHECKPOINT_SAVES.ops() <= _save_ops()

@@ -1,0 +1,273 @@
+"""FP8 training (train.fp8, xorl_kernels/fp8): the GEMMs against float64 references of the
+quantise -> matmul -> dequantise formula with the exact scales, the blockwise grouped GEMM's
+Triton kernel (interpreter on CPU), the model wiring, the config rules, and 100-step loss curves
+of a tiny Llama and a tiny MoE per recipe against fp32.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.triton_helpers import to_triton
+from xorl_kernels.fp8.grouped import fp8_grouped_gemm
+from xorl_kernels.fp8.linear import OPERANDS, RECIPES, fp8_linear, scaled_mm_nt
+from xorl_kernels.fp8.quantize import E4M3, E5M2, quantize_blocks
+from xorl_kernels.fp8.reference import (
+    blockwise_grouped_reference,
+    dequantize_reference,
+    fp8_linear_reference,
+)
+from xorl_kernels.fp8.triton_blockwise import fp8_blockwise_grouped_forward
+
+
+def rel(got: torch.Tensor, ref: torch.Tensor) -> float:
+    got, ref = got.detach().double().cpu(), ref.detach().double().cpu()
+    return float((got - ref).norm() / ref.norm())
+
+
+def randn(*shape, seed: int, scale: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    # Rows of very different magnitudes: per-row / per-block scales then differ from one tensor scale.
+    row_scale = torch.logspace(-3, 1, shape[-2])[torch.randperm(shape[-2], generator=g)]
+    return torch.randn(*shape, generator=g) * row_scale[:, None] * scale
+
+
+# -- quantisation --------------------------------------------------------------------------------
+@pytest.mark.parametrize("block", [(None, None), (1, None), (1, 128), (128, 128)])
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_quantize_blocks_scales_each_block_to_the_fp8_range(block, dtype):
+    x = randn(200, 300, seed=1)
+    q, scale = quantize_blocks(x, *block, dtype)
+    br = 200 if block[0] is None else block[0]
+    bc = 300 if block[1] is None else block[1]
+    assert q.dtype == dtype and q.shape == x.shape
+    assert scale.shape == (-(-200 // br), -(-300 // bc)) and scale.dtype == torch.float32
+    # power-of-2 scales (so q * scale is exact), and each block's amax lands in (max/2, max]
+    assert torch.equal(torch.exp2(torch.log2(scale).round()), scale)
+    deq = dequantize_reference(q, scale, *block)
+    fmax = torch.finfo(dtype).max
+    blocks_amax = deq.abs().new_zeros(scale.shape)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            blocks_amax[i, j] = (q[i * br:(i + 1) * br, j * bc:(j + 1) * bc].double().abs().max())
+    assert bool((blocks_amax <= fmax).all()) and bool((blocks_amax > fmax / 2 * 0.99).all())
+    # fp8 rounding error: <= half an ulp of a 3-bit (e4m3) / 2-bit (e5m2) mantissa, relative, above underflow
+    big = x.abs() > x.abs().max() * 1e-2
+    err = ((deq - x.double()).abs() / x.double().abs())[big].max()
+    assert 0 < err <= (2**-4 if dtype == E4M3 else 2**-3) + 1e-9
+
+
+# -- the dense linear through torch._scaled_mm ---------------------------------------------------
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_linear_forward_and_both_backward_gemms_match_the_float64_formula(recipe):
+    x = randn(2, 37, 200, seed=2).requires_grad_()  # odd token count, K not a multiple of 128
+    w = randn(72, 200, seed=3).requires_grad_()
+    b = torch.randn(72, generator=torch.Generator().manual_seed(4)).requires_grad_()
+    y = fp8_linear(x, w, b, recipe)
+    dy = randn(2, 37, 72, seed=5)
+    y.backward(dy)
+    ref_y, ref_dx, ref_dw = fp8_linear_reference(x.detach().reshape(-1, 200), w.detach(), dy.reshape(-1, 72), recipe)
+    # What remains is float32 accumulation inside torch._scaled_mm: the formula and scales are exact.
+    assert rel(y.detach().reshape(-1, 72) - b.detach(), ref_y) <= 1e-6
+    assert rel(x.grad.reshape(-1, 200), ref_dx) <= 1e-6
+    assert rel(w.grad, ref_dw) <= 1e-6
+    assert rel(b.grad, dy.reshape(-1, 72).sum(0)) <= 1e-6
+    # ... and the formula is FP8: off the exact product by fp8 rounding, not by more.
+    exact = x.detach().double().reshape(-1, 200) @ w.detach().double().t()
+    assert 1e-3 < rel(ref_y, exact) < 0.1
+
+
+def test_recipes_use_the_documented_dtypes_and_blocks():
+    assert {role: d for role, (_, d) in OPERANDS["tensorwise"].items()} == {
+        "x": E4M3, "w": E4M3, "w_t": E4M3, "x_t": E4M3, "dy": E5M2, "dy_t": E5M2}
+    assert all(d == E4M3 for _, d in OPERANDS["rowwise"].values())
+    assert OPERANDS["blockwise"]["x"][0] == (1, 128) and OPERANDS["blockwise"]["w"][0] == (128, 128)
+    with pytest.raises(ValueError, match="fp8 recipe"):
+        fp8_linear(torch.randn(2, 4), torch.randn(3, 4), None, "mxfp8")
+
+
+@pytest.mark.parametrize("b_block", [(128, 128), (1, 128)])
+def test_blockwise_gemm_triton_kernel_and_sliced_scaled_mm_match_the_formula(b_block):
+    a = randn(50, 300, seed=6)
+    b = randn(140, 300, seed=7)
+    qa, sa = quantize_blocks(a, 1, 128)
+    qb, sb = quantize_blocks(b, *b_block)
+    ref = dequantize_reference(qa, sa, 1, 128) @ dequantize_reference(qb, sb, *b_block).t()
+    sliced = scaled_mm_nt(qa, sa, (1, 128), qb, sb, b_block, torch.float32, backend="scaled_mm")
+    assert rel(sliced, ref) <= 1e-6
+    tq = to_triton(qa, sa, qb, sb)
+    out = scaled_mm_nt(tq[0], tq[1], (1, 128), tq[2], tq[3], b_block, torch.float32, backend="triton")
+    assert rel(out, ref) <= 1e-6
+
+
+# -- the blockwise grouped GEMM ------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_fp8_grouped_gemm_matches_the_float64_formula(backend):
+    sizes = torch.tensor([30, 0, 41, 9])  # an empty expert, sizes not multiples of any tile
+    m, k, n = int(sizes.sum()), 200, 150
+    x, w = randn(m, k, seed=8), randn(4, k, n, seed=9)
+    dy = randn(m, n, seed=10)
+    qx, sx = quantize_blocks(x, 1, 128)
+    qw, sw = quantize_blocks(w, 128, 128)
+    qdy, sdy = quantize_blocks(dy, 1, 128)
+    ref_y = blockwise_grouped_reference(qx, sx, qw, sw, sizes)
+    ref_dx = blockwise_grouped_reference(qdy, sdy, qw.transpose(1, 2), sw.transpose(1, 2), sizes)
+    ref_dw = torch.zeros(4, k, n, dtype=torch.float64)  # the weight gradient stays high precision
+    start = 0
+    for g, rows in enumerate(sizes.tolist()):
+        ref_dw[g] = x[start:start + rows].double().t() @ dy[start:start + rows].double()
+        start += rows
+    if backend == "triton":
+        x, w, dy, sizes = to_triton(x, w, dy, sizes.to(torch.int32))
+        out = torch.full((m, n), float("nan"), device=x.device)  # poisoned: every row must be written
+        fp8_blockwise_grouped_forward(*to_triton(qx, sx, qw, sw), sizes, torch.float32, out=out)
+        assert rel(out, ref_y) <= 1e-6
+    x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = fp8_grouped_gemm(x, w, sizes, backend=backend)
+    y.backward(dy)
+    assert rel(y, ref_y) <= 1e-6
+    assert rel(x.grad, ref_dx) <= 1e-6
+    assert rel(w.grad, ref_dw) <= 1e-5
+
+
+# -- the model ------------------------------------------------------------------------------------
+def test_models_build_fp8_projections_and_keep_their_state_dict():
+    from xorl.config import ModelConfig
+    from xorl.models.registry import build_model
+    from xorl.nn.linear import Linear
+
+    m = ModelConfig(model_type="qwen3_moe", num_experts=4, hidden_size=32, intermediate_size=64,
+                    moe_intermediate_size=32)
+    plain, fp8 = build_model(m), build_model(m, fp8="blockwise")
+    assert plain.state_dict().keys() == fp8.state_dict().keys()
+    assert all(p.dtype == torch.float32 for p in fp8.parameters())  # master weights stay fp32
+    projections = [mod for name, mod in fp8.named_modules() if isinstance(mod, Linear)]
+    assert len(projections) == 4 * m.num_hidden_layers  # q, k, v, o per layer
+    assert all(mod.fp8 == "blockwise" for mod in projections)
+    assert not isinstance(fp8.lm_head, Linear)  # lm_head and router stay in the model's dtype
+    assert all(not isinstance(layer.mlp.gate, Linear) for layer in fp8.model.layers)
+    assert all(layer.mlp.experts.fp8 == "blockwise" for layer in fp8.model.layers)
+
+
+def test_fp8_config_rules_and_resume_with_another_fp8():
+    from xorl.config import Config, ConfigError, validate_config
+    from xorl.resume import check_resume
+
+    config = Config()
+    config.train.fp8 = "rowwise"
+    validate_config(config, 1)
+    config.train.compile = True
+    with pytest.raises(ConfigError, match="train.fp8: rowwise with train.compile"):
+        validate_config(config, 1)
+    with pytest.raises(ConfigError, match="fp8"):
+        Config.from_dict({"train": {"fp8": "e4m3"}})
+    # FP8 is a compute choice: a checkpoint written with one value resumes with another.
+    old, new = Config(), Config()
+    old.train.fp8, new.train.fp8 = "none", "blockwise"
+    problems, notes, _ = check_resume(new, old.to_dict(), "ckpt", 5)
+    assert problems == [] and any("train.fp8" in note for note in notes)
+
+
+# -- training --------------------------------------------------------------------------------------
+def _markov_batches(steps: int, batch: int, seq: int, vocab: int, seed: int = 0) -> list[torch.Tensor]:
+    """Token rows from a random sparse Markov chain (4 successors per token): learnable structure,
+    so the loss falls well below ln(vocab) within 100 steps."""
+    g = torch.Generator().manual_seed(seed)
+    successors = torch.randint(0, vocab, (vocab, 4), generator=g)
+    batches = []
+    for _ in range(steps):
+        rows = torch.empty(batch, seq + 1, dtype=torch.long)
+        rows[:, 0] = torch.randint(0, vocab, (batch,), generator=g)
+        for t in range(seq):
+            rows[:, t + 1] = successors[rows[:, t], torch.randint(0, 4, (batch,), generator=g)]
+        batches.append(rows)
+    return batches
+
+
+def _train_losses(model_type: str, fp8: str, batches: list[torch.Tensor]) -> list[float]:
+    from xorl.config import ModelConfig
+    from xorl.models.registry import build_model
+
+    m = ModelConfig(model_type=model_type, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
+    if model_type == "qwen3_moe":
+        m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size, m.norm_topk_prob = 4, 2, 32, True
+    model = build_model(m, fp8=fp8)
+    model.init_weights(seed=1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    losses = []
+    for rows in batches:
+        out = model(rows[:, :-1], labels=rows[:, 1:])
+        loss = out.loss if out.router_loss is None else out.loss + out.router_loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(out.loss.detach()))
+    return losses
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
+def test_100_steps_per_recipe_stay_within_2_percent_of_fp32(model_type):
+    batches = _markov_batches(100, 4, 64, 272)
+    ref = _train_losses(model_type, "none", batches)
+    assert ref[-1] < 0.6 * ref[0]  # it learns: the comparison is not between flat curves
+    for recipe in RECIPES:
+        got = _train_losses(model_type, recipe, batches)
+        deviation = max(abs(a - b) / b for a, b in zip(got[20:], ref[20:]))
+        print(f"{model_type} {recipe}: max loss deviation after step 20 {deviation:.2e}")
+        assert deviation <= 0.02, (recipe, deviation)
+        assert got != ref  # FP8 really ran (fp8 rounding moves the curve a little)
+
+
+# -- tensor parallel ---------------------------------------------------------------------------------
+def check_tp_fp8_chain(recipe: str) -> dict:
+    """x -> Column(64->96) -> Row(96->64) on 2 TP ranks in FP8, every (sequence_parallel, overlap)
+    with the ring paths forced (overlap_min_numel=0), against the one-process FP8 Linear chain."""
+    import itertools
+
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from xorl.nn import ColumnParallelLinear, RowParallelLinear
+    from xorl.nn.linear import Linear
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    rank = mesh.get_local_rank()
+    errs = {}
+    for case, (sp, overlap) in enumerate(itertools.product([True, False], [True, False])):
+        torch.manual_seed(200 + case)  # same on every rank
+        ref_col, ref_row = Linear(64, 96, fp8=recipe), Linear(96, 64, fp8=recipe)
+        x = torch.randn(2, 16, 64)
+        g = torch.randn(2, 16, 64)
+        x_ref = x.clone().requires_grad_(True)
+        (ref_row(ref_col(x_ref)) * g).sum().backward()
+        kw = dict(sequence_parallel=sp, overlap=overlap, overlap_min_numel=0)
+        col = ColumnParallelLinear.from_linear(ref_col, mesh, **kw)
+        row = RowParallelLinear.from_linear(ref_row, mesh, **kw)
+        assert col.config.fp8 == row.config.fp8 == recipe  # carried over by from_linear
+        x_local = (x.chunk(2, dim=-2)[rank] if sp else x).clone().requires_grad_(True)
+        y = row(col(x_local))
+        (y * (g.chunk(2, dim=-2)[rank] if sp else g)).sum().backward()
+        y_ref = ref_row(ref_col(x)).detach()
+        y_fp32 = F.linear(F.linear(x, ref_col.weight, ref_col.bias), ref_row.weight, ref_row.bias).detach()
+        dx_ref = x_ref.grad.chunk(2, dim=-2)[rank] if sp else x_ref.grad
+        errs[(sp, overlap)] = {
+            "out": rel(y, y_ref.chunk(2, dim=-2)[rank] if sp else y_ref),
+            "dx": rel(x_local.grad, dx_ref),
+            "col_dw": rel(col.weight.grad.full_tensor(), ref_col.weight.grad),
+            "row_dw": rel(row.weight.grad.full_tensor(), ref_row.weight.grad),
+            "fp8_vs_fp32": rel(y, y_fp32.chunk(2, dim=-2)[rank] if sp else y_fp32),
+        }
+    return errs
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_tp_linears_in_fp8_match_one_process_including_the_overlapped_ring(gloo_world, recipe):
+    for rank, errs in enumerate(gloo_world(2).run(check_tp_fp8_chain, recipe)):
+        for case, e in errs.items():
+            print(recipe, rank, case, {k: f"{v:.1e}" for k, v in e.items()})
+            assert e["fp8_vs_fp32"] > 1e-3, (case, e)  # FP8 really ran on the TP path
+            for what in ("out", "dx", "col_dw", "row_dw"):
+                assert e[what] <= 1e-5, (recipe, rank, case, what, e)

@@ -1,0 +1,40 @@
+"""``Linear``: nn.Linear whose GEMMs run in FP8 when the model is built with an FP8 recipe.
+
+The models build their attention and MLP projections as this class with ``fp8=`` the run's
+``train.fp8`` (through ``ModelSpec.fp8``), so the recipe is fixed at construction: no module is
+swapped in later and ``forward`` is never replaced. With ``fp8="none"`` it is exactly nn.Linear.
+Parameters, names and state dicts are nn.Linear's (fp32 master weights, unchanged checkpoints);
+the FP8 copies exist only inside the GEMMs (xorl_kernels/fp8/linear.py). The tensor-parallel plan
+carries the recipe into ColumnParallelLinear / RowParallelLinear (``from_linear``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FP8_RECIPES = ("none", "tensorwise", "rowwise", "blockwise")
+
+
+def check_fp8(fp8: str) -> str:
+    if fp8 not in FP8_RECIPES:
+        raise ValueError(f"fp8={fp8!r}: use one of {FP8_RECIPES} (train.fp8)")
+    return fp8
+
+
+class Linear(nn.Linear):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
+                 fp8: str = "none"):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.fp8 = check_fp8(fp8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8 == "none":
+            return F.linear(x, self.weight, self.bias)
+        from xorl_kernels.fp8.linear import fp8_linear
+
+        return fp8_linear(x, self.weight, self.bias, self.fp8)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ("" if self.fp8 == "none" else f", fp8={self.fp8}")

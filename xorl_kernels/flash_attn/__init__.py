@@ -1,3 +1,0 @@
-"""Flash attention: op.py (flash_attn, flash_attn_with_lse, the ring-step pieces, autograd and
-dispatch), layout.py (input normalisation), fwd_triton.py / bwd_triton.py / common.py (the Triton
-kernels), reference.py (plain torch), merge.py (merge_attn_states)."""

@@ -1,0 +1,82 @@
+"""Blockwise FP8 grouped GEMM for MoE experts: ``fp8_grouped_gemm(x, w, group_sizes)``.
+
+The same contract as ``xorl_kernels.grouped_gemm`` (x [M, K] rows sorted by group, w [G, K, N],
+group_sizes [G] on x's device -> y [M, N] in x's dtype), computed with DeepSeek-V3's recipe:
+x quantised to e4m3 in 1 x 128 tiles along K, each expert's weight in 128 x 128 blocks.
+
+- forward ``y = x @ w[g]`` and input gradient ``dx = dy @ w[g]^T`` are FP8 GEMMs (dy in 1 x 128
+  tiles along N; w^T reuses w's 128 x 128 block grid, transposed): Triton kernel
+  (``triton_blockwise.py``) on CUDA, the plain-torch formula (exact dequantisation in float32,
+  then ``grouped_gemm_reference``) on CPU;
+- the weight gradient ``dw[g] = x_g^T @ dy_g`` stays in the input precision (the 16-bit grouped
+  GEMM's weight-gradient kernel). Why: its contraction runs over each expert's tokens, whose
+  count is not a multiple of 128, so 1 x 128 token tiles would straddle experts; DeepSeek-V3
+  pads every expert to the tile instead, which the token permutation here does not do.
+
+Weights are re-quantised from the saved high-precision tensor in backward (no FP8 copy held
+between forward and backward).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from xorl_kernels.dispatch import REFERENCE, TRITON, pick_backend
+from xorl_kernels.fp8.quantize import BLOCK, E4M3, expand_block_scale, quantize_blocks
+from xorl_kernels.grouped_gemm.op import _check_inputs
+from xorl_kernels.grouped_gemm.reference import grouped_gemm_reference
+
+_AVAILABLE = (TRITON, REFERENCE)
+
+
+def _dequantize_fp32(q: torch.Tensor, scale: torch.Tensor, br: int, bc: int) -> torch.Tensor:
+    """q * scale in float32: exact (fp8 values times powers of 2), so the CPU path is the formula."""
+    rows, cols = q.shape[-2:]
+    full = expand_block_scale(expand_block_scale(scale, br, rows, -2), bc, cols, -1)
+    return q.float() * full
+
+
+def blockwise_grouped_mm(qa, sa, qb, sb, group_sizes, out_dtype, backend: str, sb_block_n: int = BLOCK):
+    """``(qa * sa)[rows of g] @ (qb[g] * sb[g])`` (see triton_blockwise.py for the operand layouts)."""
+    if backend == TRITON:
+        from xorl_kernels.fp8.triton_blockwise import fp8_blockwise_grouped_forward
+
+        return fp8_blockwise_grouped_forward(qa, sa, qb, sb, group_sizes, out_dtype, sb_block_n)
+    a = _dequantize_fp32(qa, sa, 1, BLOCK)
+    b = _dequantize_fp32(qb, sb, BLOCK, sb_block_n)
+    return grouped_gemm_reference(a, b, group_sizes).to(out_dtype)
+
+
+class _FP8GroupedGemm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, group_sizes, backend):
+        qx, sx = quantize_blocks(x, 1, BLOCK, E4M3)
+        qw, sw = quantize_blocks(w, BLOCK, BLOCK, E4M3)
+        ctx.save_for_backward(x, w, group_sizes)
+        ctx.backend = backend
+        return blockwise_grouped_mm(qx, sx, qw, sw, group_sizes, x.dtype, backend)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, group_sizes = ctx.saved_tensors
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            qdy, sdy = quantize_blocks(dy, 1, BLOCK, E4M3)
+            qw, sw = quantize_blocks(w, BLOCK, BLOCK, E4M3)
+            dx = blockwise_grouped_mm(qdy, sdy, qw.transpose(1, 2), sw.transpose(1, 2), group_sizes, dy.dtype,
+                                      ctx.backend)
+        if ctx.needs_input_grad[1]:
+            backend = None if ctx.backend == TRITON and dy.is_cuda else REFERENCE
+            _, dw = torch.ops.xorl.grouped_gemm_backward(dy.contiguous(), x, w, group_sizes, backend, False, True)
+        return dx, dw, None, None
+
+
+def fp8_grouped_gemm(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor, *,
+                     backend: str | None = None) -> torch.Tensor:
+    """``y[rows of g] = x[rows of g] @ w[g]`` in blockwise FP8 (module docstring); differentiable.
+
+    ``backend``: None (CUDA -> Triton, CPU -> plain torch), "triton" (CPU needs TRITON_INTERPRET=1)
+    or "reference".
+    """
+    _check_inputs(x, w, group_sizes)
+    return _FP8GroupedGemm.apply(x, w, group_sizes, pick_backend("fp8_grouped_gemm", [x], _AVAILABLE, backend))

@@ -1,0 +1,181 @@
+"""FP8 linear layer GEMMs through ``torch._scaled_mm``: ``fp8_linear(x, weight, bias, recipe)``.
+
+``y = x @ weight^T + bias`` where each of the three GEMMs of a linear (forward, input gradient,
+weight gradient) quantises its two operands to FP8 on the fly and multiplies them with their
+scales. The master weight, its gradient and the output stay in the input dtype (fp32 master
+weights on CPU, the bf16 compute copy under FSDP2 mixed precision on GPU): FP8 is a compute choice.
+
+Recipes (``OPERANDS``: the block shape and dtype of each operand, every operand laid out
+[rows, contraction]):
+
+  tensorwise  one scale per tensor. e4m3 for x and w; e5m2 for the output gradient (its range
+              under one scale is the widest; the classic hybrid recipe, Micikevicius et al. 2022).
+  rowwise     one scale per row along the contraction dim (torchao's "rowwise"): e4m3 everywhere,
+              the per-row scales carry the range.
+  blockwise   DeepSeek-V3: activations and gradients in 1 x 128 tiles, weights in 128 x 128 blocks
+              (symmetric, so w and w^T share one block grid), e4m3 everywhere.
+
+GEMMs: tensorwise and rowwise are single ``torch._scaled_mm`` calls (CPU and CUDA). torch's
+``_scaled_mm`` takes 1 x 128 / 128 x 128 scales only on some CUDA builds and never on CPU, so
+blockwise runs xorl's Triton kernel (``triton_blockwise.py``, the expert grouped GEMM with one
+group) on CUDA, and elsewhere ``torch._scaled_mm`` once per 128-wide slice of the contraction with
+that slice's scales as row / column scales, summed in float32: the same formula.
+
+Backward re-quantises the saved high-precision x and w rather than saving FP8 copies: the saved
+tensors are what a bf16 linear saves (under FSDP2 the weight is re-gathered anyway), so FP8 adds
+no activation memory. The non-autograd pieces (``linear_forward``, ``linear_dgrad``,
+``linear_wgrad``) are public so the tensor-parallel matmuls (``xorl.nn.tp_comm``) run the same
+GEMMs inside their own autograd functions.
+
+What comes from torchao and what does not: the scale arithmetic is torchao's (quantize.py).
+torchao's ``Float8Linear`` is not used: ``convert_to_float8_training`` swaps the model's
+nn.Linear modules after they are built (xorl builds each module once, with its recipe), its
+layer multiplies whole (DTensor) weights where xorl's TP layers run their own overlapped chunked
+GEMMs on local shards (``tp_comm``), and it has no 1 x 128 / 128 x 128 blockwise training recipe.
+For the same reason there is no ``train.fp8_all_gather``: torchao all-gathers FP8 weights under
+FSDP2 only for its own ``Float8Linear`` weights (a tensor subclass that FSDP2's pre-/post-all-gather
+hooks cast), tensorwise only; adopting it means adopting the module swap. Here FSDP2 gathers the
+weights in ``train.dtype`` (bf16 on GPU) and each GEMM quantises its gathered weight.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from xorl_kernels.fp8.quantize import BLOCK, E4M3, E5M2, expand_block_scale, quantize_blocks
+
+RECIPES = ("tensorwise", "rowwise", "blockwise")
+
+_TENSOR, _ROW, _TILE, _BLOCK = (None, None), (1, None), (1, BLOCK), (BLOCK, BLOCK)
+# recipe -> operand -> (block shape [rows, cols] along [rows, contraction], fp8 dtype).
+# x [M, K], w [N, K] (forward); dy [M, N], w_t = w^T [K, N] (input grad); dy_t [N, M], x_t [K, M] (weight grad).
+OPERANDS = {
+    "tensorwise": {"x": (_TENSOR, E4M3), "w": (_TENSOR, E4M3), "dy": (_TENSOR, E5M2),
+                   "w_t": (_TENSOR, E4M3), "dy_t": (_TENSOR, E5M2), "x_t": (_TENSOR, E4M3)},
+    "rowwise": {"x": (_ROW, E4M3), "w": (_ROW, E4M3), "dy": (_ROW, E4M3),
+                "w_t": (_ROW, E4M3), "dy_t": (_ROW, E4M3), "x_t": (_ROW, E4M3)},
+    "blockwise": {"x": (_TILE, E4M3), "w": (_BLOCK, E4M3), "dy": (_TILE, E4M3),
+                  "w_t": (_BLOCK, E4M3), "dy_t": (_TILE, E4M3), "x_t": (_TILE, E4M3)},
+}
+
+
+def check_recipe(recipe: str) -> None:
+    if recipe not in RECIPES:
+        raise ValueError(f"fp8 recipe {recipe!r}: use one of {RECIPES} (or 'none' for no FP8)")
+
+
+def quantize_operand(t: torch.Tensor, recipe: str, role: str):
+    """The operand ``role`` (OPERANDS) of ``recipe`` quantised: (q, scale, block shape)."""
+    block, dtype = OPERANDS[recipe][role]
+    q, scale = quantize_blocks(t, *block, dtype)
+    return q, scale, block
+
+
+def _pad16(q: torch.Tensor) -> torch.Tensor:
+    """Zero-pad both dims of an fp8 matrix to multiples of 16, which torch._scaled_mm requires on
+    CUDA (token counts of a shard need not be): zeros add nothing to the products. Through uint8,
+    as F.pad has no fp8 kernels; the byte 0 is +0.0 in both fp8 formats."""
+    rows, cols = q.shape
+    pad_rows, pad_cols = -rows % 16, -cols % 16
+    if not (pad_rows or pad_cols):
+        return q
+    return F.pad(q.view(torch.uint8), (0, pad_cols, 0, pad_rows)).view(q.dtype)
+
+
+def scaled_mm_nt(qa, sa, a_block, qb, sb, b_block, out_dtype: torch.dtype, backend: str | None = None):
+    """``(qa * sa) @ (qb * sb)^T`` for qa [M, K], qb [N, K] and their block scales.
+
+    ``backend`` (blockwise only): None picks Triton on CUDA and the sliced ``torch._scaled_mm``
+    elsewhere; "triton" forces the kernel (CPU needs TRITON_INTERPRET=1), "scaled_mm" the slices.
+    """
+    if a_block in (_TENSOR, _ROW) and b_block == a_block:
+        m, n = qa.shape[0], qb.shape[0]
+        qa, qb = _pad16(qa), _pad16(qb)
+        if a_block == _TENSOR:
+            sa, sb = sa.reshape(()), sb.reshape(())
+        else:  # padded rows get scale 1 (their values are 0)
+            sa = F.pad(sa, (0, 0, 0, qa.shape[0] - m), value=1.0)
+            sb = F.pad(sb, (0, 0, 0, qb.shape[0] - n), value=1.0).reshape(1, -1)
+        out = torch._scaled_mm(qa, qb.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+        return out[:m, :n]
+    if a_block != _TILE or b_block not in (_TILE, _BLOCK):
+        raise ValueError(f"scaled_mm_nt: unsupported scale blocks {a_block} x {b_block}")
+    if backend is None:
+        backend = "triton" if qa.is_cuda else "scaled_mm"
+    if backend == "triton":
+        from xorl_kernels.fp8.triton_blockwise import fp8_blockwise_grouped_forward
+
+        # One group: b = qb^T as [1, K, N]; its scales [1, K/128, N/128] (blocks) or [1, K/128, N] (tiles).
+        sizes = torch.full((1,), qa.shape[0], dtype=torch.int32, device=qa.device)
+        return fp8_blockwise_grouped_forward(qa, sa, qb.t().unsqueeze(0), sb.t().unsqueeze(0), sizes, out_dtype,
+                                             sb_block_n=b_block[0])
+    if backend != "scaled_mm":
+        raise ValueError(f"scaled_mm_nt: backend={backend!r}: use None, 'triton' or 'scaled_mm'")
+    n, k = qb.shape
+    sb_rows = expand_block_scale(sb, b_block[0], n, 0)  # [N, K/128]: per-row scales of each K slice
+    out = None
+    for kb, start in enumerate(range(0, k, BLOCK)):
+        stop = min(start + BLOCK, k)
+        part = torch._scaled_mm(
+            qa[:, start:stop].contiguous(), qb[:, start:stop].contiguous().t(),
+            scale_a=sa[:, kb:kb + 1].contiguous(), scale_b=sb_rows[:, kb].reshape(1, n).contiguous(),
+            out_dtype=torch.float32,
+        )
+        out = part if out is None else out.add_(part)
+    return out.to(out_dtype)
+
+
+def linear_forward(x2d: torch.Tensor, weight: torch.Tensor, recipe: str) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T in FP8 -> [M, N] in x's dtype."""
+    return scaled_mm_nt(*quantize_operand(x2d, recipe, "x"), *quantize_operand(weight, recipe, "w"),
+                        x2d.dtype)
+
+
+def linear_dgrad(dy2d: torch.Tensor, weight: torch.Tensor, recipe: str) -> torch.Tensor:
+    """dy [M, N] @ weight [N, K] in FP8 -> dx [M, K] in dy's dtype."""
+    return scaled_mm_nt(*quantize_operand(dy2d, recipe, "dy"), *quantize_operand(weight.t(), recipe, "w_t"),
+                        dy2d.dtype)
+
+
+def linear_wgrad(dy2d: torch.Tensor, x2d: torch.Tensor, recipe: str) -> torch.Tensor:
+    """dy [M, N]^T @ x [M, K] in FP8 -> dw [N, K] in float32 (the caller casts to the weight's dtype)."""
+    return scaled_mm_nt(*quantize_operand(dy2d.t(), recipe, "dy_t"), *quantize_operand(x2d.t(), recipe, "x_t"),
+                        torch.float32)
+
+
+class _FP8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, recipe):
+        y = linear_forward(x.reshape(-1, x.shape[-1]), weight, recipe)
+        if bias is not None:
+            y = y + bias
+        ctx.save_for_backward(x, weight)
+        ctx.recipe, ctx.has_bias = recipe, bias is not None
+        return y.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dy2d = dy.reshape(-1, dy.shape[-1])
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = linear_dgrad(dy2d, weight, ctx.recipe).view(x.shape)
+        if ctx.needs_input_grad[1]:
+            dw = linear_wgrad(dy2d, x.reshape(-1, x.shape[-1]), ctx.recipe).to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy2d.sum(0)
+        return dx, dw, db, None
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               recipe: str = "rowwise") -> torch.Tensor:
+    """``x @ weight^T + bias`` with FP8 GEMMs (forward and both backward GEMMs); x [..., K], weight [N, K].
+
+    ``recipe``: "tensorwise", "rowwise" or "blockwise" (module docstring). Differentiable in x,
+    weight and bias; gradients come back in their dtypes.
+    """
+    check_recipe(recipe)
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"fp8_linear: x has {x.shape[-1]} features, weight {tuple(weight.shape)} expects {weight.shape[1]}")
+    return _FP8Linear.apply(x, weight, bias, recipe)
