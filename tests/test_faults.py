@@ -167,6 +167,7 @@ def test_a_second_run_into_the_same_folder_is_refused_and_a_dead_holder_does_not
     assert third.code == 0 and "in use by another run" not in third.text, third.text
 
 
+@pytest.mark.slow
 def test_the_lock_is_exclusive_across_processes_and_released_by_death(tmp_path):
     from xorl import run_lock
 
@@ -240,6 +241,7 @@ def test_sigterm_during_a_step_saves_that_step_and_resumes_exactly(tmp_path):
     assert losses == pytest.approx(expected, rel=1e-6)
 
 
+@pytest.mark.slow
 def test_a_second_signal_exits_at_once(tmp_path):
     """The first signal sets the flag; the handler restores the default action for the second."""
     code = (
