@@ -469,7 +469,6 @@ def measure_step(config, warmup_steps: int = 1) -> dict:
     """Run ``warmup_steps`` steps and one step counted by tests/host_reads.py's own counter, then
     measure one step; returns this rank's anatomy (plain data)."""
     from tests.host_reads import split_reads
-    from tests.parity_runs import release_moe_graphs
     from xorl.plans.data_parallel import decoder_layers
     from xorl.trainer import Trainer
 
@@ -487,7 +486,6 @@ def measure_step(config, warmup_steps: int = 1) -> dict:
     with reads, comms, dispatch, flops:
         trainer.train_step()
         windows.close()
-    release_moe_graphs(trainer)
     others, ep_reads = split_reads({k: v for k, v in reads.where.items() if k[:2] not in CPU_ONLY_INSIDE_OPS})
 
     groups = _group_names(state)
@@ -527,7 +525,6 @@ def measure_step(config, warmup_steps: int = 1) -> dict:
 
 def reference_flops(config) -> dict:
     """Single-process FLOPs (total, lm_head) of one measured step of ``config`` (after a warm-up)."""
-    from tests.parity_runs import release_moe_graphs
     from xorl.trainer import Trainer
 
     trainer = Trainer(config)
@@ -535,7 +532,6 @@ def reference_flops(config) -> dict:
     flops = flop_counter()
     with flops:
         trainer.train_step()
-    release_moe_graphs(trainer)
     return {"flops": flops.get_total_flops(), "lm_head_flops": lm_head_flops(flops.get_flop_counts())}
 
 

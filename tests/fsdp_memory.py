@@ -77,6 +77,7 @@ def peak_held_in_step(config, steps: int = 2) -> dict:
 
     def on_forward(module, args, output):
         sample()
+        output = output[0] if isinstance(output, tuple) else output  # a decoder layer: (hidden, MoE aux)
         if torch.is_tensor(output) and output.requires_grad:
             output.register_hook(lambda grad: sample())
 

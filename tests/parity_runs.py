@@ -10,19 +10,35 @@ import torch.distributed as dist
 from xorl.config import Config
 from xorl.export import full_state_dict
 
+# Router losses on: balanced over each whole microbatch (its context-parallel shards summed,
+# model.router_balance_scope), which every layout computes as one process does.
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+            router_aux_loss_coef=0.01)
+# Each family's tiny model: what is new in it is on (RoPE scaling with original_max_position_embeddings
+# below data.seq_len, partial rotary, biases, a dense first layer, group-limited sigmoid routing).
+MODELS = {
+    "llama": {},
+    "qwen3_moe": dict(model_type="qwen3_moe", **_MOE),
+    "llama3.1-rope": dict(model_type="llama", rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8}),
+    "qwen3": dict(model_type="qwen3", attention_bias=True),
+    "mixtral": dict(model_type="mixtral", **_MOE),
+    "olmoe": dict(model_type="olmoe", **{**_MOE, "norm_topk_prob": False}),
+    "glm4_moe": dict(model_type="glm4_moe", **_MOE, num_hidden_layers=4, first_k_dense_replace=1,
+                     shared_expert_intermediate_size=32, router_n_group=2, router_topk_group=1,
+                     routed_scaling_factor=2.0, attention_bias=True, partial_rotary_factor=0.5),
+}
 
-def tiny_config(output_dir: str, model_type: str = "llama", **train) -> Config:
+
+def tiny_config(output_dir: str, model: str = "llama", **train) -> Config:
+    """``model``: a key of MODELS (its model_type and what is new in the family)."""
     config = Config()
     m = config.model
-    m.model_type = model_type
     m.vocab_size, m.hidden_size, m.intermediate_size = 272, 32, 64
     m.num_hidden_layers, m.num_attention_heads, m.num_key_value_heads = 4, 4, 2
-    if model_type == "qwen3_moe":
-        m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size = 4, 2, 32
-        m.norm_topk_prob = True
-        # Router losses on: balanced over each whole microbatch (its context-parallel shards summed,
-        # model.router_balance_scope), which every layout computes as one process does.
-        m.router_aux_loss_coef = 0.01
+    for key, value in MODELS[model].items():
+        setattr(m, key, value)
     config.data.seq_len = 32
     config.data.micro_batch_size = 1
     t = config.train
@@ -40,26 +56,12 @@ def tiny_config(output_dir: str, model_type: str = "llama", **train) -> Config:
     return config
 
 
-def release_moe_graphs(trainer) -> None:
-    """Drop the aux loss each MoE block keeps, autograd graph included, after the run.
-
-    Through FSDP's autograd nodes that graph refers back to the model: a cycle that Python's
-    collector cannot see into, so the model, its meshes and its process groups would outlive the
-    check (and the harness would then warn and restart the world).
-    """
-    for part in trainer.parts:
-        for module in part.modules():
-            if getattr(module, "last_aux_loss", None) is not None:
-                module.last_aux_loss = None
-
-
 def train_and_report(config: Config) -> dict:
     """Run the trainer; return losses, grad norms and the full final weights (rank 0)."""
     from xorl.trainer import Trainer
 
     trainer = Trainer(config)
     results = trainer.train()
-    release_moe_graphs(trainer)
     full = full_state_dict(trainer.parts, trainer.state.pp_group)
     if dist.get_rank() != 0:
         return {}
@@ -88,7 +90,6 @@ def train_losses(config: Config, stop_at: int | None = None) -> list[float]:
 
     trainer = Trainer(config)
     losses = [r.loss for r in trainer.train(stop_at)]
-    release_moe_graphs(trainer)
     return losses
 
 
@@ -122,7 +123,6 @@ def train_with_nan_at(config: Config, bad_step: int) -> str:
         return str(err)
     finally:
         trainer_module.token_loss_sum = original
-        release_moe_graphs(trainer)
     raise AssertionError("the trainer did not stop on a NaN loss")
 
 

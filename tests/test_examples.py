@@ -37,6 +37,10 @@ RECOMMENDED = {
     "expert parallel": lambda c: c.train.expert_parallel_size > 1,
     "Llama": lambda c: c.model.model_type == "llama",
     "Qwen3-MoE": lambda c: c.model.model_type == "qwen3_moe",
+    "Llama-3.1 RoPE scaling": lambda c: (c.model.rope_scaling or {}).get("rope_type") == "llama3",
+    "Qwen3 dense": lambda c: c.model.model_type == "qwen3",
+    "Mixtral": lambda c: c.model.model_type == "mixtral",
+    "GLM-4.5": lambda c: c.model.model_type == "glm4_moe",
 }
 
 

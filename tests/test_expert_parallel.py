@@ -78,12 +78,12 @@ def check_ep_matches_single_process(cases) -> list[dict]:
 
         ref = _build(num_experts, top_k, forced)
         x_ref = x.clone().requires_grad_()
-        out_ref = ref(x_ref)
+        out_ref = ref(x_ref)[0]
         (out_ref * grad).sum().backward()
 
         ep = _build(num_experts, top_k, forced, ep_group=dist.group.WORLD)
         x_ep = x[mine].clone().requires_grad_()
-        out = ep(x_ep)
+        out = ep(x_ep)[0]
         (out * grad[mine]).sum().backward()
 
         # Router weight: replicated; each rank holds the gradient of its own tokens -> sum them.
@@ -130,7 +130,7 @@ def check_ep_times_fsdp(num_experts, top_k, as_dtensor) -> dict:
 
     ref = _build(num_experts, top_k, None, seed=3)
     x_ref = x.clone().requires_grad_()
-    (ref(x_ref) * grad).sum().backward()
+    (ref(x_ref)[0] * grad).sum().backward()
 
     if as_dtensor:  # the plan's way: all experts built, this rank's kept as DTensors over "ep"
         ep = _build(num_experts, top_k, None, seed=3)
@@ -144,10 +144,10 @@ def check_ep_times_fsdp(num_experts, top_k, as_dtensor) -> dict:
     ep.experts.set_force_sum_reduction_for_comms(True)
     assert isinstance(ep.experts, FSDPModule)
     x_ep = x[mine].clone().requires_grad_()
-    out = ep(x_ep)
+    out = ep(x_ep)[0]
     (out * grad[mine]).sum().backward()
 
-    report = {"out": _rel_err(out, ref(x[mine]).detach()), "x_grad": _rel_err(x_ep.grad, x_ref.grad[mine])}
+    report = {"out": _rel_err(out, ref(x[mine])[0].detach()), "x_grad": _rel_err(x_ep.grad, x_ref.grad[mine])}
     ep_group = mesh.get_group("ep")
     for name in ("gate_up_proj", "down_proj"):
         # Summed over every rank's tokens (the loss is a sum), like the single-process reference.
@@ -204,7 +204,7 @@ def check_plan_on_qwen3_moe_model(num_experts, use_mesh) -> dict:
         ep = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
     else:  # the 2-D EP mesh the trainer passes (ParallelState.ep_mesh), with an ep_fsdp dim of 1
         ep = init_device_mesh("cpu", (1, world), mesh_dim_names=("ep_fsdp", "ep"))
-    replaced = apply_expert_parallel(model, ep)
+    replaced = apply_expert_parallel(model, ep).blocks
     gen = torch.Generator().manual_seed(2)
     ids = torch.randint(0, 97, (world, 6), generator=gen)
     grad = torch.randn(world, 6, 97, generator=gen)
@@ -252,7 +252,7 @@ def check_ep1_groups() -> float:
     ref = _build(8, 2, None)
     ep = _build(8, 2, None, ep_group=groups[rank])
     assert ep.ep_size == 1 and ep.num_local_experts == 8
-    out_ref, out = ref(x[mine]), ep(x[mine])
+    out_ref, out = ref(x[mine])[0], ep(x[mine])[0]
     (out_ref * grad[mine]).sum().backward()
     (out * grad[mine]).sum().backward()
     errs = [_rel_err(out, out_ref)] + [
@@ -311,7 +311,7 @@ def check_dispatch_sends_each_token_once_per_rank(num_experts, top_k) -> dict:
     ep_module.all_to_all_rows = spy
     try:
         x_ep = x[mine].clone().requires_grad_()
-        (ep(x_ep) * grad[mine]).sum().backward()
+        (ep(x_ep)[0] * grad[mine]).sum().backward()
         ids = ep.gate(x[mine]).expert_ids  # the same routing (no bias update without training steps)
     finally:
         ep_module.all_to_all_rows = real
@@ -337,12 +337,12 @@ def check_shared_expert_under_ep() -> dict:
     x, grad, mine = _inputs(dist.get_world_size(), seed=9)
     ref = _build(8, 2, None, shared=24)
     x_ref = x.clone().requires_grad_()
-    (ref(x_ref) * grad).sum().backward()
+    (ref(x_ref)[0] * grad).sum().backward()
     ep = _build(8, 2, None, ep_group=dist.group.WORLD, shared=24)
     x_ep = x[mine].clone().requires_grad_()
-    out = ep(x_ep)
+    out = ep(x_ep)[0]
     (out * grad[mine]).sum().backward()
-    report = {"out": _rel_err(out, ref(x)[mine]), "x_grad": _rel_err(x_ep.grad, x_ref.grad[mine])}
+    report = {"out": _rel_err(out, ref(x)[0][mine]), "x_grad": _rel_err(x_ep.grad, x_ref.grad[mine])}
     for name, p in ep.named_parameters():
         if name.startswith("shared_expert"):  # replicated: each rank holds its own tokens' share
             total = p.grad.clone()

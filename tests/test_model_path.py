@@ -61,10 +61,11 @@ def test_a_config_built_in_code_must_agree_with_the_folder(tmp_path):
 
 @pytest.mark.parametrize("field, value, expected", [
     ("hidden_act", "gelu", "hidden_act='gelu'; xorl.models use SwiGLU (silu) only"),
-    ("rope_scaling", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 8192}, "type 'llama3'; xorl.models support plain RoPE"),
+    ("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}, "rope_type 'dynamic' is refused: dynamic NTK rescales"),
+    ("rope_scaling", {"rope_type": "longrope", "factor": 2.0}, "rope_type='longrope' is not supported"),
     ("mlp_bias", True, "mlp_bias=true is not supported"),
-    ("model_type", "mistral", "model_type='mistral' is not one of ['llama', 'qwen3_moe']"),
+    ("model_type", "gpt_oss", "model_type='gpt_oss' is not one of ['llama', 'qwen2', 'qwen3', 'mistral'"),
+    ("sliding_window", 4096, "sliding_window=4096: sliding-window attention is not supported yet"),
 ])
 def test_features_xorl_cannot_build_are_refused_naming_the_file(tmp_path, field, value, expected):
     folder = _transformers_llama_folder(tmp_path)

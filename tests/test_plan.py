@@ -35,8 +35,10 @@ def _first_memory(out: dict) -> dict:
 
 
 def test_worked_example_70b(capsys):
-    # fp16 weights and gradients, 4 optimizer bytes per parameter, plain data parallel (the published table).
-    layout = "tensor_parallel_size=4,pipeline_parallel_size=4,data_parallel_mode=ddp"
+    # fp16 weights and gradients, 4 optimizer bytes per parameter, plain data parallel (the published table):
+    # every data-parallel rank holds its TP x PP slice whole, which in xorl is HSDP with shards of one
+    # (xorl-train refuses DDP with TP, and so does the shorthand: test_count_shorthand_refuses_what_train_refuses).
+    layout = "tensor_parallel_size=4,pipeline_parallel_size=4,data_parallel_replicate_size=4,data_parallel_shard_size=1"
     mem = _first_memory(_plan_json(capsys, "70B", "--gpus", "64", "--layout", layout, "--precision", "fp16"))
     assert (mem["params"], mem["grads"], mem["optimizer"]) == (8.75e9, 8.75e9, 17.50e9)
     mem = _first_memory(_plan_json(capsys, "70B", "--gpus", "1", "--layout", "data_parallel_mode=none",
@@ -82,7 +84,10 @@ def test_moe_scales_with_expert_parallelism(capsys):
     out = _plan_json(capsys, os.path.join(EXAMPLES, "qwen3_30b_a3b_pp2_ep8_cp4.yaml"), "--gpus", "16")
     first = out["candidates"][0]["layout"]
     assert out["candidates"][0]["fits"]
-    assert first["tensor_parallel_size"] == 1 and first["expert_parallel_size"] >= 8
+    # EP is the MoE dimension; TP may split attention (the MoE block runs on each TP rank's token shard,
+    # xorl/plans/tensor_parallel.py, so TP costs no redundant expert compute) within the guide's sizes.
+    assert first["expert_parallel_size"] >= 8
+    assert not [w for w in out["candidates"][0]["warnings"] if w.startswith("guide:")]
 
 
 def test_write_config_is_accepted_by_the_trainer(capsys, tmp_path):
@@ -97,14 +102,18 @@ def test_write_config_is_accepted_by_the_trainer(capsys, tmp_path):
 
 
 def test_step_time_compute_follows_the_6n_rule():
-    # Roofline compute at the peak vs the 6N + attention FLOPs estimate (xorl/mfu.py): above it by the
-    # element-wise and memory-bound work the roofline adds (about a quarter for an 8B layer at 8K).
+    # Compute at achieved efficiency vs the 6N + attention FLOPs estimate (xorl/mfu.py) at the peak:
+    # the implied MFU of an 8B dense layer at 8K tokens without recompute lies where measured runs
+    # do (torchtitan's published 8B FSDP runs: 33-43 % of the H100 SXM peak), never above the
+    # large-GEMM efficiency the curves allow.
+    from xorl.planner.efficiency import load
+
     config = with_layout(load_config(LLAMA_8B), {"activation_checkpointing": False, "data_parallel_shard_size": 8})
     hw = Hardware()
     t = step_time(config, _parallel(config, 8), model_shapes(config.model), hw)
     tokens = config.train.gradient_accumulation_steps * config.data.seq_len * 8
     ideal = flops_per_token(config.model, config.data.seq_len) * tokens / 8 / (hw.peak_tflops * 1e12)
-    assert 1.1 <= t.compute / ideal <= 1.35, t.compute / ideal
+    assert 0.33 <= ideal / t.compute <= load().gemm_max, ideal / t.compute
 
 
 def _parallel(config, gpus):
@@ -136,7 +145,10 @@ def test_hf_folder_reads_config_json(tmp_path, family, capsys):
                                          mlp_only_layers=[0], max_position_embeddings=2048)
     hf.save_pretrained(tmp_path)
     model = read_model_source(str(tmp_path)).config.model
-    assert model.model_type == family and model.model_path == str(tmp_path)
+    # config.json alone: no weights, so no model_path (seeded initialisation), and a note says so
+    source = read_model_source(str(tmp_path))
+    assert model.model_type == family and model.model_path is None
+    assert any("no weights" in note and "seeded initialisation" in note for note in source.notes)
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                  "num_key_value_heads", "max_position_embeddings"):
         assert getattr(model, name) == getattr(hf, name), name
@@ -162,16 +174,81 @@ def test_bad_input_is_one_clean_message(capsys, argv, message):
 
 
 def test_unsupported_hf_model_type_is_refused(tmp_path, capsys):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mistral", "hidden_size": 64}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_oss", "hidden_size": 64}))
     assert main([str(tmp_path), "--gpus", "8"]) == 2
-    assert "model_type='mistral'" in capsys.readouterr().err
+    assert "model_type='gpt_oss'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("cls_name, fields", [
+    ("MixtralForCausalLM", dict(num_local_experts=8, num_experts_per_tok=2)),
+    ("Glm4MoeForCausalLM", dict(n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=64,
+                                first_k_dense_replace=1, head_dim=32)),
+    ("Qwen2ForCausalLM", {}),
+])
+def test_hf_folder_of_every_family_has_transformers_parameter_count(tmp_path, cls_name, fields):
+    """The planner reads a family's config.json as xorl-train does, and counts its parameters exactly."""
+    import torch
+
+    from xorl.planner.memory import model_shapes
+
+    transformers = pytest.importorskip("transformers")
+    config_cls = getattr(transformers, cls_name.replace("ForCausalLM", "Config"))
+    hf = config_cls(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                    num_attention_heads=8, num_key_value_heads=4, **fields)
+    hf.save_pretrained(tmp_path)
+    model = read_model_source(str(tmp_path)).config.model
+    with torch.device("meta"):
+        count = sum(p.numel() for p in getattr(transformers, cls_name)(hf).parameters())
+    assert model_shapes(model).num_params == count
 
 
 def test_fsdp_alone_is_not_forced_when_it_is_much_slower(capsys):
-    # 30B on two nodes: FSDP2 alone fits, but every layer's all-gather crosses IB; TP x PP wins.
-    out = _plan_json(capsys, os.path.join(EXAMPLES, "llama_30b_fsdp_pp2.yaml"), "--gpus", "16")
+    # 30B on two nodes joined by one 25 Gb/s NIC each: FSDP2 alone fits, but every layer's all-gather
+    # and reduce-scatter crosses that link; TP x PP wins. (Over 8 x 400 Gb/s NICs per node FSDP's
+    # collectives hide behind the layers, as torchtitan's 128-GPU FSDP run shows: no longer this case.)
+    out = _plan_json(capsys, os.path.join(EXAMPLES, "llama_30b_fsdp_pp2.yaml"), "--gpus", "16",
+                     "--nics-per-node", "1", "--nic-gbps", "3")
     first = out["candidates"][0]["layout"]
     assert first["tensor_parallel_size"] > 1 or first["pipeline_parallel_size"] > 1
     simple = [c for c in out["candidates"] if c["fits"] and c["layout"]["tensor_parallel_size"] == 1
               and c["layout"]["pipeline_parallel_size"] == 1]
     assert simple and min(c["step_time_s"] for c in simple) > 1.4 * out["candidates"][0]["step_time_s"]
+
+
+def test_count_shorthand_refuses_what_train_refuses(capsys):
+    # DDP cannot reduce TP shards: xorl-train's validate_config refuses it, and so does the count shorthand.
+    layout = "tensor_parallel_size=4,pipeline_parallel_size=4,data_parallel_mode=ddp"
+    assert main(["70B", "--gpus", "64", "--layout", layout, "--precision", "fp16"]) == 2
+    err = capsys.readouterr().err
+    assert "data_parallel_mode='ddp' with tensor_parallel_size=4" in err and "Traceback" not in err
+    assert main(["70B", "--gpus", "64", "--layout", "tensor_parallel_size=3"]) == 2  # sizes do not multiply
+    assert "tensor_parallel_size" in capsys.readouterr().err
+
+
+def test_guide_prints_the_sizes_it_allows_as_a_set(capsys):
+    from xorl.planner.guide import _choices
+
+    # MoE of 10-100B active parameters: TP 1 (xorl's TP leaves MoE blocks whole), 4 or 8; never "1-8".
+    assert _choices((1, 4, 8)) == "{1, 4, 8}" and _choices((8,)) == "8"
+    out = _plan_json(capsys, LLAMA_8B, "--gpus", "8", "--layout", "tensor_parallel_size=8,sequence_parallel=true")
+    warnings = [w for w in out["candidates"][0]["warnings"] if w.startswith("guide: tensor_parallel_size")]
+    assert warnings == ["guide: tensor_parallel_size {2, 4} for 8.0B parameters, not 8"], warnings
+
+
+def test_write_config_from_a_config_only_folder_runs(tmp_path, capsys, monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    from xorl.preflight import prepare_run
+
+    folder = tmp_path / "model"
+    transformers.LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                             num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048,
+                             ).save_pretrained(folder)
+    monkeypatch.chdir(tmp_path)
+    path = str(tmp_path / "plan.yaml")
+    assert main([str(folder), "--gpus", "4", "--write-config", path]) == 0
+    assert "no weights" in capsys.readouterr().out
+    text = open(path).read()
+    assert "# note: no weights (*.safetensors) found" in text
+    written = load_config(path, [])
+    assert written.model.model_path is None and written.model.hidden_size == 256
+    prepare_run(written, 4)  # what `xorl-train --check --world-size=4` runs: no ConfigError

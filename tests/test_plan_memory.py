@@ -78,8 +78,8 @@ def _probe_main() -> None:
                 state = init_parallel_state(ParallelConfig.from_config(config, world_size), device_type="cpu")
                 with torch.device("meta"):
                     model = build_model(config.model)
-                stages = split_into_stages(model, state, config)[1] if state.pp_size > 1 else [model]
-                parts = [parallelize_model(stage, state, config) for stage in stages]
+                stages = split_into_stages(model, state, config).stages if state.pp_size > 1 else [model]
+                parts = [parallelize_model(stage, state, config).module for stage in stages]
                 params = [p for part in parts for p in part.parameters()]
                 out = {"rank": rank, "pp_rank": state.pp_rank, "shard_rank": state.dp_shard_cp_rank,
                        "numel": sum(local(p).numel() for p in params),

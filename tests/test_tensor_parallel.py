@@ -78,10 +78,9 @@ def check_column_row_chain(tp_size: int, shape_prefix: tuple[int, ...]) -> dict:
         (y_ref * g).sum().backward()
 
         col = ColumnParallelLinear.from_linear(fp32(ref_col), mesh, sequence_parallel=sp, overlap=overlap,
-                                               overlap_min_numel=0)
+                                               overlap_min_numel=0, name=f"col{case}")
         row = RowParallelLinear.from_linear(fp32(ref_row), mesh, sequence_parallel=sp, overlap=overlap,
-                                            overlap_min_numel=0)
-        col.name, row.name = f"col{case}", f"row{case}"
+                                            overlap_min_numel=0, name=f"row{case}")
         x_local = (seq_chunk(x, rank, tp_size) if sp else x).float().clone().requires_grad_(True)
         counter, restore = _count_p2p_calls()
         try:

@@ -113,8 +113,8 @@ def check_model_parity(tp_size: int, config_name: str, cases: list[tuple]) -> di
                                               "merge_gate_up": True})
         base = build(config, seed=1)
         ref = copy.deepcopy(base).double()
-        model = apply_tensor_parallel(copy.deepcopy(base), mesh, sequence_parallel=sp, overlap=overlap,
-                                      overlap_min_numel=0)
+        model = copy.deepcopy(base)
+        tp_plan = apply_tensor_parallel(model, mesh, sequence_parallel=sp, overlap=overlap, overlap_min_numel=0)
         data = batch(data_case, seed=2, vocab=vocab)
         extra = {k: v for k, v in data.items() if k == "cu_seqlens"}
         out_ref = ref(data["input_ids"], labels=data["labels"], **extra)
@@ -136,7 +136,7 @@ def check_model_parity(tp_size: int, config_name: str, cases: list[tuple]) -> di
             dist.all_reduce(router_total, group=mesh.get_group())
             loss = out.loss.detach() + router_total
         # The partial gradients of replicated parameters (SP norms, q/k norms): one all-reduce.
-        partial_sums = sum_tp_partial_grads([model])
+        partial_sums = sum_tp_partial_grads([tp_plan.partial_grads])
         errs = {"logits": rel_err(out.logits, out_ref.logits), "loss": rel_err(loss, loss_ref)}
         ref_params = dict(ref.named_parameters())
         names = [n for n, _ in model.named_parameters()]
@@ -214,8 +214,8 @@ def check_fsdp_tp_training(checkpoint_dir: str, steps: int = 3) -> dict:
     config = llama_config()
     base = build(config, seed=3)
     ref = copy.deepcopy(base)
-    model = apply_tensor_parallel(copy.deepcopy(base), mesh["tp"], sequence_parallel=True, overlap=True,
-                                  overlap_min_numel=0)
+    model = copy.deepcopy(base)
+    tp_plan = apply_tensor_parallel(model, mesh["tp"], sequence_parallel=True, overlap=True, overlap_min_numel=0)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
@@ -227,7 +227,7 @@ def check_fsdp_tp_training(checkpoint_dir: str, steps: int = 3) -> dict:
         mine = {k: v[dp_rank:dp_rank + 1] for k, v in data.items()}
         loss = model(mine["input_ids"], labels=mine["labels"]).loss
         loss.backward()  # FSDP averages the gradients over dp
-        assert sum_tp_partial_grads([model]) == 1  # the SP norms' partial gradients, in one all-reduce
+        assert sum_tp_partial_grads([tp_plan.partial_grads]) == 1  # the SP norms' partial gradients, in one all-reduce
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
         opt.step()
         opt.zero_grad()
@@ -285,7 +285,8 @@ def check_plan_errors() -> dict:
             messages[name] = None
         except (ValueError, TypeError) as e:
             messages[name] = str(e)
-    model = apply_tensor_parallel(build(llama_config(), 0), mesh, sequence_parallel=True)
+    model = build(llama_config(), 0)
+    apply_tensor_parallel(model, mesh, sequence_parallel=True)
     try:
         model(torch.randint(0, 48, (1, 6)))  # 6 tokens, TP=4
         messages["seq"] = None
@@ -339,7 +340,8 @@ def lm_head_flops(tp_size: int, sequence_parallel: bool) -> tuple[int, int]:
     from xorl.plans.tensor_parallel import apply_tensor_parallel
 
     base = build(llama_config(), seed=5)
-    model = apply_tensor_parallel(copy.deepcopy(base), tp_mesh(tp_size), sequence_parallel=sequence_parallel)
+    model = copy.deepcopy(base)
+    apply_tensor_parallel(model, tp_mesh(tp_size), sequence_parallel=sequence_parallel)
     hidden = torch.randn(2, 8, 16)
     local = hidden.chunk(tp_size, dim=1)[dist.get_rank(tp_mesh(tp_size).get_group())] if sequence_parallel else hidden
     with FlopCounterMode(display=False) as tp_flops:
@@ -389,8 +391,8 @@ def count_qkv_gemms() -> dict:
     for merged in (True, False):
         config = types.SimpleNamespace(**{**vars(llama_config(kv_heads=2)), "merge_qkv": merged,
                                           "merge_gate_up": merged})
-        model = apply_tensor_parallel(build(config, seed=3), mesh, sequence_parallel=True, overlap=True,
-                                      overlap_min_numel=0)
+        model = build(config, seed=3)
+        apply_tensor_parallel(model, mesh, sequence_parallel=True, overlap=True, overlap_min_numel=0)
         attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
         x = torch.randn(1, 4, 16)  # this rank's sequence shard
         with CountGemms() as qkv:

@@ -28,6 +28,7 @@ import yaml
 from xorl.config_error import ConfigError, did_you_mean
 from xorl.config_rules import validate_config
 from xorl.distributed.parallel_config import ParallelFields
+from xorl.models.schema import model_config_class
 
 __all__ = [
     "Config",
@@ -41,49 +42,9 @@ __all__ = [
 ]
 
 
-@dataclass
-class ModelConfig:
-    model_type: Literal["llama", "qwen3_moe"] = "llama"
-    vocab_size: int = 272  # 256 bytes + 16 special tokens for the byte tokenizer
-    hidden_size: int = 64
-    intermediate_size: int = 128
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    head_dim: int | None = None  # None: hidden_size // num_attention_heads
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 2048
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    # MoE (qwen3_moe); num_experts = 0 for a dense model.
-    num_experts: int = 0
-    num_experts_per_tok: int = 2
-    moe_intermediate_size: int = 64
-    norm_topk_prob: bool = False
-    router_aux_loss_coef: float = 0.001
-    router_z_loss_coef: float = 0.0
-    router_scoring: Literal["softmax", "sigmoid"] = "softmax"
-    # Which tokens the load-balancing statistics cover: "microbatch" (the whole microbatch, summed
-    # over its context-parallel shards: what one process computes, on every layout) or
-    # "global_batch" (Qwen: every data- and context-parallel rank's microbatch of the same round).
-    router_balance_scope: Literal["microbatch", "global_batch"] = "microbatch"
-    # DeepSeek-V3's auxiliary-loss-free balancing: a per-expert selection bias the trainer moves by
-    # router_bias_update_rate x sign(mean load - load) after every optimizer step.
-    router_expert_bias: bool = False
-    router_bias_update_rate: float = 1e-3
-    shared_expert_intermediate_size: int = 0  # 0: no shared expert
-    decoder_sparse_step: int = 1
-    mlp_only_layers: list[int] = field(default_factory=list)
-    # One fused q/k/v projection (rows grouped by KV head, xorl/models/attention.py): under tensor
-    # parallelism each rank runs one GEMM for its q, k and v heads.
-    merge_qkv: bool = False
-    # One fused gate/up projection of the dense MLP (rows alternate gate and up, xorl/models/layers.py):
-    # under tensor parallelism each rank runs one GEMM for both.
-    merge_gate_up: bool = False
-    model_path: str | None = None  # local HF folder with config.json + *.safetensors
-    attn_implementation: Literal["xorl", "flash_attn", "sdpa"] = "xorl"
-    initializer_range: float = 0.02
+# The ``model:`` section: one field per entry of xorl/models/schema.py FIELDS (its HF name, type,
+# default and kind are declared there, once).
+ModelConfig = model_config_class()
 
 
 @dataclass
@@ -395,6 +356,10 @@ def coerce(value: Any, tp: Any, name: str) -> Any:
                 f"{name}: expected a list of {len(item_tps)} values ({_type_name(tp)}), got {value!r}"
             )
         return tuple(coerce(v, t, f"{name}[{i}]") for i, (v, t) in enumerate(zip(value, item_tps)))
+    if tp is dict:
+        if isinstance(value, dict):
+            return dict(value)
+        raise wrong
     if tp is bool:
         if isinstance(value, bool):
             return value

@@ -28,6 +28,7 @@ from typing import Any
 
 from xorl.config_error import ConfigError
 from xorl.distributed.parallel_config import PIPELINE_SCHEDULES, ParallelConfig
+from xorl.models.schema import ALL as _MODEL_TYPES
 
 
 def validate_config(config: Any, world_size: int) -> None:
@@ -76,67 +77,14 @@ def _attention_problems(m: Any) -> list[str]:
 
 
 def _model_problems(m: Any) -> list[str]:
-    problems = _at_least(
-        "model",
-        m,
-        1,
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "max_position_embeddings",
-        "decoder_sparse_step",
-    )
-    problems += _at_least("model", m, 0, "num_experts", "shared_expert_intermediate_size")
-    if m.head_dim is not None and m.head_dim < 1:
-        problems.append(
-            f"model.head_dim={m.head_dim} must be >= 1, or null for hidden_size // num_attention_heads"
-        )
-    if problems:
-        return problems
-    if m.num_attention_heads % m.num_key_value_heads:
-        problems.append(
-            f"model.num_attention_heads={m.num_attention_heads} must be a multiple of "
-            f"num_key_value_heads={m.num_key_value_heads} (grouped-query attention)"
-        )
-    if m.head_dim is None and m.hidden_size % m.num_attention_heads:
-        problems.append(
-            f"model.hidden_size={m.hidden_size} is not divisible by "
-            f"num_attention_heads={m.num_attention_heads}; set model.head_dim explicitly or change the sizes"
-        )
-    if m.model_type == "llama" and m.num_experts > 0:
-        problems.append(
-            f"model.num_experts={m.num_experts} but model_type='llama' is dense; set num_experts: 0, "
-            "or model_type: qwen3_moe for a mixture-of-experts model"
-        )
-    if m.model_type == "qwen3_moe" and m.num_experts == 0:
-        problems.append("model.model_type='qwen3_moe' needs num_experts >= 1 (or use model_type: llama)")
-    if m.num_experts > 0:
-        if not 1 <= m.num_experts_per_tok <= m.num_experts:
-            problems.append(
-                f"model.num_experts_per_tok={m.num_experts_per_tok} (top-k) must be between 1 and "
-                f"num_experts={m.num_experts}"
-            )
-        if m.moe_intermediate_size < 1:
-            problems.append(f"model.moe_intermediate_size={m.moe_intermediate_size} must be >= 1")
-        bad_layers = [i for i in m.mlp_only_layers if not 0 <= i < m.num_hidden_layers]
-        if bad_layers:
-            problems.append(
-                f"model.mlp_only_layers has {bad_layers}, outside the layer indices "
-                f"0..{m.num_hidden_layers - 1}"
-            )
-    if problems:
-        return problems
-    # Whatever else the models reject (e.g. odd head_dim for RoPE), reported here, before launch.
-    from xorl.models.spec import ModelSpec
+    """The schema's shape rules (xorl/models/schema.py: the same ones ModelSpec raises)."""
+    from xorl.models.families import family
+    from xorl.models.schema import apply_family, field_values, shape_problems
 
-    try:
-        ModelSpec.from_config(m)
-    except ValueError as e:
-        problems.append(f"model: {e}")
-    return problems
+    values = field_values(m)
+    values["head_dim"], values["rope_scaling"] = m.head_dim, m.rope_scaling
+    fam = family(m.model_type)
+    return apply_family(values, fam) + shape_problems(values, fam)
 
 
 def _parallel_model_problems(m: Any, p: ParallelConfig) -> list[str]:
@@ -145,6 +93,14 @@ def _parallel_model_problems(m: Any, p: ParallelConfig) -> list[str]:
     if heads < 1 or kv_heads < 1:
         return problems  # reported by _model_problems
     tp_divides_heads = heads % p.tp == 0 and kv_heads % p.tp == 0
+    from xorl.models.families import family
+
+    if p.tp > 1 and m.model_type in _MODEL_TYPES and family(m.model_type).qk_norm == "width":
+        problems.append(
+            f"train.tensor_parallel_size={p.tp} with model_type={m.model_type!r}: its q/k RMSNorm spans all heads of "
+            "a token, and tensor parallelism gives each rank only its own heads, so the norm would see a part of "
+            "the width; use tensor_parallel_size: 1 (shard with FSDP / EP / CP instead)"
+        )
     if p.tp > 1:
         if not tp_divides_heads:
             problems.append(
@@ -338,7 +294,15 @@ def _selective_checkpointing_problems(m: Any, t: Any, p: ParallelConfig) -> list
 
 
 def _export_problems(m: Any, t: Any) -> list[str]:
-    if not t.export_hf or m.model_type != "qwen3_moe":
+    if not t.export_hf:
+        return []
+    if m.model_type != "qwen3_moe":  # whatever the family's transformers class cannot hold
+        from xorl.models.registry import to_hf_config_dict
+
+        try:
+            to_hf_config_dict(m)
+        except ValueError as e:
+            return [f"train.export_hf=true: {e}; set export_hf: false (the checkpoints keep the weights)"]
         return []
     problems = []
     if m.router_scoring != "softmax":

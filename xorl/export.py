@@ -261,6 +261,10 @@ def _write_index_and_config(partial: str, files: list[list[HFTensor]], names: li
     saved_dtype = next((t.dtype for t in tensors if t.dtype.is_floating_point), None)
     with open(os.path.join(partial, "config.json"), "w", encoding="utf-8") as f:
         json.dump(to_hf_config_dict(model_config, dtype=saved_dtype), f, indent=2)
+    if getattr(model_config, "model_path", None):  # the tokenizer and token ids travel with the model
+        from xorl.models.pretrained import copy_tokenizer_and_ids
+
+        copy_tokenizer_and_ids(model_config.model_path, partial)
 
 
 def full_state_dict(parts, pp_group=None) -> dict[str, torch.Tensor]:

@@ -122,7 +122,7 @@ def read_metrics(path: str) -> list[dict]:
 
 
 def startup_summary(config, parallel, n_params: int, start_step: int, device_type: str) -> str:
-    """What the run is about to do, in four lines (printed by rank 0 before the first step)."""
+    """What the run is about to do, in five lines (printed by rank 0 before the first step)."""
     from xorl.distributed.parallel_config import MESH_DIM_NAMES
 
     t, d, m = config.train, config.data, config.model
@@ -136,5 +136,6 @@ def startup_summary(config, parallel, n_params: int, start_step: int, device_typ
         f"xorl: {sequences} sequences x {d.seq_len} tokens = {sequences * d.seq_len} tokens a step "
         f"(micro batch {d.micro_batch_size} x accumulation {t.gradient_accumulation_steps} x data parallel "
         f"{parallel.dp})",
+        f"xorl: data {d.dataset}, tokenizer {d.tokenizer}",
         f"xorl: steps {start_step} -> {t.max_steps}, writing to {t.output_dir}",
     ])

@@ -8,8 +8,10 @@ config's value. Two kinds of entries are not architecture and stay the user's to
 ``TRAINING_KNOBS`` (loss coefficients and the init scale, which a loaded model never uses) take the
 file's value unless the YAML or CLI sets them, which then wins.
 
-Features xorl.models cannot represent (another activation, RoPE scaling, MLP biases, sliding
-windows, dropout) are refused here, before anything is built, naming the file.
+The file is read through its family's declaration (xorl/models/schema.py ``hf_to_fields``: the
+family's own key names, the values its transformers class hard-codes); features xorl.models cannot
+build exactly (another activation, dynamic RoPE, MLP biases, sliding windows, dropout, ...) are
+refused here, before anything is built, naming the file and the field.
 
     problems = apply_model_path(config)          # load_config: fill the fields, list conflicts
     problems = model_path_conflicts(config.model)  # validate_config: any field that disagrees
@@ -26,12 +28,10 @@ import os
 from typing import Any
 
 from xorl.config_error import ConfigError
+from xorl.models.schema import LOCAL_FIELDS, TRAINING_KNOBS, hf_to_fields
 
 HF_CONFIG_NAME = "config.json"
-# Model fields that never come from a model folder: how xorl runs it, and where it is.
-LOCAL_FIELDS = ("model_path", "attn_implementation", "merge_qkv", "merge_gate_up")
-# In config.json but not architecture: the YAML / CLI value wins when set explicitly.
-TRAINING_KNOBS = ("router_aux_loss_coef", "router_z_loss_coef", "initializer_range")
+__all__ = ["LOCAL_FIELDS", "TRAINING_KNOBS", "apply_model_path", "hf_model_fields", "model_path_conflicts"]
 
 
 def read_hf_config(folder: str) -> dict[str, Any]:
@@ -52,39 +52,24 @@ def read_hf_config(folder: str) -> dict[str, Any]:
 def hf_model_fields(folder: str) -> tuple[dict[str, Any], list[str]]:
     """(ModelConfig field -> value that ``folder``'s config.json defines, problems found in it)."""
     from xorl.config import ModelConfig, _type_hints, coerce
+    from xorl.models.families import MODEL_TYPES, family
 
     raw = read_hf_config(folder)
     path = os.path.join(folder, HF_CONFIG_NAME)
-    problems = _unsupported_features(raw, path)
-    rope = raw.get("rope_parameters") or {}
-    if raw.get("rope_theta") is None and isinstance(rope, dict) and rope.get("rope_theta") is not None:
-        raw = {**raw, "rope_theta": rope["rope_theta"]}  # transformers v5 keeps it in rope_parameters
+    model_type = raw.get("model_type")
+    if model_type not in MODEL_TYPES:
+        return {}, [f"{path}: model_type={model_type!r} is not one of {list(MODEL_TYPES)}"]
+    found, problems = hf_to_fields(raw, family(model_type), path)
+    hints = _type_hints(ModelConfig)
     values: dict[str, Any] = {}
-    for name, hint in _type_hints(ModelConfig).items():
-        if name in LOCAL_FIELDS or raw.get(name) is None:
+    for name, value in found.items():
+        if name in LOCAL_FIELDS:
             continue
         try:
-            values[name] = coerce(raw[name], hint, f"{path}: {name}")
+            values[name] = value if value is None else coerce(value, hints[name], f"{path}: {name}")
         except ConfigError as e:
             problems += e.problems
-    return values, problems  # an unsupported model_type is a coerce problem above
-
-
-def _unsupported_features(raw: dict[str, Any], path: str) -> list[str]:
-    problems = []
-    if raw.get("hidden_act", "silu") != "silu":
-        problems.append(f"{path}: hidden_act={raw['hidden_act']!r}; xorl.models use SwiGLU (silu) only")
-    for key in ("rope_scaling", "rope_parameters"):
-        rope = raw.get(key) or {}
-        kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else rope
-        if kind not in ("default", None):
-            problems.append(f"{path}: {key} type {kind!r}; xorl.models support plain RoPE only")
-    for key in ("mlp_bias", "use_sliding_window"):
-        if raw.get(key):
-            problems.append(f"{path}: {key}=true is not supported by xorl.models")
-    if raw.get("attention_dropout"):
-        problems.append(f"{path}: attention_dropout={raw['attention_dropout']}; xorl.models have no dropout")
-    return problems
+    return values, problems
 
 
 def apply_model_path(config: Any) -> list[str]:
@@ -107,6 +92,11 @@ def apply_model_path(config: Any) -> list[str]:
             setattr(model, name, value)
         elif name not in TRAINING_KNOBS and not _same(model, name, value):
             problems.append(_conflict(model, name, value, origin))
+    from xorl.data.tokenizer import has_tokenizer
+
+    # The tokenizer comes with the model: the folder's, unless data.tokenizer is set explicitly.
+    if config.origins.get("data.tokenizer") is None and has_tokenizer(model.model_path):
+        config.data.tokenizer = model.model_path
     return problems
 
 

@@ -5,14 +5,24 @@ Read top to bottom, torchtitan-style: each step is one call into the plan that o
 shards the parameters the other plans created (DTensors on the TP mesh, expert shards on the EP
 mesh) on the data-parallel dims. Pipeline parallelism splits the model into stages before this
 (xorl/plans/pipeline_parallel.py); each stage is then parallelised here.
+
+Every plan returns a record of what it did; ``build_parallel_plan`` keeps them in one
+``ParallelPlan`` (xorl/parallel_plan.py), which answers the training step's questions (what to
+reduce after backward, the batch multiples, the shapes between stages), so the step itself names
+no parallelism.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
+from xorl.parallel_plan import ParallelPlan
 from xorl.plans.data_parallel import (
+    CheckpointingRecord,
+    FSDPRecord,
     apply_activation_checkpointing,
     apply_fsdp,
     checkpointing_mode,
@@ -22,33 +32,60 @@ from xorl.plans.data_parallel import (
 )
 
 
-def parallelize_model(model: nn.Module, state, config) -> nn.Module:
+@dataclass
+class PartPlan:
+    """One model part (the model, or one pipeline stage) and the records of the plans applied to it."""
+
+    module: nn.Module
+    tensor: object | None = None  # plans.tensor_parallel.TensorParallelRecord
+    context: object | None = None  # plans.context_parallel.ContextParallelRecord
+    expert: object | None = None  # plans.expert_parallel.ExpertParallelRecord
+    router_balance: object | None = None  # plans.expert_parallel.RouterBalanceRecord
+    checkpointing: CheckpointingRecord | None = None
+    fsdp: FSDPRecord | None = None
+
+
+def build_parallel_plan(model: nn.Module, state, config) -> ParallelPlan:
+    """Split ``model`` into this rank's pipeline stages (if any), parallelise each, and keep what was done."""
+    pipeline = None
+    modules = [model]
+    if state.pp_size > 1:
+        from xorl.plans.pipeline_parallel import split_into_stages
+
+        pipeline = split_into_stages(model, state, config)
+        modules = pipeline.stages
+    parts = [parallelize_model(module, state, config) for module in modules]
+    return ParallelPlan(state, config, parts, pipeline)
+
+
+def parallelize_model(model: nn.Module, state, config) -> PartPlan:
     train = config.train
+    part = PartPlan(model)
     if state.tp_size > 1:
         from xorl.plans.tensor_parallel import apply_tensor_parallel
 
-        apply_tensor_parallel(model, state.tp_mesh, sequence_parallel=train.sequence_parallel,
-                              overlap=train.tp_overlap)
+        part.tensor = apply_tensor_parallel(model, state.tp_mesh, sequence_parallel=train.sequence_parallel,
+                                            overlap=train.tp_overlap)
     if state.cp_size > 1:
         from xorl.nn.attention_backends import attention_backend
         from xorl.plans.context_parallel import apply_context_parallel
 
-        apply_context_parallel(model, ring_group=state.ring_group, ulysses_group=state.ulysses_group,
-                               attn_backend=attention_backend(config.model.attn_implementation).ring_step)
+        part.context = apply_context_parallel(
+            model, ring_group=state.ring_group, ulysses_group=state.ulysses_group,
+            attn_backend=attention_backend(config.model.attn_implementation).ring_step)
     if getattr(config.model, "num_experts", 0):
         from xorl.plans.expert_parallel import apply_expert_parallel, set_router_balance_group
 
         if state.ep_size > 1:
             # The EP mesh (not just its group): expert weights become DTensors of global shape
             # [E, ...] sharded over "ep", so checkpoints and norms see every expert exactly once.
-            apply_expert_parallel(model, state.ep_mesh)
+            part.expert = apply_expert_parallel(model, state.ep_mesh)
         # Load balancing over the whole microbatch (its CP shards and, as MoE blocks run on token
         # shards under TP, its TP shards), or Qwen's global batch (every data rank's too).
-        global_batch = config.model.router_balance_scope == "global_batch"
-        set_router_balance_group(model, state.dp_cp_tp_group if global_batch else state.cp_tp_group)
+        part.router_balance = set_router_balance_group(model, router_balance_group(state, config))
     mode = checkpointing_mode(train.activation_checkpointing)
     if mode != "none":
-        apply_activation_checkpointing(model, mode, train.activation_checkpointing_every_n_layers)
+        part.checkpointing = apply_activation_checkpointing(model, mode, train.activation_checkpointing_every_n_layers)
     if train.compile:
         # Experts FSDP-sharded on their own mesh are an FSDP unit inside the block, whose hooks
         # dynamo does not trace: the block then compiles as the graphs around them.
@@ -57,9 +94,17 @@ def parallelize_model(model: nn.Module, state, config) -> nn.Module:
                       capture_scalar_outputs=state.ep_size > 1, fullgraph=not nested_fsdp)
     if train.data_parallel_mode == "fsdp2":
         bf16 = train.dtype == "bfloat16" and torch.cuda.is_available()
-        apply_fsdp(model, state, reshard_after_forward=reshard_after_forward(train, state.pp_size),
-                   bf16_compute=bf16)
-    return model
+        part.fsdp = apply_fsdp(model, state, reshard_after_forward=reshard_after_forward(train, state.pp_size),
+                               bf16_compute=bf16)
+    return part
+
+
+def router_balance_group(state, config):
+    """The ranks whose tokens one router load-balancing statistic covers (model.router_balance_scope):
+    the context- and tensor-parallel shards of one microbatch, or every data rank's too."""
+    if config.model.router_balance_scope == "global_batch":
+        return state.dp_cp_tp_group
+    return state.cp_tp_group
 
 
 def apply_compile(

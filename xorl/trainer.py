@@ -39,12 +39,8 @@ from xorl.metrics import MetricsLogger, startup_summary
 from xorl.mfu import mfu
 from xorl.models.registry import build_model
 from xorl.models.spec import EXPERTS_LAYOUT, QKV_LAYOUT
-from xorl.nn.tensor_parallel import sum_tp_partial_grads
 from xorl.optim import build_optimizer, set_schedule_step
-from xorl.parallelize import parallelize_model
-from xorl.plans.data_parallel import all_reduce_gradients
-from xorl.plans.expert_parallel import update_router_biases
-from xorl.plans.pipeline_parallel import build_schedule, split_into_stages
+from xorl.parallelize import build_parallel_plan
 from xorl.preemption import PreemptionGuard
 from xorl.preflight import RunPlan, prepare_run
 from xorl.resume import apply_config_hparams
@@ -123,17 +119,14 @@ class Trainer:
         with torch.device("meta"):
             model = build_model(config.model, fp8=config.train.fp8)
         self.num_parameters = sum(p.numel() for p in model.parameters())
-        self.pipeline = None
-        if self.state.pp_size > 1:
-            stage_ids, stages, self.pp_inputs = split_into_stages(model, self.state, config)
-            self.parts = [parallelize_model(stage, self.state, config) for stage in stages]
-        else:
-            self.parts = [parallelize_model(model, self.state, config)]
+        # What the plans did (xorl/parallel_plan.py): the step asks it what to shard and reduce.
+        self.parallel = build_parallel_plan(model, self.state, config)
+        self.parts = self.parallel.modules
         materialise(self.parts, config, self.device)
-        if self.state.pp_size > 1:
-            self._stage_ids = stage_ids
+        self.schedule = None  # the pipeline schedule, when the model is cut into stages
+        if self.parallel.pipelined:
             self._schedules: dict[int, object] = {}
-            self.pipeline = self._build_schedule(stage_ids)
+            self.schedule = self._build_schedule()
         # One optimizer (and schedule) per model part, so optimizer state keys map to parameter names.
         pairs = [build_optimizer(part.parameters(), config.train) for part in self.parts]
         self.optimizers = [o for o, _ in pairs]
@@ -150,15 +143,6 @@ class Trainer:
                 dataset, config.data.micro_batch_size, config.train.gradient_accumulation_steps,
                 dp_rank=self.state.dp_rank, dp_size=self.state.dp_size,
             )
-        # Router load balancing is computed per group of ranks (model.router_balance_scope): the
-        # context-parallel shards of one microbatch, or every data x context rank's microbatch.
-        # Under TP the MoE blocks run on token shards, so the TP ranks hold different router-loss shares.
-        global_batch = config.model.router_balance_scope == "global_batch"
-        group_size = self.state.dp_cp_tp_size if global_batch else self.state.cp_tp_size
-        self._balance_groups = self.state.dp_cp_tp_size // group_size
-        # Each CP rank's shard is split again over TP under sequence parallel and in MoE blocks.
-        splits_over_tp = config.train.sequence_parallel or config.model.num_experts > 0
-        self._cp_local_multiple = self.state.tp_size if splits_over_tp else 1
         self.step = 0
         self.elapsed_offset_s = 0.0  # training time before this start (metrics' ``time`` is cumulative)
         self._clock: float | None = None
@@ -252,68 +236,22 @@ class Trainer:
     def parameters(self):
         return [p for part in self.parts for p in part.parameters()]
 
-    def _build_schedule(self, stage_ids: list[int], row_tokens: int | None = None):
+    def _build_schedule(self, row_tokens: int | None = None):
         """The pipeline schedule for microbatch rows of ``row_tokens`` tokens (default: seq_len).
 
-        Stages are built with static shapes. Under ring attention the rows are padded per document,
-        so each step is padded to a bucket (``_context_parallel_bucket``) and one schedule is kept
-        per bucket (``self._schedules``); the stage modules are shared.
+        Stages are built with static shapes. Where the layout pads rows per document, each step is
+        padded to a bucket (``ParallelPlan.row_bucket``) and one schedule is kept per bucket
+        (``self._schedules``); the stage modules are shared.
         """
-        config, state = self.config, self.state
-        row_tokens = config.data.seq_len if row_tokens is None else row_tokens
-        tokens = config.data.micro_batch_size * row_tokens // state.cp_size
+        row_tokens = self.config.data.seq_len if row_tokens is None else row_tokens
         self._step_tokens = 1
 
         def loss_fn(logits, labels):
             return token_loss_sum(logits, labels) / self._step_tokens
 
-        example = torch.zeros((1, tokens), dtype=torch.int64)
-        # Under sequence parallel the stages pass this TP rank's sequence shard (plans/tensor_parallel.py).
-        hidden_tokens = tokens // state.tp_size if config.train.sequence_parallel and state.tp_size > 1 else tokens
-        return build_schedule(
-            stage_ids, self.parts, state, config, self.device, example,
-            hidden_shape=(1, hidden_tokens, config.model.hidden_size),
-            output_shape=(1, tokens, config.model.vocab_size), loss_fn=loss_fn,
-        )
+        return self.parallel.build_schedule(row_tokens, loss_fn, self.device)
 
     # -- one optimizer step ----------------------------------------------------------------
-    def _context_parallel_bucket(self, microbatches: list[dict]) -> int | None:
-        """Under pipelining with ring attention: the row length every microbatch of the step is padded to.
-
-        Why: ring attention pads each document to a multiple of 2 x ring (x ulysses), so rows come
-        out at different lengths, and pipeline stages exchange fixed shapes. The step's longest
-        padded row is rounded up to a granule of about seq_len / 16, so few distinct buckets (and
-        schedules) arise; every pipeline rank reads the same microbatches, so all agree.
-        """
-        state = self.state
-        if self.pipeline is None or state.ring_size == 1:
-            return None
-        from xorl.distributed.zigzag import padded_document_lengths
-
-        multiple = 2 * state.ring_size * state.ulysses_size * self._cp_local_multiple
-        granule = multiple * max(1, -(-self.config.data.seq_len // (16 * multiple)))
-        longest = 0
-        for mb in microbatches:
-            cu = mb["cu_seqlens"].tolist()  # host data from the loader
-            doc_lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
-            padded = padded_document_lengths(doc_lens, state.ring_size, state.ulysses_size, self._cp_local_multiple)
-            longest = max(longest, sum(padded))
-        return -(-longest // granule) * granule
-
-    def _shard_for_context_parallel(self, mb: dict, pad_to: int | None = None) -> dict:
-        if self.state.cp_size == 1:
-            return mb
-        from xorl.distributed.zigzag import prepare_context_parallel_batch
-
-        cp = prepare_context_parallel_batch(
-            mb["input_ids"], mb["labels"], mb["position_ids"], mb["cu_seqlens"],
-            ring=self.state.ring_group, ulysses=self.state.ulysses_group,
-            pad_token_id=self.tokenizer.pad_id, shift_labels=False, pad_to=pad_to,
-            local_multiple=self._cp_local_multiple,
-        )
-        return {"input_ids": cp.input_ids, "labels": cp.labels, "position_ids": cp.position_ids,
-                "cu_seqlens": cp.cu_seqlens, "max_seqlen": cp.max_seqlen, "token_mask": cp.token_mask}
-
     def _to_device(self, mb: dict) -> dict:
         """Host batch -> compute device: pinned memory and non-blocking copies, so the host runs ahead."""
         if self.device.type != "cuda":
@@ -329,40 +267,29 @@ class Trainer:
         losses and gradient norm stay device tensors until the one read at the end, which also
         checks that the loss and norm are finite.
         """
-        state = self.state
+        plan = self.parallel
         raw = self.loader.microbatches(self.step)
-        bucket = self._context_parallel_bucket(raw)
-        host_mbs = [self._shard_for_context_parallel(mb, bucket) for mb in raw]
-        if bucket is not None:  # pipelining x ring attention: the schedule of this step's row length
+        bucket = plan.row_bucket(raw)
+        host_mbs = [plan.shard_batch(mb, self.tokenizer.pad_id, bucket) for mb in raw]
+        if bucket is not None:  # padded rows under pipelining: the schedule of this step's row length
             if bucket not in self._schedules:
-                self._schedules[bucket] = self._build_schedule(self._stage_ids, bucket)
-            self.pipeline = self._schedules[bucket]
-        n_tok = count_label_tokens(host_mbs, state.dp_cp_group, self.device)
+                self._schedules[bucket] = self._build_schedule(bucket)
+            self.schedule = self._schedules[bucket]
+        n_tok = count_label_tokens(host_mbs, plan.token_count_group, self.device)
         microbatches = [self._to_device(mb) for mb in host_mbs]
-        if self.pipeline is not None:
+        if self.schedule is not None:
             loss_sum, aux_sum = self._pipelined_forward_backward(microbatches, n_tok)
         else:
             loss_sum, aux_sum = self._forward_backward(microbatches, n_tok)
-        if state.tp_size > 1 and self.config.model.num_experts:  # router-loss shares differ over TP
-            dist.all_reduce(aux_sum, group=state.tp_group)
-        sums = torch.stack([loss_sum, aux_sum])  # one collective for both
-        if state.dp_cp_size > 1:
-            dist.all_reduce(sums, group=state.dp_cp_group)
-        if state.pp_size > 1:  # only the last stage computed the loss; each stage its own router losses
-            dist.all_reduce(sums, group=state.pp_group)
-        # Replicated-over-TP parameters used on a shard of the data (SP norms, q/k norms): one
-        # all-reduce per step adds up their partial gradients.
-        sum_tp_partial_grads(self.parts)
-        if self.config.train.data_parallel_mode != "fsdp2" and state.dp_cp_size > 1:
-            all_reduce_gradients(self.parameters(), state.dp_cp_group)
-        grad_norm = clip_grad_norm_(self.parameters(), self.config.train.max_grad_norm, state.pp_group)
+        # The step's sums over every rank, and the gradient reductions the layout needs.
+        sums = plan.after_backward(loss_sum, aux_sum)
+        grad_norm = clip_grad_norm_(self.parameters(), self.config.train.max_grad_norm, plan.grad_norm_group)
         lr = self.schedulers[0].get_last_lr()[0]
         for optimizer, scheduler in zip(self.optimizers, self.schedulers):
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-        if self.config.model.router_expert_bias:  # auxiliary-loss-free balancing: one all-reduce
-            update_router_biases(self.parts, state.dp_cp_tp_group)
+        plan.after_optimizer_step()
         ga = len(microbatches)
         loss_total, aux_total, norm, tokens = torch.stack(
             [sums[0], sums[1], grad_norm.double(), n_tok.double()]
@@ -373,9 +300,8 @@ class Trainer:
                 f"step {self.step}: loss={loss_value} grad_norm={norm}; stopping with the last "
                 f"good checkpoint left in {self.config.train.output_dir}"
             )
-        has_aux = self.config.model.num_experts > 0
         result = StepResult(self.step, loss_value, norm, lr, int(tokens),
-                            aux_total / (ga * self._balance_groups) if has_aux else None)
+                            aux_total / (ga * plan.balance_groups) if plan.has_router_loss else None)
         self.step += 1
         return result
 
@@ -395,7 +321,7 @@ class Trainer:
             if out.router_loss is not None:
                 # Each rank's router loss is its share of its balance group's loss (xorl/nn/router.py);
                 # summed over the group and averaged over the step's groups x microbatches.
-                loss = loss + out.router_loss / (ga * self._balance_groups)
+                loss = loss + out.router_loss / (ga * self.parallel.balance_groups)
                 aux_sum += out.router_loss.detach().double()
             loss.backward()
             loss_sum += local_sum.detach().double()
@@ -403,26 +329,21 @@ class Trainer:
 
     def _pipelined_forward_backward(self, microbatches: list[dict], n_tok: torch.Tensor):
         """One schedule step over the microbatches; returns this rank's (loss sum, router-loss sum)."""
-        state = self.state
+        plan = self.parallel
         ga = len(microbatches)
         side = [{"position_ids": mb["position_ids"], "cu_seqlens": mb["cu_seqlens"],
                  "max_seqlen": mb["max_seqlen"], "token_mask": mb.get("token_mask")} for mb in microbatches]
-        self.pp_inputs.start_step(side, aux_scale=1.0 / (ga * self._balance_groups), device=self.device)
-        for part in self.parts:
-            part.reset_microbatch_counter()
+        plan.start_pipeline_step(side, aux_scale=1.0 / (ga * plan.balance_groups), device=self.device)
         self._step_tokens = n_tok.clamp(min=1).to(torch.float32)
-        first, last = state.is_first_stage, state.is_last_stage
-        if len(self.parts) > 1:  # looped / V schedules: stage 0 and the last stage may both be here
-            first = any(isinstance(getattr(p.model, "embed_tokens", None), nn.Module) for p in self.parts)
-            last = any(p.lm_head is not None for p in self.parts)
-        args = (torch.cat([mb["input_ids"] for mb in microbatches]),) if first else ()
-        target = torch.cat([mb["labels"] for mb in microbatches]) if last else None
+        # Looped / V schedules: the first and the last stage may both be on this rank.
+        args = (torch.cat([mb["input_ids"] for mb in microbatches]),) if plan.holds_first_stage else ()
+        target = torch.cat([mb["labels"] for mb in microbatches]) if plan.holds_last_stage else None
         losses: list[torch.Tensor] = []
-        self.pipeline.step(*args, target=target, losses=losses)
+        self.schedule.step(*args, target=target, losses=losses)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for loss in losses:  # each is this microbatch's token-loss sum / n_tok
             loss_sum += loss.detach().double() * self._step_tokens.double()
-        return loss_sum, self.pp_inputs.router_loss_sum
+        return loss_sum, plan.stage_router_loss_sum
 
     # -- the loop --------------------------------------------------------------------------
     def train(self, stop_at: int | None = None) -> list[StepResult]:

@@ -2,7 +2,8 @@
 
     xorl-plan MODEL --gpus N [--gpus-per-node 8] [--gpu-memory-gb 80] [--seq-len S]
               [--global-batch-tokens T] [--layout field=size,...] [--precision fp32-master|fp16]
-              [--peak-tflops F] [--hbm-gbps B] [--nvlink-gbps B] [--ib-gbps B] [--top K]
+              [--peak-tflops F] [--hbm-gbps B] [--nvlink-gbps B] [--nic-gbps B] [--nics-per-node K]
+              [--efficiency FILE.json] [--top K]
               [--json] [--write-config OUT.yaml]
 
 MODEL: an xorl YAML, a local Hugging Face folder (its config.json), or a parameter count such as
@@ -45,7 +46,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--peak-tflops", type=float, default=hw.peak_tflops)
     ap.add_argument("--hbm-gbps", type=float, default=hw.hbm_gbps)
     ap.add_argument("--nvlink-gbps", type=float, default=hw.nvlink_gbps, help="per GPU, inside a node")
-    ap.add_argument("--ib-gbps", type=float, default=hw.ib_gbps, help="per GPU, across nodes")
+    ap.add_argument("--nic-gbps", "--ib-gbps", dest="nic_gbps", type=float, default=hw.nic_gbps,
+                    help="GB/s per network NIC (400 Gb/s: 50)")
+    ap.add_argument("--nics-per-node", type=int, default=hw.nics_per_node, help="network NICs per node")
+    ap.add_argument("--efficiency", metavar="FILE.json",
+                    help="kernel / link efficiencies (default: xorl/planner/efficiency.json; "
+                         "scripts/plan_calibrate.py writes a refit one)")
     ap.add_argument("--top", type=int, default=8, help="rows of the table (--json lists every layout)")
     ap.add_argument("--json", action="store_true", help='print {"candidates": [...]}')
     ap.add_argument("--write-config", metavar="OUT.yaml", help="write the first candidate as an xorl-train config")
@@ -55,7 +61,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def _check_numbers(args: argparse.Namespace) -> None:
     problems = [f"--{name.replace('_', '-')}={getattr(args, name)} must be > 0"
                 for name in ("gpus", "gpus_per_node", "gpu_memory_gb", "peak_tflops", "hbm_gbps", "nvlink_gbps",
-                             "ib_gbps", "top", "seq_len", "global_batch_tokens")
+                             "nic_gbps", "nics_per_node", "top", "seq_len", "global_batch_tokens")
                 if getattr(args, name) is not None and not getattr(args, name) > 0]
     if problems:
         raise ConfigError(problems)
@@ -74,7 +80,7 @@ def parse_layout(text: str) -> dict:
 def run(args: argparse.Namespace) -> tuple[list[Candidate], dict]:
     _check_numbers(args)
     hw = Hardware(args.gpus_per_node, args.gpu_memory_gb, args.peak_tflops, args.hbm_gbps, args.nvlink_gbps,
-                  args.ib_gbps)
+                  args.nic_gbps, args.nics_per_node, args.efficiency)
     opts = Options(args.gpus, hw, args.global_batch_tokens, args.precision)
     source = read_model_source(args.model)
     layout = parse_layout(args.layout) if args.layout else {}
@@ -168,6 +174,8 @@ def write_config(candidate: Candidate, path: str, header: dict) -> None:
     with open(path, "w") as f:
         f.write(f"# Written by xorl-plan for {header['model']} on {gpus} GPUs: {short_layout(candidate.layout)}\n"
                 f"# world_size: {gpus}\n# {launch} -m xorl.cli.train {path}\n")
+        for note in header.get("notes", []):
+            f.write(f"# note: {note}\n")
         f.write(candidate.config.to_yaml())
     load_config(path).validate(gpus)  # what xorl-train will do with it
 

@@ -1,4 +1,10 @@
-"""Tokenizers: a byte-level default that needs nothing, and a local Hugging Face tokenizer.json."""
+"""Tokenizers: a byte-level default that needs nothing, and a local Hugging Face tokenizer.
+
+A model folder (tokenizer_config.json and / or tokenizer.json beside config.json) loads through
+transformers' AutoTokenizer from the local files; its end-of-text token is the one the folder names
+(tokenizer_config.json's eos_token, else config.json's eos_token_id). With ``model.model_path`` set
+and ``data.tokenizer`` unset, the model folder is the tokenizer (xorl/model_path.py).
+"""
 
 from __future__ import annotations
 
@@ -25,40 +31,95 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A local `tokenizer.json` (the `tokenizers` library); no hub access."""
+    """A local Hugging Face tokenizer: a folder (AutoTokenizer, local files only) or a bare
+    tokenizer.json (the ``tokenizers`` library); no hub access."""
 
     def __init__(self, path: str) -> None:
-        try:
-            from tokenizers import Tokenizer
-        except ImportError as err:  # pragma: no cover - tokenizers ships with transformers
-            raise ImportError("data.tokenizer=<path> needs `tokenizers`: pip install tokenizers") from err
-        file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
-        if not os.path.isfile(file):
-            raise FileNotFoundError(f"data.tokenizer: no tokenizer.json at {path!r}")
-        self._tok = Tokenizer.from_file(file)
-        self.vocab_size = self._tok.get_vocab_size()
-        self.eos_id = self._special(["</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "[SEP]"])
-        self.pad_id = self._special(["<pad>", "<|pad|>", "[PAD]"], default=self.eos_id)
+        self.path = path
+        folder = path if os.path.isdir(path) else os.path.dirname(path) or "."
+        if os.path.isdir(path) and os.path.isfile(os.path.join(path, "tokenizer_config.json")):
+            from transformers import AutoTokenizer
 
-    def _special(self, names: list[str], default: int | None = None) -> int:
+            self._hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            self._tok = None
+            self.vocab_size = len(self._hf)
+            eos = self._hf.eos_token_id
+        else:
+            try:
+                from tokenizers import Tokenizer
+            except ImportError as err:  # pragma: no cover - tokenizers ships with transformers
+                raise ImportError("data.tokenizer=<path> needs `tokenizers`: pip install tokenizers") from err
+            file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+            if not os.path.isfile(file):
+                raise FileNotFoundError(f"data.tokenizer: no tokenizer.json at {path!r}")
+            self._hf = None
+            self._tok = Tokenizer.from_file(file)
+            self.vocab_size = self._tok.get_vocab_size()
+            eos = None
+        config_ids = _config_token_ids(folder)
+        if eos is None:
+            eos = config_ids.get("eos_token_id")
+        if eos is None and self._tok is not None:
+            # A bare tokenizer.json names no end-of-text token; the common spellings are the only clue.
+            eos = self._special(["</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "[SEP]"])
+        if eos is None:
+            raise ValueError(f"tokenizer {path!r} names no end-of-text token: set eos_token in tokenizer_config.json "
+                             "or eos_token_id in config.json")
+        self.eos_id = int(eos)
+        pad = self._hf.pad_token_id if self._hf is not None else None
+        if pad is None:
+            pad = config_ids.get("pad_token_id")
+        self.pad_id = self.eos_id if pad is None else int(pad)
+
+    def _special(self, names: list[str]) -> int | None:
         for name in names:
             idx = self._tok.token_to_id(name)
             if idx is not None:
                 return idx
-        if default is not None:
-            return default
-        raise ValueError(f"tokenizer has none of the end-of-text tokens {names}; add one to tokenizer.json")
+        return None
 
     def encode(self, text: str, add_eos: bool = True) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if self._hf is not None:
+            ids = self._hf.encode(text, add_special_tokens=False)
+        else:
+            ids = self._tok.encode(text, add_special_tokens=False).ids
         return ids + [self.eos_id] if add_eos else ids
 
     def decode(self, ids) -> str:
+        if self._hf is not None:
+            return self._hf.decode(list(ids))
         return self._tok.decode(list(ids))
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer({self.path!r}, vocab {self.vocab_size}, eos {self.eos_id})"
+
+
+def _config_token_ids(folder: str) -> dict:
+    """eos / pad_token_id from ``folder``'s config.json (a list of eos ids: the first)."""
+    import json
+
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    ids = {}
+    for key in ("eos_token_id", "pad_token_id"):
+        value = config.get(key)
+        if isinstance(value, list):
+            value = value[0] if value else None
+        if value is not None:
+            ids[key] = value
+    return ids
+
+
+def has_tokenizer(folder: str) -> bool:
+    """Whether a model folder ships its tokenizer."""
+    return any(os.path.isfile(os.path.join(folder, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
 
 
 def build_tokenizer(spec: str):
-    """`"byte"` (default) or a path to a local tokenizer.json / a folder holding one."""
+    """`"byte"` (default) or a path to a local tokenizer.json / a model folder holding its tokenizer."""
     if spec in ("byte", "", None):
         return ByteTokenizer()
     return HFTokenizer(spec)

@@ -1,9 +1,12 @@
-"""HF-compatible Llama-style dense and Qwen3-MoE-style models, and HF safetensors IO."""
+"""HF-compatible decoder families (xorl/models/registry.py), from_pretrained / save_pretrained, HF safetensors IO."""
 
 from xorl._lazy import lazy_getattr
 
 _EXPORTS = {
     "build_model": ".registry",
+    "from_pretrained": ".pretrained",
+    "save_pretrained": ".pretrained",
+    "MODEL_TYPES": ".registry",
     "to_hf_config_dict": ".registry",
     "ModelSpec": ".spec",
     "CausalLMOutput": ".decoder",

@@ -149,7 +149,7 @@ class LocalAttention(nn.Module):
 
 class Attention(nn.Module):
     """GQA self-attention with HF names: q_proj/k_proj/v_proj (or one fused qkv_proj), o_proj,
-    and for Qwen3 q_norm/k_norm (RMSNorm over head_dim, applied per head before RoPE).
+    and q_norm/k_norm before RoPE (Qwen3: per head; OLMoE: over the whole projection).
 
     merge_qkv: ``qkv_proj`` rows are grouped by KV head (Megatron's layout, ``QKV_LAYOUT``): for
     each of the hkv groups, its hq/hkv query heads, then its key head, then its value head. Why not
@@ -172,10 +172,14 @@ class Attention(nn.Module):
             self.q_proj = Linear(spec.hidden_size, q_size, bias=bias, fp8=spec.fp8)
             self.k_proj = Linear(spec.hidden_size, kv_size, bias=bias, fp8=spec.fp8)
             self.v_proj = Linear(spec.hidden_size, kv_size, bias=bias, fp8=spec.fp8)
-        self.o_proj = Linear(q_size, spec.hidden_size, bias=bias, fp8=spec.fp8)
-        if spec.qk_norm:
-            self.q_norm = RMSNorm(spec.head_dim, eps=spec.rms_norm_eps)
-            self.k_norm = RMSNorm(spec.head_dim, eps=spec.rms_norm_eps)
+        self.o_proj = Linear(q_size, spec.hidden_size, bias=spec.o_proj_bias, fp8=spec.fp8)
+        # "head": RMSNorm over head_dim of each head (Qwen3); "width": over the whole q / k
+        # projection, all heads at once (OLMoE), so it needs every head of the token.
+        self.qk_norm = spec.qk_norm
+        if spec.qk_norm != "none":
+            width = spec.qk_norm == "width"
+            self.q_norm = RMSNorm(q_size if width else spec.head_dim, eps=spec.rms_norm_eps)
+            self.k_norm = RMSNorm(kv_size if width else spec.head_dim, eps=spec.rms_norm_eps)
         else:
             self.q_norm = None
             self.k_norm = None
@@ -203,9 +207,11 @@ class Attention(nn.Module):
         # this rank's heads (-1), and under sequence parallelism ``hidden`` is this rank's sequence shard
         # while q/k/v cover the whole sequence.
         batch, seq = q.shape[:2]
+        if self.qk_norm == "width":
+            q, k = self.q_norm(q), self.k_norm(k)
         heads_shape = (batch, seq, -1, self.head_dim)
         q, k, v = q.view(heads_shape), k.view(heads_shape), v.view(heads_shape)
-        if self.q_norm is not None:
+        if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.core_attention(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)

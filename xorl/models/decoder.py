@@ -1,4 +1,4 @@
-"""The decoder-only causal LM shared by the Llama and Qwen3-MoE families.
+"""The decoder-only causal LM every family builds (xorl/models/registry.py lists them).
 
 Module tree and parameter names mirror transformers (LlamaForCausalLM / Qwen3MoeForCausalLM):
     model.embed_tokens, model.layers[i].{input_layernorm, self_attn, post_attention_layernorm, mlp},
@@ -34,7 +34,7 @@ from xorl.models.attention import Attention
 from xorl.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
 from xorl.models.spec import ModelSpec
 from xorl.nn.cross_entropy import cross_entropy_sum
-from xorl.nn.moe import MoE
+from xorl.nn.moe import MoE, MoEAux
 
 IGNORE_INDEX = -100
 
@@ -47,7 +47,7 @@ class CausalLMOutput:
     loss              mean cross-entropy over label tokens != -100 (fp32); None without labels.
                       Contains NO router loss.
     num_label_tokens  number of label tokens that entered ``loss`` (so loss * num_label_tokens is the sum)
-    router_loss       MoE only: sum over this forward's MoE layers of each block's ``last_aux_loss``
+    router_loss       MoE only: sum over this forward's MoE layers of the ``aux.loss`` each block returns
                       = router_aux_loss_coef * load_balancing_loss + router_z_loss_coef * z_loss
                       (already weighted, differentiable: add it to the LM loss); None on dense models
     router_stats      MoE only, detached, one row per MoE layer of this forward:
@@ -61,30 +61,6 @@ class CausalLMOutput:
     num_label_tokens: torch.Tensor | None = None
     router_loss: torch.Tensor | None = None
     router_stats: dict = field(default_factory=dict)
-
-
-def hf_decoder_config(spec: ModelSpec, architecture: str, model_type: str) -> dict:
-    """The config.json fields every transformers decoder family here shares (Llama, Qwen3-MoE)."""
-    return {
-        "architectures": [architecture],
-        "model_type": model_type,
-        "vocab_size": spec.vocab_size,
-        "hidden_size": spec.hidden_size,
-        "intermediate_size": spec.intermediate_size,
-        "num_hidden_layers": spec.num_hidden_layers,
-        "num_attention_heads": spec.num_attention_heads,
-        "num_key_value_heads": spec.num_key_value_heads,
-        "head_dim": spec.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": spec.max_position_embeddings,
-        "initializer_range": spec.initializer_range,
-        "rms_norm_eps": spec.rms_norm_eps,
-        "rope_theta": spec.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta},
-        "tie_word_embeddings": spec.tie_word_embeddings,
-        "attention_bias": spec.attention_bias,
-        "attention_dropout": 0.0,
-    }
 
 
 def positions_from_cu_seqlens(cu_seqlens: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -102,14 +78,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         self.mlp = mlp
 
-    def forward(self, hidden, cos, sin, cu_seqlens=None, max_seqlen=None, token_mask=None):
+    def forward(self, hidden, cos, sin, cu_seqlens=None, max_seqlen=None, token_mask=None
+                ) -> tuple[torch.Tensor, MoEAux | None]:
+        """(hidden, the MoE block's auxiliary losses, or None for a dense MLP)."""
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, cu_seqlens, max_seqlen)
         x = self.post_attention_layernorm(hidden)
         # token_mask (False on padding the context-parallel split added) only matters to an MoE
         # block's routing statistics; a dense MLP is per token anyway.
-        if token_mask is not None and isinstance(self.mlp, MoE):
-            return hidden + self.mlp(x, token_mask=token_mask)
-        return hidden + self.mlp(x)
+        if isinstance(self.mlp, MoE):
+            out, aux = self.mlp(x, token_mask=token_mask)
+            return hidden + out, aux
+        return hidden + self.mlp(x), None
 
 
 class DecoderModel(nn.Module):
@@ -120,9 +99,12 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(spec.head_dim, spec.rope_theta)
+        self.rotary_emb = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling, spec.rotary_dim,
+                                          spec.max_position_embeddings)
 
-    def forward(self, input_ids, position_ids=None, cu_seqlens=None, max_seqlen=None, token_mask=None):
+    def forward(self, input_ids, position_ids=None, cu_seqlens=None, max_seqlen=None, token_mask=None
+                ) -> tuple[torch.Tensor, list[tuple[int, MoEAux]]]:
+        """(hidden states, [(layer index, its MoE block's auxiliary losses)] for the MoE layers run)."""
         if self.embed_tokens is not None:
             if input_ids.dtype.is_floating_point:
                 raise TypeError("input_ids must be integer token ids [batch, seq]")
@@ -150,16 +132,19 @@ class DecoderModel(nn.Module):
         if cu_seqlens is not None and max_seqlen is None:
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
         cos, sin = self.rotary_emb(position_ids, hidden.dtype)
-        for layer in self.layers:
+        auxes = []
+        for idx, layer in enumerate(self.layers):
             if layer is not None:
-                hidden = layer(hidden, cos, sin, cu_seqlens, max_seqlen, token_mask)
+                hidden, aux = layer(hidden, cos, sin, cu_seqlens, max_seqlen, token_mask)
+                if aux is not None:
+                    auxes.append((idx, aux))
         if self.norm is not None:
             hidden = self.norm(hidden)
-        return hidden
+        return hidden, auxes
 
 
 class DecoderForCausalLM(nn.Module):
-    """Base of LlamaForCausalLM / Qwen3MoeForCausalLM; subclasses choose the MLP of each layer."""
+    """The causal LM of every family: the spec (and its family's traits) decides each block."""
 
     def __init__(self, config, fp8: str = "none"):
         super().__init__()
@@ -173,8 +158,28 @@ class DecoderForCausalLM(nn.Module):
         self.tie_weights()
 
     def build_mlp(self, spec: ModelSpec, layer_idx: int) -> nn.Module:
-        return SwiGLUMLP(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias, merge_gate_up=spec.merge_gate_up,
-                         fp8=spec.fp8)
+        """A dense SwiGLU MLP, or on an MoE layer (``spec.is_moe_layer``) the family's MoE block."""
+        if not spec.is_moe_layer(layer_idx):
+            return SwiGLUMLP(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias,
+                             merge_gate_up=spec.merge_gate_up, fp8=spec.fp8)
+        return MoE(
+            spec.hidden_size,
+            spec.num_experts,
+            spec.num_experts_per_tok,
+            spec.moe_intermediate_size,
+            norm_topk_prob=spec.norm_topk_prob,
+            scoring=spec.router_scoring,
+            expert_bias=spec.router_expert_bias,
+            bias_update_rate=spec.router_bias_update_rate,
+            n_group=spec.router_n_group,
+            topk_group=spec.router_topk_group,
+            routed_scaling_factor=spec.routed_scaling_factor,
+            shared_expert_intermediate_size=spec.shared_expert_intermediate_size,
+            shared_expert_gate=spec.family.shared_expert_gate,
+            aux_loss_coef=spec.router_aux_loss_coef,
+            z_loss_coef=spec.router_z_loss_coef,
+            fp8=spec.fp8,
+        )
 
     def tie_weights(self) -> None:
         """lm_head shares the embedding matrix when tie_word_embeddings (re-run after to_empty)."""
@@ -199,7 +204,7 @@ class DecoderForCausalLM(nn.Module):
 
     def forward(self, input_ids, position_ids=None, labels=None, cu_seqlens=None, max_seqlen=None,
                 token_mask=None):
-        hidden = self.model(input_ids, position_ids, cu_seqlens, max_seqlen, token_mask)
+        hidden, auxes = self.model(input_ids, position_ids, cu_seqlens, max_seqlen, token_mask)
         logits = self.lm_head(hidden) if self.lm_head is not None else hidden
         output = CausalLMOutput(logits=logits)
         if labels is not None:
@@ -210,22 +215,15 @@ class DecoderForCausalLM(nn.Module):
             token_loss = cross_entropy_sum(logits, labels)  # vocabulary-sharded logits too (TP)
             output.num_label_tokens = (labels != IGNORE_INDEX).sum()
             output.loss = token_loss / output.num_label_tokens.clamp(min=1)
-        self._collect_router_stats(output)
+        _add_router_losses(output, auxes)
         return output
 
-    def _collect_router_stats(self, output: CausalLMOutput) -> None:
-        """Read the router losses every MoE block (reference or xorl.nn.MoE) left on itself."""
-        moe_layers, aux_losses, stats = [], [], []
-        for idx, layer in enumerate(self.model.layers):
-            aux = getattr(layer.mlp, "last_aux_loss", None) if layer is not None else None
-            if aux is None:
-                continue
-            moe_layers.append(idx)
-            aux_losses.append(aux)
-            stats.append(layer.mlp.last_stats)
-        if not moe_layers:
-            return
-        output.router_loss = torch.stack(aux_losses).sum()
-        output.router_stats = {"moe_layers": moe_layers}
-        for key in ("load_balancing_loss", "z_loss", "tokens_per_expert"):
-            output.router_stats[key] = torch.stack([s[key] for s in stats])
+
+def _add_router_losses(output: CausalLMOutput, auxes: list[tuple[int, MoEAux]]) -> None:
+    """The sum of the router losses the MoE layers returned, and their statistics, one row each."""
+    if not auxes:
+        return
+    output.router_loss = torch.stack([aux.loss for _, aux in auxes]).sum()
+    output.router_stats = {"moe_layers": [idx for idx, _ in auxes]}
+    for key in ("load_balancing_loss", "z_loss", "tokens_per_expert"):
+        output.router_stats[key] = torch.stack([getattr(aux, key) for _, aux in auxes])

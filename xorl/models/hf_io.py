@@ -12,6 +12,9 @@ Name / layout conversions (everything else keeps its name):
 - merge_gate_up: the dense MLP's ``mlp.gate_up_proj`` rows alternate gate and up units (row 2i
   gate i, row 2i + 1 up i; xorl/models/layers.py); HF files hold ``gate_proj`` / ``up_proj``.
 - tie_word_embeddings: ``lm_head.weight`` is not written (as in HF) and ignored when loading.
+- A family's own spelling (``Family.weight_names``: Mixtral's ``block_sparse_moe.experts.{j}.w1``,
+  GLM's ``mlp.shared_experts``) is applied last when writing and first when reading
+  (``FileNames``); everything above works on the common names.
 
 Parallel models: each rank loads only the boxes its DTensor shards (FSDP2 / TP / EP) hold, read
 lazily from the files (``get_slice``), and a pipeline stage only its own layers; expert-parallel
@@ -49,6 +52,42 @@ _SHARD_NAME = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 _STACKED_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
 _GATE_UP = re.compile(r"^(?P<prefix>.*\.mlp)\.gate_up_proj\.(?P<kind>weight|bias)$")
 _QKV = re.compile(r"^(?P<prefix>.*\.self_attn)\.qkv_proj\.(?P<kind>weight|bias)$")
+
+
+class FileNames:
+    """A family's HF file names <-> the common names (Qwen / Llama spelling) the recipes use."""
+
+    def __init__(self, spec: ModelSpec | None):
+        family = spec.family if spec is not None else None
+        pairs = family.weight_names if family is not None else ()
+        self.ignore_layers_from = spec.num_hidden_layers if family is not None and family.ignore_extra_layers else None
+
+        def rule(src: str, dst: str):
+            pattern = re.compile(r"\." + re.escape(src).replace(re.escape("{j}"), r"(\d+)"))
+            return pattern, "." + dst.replace("{j}", r"\1")
+
+        self.to_file = [rule(a, b) for a, b in pairs]
+        self.from_file = [rule(b, a) for a, b in pairs]
+
+    @staticmethod
+    def _apply(rules, name: str) -> str:
+        for pattern, repl in rules:
+            name, count = pattern.subn(repl, name, count=1)
+            if count:
+                break
+        return name
+
+    def file_name(self, name: str) -> str:
+        return self._apply(self.to_file, name)
+
+    def common_name(self, name: str) -> str:
+        return self._apply(self.from_file, name)
+
+    def ignored(self, name: str) -> bool:
+        """Layers past num_hidden_layers that the family's files hold but the model never builds."""
+        if self.ignore_layers_from is None or not name.startswith("model.layers."):
+            return False
+        return int(name.split(".")[2]) >= self.ignore_layers_from
 
 
 # ----------------------------------------------------------------------------------------------
@@ -239,16 +278,22 @@ class _SliceReader:
     process's resident memory until the file is closed.
     """
 
-    def __init__(self, folder: str):
+    def __init__(self, folder: str, names: FileNames | None = None):
         self.folder = folder
         self.files = _checkpoint_files(folder)
-        self.file_of: dict[str, str] = {}
+        self.file_of: dict[str, str] = {}  # by common name (FileNames)
+        self.key_of: dict[str, str] = {}  # common name -> the key in the file
         self.shapes: dict[str, tuple[int, ...]] = {}
+        names = names or FileNames(None)
         for file in self.files:
             with safe_open(os.path.join(folder, file), framework="pt") as f:
                 for key in f.keys():
-                    self.file_of[key] = file
-                    self.shapes[key] = tuple(f.get_slice(key).get_shape())
+                    if names.ignored(key):
+                        continue
+                    name = names.common_name(key)
+                    self.file_of[name] = file
+                    self.key_of[name] = key
+                    self.shapes[name] = tuple(f.get_slice(key).get_shape())
         self._open: str | None = None
         self._stack = contextlib.ExitStack()
         self._handle = None
@@ -262,7 +307,7 @@ class _SliceReader:
             self.close()
             self._handle = self._stack.enter_context(safe_open(os.path.join(self.folder, file), framework="pt"))
             self._open = file
-        return self._handle.get_slice(key)[index]
+        return self._handle.get_slice(self.key_of[key])[index]
 
     def close(self) -> None:
         self._stack.close()
@@ -302,7 +347,7 @@ class _Match:
 
 
 def _match(model: nn.Module, folder: str) -> _Match:
-    reader = _SliceReader(folder)
+    reader = _SliceReader(folder, FileNames(getattr(model, "spec", None)))
     sources = set(reader.file_of)
     tied = bool(getattr(getattr(model, "spec", None), "tie_word_embeddings", False))
     targets = _load_targets(model)
@@ -397,6 +442,11 @@ def hf_pieces(name: str, shape: tuple[int, ...], spec: ModelSpec) -> list[tuple[
     """The HF tensors that xorl tensor ``name`` (of global ``shape``) becomes: (HF name, function
     from the xorl tensor to that HF tensor, a view). Empty for a tied lm_head. Decided from the
     name and shape alone, so an export can plan its files before reading any data."""
+    names = FileNames(spec)
+    return [(names.file_name(hf_name), take) for hf_name, take in _common_pieces(name, shape, spec)]
+
+
+def _common_pieces(name: str, shape: tuple[int, ...], spec: ModelSpec) -> list[tuple[str, Callable]]:
     if spec.tie_word_embeddings and name == "lm_head.weight":
         return []
     qkv = _QKV.match(name)

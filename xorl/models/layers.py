@@ -35,28 +35,63 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for explicit position ids.
+    """cos/sin tables for explicit position ids, for the spec's rotary dims and RoPE scaling.
 
-    Why no buffer: the inverse frequencies are recomputed per call (a [head_dim/2] vector), so the
-    module has no state to materialise after building on the meta device, and positions can be
-    anything (context-parallel shards, packed documents restarting at 0).
+    Why no buffer: the inverse frequencies are a [rotary_dim/2] vector kept as a plain CPU tensor
+    (copied to the positions' device once per device), so the module has no state to materialise
+    after building on the meta device, and positions can be anything (context-parallel shards,
+    packed documents restarting at 0): a scaled RoPE (llama3 / linear / yarn) is a function of the
+    position alone, so every shard computes its own rows of the same table.
+    Scaled variants take their inverse frequencies and cos/sin factor from transformers'
+    ROPE_INIT_FUNCTIONS (the reference implementation) rather than re-deriving them.
     """
 
-    def __init__(self, head_dim: int, theta: float):
+    def __init__(self, head_dim: int, theta: float, rope_scaling: dict | None = None, rotary_dim: int | None = None,
+                 max_position_embeddings: int = 2048):
         super().__init__()
-        self.head_dim = head_dim
+        self.head_dim = rotary_dim or head_dim
         self.theta = theta
+        self.rope_scaling = rope_scaling
+        if rope_scaling:
+            self.inv_freq, self.attention_scaling = scaled_inv_freq(
+                head_dim, self.head_dim, theta, rope_scaling, max_position_embeddings)
+        else:
+            exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device="cpu")
+            self.inv_freq = 1.0 / (theta ** (exponents.float() / self.head_dim))
+            self.attention_scaling = 1.0
+        self._on_device: dict[torch.device, torch.Tensor] = {}
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """position_ids [batch, seq] -> (cos, sin), each [batch, seq, head_dim] in ``dtype``."""
-        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=position_ids.device)
-        inv_freq = 1.0 / (self.theta ** (exponents.float() / self.head_dim))
+        """position_ids [batch, seq] -> (cos, sin), each [batch, seq, rotary_dim] in ``dtype``."""
+        device = position_ids.device
+        inv_freq = self._on_device.get(device)
+        if inv_freq is None:
+            inv_freq = self._on_device[device] = self.inv_freq.to(device)
         freqs = position_ids[..., None].float() * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
+        if self.attention_scaling != 1.0:
+            return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, theta={self.theta}"
+        return f"rotary_dim={self.head_dim}, theta={self.theta}, scaling={self.rope_scaling}"
+
+
+def scaled_inv_freq(head_dim: int, rotary_dim: int, theta: float, rope_scaling: dict,
+                    max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    """(inv_freq [rotary_dim / 2] on CPU, cos/sin factor) from transformers' ROPE_INIT_FUNCTIONS."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = {**rope_scaling, "rope_theta": theta}
+    if rotary_dim != head_dim:
+        params["partial_rotary_factor"] = rotary_dim / head_dim
+    # Any PreTrainedConfig with these attributes serves: the functions read only them.
+    config = LlamaConfig(hidden_size=head_dim, num_attention_heads=1, head_dim=head_dim,
+                         max_position_embeddings=max_position_embeddings, rope_parameters=params)
+    with torch.device("cpu"):  # also when the model is built under torch.device("meta")
+        inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, torch.device("cpu"))
+    return inv_freq.float(), float(attention_scaling)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -65,9 +100,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [batch, seq, heads, head_dim]; cos/sin [batch, seq, head_dim] (HF's "rotate half" layout)."""
+    """x [batch, seq, heads, head_dim]; cos/sin [batch, seq, rotary_dim] (HF's "rotate half" layout).
+    With rotary_dim < head_dim (partial rotary, GLM-4.5) only the first rotary_dim dims turn."""
     cos = cos.unsqueeze(2)
     sin = sin.unsqueeze(2)
+    rotary_dim = cos.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
+        return torch.cat(((x_rot * cos) + (rotate_half(x_rot) * sin), x_pass), dim=-1)
     return (x * cos) + (rotate_half(x) * sin)
 
 

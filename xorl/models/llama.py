@@ -1,17 +1,14 @@
-"""Llama-style dense decoder (transformers' LlamaForCausalLM names and arithmetic)."""
+"""Llama 2 / 3 / 3.1 / 3.2 / 3.3 (transformers' LlamaForCausalLM): RoPE scaling llama3 / linear /
+yarn, tied embeddings (3.2 1B / 3B), attention_bias on q/k/v/o."""
 
-from __future__ import annotations
+from xorl.models.decoder import DecoderForCausalLM
+from xorl.models.schema import Family
 
-from typing import Any
-
-from xorl.models.decoder import DecoderForCausalLM, hf_decoder_config
-from xorl.models.spec import ModelSpec
+FAMILY = Family("llama", "LlamaForCausalLM")
 
 
 class LlamaForCausalLM(DecoderForCausalLM):
     """Embeddings, N x (RMSNorm, GQA attention with RoPE, RMSNorm, SwiGLU MLP), final norm, lm_head."""
 
 
-def hf_config_dict(spec: ModelSpec) -> dict[str, Any]:
-    """The fields of a transformers LlamaConfig for this spec."""
-    return {**hf_decoder_config(spec, "LlamaForCausalLM", "llama"), "mlp_bias": spec.mlp_bias}
+MODEL = LlamaForCausalLM

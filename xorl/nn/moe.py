@@ -17,19 +17,21 @@ EP DeviceMesh) the expert weights are DTensors of global shape [E, ...] sharded 
 ``state_dict()`` / DCP checkpoints see every expert once, under one name, and ``full_tensor()``
 of a gradient is the full [E, ...] gradient.
 
-``forward(hidden_states [..., hidden]) -> [..., hidden]`` (the same tensor shape, like
-``transformers``' ``Qwen3MoeSparseMoeBlock``). The auxiliary losses of the last forward are kept on
-the module (read them after forward, before the next one):
+``forward(hidden_states [..., hidden]) -> (out [..., hidden], aux: MoEAux)``: the output has the
+input's shape (like ``transformers``' ``Qwen3MoeSparseMoeBlock``'s first output), and ``aux`` carries
+the block's auxiliary losses of this forward (returned, never kept on the module):
 
-* ``moe.last_aux_loss``: ``aux_loss_coef * load_balancing + z_loss_coef * z_loss``, a differentiable
-  scalar to add to the training loss (``collect_aux_loss(model)`` sums it over all MoE blocks);
-* ``moe.last_stats``: detached ``{"load_balancing_loss", "z_loss", "tokens_per_expert"}`` (tokens_per_expert
-  is the [E] load of this rank's tokens). Nothing here syncs with the host.
+* ``aux.loss``: ``aux_loss_coef * load_balancing + z_loss_coef * z_loss``, a differentiable scalar
+  to add to the training loss (the decoder sums it over its MoE blocks);
+* ``aux.load_balancing_loss``, ``aux.z_loss``, ``aux.tokens_per_expert``: detached statistics
+  (tokens_per_expert is the [E] load of this rank's tokens). Nothing here syncs with the host.
 
 Under EP the losses use this rank's tokens only (the "micro-batch local" variant).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -40,6 +42,7 @@ from torch.distributed.tensor import DTensor
 from xorl._torch_compat import all_to_all_single_autograd, resolve_process_group
 from xorl.nn.moe_experts import GroupedExperts
 from xorl.nn.router import Router, check_router_args
+from xorl.nn.tp_comm import TPGroup, gather_from_shards, split_to_shard
 from xorl_kernels.checkpoint_saves import SELECTIVE_CHECKPOINT_SAVES
 from xorl_kernels.moe_permute.op import permute_tokens, unpermute_tokens
 
@@ -222,6 +225,17 @@ def _deduplicated_dispatch(x, expert_ids, weights, experts, num_local: int, ep_s
 
 
 _EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+_SEQ_DIM = -2
+
+
+class MoEAux(NamedTuple):
+    """What one MoE forward returns beside its output (a NamedTuple: it passes through
+    torch.compile, activation checkpointing and FSDP's output hooks as a plain pytree)."""
+
+    loss: torch.Tensor  # aux_loss_coef * load_balancing + z_loss_coef * z_loss (differentiable)
+    load_balancing_loss: torch.Tensor  # detached
+    z_loss: torch.Tensor  # detached
+    tokens_per_expert: torch.Tensor  # [E] int64, this rank's tokens
 
 
 class SharedExpertMLP(nn.Module):
@@ -247,8 +261,11 @@ class MoE(nn.Module):
         scoring: "softmax" or "sigmoid" router scores (fp32) (the config's ``router_scoring``).
         expert_bias, bias_update_rate: auxiliary-loss-free balancing (see ``Router.update_bias``).
         shared_expert_intermediate_size: > 0 adds a Qwen2-MoE shared expert with a sigmoid gate.
-        aux_loss_coef, z_loss_coef: weights of the two losses in ``last_aux_loss``.
+        aux_loss_coef, z_loss_coef: weights of the two losses in ``MoEAux.loss``.
         ep_group: expert-parallel process group (None: all experts local).
+        balance_group: the group whose tokens the load-balancing statistics cover (``Router``).
+        returns_aux: False for a drop-in replacement of a ``transformers`` block, whose caller
+            expects the output alone (``from_block``); the auxiliary losses are then not returned.
     """
 
     def __init__(
@@ -262,10 +279,16 @@ class MoE(nn.Module):
         scoring: str = "softmax",
         expert_bias: bool = False,
         bias_update_rate: float = 1e-3,
+        n_group: int = 1,
+        topk_group: int = 1,
+        routed_scaling_factor: float = 1.0,
         shared_expert_intermediate_size: int = 0,
+        shared_expert_gate: bool = True,
         aux_loss_coef: float = 1e-3,
         z_loss_coef: float = 0.0,
         ep_group: dist.ProcessGroup | None = None,
+        balance_group: dist.ProcessGroup | None = None,
+        returns_aux: bool = True,
         device=None,
         dtype=None,
         fp8: str = "none",
@@ -280,6 +303,7 @@ class MoE(nn.Module):
                 f"num_experts={num_experts} is not divisible by the expert-parallel size {self.ep_size}: "
                 "set expert_parallel_size to a divisor of num_experts"
             )
+        self.returns_aux = returns_aux
         self.hidden_size = hidden_size
         self.num_experts = num_experts
         self.num_local_experts = num_experts // self.ep_size
@@ -295,6 +319,10 @@ class MoE(nn.Module):
             norm_topk_prob=norm_topk_prob,
             expert_bias=expert_bias,
             bias_update_rate=bias_update_rate,
+            n_group=n_group,
+            topk_group=topk_group,
+            routed_scaling_factor=routed_scaling_factor,
+            balance_group=balance_group,
             device=device,
             dtype=dtype,
         )
@@ -303,12 +331,15 @@ class MoE(nn.Module):
         )
         if shared_expert_intermediate_size > 0:
             self.shared_expert = SharedExpertMLP(hidden_size, shared_expert_intermediate_size, device, dtype)
-            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False, device=device, dtype=dtype)
+            # Qwen2-MoE gates the shared expert with sigmoid(shared_expert_gate(x)); GLM-4.5 does not.
+            self.shared_expert_gate = (nn.Linear(hidden_size, 1, bias=False, device=device, dtype=dtype)
+                                       if shared_expert_gate else None)
         else:
             self.shared_expert = None
             self.shared_expert_gate = None
-        self.last_aux_loss: torch.Tensor | None = None
-        self.last_stats: dict[str, torch.Tensor] = {}
+        # Tensor parallelism (``run_on_token_shards``): this block then runs on this TP rank's tokens.
+        self.token_shards: TPGroup | None = None
+        self.tokens_arrive_sharded = False
         self._register_load_state_dict_pre_hook(self._slice_full_experts)
 
     def distribute_experts(self, ep_mesh) -> None:
@@ -328,15 +359,44 @@ class MoE(nn.Module):
         self.ep_size, self.ep_rank = size, ep_mesh.get_local_rank()
         self.num_local_experts = self.num_experts // size
 
+    def set_balance_group(self, group: dist.ProcessGroup | None) -> None:
+        """The tokens the router's load-balancing statistics cover (see ``Router``)."""
+        self.gate.set_balance_group(group)
+
+    def run_on_token_shards(self, tp: TPGroup, sequence_parallel: bool) -> None:
+        """Under tensor parallelism: route and compute only this TP rank's share of the tokens.
+
+        Why: attention is TP-sharded by heads, but an MoE block's experts are split by expert
+        parallelism, so no TP rank need compute another's tokens. Under sequence parallel the input
+        already is this rank's sequence shard; without it the block keeps its chunk of the
+        replicated sequence and gathers the outputs again. A ``token_mask`` covers the whole
+        (context-parallel local) sequence and is chunked the same way.
+        """
+        self.token_shards = tp
+        self.tokens_arrive_sharded = bool(sequence_parallel)
+
     @property
     def local_expert_range(self) -> tuple[int, int]:
         """[first, last) global ids of the experts this rank holds."""
         first = self.ep_rank * self.num_local_experts
         return first, first + self.num_local_experts
 
-    def forward(self, hidden_states: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, token_mask: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, MoEAux]:
         """``token_mask`` (bool, the shape of ``hidden_states`` without its last dim): tokens to leave
         out of the routing statistics (padding); they are still routed and computed."""
+        tp = self.token_shards
+        if tp is not None and tp.size > 1:
+            if token_mask is not None:
+                token_mask = token_mask.chunk(tp.size, dim=-1)[tp.rank]
+            if not self.tokens_arrive_sharded:
+                hidden_states = split_to_shard(hidden_states, tp, _SEQ_DIM)
+        out, aux = self._routed_forward(hidden_states, token_mask)
+        if tp is not None and tp.size > 1 and not self.tokens_arrive_sharded:
+            out = gather_from_shards(out, tp, _SEQ_DIM)
+        return (out, aux) if self.returns_aux else out
+
+    def _routed_forward(self, hidden_states: torch.Tensor, token_mask: torch.Tensor | None):
         if hidden_states.shape[-1] != self.hidden_size:
             raise ValueError(f"hidden_states last dim must be {self.hidden_size}, got {tuple(hidden_states.shape)}")
         x = hidden_states.reshape(-1, self.hidden_size)
@@ -345,6 +405,8 @@ class MoE(nn.Module):
         if self.shared_expert is not None:  # computed while the dispatch all_to_all is in flight
 
             def shared():
+                if self.shared_expert_gate is None:
+                    return self.shared_expert(x)
                 return self.shared_expert(x) * torch.sigmoid(self.shared_expert_gate(x))
 
         out = expert_parallel_moe(
@@ -356,13 +418,13 @@ class MoE(nn.Module):
             self.ep_group if self.ep_size > 1 else None,
             overlap=shared,
         )
-        self.last_aux_loss = self.aux_loss_coef * routed.load_balancing_loss + self.z_loss_coef * routed.z_loss
-        self.last_stats = {
-            "load_balancing_loss": routed.load_balancing_loss.detach(),
-            "z_loss": routed.z_loss.detach(),
-            "tokens_per_expert": routed.tokens_per_expert,
-        }
-        return out.view(hidden_states.shape)
+        aux = MoEAux(
+            loss=self.aux_loss_coef * routed.load_balancing_loss + self.z_loss_coef * routed.z_loss,
+            load_balancing_loss=routed.load_balancing_loss.detach(),
+            z_loss=routed.z_loss.detach(),
+            tokens_per_expert=routed.tokens_per_expert,
+        )
+        return out.view(hidden_states.shape), aux
 
     @torch.no_grad()
     def init_weights(self, std: float) -> None:
@@ -371,7 +433,8 @@ class MoE(nn.Module):
         self.experts.init_weights(std)
         if self.shared_expert is not None:
             for linear in (*self.shared_expert.children(), self.shared_expert_gate):
-                nn.init.normal_(linear.weight, std=std)
+                if linear is not None:
+                    nn.init.normal_(linear.weight, std=std)
 
     # -- loading --------------------------------------------------------------------------------
     def _slice_full_experts(self, state_dict, prefix, *args, **kwargs):
@@ -424,6 +487,7 @@ class MoE(nn.Module):
         spec.update(overrides)
         weights = spec.pop("_weights")
         ref = weights["gate_proj"]
+        spec.setdefault("returns_aux", False)  # the block's callers expect its output alone
         moe = cls(ep_group=ep_group, device=ref.device, dtype=ref.dtype, **spec)
         with torch.no_grad():
             moe.gate.weight.copy_(weights["gate"])
@@ -441,8 +505,3 @@ class MoE(nn.Module):
             f"ep_size={self.ep_size}, aux_loss_coef={self.aux_loss_coef}, z_loss_coef={self.z_loss_coef}"
         )
 
-
-def collect_aux_loss(model: nn.Module) -> torch.Tensor | None:
-    """Sum of ``last_aux_loss`` over every MoE block of ``model`` (None if it has none)."""
-    losses = [m.last_aux_loss for m in model.modules() if isinstance(m, MoE) and m.last_aux_loss is not None]
-    return torch.stack(losses).sum() if losses else None

@@ -13,8 +13,9 @@ Two auxiliary losses are computed on every forward and returned unscaled:
   returns ``K`` times this value (it divides the counts by T, not T * K).
 * router z-loss (ST-MoE): ``z = mean_t logsumexp_e(logits[t])^2``.
 
-Which tokens the statistics cover (``balance_group``): by default this rank's tokens. Set it to a
-process group and the expert counts and the token count are summed over that group (one small
+Which tokens the statistics cover (``balance_group``, a constructor argument or
+``set_balance_group``): by default this rank's tokens. Given a process group, the expert counts
+and the token count are summed over that group (one small
 all-reduce per layer, on the device) before f_e, P_e and z are formed, while each rank's
 differentiable part stays its own tokens' share; summed over the group, the parts give the loss
 of all the group's tokens. With the context-parallel group this is the loss of the whole
@@ -93,18 +94,27 @@ class Router(nn.Module):
         norm_topk_prob: bool = True,
         expert_bias: bool = False,
         bias_update_rate: float = 1e-3,
+        n_group: int = 1,
+        topk_group: int = 1,
+        routed_scaling_factor: float = 1.0,
+        balance_group: dist.ProcessGroup | None = None,
         device=None,
         dtype=None,
     ):
         super().__init__()
         check_router_args(num_experts, top_k, scoring)
+        # Group-limited routing (DeepSeek-V3 / GLM-4.5): the experts form n_group groups, each token
+        # picks its topk_group best groups (by the sum of each group's two best scores) and its
+        # top_k experts among those. routed_scaling_factor multiplies the final weights.
+        self.n_group, self.topk_group = n_group, topk_group
+        self.routed_scaling_factor = routed_scaling_factor
         self.hidden_size = hidden_size
         self.num_experts = num_experts
         self.top_k = top_k
         self.scoring = scoring
-        # Process group whose tokens the balancing statistics cover (None: this rank's); set by the
-        # expert-parallel plan from model.router_balance_scope.
-        self.balance_group: dist.ProcessGroup | None = None
+        # Process group whose tokens the balancing statistics cover (None: this rank's); the
+        # expert-parallel plan passes it from model.router_balance_scope (set_balance_group).
+        self.balance_group: dist.ProcessGroup | None = balance_group
         self.norm_topk_prob = norm_topk_prob
         self.bias_update_rate = bias_update_rate
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, device=device, dtype=dtype))
@@ -118,6 +128,10 @@ class Router(nn.Module):
         # uninitialised; this count is made (zeros, on the activations' device) at first use.
         self.load_since_update: torch.Tensor | None = None
         self.init_weights(hidden_size**-0.5)
+
+    def set_balance_group(self, group: dist.ProcessGroup | None) -> None:
+        """Compute the balancing statistics over ``group``'s tokens (None: this rank's)."""
+        self.balance_group = group
 
     @torch.no_grad()
     def init_weights(self, std: float) -> None:
@@ -145,10 +159,14 @@ class Router(nn.Module):
 
         with torch.no_grad():
             selection = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
+            if self.n_group > 1:
+                selection = self._limit_to_groups(selection)
             expert_ids = torch.topk(selection, self.top_k, dim=-1).indices
         weights = scores.gather(1, expert_ids)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+        if self.routed_scaling_factor != 1.0:
+            weights = weights * self.routed_scaling_factor
 
         if token_mask is None:
             tokens_per_expert = count_tokens_per_expert(expert_ids, self.num_experts)
@@ -178,6 +196,15 @@ class Router(nn.Module):
                 self.load_since_update = torch.zeros_like(tokens_per_expert)
             self.load_since_update += tokens_per_expert
         return RouterOutput(weights, expert_ids, logits, tokens_per_expert, load_balancing_loss, z_loss)
+
+    def _limit_to_groups(self, selection: torch.Tensor) -> torch.Tensor:
+        """-inf on the experts outside each token's topk_group best groups (transformers' Glm4MoeTopkRouter)."""
+        tokens = selection.shape[0]
+        grouped = selection.view(tokens, self.n_group, self.num_experts // self.n_group)
+        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
+        best = torch.topk(group_scores, self.topk_group, dim=-1).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(tokens, self.num_experts)
 
     @torch.no_grad()
     def update_bias(self, group: dist.ProcessGroup | None = None) -> torch.Tensor:

@@ -25,7 +25,8 @@ lm_head, q/k norms) become ``Replicate()`` DTensors on the TP mesh, because FSDP
 every parameter on the dp mesh into one 2-D (dp, tp) layout and clip-grad / foreach optimizers
 need them on one mesh. Inside forward the owning module computes with the local tensor
 (``param.to_local()``, differentiable back to the DTensor), swapped into its parameter slot for
-the duration of the call. Where a rank's use sees only part of the data (RMSNorm on a sequence
+the duration of the call (the ``TPReplicated`` class the module is given, as FSDP2 gives its own).
+Where a rank's use sees only part of the data (RMSNorm on a sequence
 shard, q/k norms on this rank's heads) each rank's gradient is a partial sum: those parameters
 are listed in a ``TPPartialGrads`` and ``sum_tp_partial_grads`` adds them up over TP once per
 optimizer step, in one flattened all-reduce (instead of one per parameter per microbatch).
@@ -89,13 +90,13 @@ class _TPLinearBase(nn.Module):
     bias_placement: Shard | Replicate
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp_mesh, sequence_parallel: bool,
-                 overlap: bool, overlap_min_numel: int, device, dtype, fp8: str = "none"):
+                 overlap: bool, overlap_min_numel: int, device, dtype, fp8: str = "none", name: str | None = None):
         super().__init__()
         self.tp_mesh = tp_mesh
         self.tp = TPGroup.from_mesh(tp_mesh)
         self.in_features, self.out_features = in_features, out_features
         self.config = TPMatmulConfig(self.tp, bool(sequence_parallel), bool(overlap), int(overlap_min_numel),
-                                     name=f"{type(self).__name__}@{id(self):x}", fp8=check_fp8(fp8))
+                                     name=name or f"{type(self).__name__}@{id(self):x}", fp8=check_fp8(fp8))
         local_w = torch.empty(self._local_weight_shape(), device=device, dtype=dtype)
         self.weight = _dtensor_param(local_w, tp_mesh, self.weight_placement)
         if bias:
@@ -115,12 +116,9 @@ class _TPLinearBase(nn.Module):
 
     @property
     def name(self) -> str:
-        """Key of this layer in ``xorl.nn.tp_comm.overlap_report()`` (the plan sets the module path)."""
+        """Key of this layer in ``xorl.nn.tp_comm.overlap_report()`` (the constructor's ``name``: the
+        plan passes the module path)."""
         return self.config.name
-
-    @name.setter
-    def name(self, value: str) -> None:
-        self.config.name = value
 
     @property
     def sequence_parallel(self) -> bool:
@@ -212,11 +210,12 @@ class ColumnParallelLinear(_TPLinearBase):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, tp_mesh=None,
                  sequence_parallel: bool = False, overlap: bool = True, gather_output: bool = False, *,
-                 overlap_min_numel: int = DEFAULT_OVERLAP_MIN_NUMEL, device=None, dtype=None, fp8: str = "none"):
+                 overlap_min_numel: int = DEFAULT_OVERLAP_MIN_NUMEL, device=None, dtype=None, fp8: str = "none",
+                 name: str | None = None):
         tp = TPGroup.from_mesh(tp_mesh)
         _check_divisible(out_features, tp, "out_features", "ColumnParallelLinear")
         super().__init__(in_features, out_features, bias, tp_mesh, sequence_parallel, overlap,
-                         overlap_min_numel, device, dtype, fp8)
+                         overlap_min_numel, device, dtype, fp8, name)
         self.gather_output = bool(gather_output)
         self.shared_group: SharedInputColumnGroup | None = None
 
@@ -225,6 +224,13 @@ class ColumnParallelLinear(_TPLinearBase):
 
     def _local_bias_shape(self):
         return (self.out_features // self.tp.size,)
+
+    def share_input_with(self, group: SharedInputColumnGroup) -> None:
+        """Compute through ``group`` (which gathers the shared input once for all its members)."""
+        if self.shared_group is not None and self.shared_group is not group:
+            raise ValueError(f"{self.name}: already computes through SharedInputColumnGroup "
+                             f"{self.shared_group.config.name!r}")
+        self.shared_group = group
 
     def local_params(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The local weight / bias shards as plain tensors (differentiable back to the DTensors)."""
@@ -256,11 +262,12 @@ class RowParallelLinear(_TPLinearBase):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, tp_mesh=None,
                  input_is_parallel: bool = True, sequence_parallel: bool = False, overlap: bool = True, *,
-                 overlap_min_numel: int = DEFAULT_OVERLAP_MIN_NUMEL, device=None, dtype=None, fp8: str = "none"):
+                 overlap_min_numel: int = DEFAULT_OVERLAP_MIN_NUMEL, device=None, dtype=None, fp8: str = "none",
+                 name: str | None = None):
         tp = TPGroup.from_mesh(tp_mesh)
         _check_divisible(in_features, tp, "in_features", "RowParallelLinear")
         super().__init__(in_features, out_features, bias, tp_mesh, sequence_parallel, overlap,
-                         overlap_min_numel, device, dtype, fp8)
+                         overlap_min_numel, device, dtype, fp8, name)
         self.input_is_parallel = bool(input_is_parallel)
 
     def _local_weight_shape(self):
@@ -358,6 +365,53 @@ class VocabParallelEmbedding(nn.Module):
                 f"sequence_parallel={self.sequence_parallel}")
 
 
+def _replicated_param(param: nn.Parameter, tp_mesh, memo: dict[int, nn.Parameter]) -> nn.Parameter:
+    """``param`` as a Replicate DTensor parameter on ``tp_mesh``; one per original (``memo``: tied weights)."""
+    new = memo.get(id(param))
+    if new is None:
+        new = nn.Parameter(DTensor.from_local(param.detach(), tp_mesh, [Replicate()], run_check=False),
+                           requires_grad=param.requires_grad)
+        memo[id(param)] = new
+    return new
+
+
+class ReplicatedEmbedding(nn.Embedding):
+    """An embedding every TP rank holds whole (a vocabulary that does not divide by TP): a
+    ``Replicate()`` DTensor weight. Under sequence parallel its output is this rank's sequence shard
+    (the SP region starts here, as with ``VocabParallelEmbedding``)."""
+
+    def __init__(self, embedding: nn.Embedding, tp_mesh, sequence_parallel: bool, memo: dict[int, nn.Parameter]):
+        weight = embedding.weight
+        super().__init__(embedding.num_embeddings, embedding.embedding_dim, padding_idx=embedding.padding_idx,
+                         device="meta", dtype=weight.dtype)
+        self.tp = TPGroup.from_mesh(tp_mesh)
+        self.sequence_parallel = bool(sequence_parallel)
+        self.weight = _replicated_param(weight, tp_mesh, memo)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        out = F.embedding(input_ids, self.weight.to_local(), self.padding_idx)
+        return split_to_shard(out, self.tp, -2) if self.sequence_parallel else out
+
+
+class ReplicatedLMHead(nn.Linear):
+    """An lm_head every TP rank holds whole (a vocabulary that does not divide by TP). Under sequence
+    parallel its input is this rank's sequence shard, gathered first (the SP region ends here)."""
+
+    def __init__(self, linear: nn.Linear, tp_mesh, sequence_parallel: bool, memo: dict[int, nn.Parameter]):
+        super().__init__(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta",
+                         dtype=linear.weight.dtype)
+        self.tp = TPGroup.from_mesh(tp_mesh)
+        self.sequence_parallel = bool(sequence_parallel)
+        self.weight = _replicated_param(linear.weight, tp_mesh, memo)
+        if linear.bias is not None:
+            self.bias = _replicated_param(linear.bias, tp_mesh, memo)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            x = gather_from_shards(x, self.tp, -2)
+        return F.linear(x, self.weight.to_local(), None if self.bias is None else self.bias.to_local())
+
+
 class SharedInputColumnGroup:
     """Column layers that read the same input tensor (q/k/v, gate/up): gather it once for all.
 
@@ -390,7 +444,7 @@ class SharedInputColumnGroup:
         self._input: torch.Tensor | None = None
         self._ready: dict[int, torch.Tensor] = {}
         for m in members:
-            m.shared_group = self
+            m.share_input_with(self)
 
     def output_for(self, member: ColumnParallelLinear, x: torch.Tensor) -> torch.Tensor:
         index = next(i for i, m in enumerate(self.members) if m is member)
@@ -433,11 +487,10 @@ class TPPartialGrads:
 
 
 @torch.no_grad()
-def sum_tp_partial_grads(models) -> int:
-    """Sum the partial gradients of every model part over TP: one all-reduce per (group, dtype).
-
-    Call once per optimizer step, after the last backward and before clipping. Returns the
-    number of all-reduces issued (0 without TP).
+def sum_tp_partial_grads(partials: list[TPPartialGrads]) -> int:
+    """Sum the partial gradients listed in ``partials`` (one per model part) over TP: one all-reduce
+    per (group, dtype). Call once per optimizer step, after the last backward and before clipping.
+    Returns the number of all-reduces issued (0 without TP).
     """
     import torch.distributed as dist
 
@@ -445,8 +498,7 @@ def sum_tp_partial_grads(models) -> int:
     from xorl._torch_compat import unflatten_dense_tensors as _unflatten_dense_tensors
 
     buckets: dict = {}
-    for model in models:
-        partial = getattr(model, "tp_partial_grads", None)
+    for partial in partials:
         if partial is None or partial.tp.size == 1:
             continue
         for grad in partial.local_grads():
@@ -460,15 +512,43 @@ def sum_tp_partial_grads(models) -> int:
     return len(buckets)
 
 
+class TPReplicated:
+    """Mixin of a module whose own parameters are ``Replicate()`` DTensors on the TP mesh: its forward
+    computes with their local tensors.
+
+    ``replicate_on_tp`` gives the module the class ``TPReplicated<its class>`` (built once per class),
+    as FSDP2's ``fully_shard`` gives a module the class ``FSDP<its class>``: the module's own
+    ``forward`` and parameter names stay as they are, and nothing is set on the instance. Each
+    DTensor slot holds its local tensor (differentiable back to the DTensor) for the duration of
+    the call. The slot is read at call time, so FSDP2 swapping its unsharded parameter in before
+    forward is respected; the DTensors are put back also when forward raises.
+    """
+
+    def forward(self, *args, **kwargs):
+        saved = {name: param for name, param in self._parameters.items() if isinstance(param, DTensor)}
+        for name, param in saved.items():
+            self._parameters[name] = param.to_local()
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            self._parameters.update(saved)
+
+
+@functools.cache
+def _replicated_class(cls: type) -> type:
+    return type(f"TPReplicated{cls.__name__}", (TPReplicated, cls), {"__module__": cls.__module__})
+
+
 def replicate_on_tp(module: nn.Module, tp_mesh, memo: dict[int, nn.Parameter],
                     partial_grads: TPPartialGrads | None = None) -> list[str]:
     """Make ``module``'s own parameters Replicate DTensors on ``tp_mesh``; returns their names.
 
     ``memo`` maps id(old parameter) -> new DTensor parameter, so a parameter shared by two modules
     (tied embedding / lm_head) stays one parameter. ``partial_grads``: list the parameters there
-    (their per-rank gradient is a partial sum; see the module docstring).
+    (their per-rank gradient is a partial sum; see the module docstring). The module then computes
+    with the local tensors (``TPReplicated``).
     """
-    if isinstance(module.forward, functools.partial) and module.forward.func is _replicated_forward:
+    if isinstance(module, TPReplicated):
         raise ValueError(f"{type(module).__name__} is already prepared for tensor parallel")
     names = []
     for name, param in list(module._parameters.items()):
@@ -479,33 +559,10 @@ def replicate_on_tp(module: nn.Module, tp_mesh, memo: dict[int, nn.Parameter],
                 f"{type(module).__name__}.{name} is already a DTensor ({param.placements}); "
                 "apply_tensor_parallel must run before other plans that shard parameters"
             )
-        new = memo.get(id(param))
-        if new is None:
-            new = nn.Parameter(DTensor.from_local(param.detach(), tp_mesh, [Replicate()], run_check=False),
-                               requires_grad=param.requires_grad)
-            memo[id(param)] = new
-        module._parameters[name] = new
+        module._parameters[name] = _replicated_param(param, tp_mesh, memo)
         names.append(name)
         if partial_grads is not None:
             partial_grads.slots.append((module, name))
     if names:
-        module.forward = functools.partial(_replicated_forward, module, module.forward, tuple(names))
+        module.__class__ = _replicated_class(type(module))
     return names
-
-
-def _replicated_forward(module: nn.Module, inner_forward, names: tuple[str, ...], *args, **kwargs):
-    """Run ``inner_forward`` with each named slot holding the local tensor of its DTensor parameter.
-
-    The slot is read at call time, so FSDP2 swapping its unsharded parameter in before forward is
-    respected; the DTensors are put back also when forward raises.
-    """
-    saved = {}
-    for name in names:
-        param = module._parameters[name]
-        if isinstance(param, DTensor):
-            saved[name] = param
-            module._parameters[name] = param.to_local()
-    try:
-        return inner_forward(*args, **kwargs)
-    finally:
-        module._parameters.update(saved)

@@ -16,7 +16,7 @@ lower; pitfalls are warnings only):
   40% of the fastest layout that fits (room for recompute), it is the recommendation and every
   other layout deviates.
   Pitfalls: Ulysses or EP all-to-all across nodes, FSDP across nodes without HSDP, PP without
-  interleaving (with its bubble fraction), TP on an MoE model (redundant expert compute), TP
+  interleaving (with its bubble fraction), TP on an MoE model (it splits attention only), TP
   without sequence parallel.
 
 A layout fits when its total is at most 90% of --gpu-memory-gb GiB (the rest is the CUDA
@@ -144,17 +144,33 @@ def evaluate_count(num_params: int, layout: dict[str, Any], opts: Options) -> Ca
     """A bare parameter count: the even-split state arithmetic only."""
     pp = layout.get("pipeline_parallel_size", 1)
     # Microbatches do not change the state arithmetic: enough of them for the schedule unless given.
-    config = with_layout(Config(), {"gradient_accumulation_steps": pp if isinstance(pp, int) else 1, **layout})
+    config = with_layout(_count_stand_in(), {"gradient_accumulation_steps": pp if isinstance(pp, int) else 1,
+                                             **layout})
+    try:  # xorl-train's own rules: what it refuses, the shorthand refuses
+        validate_config(config, opts.gpus)
+    except ConfigError as e:
+        raise ConfigError(e.problems) from None
     p = ParallelConfig.from_config(config, opts.gpus)
-    problems = p.problems()
-    if problems:
-        raise ConfigError(problems)
     memory = even_split_memory(num_params, p, opts.precision)
     fits = memory.total <= opts.usable_bytes
     warnings = [] if fits else [f"does not fit: {_gb(memory.total)} GB per GPU > {_gb(opts.usable_bytes)} GB usable"]
     warnings.append("a parameter count has no shapes: activations, other buffers and step time are not estimated, "
                     "and parameters are split evenly over TP x PP (x FSDP shards); pass an xorl YAML or a HF folder")
     return Candidate(layout_of(config, opts.gpus), None, memory, None, fits, warnings)
+
+
+def _count_stand_in() -> Config:
+    """The config a bare parameter count is checked as: xorl's defaults, with a model and sequence whose
+    every size divides by any power-of-two layout (heads, KV heads, layers, seq_len, vocabulary), so
+    validate_config refuses exactly the layout rules (sizes, DDP with TP / EP, schedules, compile ...)
+    and nothing about shapes a count does not have."""
+    config = Config()
+    for key, value in {"vocab_size": 2**16, "hidden_size": 2**12, "intermediate_size": 2**12,
+                       "num_hidden_layers": 2**10, "num_attention_heads": 2**10, "num_key_value_heads": 2**10,
+                       "head_dim": 2**2, "max_position_embeddings": 2**16}.items():
+        set_field(config, "model", key, value, "a parameter count's stand-in shapes")
+    set_field(config, "data", "seq_len", 2**16, "a parameter count's stand-in shapes")
+    return config
 
 
 # -- the guide -----------------------------------------------------------------------------
@@ -180,8 +196,9 @@ def pitfalls(config: Config, p: ParallelConfig, hw: Hardware, shapes: ModelShape
         else:
             out.append(f"pipeline bubble (p-1)/(v m+p-1) = {bubble:.0%} of the step")
     if moe and p.tp > 1:
-        out.append(f"tensor_parallel_size={p.tp} on an MoE model: TP splits attention only, every TP rank runs "
-                   "the whole MoE block (redundant expert compute); prefer expert_parallel_size")
+        out.append(f"tensor_parallel_size={p.tp} on an MoE model: TP splits attention only; each MoE block runs on "
+                   "its TP rank's token shard with the experts split by expert_parallel_size, which is the MoE "
+                   "dimension to grow")
     if p.tp > 1 and not t.sequence_parallel and config.data.seq_len >= 2048:
         out.append("tensor_parallel_size > 1 without sequence_parallel: norms and residuals hold the full "
                    "sequence on every TP rank; set sequence_parallel: true")
@@ -225,7 +242,9 @@ def is_simple(layout: dict[str, Any], config: Config) -> bool:
 
 
 def _choices(values: tuple[int, ...]) -> str:
-    return str(values[0]) if len(values) == 1 else f"{values[0]}-{values[-1]}"
+    """The sizes the guide allows: one, a set such as {1, 4, 8}, never a range it does not mean."""
+    values = tuple(sorted(set(values)))
+    return str(values[0]) if len(values) == 1 else "{" + ", ".join(map(str, values)) + "}"
 
 
 def _gb(nbytes: float) -> str:

@@ -31,24 +31,33 @@ parallel, else 1; h hidden, hq / hkv query / KV width (heads x head_dim), I inte
   activations, bytes per token of one decoder layer with no recompute:
     2 norms        2 x ((4 + 2a) h + 4) / s   RMSNorm keeps its fp32 input, its normalised output
                                               and 1/rms; the next linear keeps the norm output
-    attention      (a (2hq + 2hkv) + a (hq + 2hkv) + a hq + 4 heads [+ (4 + a)(hq + hkv) q/k norm]) / tp
-                                              q, k before RoPE and their rotate_half; q, k, v for
-                                              the attention backward; its output and log-sum-exp
+    attention      (a (hq + 2hkv) + a hq + 4 heads [+ (4 + a)(hq + hkv) q/k norm]) / tp
+                                              q, k (after RoPE), v for the attention backward; its
+                                              output and log-sum-exp. RoPE keeps nothing per layer:
+                                              its products save only cos / sin, shared by all layers
     dense MLP      4 a I / tp                 gate, silu(gate), up, and their product
-    MoE MLP        8E + 2 a k h + 4 a k I_moe + 4 a I_shared + 8k [+ a h gathered under TP+SP]
+    MoE MLP        (8E + 2 a k h + 4 a k I_moe + 4 a I_shared + 8k) / tp [+ a h gathered under TP without SP]
                                               fp32 router logits and probabilities, the k routed
                                               copies of the token and the expert outputs, the
                                               experts' SwiGLU intermediates (balanced routing)
+  backward working set (every policy): the gradients one layer's backward holds beyond what it
+    frees, 2 a h / s + 2 a I / tp (MoE: 2 a h / s + a k h + 2 a (k I_moe + I_shared)), see
+    backward_bytes_per_token; with recompute also that layer's recomputed activations (selective:
+    the no-recompute bytes less the saved ones).
   full recompute (activation_checkpointing: full / true) keeps only a checkpointed layer's input,
   a h / s (every n-th layer with activation_checkpointing_every_n_layers: n; the others keep all),
   and the backward adds one layer's no-recompute activations while it recomputes; selective keeps
-  the matmul, attention and collective outputs: (a (2hq + 2hkv) + 4 heads) / tp + 2 a h / s
+  the matmul, attention and collective outputs and the block's input: (a (2hq + 2hkv) + 4 heads) / tp
+  + 3 a h / s
   + (2 a I / tp dense | 2 a k h + 2 a k I_moe + 8E MoE).
   Microbatches in flight on pipeline rank r of p (m microbatches, v stages per rank): 1 without
   PP; 1F1B min(m, p - r); GPipe m; interleaved (v-1) p + 2 (p-1-r) + 1 chunks of layers/v
   layers (torch's warm-up count); ZBV min(m, p) (as 1F1B, per the zero-bubble-V paper).
-  Loss (last stage, one microbatch): t x vocab x (a + 12): the logits, the fp32 log-softmax kept
-  for backward and two fp32 gradient temporaries; without PP and with m > 1 the trainer's loop
+  Loss (last stage, one microbatch), vocab = V / tp when TP splits the vocabulary (lm_head is
+  vocabulary-parallel, xorl/nn/cross_entropy.py): t x vocab x (a + 12): the logits, the fp32
+  log-softmax kept for backward and two fp32 gradient temporaries; with model.fused_loss (the
+  chunked linear cross-entropy) one chunk's [chunk, vocab] x (a + 8) and the fp32 gradient of the
+  hidden states 4 t h; without PP and with m > 1 the trainer's loop
   also still holds the previous microbatch's logits (a t vocab) while the next forward runs.
 
   other: FSDP2's unsharded blocks in flight: the largest decoder layer (TP/EP-local size) x (2 p_u
@@ -62,7 +71,17 @@ parallel, else 1; h hidden, hq / hkv query / KV width (heads x head_dim), I inte
   a t h, Ulysses 2 a t (hq + 2 hkv) / tp, ring 2 a t 2hkv / tp + 4 t hq / tp (fp32 merge), EP 2 a
   t k h, PP 2 a t h per microbatch in flight, ddp 128 MiB buckets; 256 MiB of kernel workspace.
   The optimizer step's foreach temporaries (4 bytes per local parameter) come when activations are
-  freed: other is the larger of the above and (temporaries - activations).
+  freed.
+
+  The peak is one moment (step_peak): the largest of the loss's backward (kept activations, the
+  loss's buffers, the gathered blocks), the first layer's backward (kept activations, its recompute
+  and gradient working set, the gathered blocks and one layer's gradient buffers) and the end of the
+  step (gradients and the optimizer's temporaries), plus what is held throughout (workspace,
+  communication buffers). Buckets: activations at the peak; other, the buffers at the peak or
+  what the peak holds beyond activations and gradients, whichever is larger. Held to the CPU
+  allocator by tests/test_plan_activations.py (none / selective within 7 %; full 10-19 % below).
+  Reserved (what torch.cuda.max_memory_reserved reports): the total plus ALLOCATOR_OVERHEAD of the
+  activations and other buffers.
 """
 
 from __future__ import annotations
@@ -90,6 +109,12 @@ TP_SHARD_DIM = {
 EXPERT_PARAMS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 PRECISIONS = {"fp32-master": (4, 4, 8), "fp16": (2, 2, 4)}  # bytes per parameter: weights, grads, optimizer
 WORKSPACE_BYTES = 256 * 2**20
+# ASSUMPTION until scripts/plan_calibrate.py measures max_memory_reserved against max_memory_allocated
+# on a GPU: the caching allocator's block rounding and fragmentation keep about 8% more than is
+# allocated of the memory that is freed and re-allocated during the step (parameters, gradients and
+# optimizer state are allocated once and pack without waste).
+ALLOCATOR_OVERHEAD = 0.08
+FUSED_LOSS_CHUNK = 4096  # tokens per chunk of the fused loss when the config does not say
 DDP_BUCKET_BYTES = 2 * 64 * 2**20
 
 
@@ -126,7 +151,8 @@ def _shapes(model_fields: tuple) -> ModelShapes:
     from xorl.models.registry import build_model
     from xorl.models.spec import ModelSpec
 
-    model_config = ModelConfig(**dict(model_fields))
+    model_config = ModelConfig(**{k: dict(v[1]) if isinstance(v, tuple) and v[:1] == ("__dict__",) else v
+                                  for k, v in model_fields})
     with torch.device("meta"):
         model = build_model(model_config)
     spec = ModelSpec.from_config(model_config)
@@ -148,8 +174,10 @@ def _shapes(model_fields: tuple) -> ModelShapes:
 
 
 def model_shapes(model_config) -> ModelShapes:
-    return _shapes(tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
-                                for k, v in dataclasses.asdict(model_config).items())))
+    def hashable(v):  # lru_cache keys: lists as tuples, dicts (rope_scaling) as tagged item tuples
+        return tuple(v) if isinstance(v, list) else ("__dict__", tuple(sorted(v.items()))) if isinstance(v, dict) else v
+
+    return _shapes(tuple(sorted((k, hashable(v)) for k, v in dataclasses.asdict(model_config).items())))
 
 
 def local_numel(name: str, shape: tuple[int, ...], p: ParallelConfig, fsdp: bool, shard_rank: int) -> int:
@@ -184,7 +212,7 @@ class RankParams:
     layers: tuple[int, ...]  # the decoder layers it runs
     stage_layers: tuple[int, ...]  # layers per stage it runs
     largest_layer_unsharded: int  # TP/EP-local elements of its largest layer (what FSDP all-gathers)
-    root_unsharded: int  # embedding / final norm / lm_head elements (TP-local)
+    root_unsharded: int  # embedding / final norm / lm_head elements (TP-local: vocabulary-parallel)
     stage_unsharded: int  # every TP/EP-local element it runs
     has_first: bool
     has_last: bool
@@ -211,7 +239,7 @@ def rank_params(shapes: ModelShapes, p: ParallelConfig, schedule: str, virtual: 
         largest = max(largest, full)
     root = [*(shapes.first if has_first else ()), *(shapes.last if has_last else ())]
     root_local = sum(local_numel(n, s, p, fsdp, shard_rank) for n, s in root)
-    root_full = sum(math.prod(s) for _, s in root)  # replicated over TP
+    root_full = sum(local_numel(n, s, p, False, 0) for n, s in root)  # TP-local: vocab-parallel when TP divides V
     return RankParams(local + root_local, tuple(layers), tuple(len(s) for s in stages), largest, root_full,
                       unsharded + root_full, has_first, has_last)
 
@@ -224,14 +252,25 @@ class Memory:
     activations: int | None = None
     other: int | None = None
     pp_rank: int = 0  # the pipeline rank these bytes are for (the peak one)
+    # The modelled peak moment of a step above parameters + optimizer state (gradients, activations,
+    # buffers at that moment). The buckets' total can exceed params + optimizer + step_peak by at most
+    # the gradients, when the peak comes before the backward has created them.
+    step_peak: int | None = None
 
     @property
     def total(self) -> int:
         return self.params + self.grads + self.optimizer + (self.activations or 0) + (self.other or 0)
 
+    @property
+    def reserved(self) -> int:
+        """What the caching allocator holds at the peak (torch.cuda.max_memory_reserved): the total plus
+        ALLOCATOR_OVERHEAD of the bytes that come and go within a step (activations, other)."""
+        return self.total + int(ALLOCATOR_OVERHEAD * ((self.activations or 0) + (self.other or 0)))
+
     def as_dict(self) -> dict:
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
-                "activations": self.activations, "other": self.other, "total": self.total}
+                "activations": self.activations, "other": self.other, "total": self.total,
+                "reserved": self.reserved, "step_peak": self.step_peak}
 
 
 def state_bytes(numel: int, precision: str) -> tuple[int, int, int]:
@@ -258,6 +297,26 @@ def inflight_microbatches(schedule: str, p: int, m: int, v: int, rank: int) -> f
     return min(m, p - rank)
 
 
+def vocab_split(vocab_size: int, tp: int) -> int:
+    """The TP ranks lm_head's vocabulary (and so the logits and the loss) is split over."""
+    return tp if tp > 1 and vocab_size % tp == 0 else 1
+
+
+def fused_loss(model_config) -> bool:
+    """model.fused_loss: the chunked linear cross-entropy that never holds [tokens, vocab] fp32 logits.
+    Read with a default so the planner runs on configs from before the field existed."""
+    return bool(getattr(model_config, "fused_loss", False))
+
+
+def loss_bytes(spec, model_config, a: int, t: int, tp: int, prev_logits: bool) -> float:
+    """The loss's peak on the last stage (see the module docstring)."""
+    vocab = spec.vocab_size / vocab_split(spec.vocab_size, tp)
+    if fused_loss(model_config):
+        chunk = min(t, getattr(model_config, "fused_loss_chunk_tokens", None) or FUSED_LOSS_CHUNK)
+        return chunk * vocab * (a + 8) + 4 * t * spec.hidden_size
+    return t * vocab * (a + 12) + (a * t * vocab if prev_logits else 0)
+
+
 def checkpointing(train) -> tuple[str, int]:
     """(none | full | selective, every n-th layer) from train.activation_checkpointing (bool or mode)."""
     setting = train.activation_checkpointing
@@ -277,11 +336,26 @@ def selective_bytes_per_token(spec, moe_layer: bool, a: int, tp: int, sp: bool) 
     """One decoder layer under selective checkpointing: matmul / attention / collective outputs."""
     h, heads = spec.hidden_size, spec.num_attention_heads
     hq, hkv = heads * spec.head_dim, spec.num_key_value_heads * spec.head_dim
-    kept = (a * (2 * hq + 2 * hkv) + 4 * heads) / tp + 2 * a * h / (tp if sp else 1)
+    # + the block's input, which the checkpoint keeps (the previous block's residual sum, recomputed there)
+    kept = (a * (2 * hq + 2 * hkv) + 4 * heads) / tp + 3 * a * h / (tp if sp else 1)
+    if moe_layer:  # on this TP rank's token shard: the router's, experts' and shared expert's matmul outputs
+        k, shared = spec.num_experts_per_tok, spec.shared_expert_intermediate_size
+        return kept + (a * spec.num_experts + a * k * h + 2 * a * k * spec.moe_intermediate_size
+                       + (2 * a * shared + a * h + a if shared else 0)) / tp
+    return kept + 2 * a * spec.intermediate_size / tp
+
+
+def backward_bytes_per_token(spec, moe_layer: bool, a: int, tp: int, sp: bool) -> float:
+    """What a layer's backward holds at once beyond its saved tensors: the gradient of its output
+    and of its input (2 a h / s) and, at the SwiGLU backward, the gradients of the product, of gate
+    and of up (3 a I / tp) less down_proj's saved input that its backward has freed by then: 2 a I / tp
+    (MoE: of the k routed copies, a k h + 2 a k I_moe + 2 a I_shared)."""
+    h, s = spec.hidden_size, tp if sp else 1
     if moe_layer:
         k = spec.num_experts_per_tok
-        return kept + 2 * a * k * h + 2 * a * k * spec.moe_intermediate_size + 8 * spec.num_experts
-    return kept + 2 * a * spec.intermediate_size / tp
+        return 2 * a * h / s + (a * k * h + 2 * a * (k * spec.moe_intermediate_size
+                                                     + spec.shared_expert_intermediate_size)) / tp
+    return 2 * a * h / s + 2 * a * spec.intermediate_size / tp
 
 
 def activation_bytes_per_token(spec, moe_layer: bool, a: int, tp: int, sp: bool) -> float:
@@ -290,13 +364,15 @@ def activation_bytes_per_token(spec, moe_layer: bool, a: int, tp: int, sp: bool)
     hq, hkv = heads * d, spec.num_key_value_heads * d
     s = tp if sp else 1
     norms = 2 * ((4 + 2 * a) * h + 4) / s
-    attn = a * (2 * hq + 2 * hkv) + a * (hq + 2 * hkv) + a * hq + 4 * heads
-    if spec.qk_norm:
+    attn = a * (hq + 2 * hkv) + a * hq + 4 * heads
+    if spec.qk_norm != "none":
         attn += (4 + a) * (hq + hkv)
     if moe_layer:
         k = spec.num_experts_per_tok
+        # Under TP the block runs on this rank's token shard (xorl/plans/tensor_parallel.py); without
+        # sequence parallelism it then gathers its output over TP (a h).
         mlp = (8 * spec.num_experts + 2 * a * k * h + 4 * a * k * spec.moe_intermediate_size
-               + 4 * a * spec.shared_expert_intermediate_size + 8 * k + (a * h if tp > 1 and sp else 0))
+               + 4 * a * spec.shared_expert_intermediate_size + 8 * k) / tp + (a * h if tp > 1 and not sp else 0)
     else:
         mlp = 4 * a * spec.intermediate_size / tp
     return norms + attn / tp + mlp
@@ -325,30 +401,46 @@ def estimate(config, p: ParallelConfig, shapes: ModelShapes, pp_rank: int, preci
                    for i, x in zip(rp.layers, per_layer))
         working = max(per_layer, default=0)
     elif mode == "selective":
-        kept = sum(selective_bytes_per_token(spec, shapes.is_moe_kind(shapes.layer_kind[i]), a, p.tp, sp)
-                   for i in rp.layers)
-        working = max(per_layer, default=0)  # one layer's element-wise ops recomputed at a time
+        selective = [selective_bytes_per_token(spec, shapes.is_moe_kind(shapes.layer_kind[i]), a, p.tp, sp)
+                     for i in rp.layers]
+        kept = sum(selective)
+        # one layer's element-wise outputs recomputed at a time: what it keeps without recompute, less the saved
+        working = max((x - y for x, y in zip(per_layer, selective)), default=0)
     else:
         kept, working = sum(per_layer), 0
-    activations = t * (inflight * (kept + 2 * a * spec.head_dim) + working)
-    if rp.has_last:
-        activations += t * spec.vocab_size * (a + 12)
-        if p.pp == 1 and m > 1:
-            activations += t * spec.vocab_size * a
-    other = WORKSPACE_BYTES + _comm_buffers(spec, p, a, t, inflight)
+    held = t * inflight * (kept + 2 * a * spec.head_dim)  # kept through the forward, into the backward
+    work = t * (working + max(backward_bytes_per_token(spec, shapes.is_moe_kind(k), a, p.tp, sp)
+                              for k in range(len(shapes.kinds))))
+    loss = loss_bytes(spec, config.model, a, t, p.tp, p.pp == 1 and m > 1) if rp.has_last else 0
+    fixed = WORKSPACE_BYTES + _comm_buffers(spec, p, a, t, inflight)  # held throughout
+    gathered = grad_buffers = 0  # FSDP2: gathered parameters; one layer's gradient buffers in backward
     if fsdp:
         grad_copy = 4 if a != 4 else 0
+        grad_buffers = rp.largest_layer_unsharded * (a + grad_copy + 4)
         if p.pp > 1 and schedule in SPLIT_BACKWARD_SCHEDULES:
-            other += rp.stage_unsharded * (a + 4)
+            gathered, grad_buffers = rp.stage_unsharded * (a + 4), 0
         elif not reshards_after_forward(train, p.pp):
-            other += rp.stage_unsharded * a + rp.largest_layer_unsharded * (a + grad_copy + 4)
+            gathered = rp.stage_unsharded * a
         else:
-            other += rp.largest_layer_unsharded * (2 * a + a + grad_copy + 4)
-            other += rp.root_unsharded * (a + a)
+            gathered = rp.largest_layer_unsharded * 2 * a + rp.root_unsharded * (a + a)
     elif p.dp_cp > 1:
-        other += DDP_BUCKET_BYTES
-    other = max(int(other), 4 * rp.local - int(activations))
-    return Memory(params, grads, optimizer, int(activations), other, pp_rank)
+        fixed += DDP_BUCKET_BYTES
+    # The peak is one moment, the largest of three (gradients are created in the backward,
+    # set_to_none after the optimizer step): the loss's backward (every kept activation and the
+    # loss's buffers), the first layer's backward (its recompute and gradient buffers instead of
+    # the loss's) and the end of the step (every gradient and the optimizer's foreach temporaries,
+    # 4 bytes per local parameter, once the activations are freed).
+    at_loss = held + loss + gathered
+    at_layer = held + work + gathered + grad_buffers
+    at_end = grads + 4 * rp.local
+    activations = held + (loss if at_loss >= at_layer else work)
+    peak = max(at_loss, at_layer, at_end) + fixed
+    # Buckets: grads are the exact gradient bytes (held at the end); other is what the peak holds
+    # beyond them and the activations, at least the buffers held throughout. Where the peak comes
+    # before the gradients exist, the total overstates it by at most grads - (other at the peak).
+    other = max(fixed + (gathered + (grad_buffers if at_layer > at_loss else 0) if fsdp else 0),
+                peak - activations - grads)
+    return Memory(params, grads, optimizer, int(activations), int(other), pp_rank, int(peak))
 
 
 def _stage_starts(rp: RankParams) -> list[tuple[int, int]]:

@@ -1,54 +1,76 @@
-"""Predicted time of one optimizer step: compute, exposed communication, pipeline bubble.
+"""Predicted time of one optimizer step: compute at achieved efficiency, exposed communication, bubble.
 
-A stated model, not a measurement: a lower bound that ranks layouts against each other.
+A stated model, held to published runs (tests/test_plan_published.py) and refit on a GPU by
+scripts/plan_calibrate.py. Efficiencies are fractions of the device's peaks, read from
+xorl/planner/efficiency.json (each with its source: a published figure or a stated assumption).
 
-Compute. Every matmul is a roofline: time = max(2 m n k / peak, a (m k + k n + m n) / hbm), with
-peak (--peak-tflops) and hbm (--hbm-gbps) the device's; a = bytes per activation element.
-Per decoder layer and microbatch, t tokens on the rank: q/k/v [t, (hq + 2hkv)/tp, h], o
-[t, h, hq/tp]; dense MLP gate, up and down together [t, 3I/tp, h]; MoE router [t, E, h], experts
-[t k, 3 I_moe, h] with all E/ep local expert weights read, a shared expert [t, 3 I_shared, h]
-(MoE runs whole on every TP rank: TP does not split it). Causal attention: 2 t seq hq / tp
-FLOPs (2 FLOPs x 2 matmuls x seq / 2 keys per query on average; documents as long as the row,
-an upper bound for packed data), its q/k/v/o bytes once. Elementwise work (norms, RoPE, SwiGLU, residuals)
-streams twice the layer's saved activations through HBM. Backward costs twice the forward; full
-recompute adds one more layer forward. The last stage adds lm_head [t, V, h] and the loss
-(t V (a + 12) bytes through HBM), the optimizer step 28 bytes per local parameter.
+Compute, per decoder layer and microbatch, t tokens on the rank (a = bytes per activation element):
+  GEMMs   q/k/v [t, (hq + 2hkv)/tp, h], o [t, h, hq/tp]; dense MLP gate/up [t, 2I/tp, h], down
+          [t, h, I/tp]; MoE (on the TP rank's token shard, t / tp tokens) router [t, E, h], experts
+          as a grouped GEMM (t k tokens over the E/ep local experts: tokens per expert t k ep / E
+          under balanced routing), a shared expert.
+          Each runs at peak x gemm(m, n, k) (the efficiency curve by its smallest dimension; grouped
+          GEMMs by tokens per expert), or at the HBM roofline of its bytes if that is slower, or
+          the launch time if that is longer. Backward: two GEMMs of the same shape per forward GEMM.
+  attention  causal, 4 t (seq / 2) hq / tp FLOPs forward (documents as long as the row; an upper
+          bound for packed data), 2.5x that backward, at the attention kernel's own efficiency.
+  element-wise  bandwidth-bound: the bytes xorl's ops stream per token (elementwise_forward below,
+          counted from xorl/models/layers.py and attention.py as eager PyTorch runs them; under
+          train.compile the fused regions read their inputs and write their outputs once) at
+          hbm_fraction of --hbm-gbps; backward twice the forward; each op costs at least the launch
+          time (launch_us: eager dispatch of one kernel).
+  recompute  full: one more layer forward; selective (xorl's policy keeps matmul, attention and
+          collective outputs): the element-wise forward again; none: nothing.
+  last stage  lm_head [t, V/tp, h] (vocabulary-parallel under TP) 3x, and the loss: unfused,
+          F.cross_entropy on fp32 logits streams (2a + 32) bytes per logit; fused
+          (model.fused_loss) about 3a bytes per logit in chunks.
+  optimizer  28 bytes per local parameter (AdamW read/write of weights, gradients, two moments).
 
-Communication, from link bandwidths: a group whose ranks stay inside one node (stride x size <=
---gpus-per-node in the mesh order pp, dp_replicate, dp_shard, ring, ulysses, tp) runs at
---nvlink-gbps, else at --ib-gbps. All-gather / reduce-scatter of B bytes over n ranks:
-B (n-1)/n / bw; all-reduce twice that; all-to-all of B bytes sent: B (n-1)/n / bw.
-  FSDP2   per layer and microbatch: all-gather in forward and again in backward (once with
-          fsdp_reshard_after_forward: never; 2-byte weights under bf16 compute), reduce-scatter
-          of fp32 gradients (+ all-reduce over dp_replicate under HSDP); prefetched, so
-          exposed = max(0, comm - layer compute). The root group (embedding, norm, lm_head)
-          and zero-bubble stages (gathered once per step) are exposed whole; ddp all-reduces fp32
-          gradients once per step, exposed.
-  TP      4 all-gathers / reduce-scatters of [t, h] per dense layer in forward (3 per MoE layer),
-          as many in backward, again in recompute; with tp_overlap hidden behind the layer's matmuls.
-  Ulysses all-to-all of q, k, v and of the output, forward and backward (and recompute); exposed.
-  Ring    ring - 1 K/V block transfers per layer forward, twice that in backward, each overlapped
-          with that step's attention: exposed = (ring - 1) max(0, transfer - attention step).
-  EP      dispatch + combine all-to-all of t k h elements per MoE layer, forward and backward; exposed.
-  PP      one [t, h] send per microbatch and stage boundary each way; exposed.
-Bubble: (p - 1) / v microbatch-times of the slowest pipeline rank, so the bubble fraction is
-(p - 1) / (v m + p - 1) (v = 1 without interleaving); InterleavedZeroBubble a third of that
-(its weight passes fill the rest), ZBVZeroBubble none.
+Communication, NCCL-style over the topology (--gpus-per-node, --nvlink-gbps per GPU and direction,
+--nics-per-node x --nic-gbps per node). A group's ranks are laid out in the mesh order pp,
+dp_replicate, dp_shard, ring, ulysses, tp: a group of n ranks at stride s holds g = min(n,
+gpus_per_node / s) ranks per node on N = n / g nodes. Ring all-gather / reduce-scatter of B bytes:
+max(B (n-1)/n / nvlink, B (N-1)/N / (g x the node's network share per GPU)) (data crosses each
+node boundary once and is forwarded over NVLink; the node's other GPUs run their own groups on
+their own NICs) + one latency per ring hop; all-reduce the cheaper of the ring (twice that) and
+NCCL's tree (2 B / bottleneck + 2 log2(n) latencies); all-to-all: the share bound for other
+nodes over the network, the rest over NVLink. Link rates at nccl-tests' achieved fractions.
+Which collectives overlap compute in xorl:
+  FSDP2   all-gathers (forward, and backward when resharded) and fp32 reduce-scatters per layer and
+          microbatch are prefetched / overlapped: exposed = max(0, comm - layer compute), and the
+          overlapped part slows compute by overlap_interference (NCCL's SMs and HBM traffic); the
+          copy-out of each all-gather (2a bytes per element) and the cast of the gradients into the
+          fp32 reduce-scatter input (a + 4) stream through HBM on the compute stream. The root
+          group (embedding, norm, lm_head) and ddp's gradient all-reduce are exposed.
+  TP      an all-gather / reduce-scatter of [t, h] around attention and the MLP (all-reduce
+          without sequence parallel), forward, backward and recompute; with tp_overlap the
+          collective matmuls hide it behind the layer's GEMMs (interference as above), else exposed.
+  Ulysses all-to-all of q, k, v and the output: exposed.
+  Ring    ring - 1 K/V block transfers per layer forward (twice in backward), each overlapped with
+          that step's attention.
+  EP      dispatch + combine all-to-all of t k h elements per MoE layer, forward and backward; the
+          shared expert runs while dispatch is in flight (xorl/nn/moe.py), the rest is exposed.
+  PP      one [t, h] send per microbatch and stage boundary each way: exposed.
+Bubble: (p - 1) / v microbatch-times of the slowest pipeline rank; InterleavedZeroBubble a third
+of that, ZBVZeroBubble none.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from xorl.distributed.parallel_config import ParallelConfig
+from xorl.planner.efficiency import Efficiency, load
 from xorl.planner.memory import (
     SPLIT_BACKWARD_SCHEDULES,
     ModelShapes,
-    activation_bytes_per_token,
     checkpointing,
+    fused_loss,
     kind_numel,
     rank_params,
     reshards_after_forward,
+    vocab_split,
 )
 
 
@@ -59,7 +81,13 @@ class Hardware:
     peak_tflops: float = 989.0  # H100 SXM dense bf16
     hbm_gbps: float = 3350.0
     nvlink_gbps: float = 450.0  # per GPU, one direction
-    ib_gbps: float = 50.0  # per GPU: one 400 Gb/s NIC each
+    nic_gbps: float = 50.0  # per NIC: 400 Gb/s
+    nics_per_node: int = 8
+    efficiency: str | None = None  # an efficiency.json other than the shipped one
+
+    @property
+    def net_gbps_per_gpu(self) -> float:
+        return self.nic_gbps * self.nics_per_node / self.gpus_per_node
 
 
 @dataclass
@@ -77,56 +105,140 @@ class StepTime:
 
 
 class _Cost:
-    def __init__(self, hw: Hardware, a: int):
-        self.hw, self.a = hw, a
+    def __init__(self, hw: Hardware, a: int, eff: Efficiency):
+        self.hw, self.a, self.eff = hw, a, eff
         self.flops = hw.peak_tflops * 1e12
-        self.hbm = hw.hbm_gbps * 1e9
+        self.hbm = hw.hbm_gbps * 1e9 * eff.hbm_fraction
+        self.nvlink = hw.nvlink_gbps * 1e9 * eff.nvlink_fraction
+        self.net = hw.net_gbps_per_gpu * 1e9 * eff.net_fraction
 
-    def gemm(self, m: float, n: float, k: float, weight_elems: float | None = None) -> float:
+    def gemm(self, m: float, n: float, k: float, weight_elems: float | None = None, fraction: float | None = None):
+        """One forward GEMM [m, k] x [k, n]: the slower of its FLOPs at the achieved fraction and its bytes."""
         weights = n * k if weight_elems is None else weight_elems
-        return max(2 * m * n * k / self.flops, self.a * (m * k + weights + m * n) / self.hbm)
+        fraction = self.eff.gemm(m, n, k) if fraction is None else fraction
+        return max(2 * m * n * k / (self.flops * fraction), self.a * (m * k + weights + m * n) / self.hbm,
+                   self.eff.launch_s)
 
-    def bandwidth(self, stride: int, size: int) -> float:
-        inside = stride * size <= self.hw.gpus_per_node
-        return (self.hw.nvlink_gbps if inside else self.hw.ib_gbps) * 1e9
+    def elementwise(self, nbytes: float, ops: float) -> float:
+        return max(nbytes / self.hbm, ops * self.eff.launch_s)
 
-    def collective(self, nbytes: float, size: int, stride: int) -> float:
-        """All-gather / reduce-scatter of ``nbytes`` (the full tensor), or all-to-all of ``nbytes`` sent."""
-        return 0.0 if size <= 1 else nbytes * (size - 1) / size / self.bandwidth(stride, size)
+    def placement(self, size: int, stride: int) -> tuple[int, int]:
+        """(ranks per node g, nodes N) of a group of ``size`` ranks at mesh stride ``stride``."""
+        g = max(1, min(size, self.hw.gpus_per_node // stride)) if stride < self.hw.gpus_per_node else 1
+        return g, -(-size // g)
+
+    def collective(self, nbytes: float, size: int, stride: int, kind: str = "all_gather") -> float:
+        """all_gather / reduce_scatter of ``nbytes`` (the full tensor), all_reduce of ``nbytes``,
+        all_to_all of ``nbytes`` sent per rank, send of ``nbytes`` to the next stage."""
+        if size <= 1:
+            return 0.0
+        e, n = self.eff, size
+        g, nodes = self.placement(size, stride)
+        hops_lat = (n - nodes) * e.latency_nvlink_s + (nodes if nodes > 1 else 0) * e.latency_net_s
+        if kind == "all_to_all":
+            return max(nbytes * (g - 1) / n / self.nvlink, nbytes * (n - g) / n / self.net) + (n - 1) * (
+                e.latency_net_s if nodes > 1 else e.latency_nvlink_s)
+        if kind == "send":
+            return nbytes / (self.net if nodes > 1 else self.nvlink) + (e.latency_net_s if nodes > 1 else
+                                                                        e.latency_nvlink_s)
+        ring = max(nbytes * (n - 1) / n / self.nvlink, nbytes * (nodes - 1) / nodes / (g * self.net)) + hops_lat
+        if kind != "all_reduce":
+            return ring
+        bottleneck = self.nvlink if nodes == 1 else min(self.nvlink, g * self.net)
+        tree = 2 * nbytes / bottleneck + 2 * math.log2(n) * (e.latency_net_s if nodes > 1 else e.latency_nvlink_s)
+        return min(2 * ring, tree)
+
+    def overlapped(self, comm: float, compute: float) -> tuple[float, float]:
+        """(exposed, compute slowdown) of ``comm`` overlapped with ``compute``."""
+        return max(0.0, comm - compute), self.eff.overlap_interference * min(comm, compute)
+
+
+def elementwise_forward(spec, moe: bool, a: int, tp: int, sp: bool, compiled: bool) -> tuple[float, float]:
+    """(bytes per token, kernel launches) of one decoder layer's element-wise forward.
+
+    Eager, per element (xorl/models/layers.py): RMSNorm (fp32 cast, pow, mean, scale, cast back,
+    weight: 4a + 28 bytes, 7 ops) x 2; RoPE on q and k (x cos, rotate_half's neg and cat, x sin,
+    add: 10a, 5 ops each); 2 residual adds (3a); SwiGLU (silu, product: 5a, 2 ops) per intermediate
+    unit; MoE: fp32 router softmax (16 bytes per expert), the routed copies gathered and scattered
+    back (6a per copy and hidden unit), the experts' and shared expert's SwiGLU. Compiled: each
+    fused region reads its inputs and writes its outputs once (norm + residual 5a, RoPE 2a,
+    SwiGLU 3a), one launch per region.
+    """
+    h, heads = spec.hidden_size, spec.num_attention_heads
+    hq, hkv = heads * spec.head_dim, spec.num_key_value_heads * spec.head_dim
+    s = tp if sp else 1
+    if compiled:
+        norm_b, norm_ops, rope_b, res_b, glu_b, ops = 5 * a, 1, 2 * a, 0, 3 * a, 6
+    else:
+        norm_b, norm_ops, rope_b, res_b, glu_b, ops = 4 * a + 28, 7, 10 * a, 3 * a, 5 * a, 2 + 10 + 2
+    nbytes = 2 * (norm_b + res_b) * h / s + rope_b * (hq + hkv) / tp
+    ops += 2 * norm_ops
+    if moe:  # on this TP rank's token shard
+        k = spec.num_experts_per_tok
+        nbytes += (16 * spec.num_experts + 6 * a * k * h + glu_b * (k * spec.moe_intermediate_size
+                                                                   + spec.shared_expert_intermediate_size)) / tp
+        ops += 12
+    else:
+        nbytes += glu_b * spec.intermediate_size / tp
+    return nbytes, ops
 
 
 @dataclass
 class _Layer:
-    compute: float  # one forward
-    comm: float  # exposed communication of one forward (TP, Ulysses, EP); backward repeats it
-    ring: float  # exposed ring transfers of one forward (backward: twice)
+    forward: float  # compute of one forward
+    backward: float
+    recompute: float
+    gemm: float  # of the forward: what TP overlap hides behind
+    exposed: float  # exposed communication, forward + backward + recompute
+    slowdown: float  # compute lost to overlapped communication
 
 
-def _layer(spec, moe: bool, p: ParallelConfig, c: _Cost, t: int, seq: int, sp: bool) -> _Layer:
+def _layer(spec, moe: bool, p: ParallelConfig, c: _Cost, t: int, seq: int, sp: bool, mode: str,
+           compiled: bool) -> _Layer:
     a, tp = c.a, p.tp
     h, d, heads = spec.hidden_size, spec.head_dim, spec.num_attention_heads
     hq, hkv = heads * d, spec.num_key_value_heads * d
     gemm = c.gemm(t, (hq + 2 * hkv) / tp, h) + c.gemm(t, h, hq / tp)
-    attn = max(2 * t * seq * hq / tp / c.flops, a * t * (2 * hq + 2 * hkv) / tp / c.hbm)
-    if moe:
-        k, inter = spec.num_experts_per_tok, spec.moe_intermediate_size
-        gemm += c.gemm(t, spec.num_experts, h)
-        gemm += c.gemm(t * k, 3 * inter, h, weight_elems=spec.num_experts // p.ep * 3 * inter * h)
+    shared = 0.0
+    if moe:  # on this TP rank's token shard (xorl/plans/tensor_parallel.py): t / tp tokens
+        k, inter, experts, tm = spec.num_experts_per_tok, spec.moe_intermediate_size, spec.num_experts, t / tp
+        gemm += c.gemm(tm, experts, h)
+        per_expert = tm * k * p.ep / experts
+        for n_, k_ in ((2 * inter, h), (h, inter)):
+            gemm += c.gemm(tm * k, n_, k_, weight_elems=experts // p.ep * n_ * k_,
+                           fraction=c.eff.grouped(per_expert, n_, k_))
         if spec.shared_expert_intermediate_size:
-            gemm += c.gemm(t, 3 * spec.shared_expert_intermediate_size, h)
+            shared = c.gemm(tm, 2 * spec.shared_expert_intermediate_size, h) + c.gemm(
+                tm, h, spec.shared_expert_intermediate_size)
+            gemm += shared
     else:
-        gemm += c.gemm(t, 3 * spec.intermediate_size / tp, h)
-    elementwise = 2 * t * activation_bytes_per_token(spec, moe, a, tp, sp) / c.hbm
-    tp_comm = (3 if moe else 4) * c.collective(a * t * h, tp, 1)
-    comm = max(0.0, tp_comm - gemm) if p.tp_overlap else tp_comm
-    comm += c.collective(a * t * (2 * hq + 2 * hkv) / tp, p.ulysses, tp)
-    if moe:
-        comm += 2 * c.collective(a * t * spec.num_experts_per_tok * h, p.ep, tp)
-    ring = 0.0
-    if p.ring > 1:  # each step sends this rank's K/V block (t tokens' worth) to its neighbour
-        transfer = a * t * 2 * hkv / tp / c.bandwidth(tp * p.ulysses, p.ring)
-        ring = (p.ring - 1) * max(0.0, transfer - attn / p.ring)
-    return _Layer(gemm + attn + elementwise, comm, ring)
+        gemm += c.gemm(t, 2 * spec.intermediate_size / tp, h) + c.gemm(t, h, spec.intermediate_size / tp)
+    attn_flops = 4 * t * (seq / 2) * hq / tp
+    attn_fwd, attn_bwd = attn_flops / (c.flops * c.eff.attn_fwd), 2.5 * attn_flops / (c.flops * c.eff.attn_bwd)
+    ew_bytes, ew_ops = elementwise_forward(spec, moe, a, tp, sp, compiled)
+    ew = c.elementwise(t * ew_bytes, ew_ops)
+    forward = gemm + attn_fwd + ew
+    backward = 2 * gemm + attn_bwd + 2 * ew
+    recompute = {"full": forward, "selective": ew}.get(mode, 0.0)
+    passes = 3 if mode == "full" else 2  # forward, backward (and the recomputed forward)
+    exposed = slowdown = 0.0
+    if tp > 1:  # around attention and the MLP (MoE blocks run whole: once, before the MoE)
+        kind = "all_gather" if sp else "all_reduce"
+        per_pass = (2 if sp else 1) * (1 if moe else 2) * c.collective(a * t * h, tp, 1, kind)
+        for _ in range(passes):
+            if p.tp_overlap:
+                e, s = c.overlapped(per_pass, gemm)
+                exposed, slowdown = exposed + e, slowdown + s
+            else:
+                exposed += per_pass
+    exposed += passes * 2 * c.collective(a * t * (hq + 2 * hkv) / tp, p.ulysses, tp, "all_to_all")
+    if moe and p.ep > 1:
+        a2a = 2 * c.collective(a * t / tp * spec.num_experts_per_tok * h, p.ep, 1, "all_to_all")
+        exposed += passes * max(0.0, a2a - shared)
+    if p.ring > 1:  # each step sends this rank's K/V block to its neighbour, overlapped with that step
+        transfer = c.collective(a * t * 2 * hkv / tp, 2, tp * p.ulysses, "send")
+        exposed += (passes + 1) * (p.ring - 1) * max(0.0, transfer - attn_fwd / p.ring)
+    return _Layer(forward, backward, recompute, gemm, exposed, slowdown)
 
 
 def step_time(config, p: ParallelConfig, shapes: ModelShapes, hw: Hardware) -> StepTime:
@@ -135,25 +247,32 @@ def step_time(config, p: ParallelConfig, shapes: ModelShapes, hw: Hardware) -> S
     spec, train, data = ModelSpec.from_config(config.model), config.train, config.data
     fsdp = train.data_parallel_mode == "fsdp2"
     a = 2 if fsdp and train.dtype == "bfloat16" else 4
-    c = _Cost(hw, a)
+    c = _Cost(hw, a, load(hw.efficiency))
     t, m = data.micro_batch_size * data.seq_len // p.cp, train.gradient_accumulation_steps
     sp = train.sequence_parallel and p.tp > 1
-    forwards = 2 if checkpointing(train)[0] == "full" else 1  # the forward, and its recompute
+    mode = checkpointing(train)[0]
+    compiled = bool(getattr(train, "compile", False))
     gathers = 2 if reshards_after_forward(train, p.pp) else 1  # all-gathers per layer and microbatch
     schedule, v = train.pipeline_parallel_schedule, train.virtual_pipeline_stages
     zero_bubble = p.pp > 1 and schedule in SPLIT_BACKWARD_SCHEDULES
     per_kind = []  # (compute, exposed communication) of one layer of each kind, per microbatch
     for k, kind in enumerate(shapes.kinds):
-        layer = _layer(spec, shapes.is_moe_kind(k), p, c, t, data.seq_len, sp)
-        compute = (forwards + 2) * layer.compute
-        exposed = (forwards + 1) * layer.comm + (forwards + 2) * layer.ring
+        layer = _layer(spec, shapes.is_moe_kind(k), p, c, t, data.seq_len, sp, mode, compiled)
+        compute = layer.forward + layer.backward + layer.recompute + layer.slowdown
+        exposed = layer.exposed
         if fsdp and not zero_bubble:
             full = kind_numel(kind, p)
-            comm = c.collective((gathers * a + 4) * full, p.dp_shard_cp, p.tp)
-            comm += 2 * c.collective(4 * full / p.dp_shard_cp, p.dp_replicate, p.tp * p.dp_shard_cp)
-            exposed += max(0.0, comm - compute)
+            comm = gathers * c.collective(a * full, p.dp_shard_cp, p.tp)
+            comm += c.collective(4 * full, p.dp_shard_cp, p.tp, "reduce_scatter")
+            comm += c.collective(4 * full / p.dp_shard_cp, p.dp_replicate, p.tp * p.dp_shard_cp, "all_reduce")
+            e, s = c.overlapped(comm, compute)
+            # FSDP2's copy-out of each all-gather into the parameters, and the cast of the bf16
+            # gradients into the fp32 reduce-scatter input: HBM traffic of the compute stream.
+            copies = c.elementwise((gathers * 2 * a + a + 4) * full, 2 * gathers + 1)
+            exposed, compute = exposed + e, compute + s + copies
         per_kind.append((compute, exposed))
     per_rank = []
+    vocab = spec.vocab_size / vocab_split(spec.vocab_size, p.tp)
     for r in range(p.pp):
         rp = rank_params(shapes, p, schedule, v, r, fsdp)
         compute = exposed = per_step = 0.0  # per microbatch, except per_step
@@ -162,15 +281,17 @@ def step_time(config, p: ParallelConfig, shapes: ModelShapes, hw: Hardware) -> S
             compute += layer_compute
             exposed += layer_exposed
         if rp.has_last:
-            compute += 3 * c.gemm(t, spec.vocab_size, spec.hidden_size) + t * spec.vocab_size * (a + 12) / c.hbm
+            loss_bytes = 3 * a if fused_loss(config.model) else 2 * a + 32
+            compute += 3 * c.gemm(t, vocab, spec.hidden_size) + c.elementwise(t * vocab * loss_bytes, 12)
         if fsdp and zero_bubble:
             per_step += c.collective(rp.stage_unsharded * (a + 4), p.dp_shard_cp, p.tp)
         elif fsdp:
             exposed += c.collective(rp.root_unsharded * (2 * a + 4), p.dp_shard_cp, p.tp)
         elif p.dp_cp > 1:
-            per_step += 2 * c.collective(4 * rp.stage_unsharded, p.dp_cp, p.tp)
+            per_step += c.collective(4 * rp.stage_unsharded, p.dp_cp, p.tp, "all_reduce")
         if p.pp > 1:  # one activation each way per stage boundary
-            exposed += 2 * len(rp.stage_layers) * a * t * spec.hidden_size / c.bandwidth(p.world_size // p.pp, 2)
+            exposed += 2 * len(rp.stage_layers) * c.collective(a * t * spec.hidden_size, 2, p.world_size // p.pp,
+                                                               "send")
         per_step += 28 * rp.local / c.hbm  # the optimizer step: read and write params, grads, moments
         per_rank.append((compute, exposed, per_step))
     compute_mb, exposed_mb, per_step = max(per_rank, key=lambda x: x[0] + x[1] + x[2] / m)

@@ -2,6 +2,7 @@
 
     apply_activation_checkpointing(model, mode, every_n_layers)   # before FSDP: wraps decoder blocks
     apply_fsdp(model, state, reshard_after_forward, bf16_compute)   # FSDP2 per block, then the root
+    (each returns a record of what it did: CheckpointingRecord, FSDPRecord)
     all_reduce_gradients(params, group)                              # data_parallel_mode: ddp
 
 Gradients are SUMMED across data-parallel ranks (FSDP's divide factor 1, DDP's all-reduce sum):
@@ -12,6 +13,7 @@ scale gradients by 1/dp.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -46,7 +48,26 @@ def checkpointing_mode(setting) -> str:
     return setting
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str = "full", every_n_layers: int = 1) -> None:
+@dataclass
+class CheckpointingRecord:
+    """What ``apply_activation_checkpointing`` did."""
+
+    mode: str  # full / selective
+    layers: list[int]  # the wrapped decoder blocks' indices
+
+
+@dataclass
+class FSDPRecord:
+    """What ``apply_fsdp`` did: the meshes the parameters are sharded over (FSDP reduces their
+    gradients itself, in backward)."""
+
+    mesh: object  # the blocks' and the root's DeviceMesh
+    expert_mesh: object | None  # the experts' own mesh, or None when they share the blocks'
+    reshard_after_forward: bool
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str = "full", every_n_layers: int = 1
+                                   ) -> CheckpointingRecord:
     """Recompute decoder blocks in backward.
 
     full: every ``every_n_layers``-th block keeps only its input and recomputes everything.
@@ -67,9 +88,12 @@ def apply_activation_checkpointing(model: nn.Module, mode: str = "full", every_n
         raise ValueError(f"activation checkpointing mode {mode!r}: use none, full or selective")
     layers = model.model.layers
     blocks = [i for i, layer in enumerate(layers) if layer is not None]
+    wrapped = []
     for n, i in enumerate(blocks):
         if mode == "selective" or n % every_n_layers == 0:
             layers[i] = checkpoint_wrapper(layers[i], preserve_rng_state=False, **kwargs)
+            wrapped.append(i)
+    return CheckpointingRecord(mode, wrapped)
 
 
 def _save_ops() -> set:
@@ -99,7 +123,8 @@ def _selective_policy(save_ops: set, ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in save_ops else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_fsdp(model: nn.Module, state, reshard_after_forward: bool = True, bf16_compute: bool = False) -> None:
+def apply_fsdp(model: nn.Module, state, reshard_after_forward: bool = True, bf16_compute: bool = False
+               ) -> FSDPRecord:
     """FSDP2 per block, then the root; expert weights on their own EP-FSDP mesh (dp_shard x CP x TP / EP).
 
     HSDP when the FSDP mesh has a replicate dim (data_parallel_replicate_size > 1). Gradients are
@@ -122,6 +147,7 @@ def apply_fsdp(model: nn.Module, state, reshard_after_forward: bool = True, bf16
     for module in model.modules():
         if isinstance(module, FSDPModule):
             _sum_gradients(module)
+    return FSDPRecord(mesh, expert_mesh, reshard_after_forward)
 
 
 def experts_have_own_mesh(state) -> bool:

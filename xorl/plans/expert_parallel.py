@@ -1,7 +1,7 @@
 """The expert-parallel plan: every MoE block keeps only its share of the experts, and router statistics.
 
-    apply_expert_parallel(model, ep_mesh)            # ep_mesh: ParallelState.ep_mesh ("ep_fsdp", "ep")
-    set_router_balance_group(model, group)           # the tokens load balancing is computed over
+    record = apply_expert_parallel(model, ep_mesh)   # ep_mesh: ParallelState.ep_mesh ("ep_fsdp", "ep")
+    record = set_router_balance_group(model, group)  # the tokens load balancing is computed over
     update_router_biases(models, group)              # auxiliary-loss-free balancing, after a step
 
 The xorl models build ``xorl.nn.MoE`` blocks holding all E experts (on the meta device at scale,
@@ -15,6 +15,8 @@ gradients summed like every other parameter.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -51,8 +53,24 @@ def is_sparse_moe_block(module: nn.Module) -> bool:
     return hasattr(experts, "gate_proj") or hasattr(experts, "gate_up_proj") or isinstance(experts, nn.ModuleList)
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh) -> list[str]:
-    """Make every MoE block of ``model`` expert-parallel over ``ep_mesh``; returns the blocks' names.
+@dataclass
+class ExpertParallelRecord:
+    """What ``apply_expert_parallel`` did."""
+
+    blocks: list[str]  # the MoE blocks' module names
+    ep_size: int  # experts split over this many ranks (1: all local)
+
+
+@dataclass
+class RouterBalanceRecord:
+    """What ``set_router_balance_group`` did: the group each router's balancing statistics cover."""
+
+    group: dist.ProcessGroup | None
+    routers: int
+
+
+def apply_expert_parallel(model: nn.Module, ep_mesh) -> ExpertParallelRecord:
+    """Make every MoE block of ``model`` expert-parallel over ``ep_mesh``; returns what was done.
 
     ``ep_mesh`` None (or an "ep" dim of size 1): no expert parallelism; foreign blocks are still
     converted to ``xorl.nn.MoE``. Every rank of an EP group must call it on the same full weights.
@@ -76,15 +94,15 @@ def apply_expert_parallel(model: nn.Module, ep_mesh) -> list[str]:
                 moe.distribute_experts(ep)
             except ValueError as e:
                 raise ValueError(f"{name}: {e}") from None
-    return [name for name, _ in targets]
+    return ExpertParallelRecord([name for name, _ in targets], 1 if ep is None else ep.size())
 
 
-def set_router_balance_group(model: nn.Module, group: dist.ProcessGroup | None) -> int:
+def set_router_balance_group(model: nn.Module, group: dist.ProcessGroup | None) -> RouterBalanceRecord:
     """Every router of ``model`` computes its load-balancing statistics over ``group``'s tokens."""
-    routers = [m.gate for m in model.modules() if isinstance(m, MoE)]
-    for router in routers:
-        router.balance_group = group
-    return len(routers)
+    blocks = [m for m in model.modules() if isinstance(m, MoE)]
+    for moe in blocks:
+        moe.set_balance_group(group)
+    return RouterBalanceRecord(group, len(blocks))
 
 
 @torch.no_grad()

@@ -9,12 +9,18 @@ every pipeline rank reads the same data, so each stage looks them up by microbat
 the schedule visits in increasing order on every stage. The stage's forward hook turns the
 model's output into the one tensor the schedule passes on (hidden states, or logits on the last
 stage) and attaches MoE router losses to it so their gradients flow without a second loss path.
+
+Why hooks here (the README's "What is where" lists them): torch.distributed.pipelining calls
+``stage(*tensors)`` with the tensors it passes between stages only, and sends on the one tensor
+the stage returns; the pre-hook adds the microbatch's side inputs (``MicrobatchInputs``), the
+post-hook returns that tensor. Both live in ``_install_stage_hooks``, nowhere else.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -77,18 +83,44 @@ class AttachAuxLoss(torch.autograd.Function):
 
 
 class MicrobatchInputs:
-    """The side inputs of this step's microbatches, and a per-stage visit counter."""
+    """The side inputs of this step's microbatches, and a visit counter per stage."""
 
     def __init__(self) -> None:
         self.kwargs: list[dict] = []
         self.aux_scale = 0.0
         self.router_loss_sum = torch.zeros((), dtype=torch.float64)
+        self._visits: dict[int, int] = {}
 
     def start_step(self, kwargs: list[dict], aux_scale: float, device: torch.device) -> None:
         self.kwargs = kwargs
         self.aux_scale = aux_scale
+        self._visits = {}  # every stage starts again at microbatch 0
         # A device tensor: the stages add their router losses without reading them on the host.
         self.router_loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+
+    def next_for(self, stage_id: int) -> dict:
+        """The side inputs of the next microbatch stage ``stage_id`` runs (the schedule visits them in order)."""
+        visit = self._visits.get(stage_id, 0)
+        self._visits[stage_id] = visit + 1
+        return self.kwargs[visit % max(len(self.kwargs), 1)]
+
+
+@dataclass
+class PipelineRecord:
+    """What ``split_into_stages`` did: this rank's stages and how the step feeds them."""
+
+    stage_ids: list[int]  # the global indices of this rank's stages
+    stages: list[nn.Module]  # the stage modules (full-model parameter names)
+    num_stages: int  # over all pipeline ranks
+    inputs: MicrobatchInputs  # the side inputs the stage hooks read
+
+    @property
+    def holds_first_stage(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def holds_last_stage(self) -> bool:
+        return self.num_stages - 1 in self.stage_ids
 
 
 _FSDP_MICROBATCH_SETTERS = ("set_is_last_backward", "set_reshard_after_backward", "set_requires_gradient_sync")
@@ -154,13 +186,11 @@ def _prune(model: nn.Module, first_layer: int, last_layer: int, is_first: bool, 
     return stage
 
 
-def _install_stage_hooks(stage: nn.Module, inputs: MicrobatchInputs) -> None:
-    calls = {"n": 0}
+def _install_stage_hooks(stage: nn.Module, stage_id: int, inputs: MicrobatchInputs) -> None:
+    """The two hooks torch's pipelining needs (module docstring): side inputs in, one tensor out."""
 
     def pre(module, args, kwargs):
-        index = calls["n"] % max(len(inputs.kwargs), 1)
-        calls["n"] += 1
-        return args, {**kwargs, **inputs.kwargs[index]}
+        return args, {**kwargs, **inputs.next_for(stage_id)}
 
     def post(module, args, output):
         out = output.logits
@@ -169,15 +199,11 @@ def _install_stage_hooks(stage: nn.Module, inputs: MicrobatchInputs) -> None:
             out = AttachAuxLoss.apply(out, output.router_loss, inputs.aux_scale)
         return out
 
-    def reset():
-        calls["n"] = 0
-
     stage.register_forward_pre_hook(pre, with_kwargs=True)
     stage.register_forward_hook(post)
-    stage.reset_microbatch_counter = reset
 
 
-def split_into_stages(model: nn.Module, state, config) -> tuple[list[int], list[nn.Module], MicrobatchInputs]:
+def split_into_stages(model: nn.Module, state, config) -> PipelineRecord:
     """This pipeline rank's stage modules (full-model parameter names kept) and their side inputs."""
     train = config.train
     total = num_stages(state.pp_size, train.virtual_pipeline_stages, train.pipeline_parallel_schedule)
@@ -187,9 +213,9 @@ def split_into_stages(model: nn.Module, state, config) -> tuple[list[int], list[
     stages = []
     for s in ids:
         stage = _prune(model, *ranges[s], is_first=s == 0, is_last=s == total - 1)
-        _install_stage_hooks(stage, inputs)
+        _install_stage_hooks(stage, s, inputs)
         stages.append(stage)
-    return ids, stages, inputs
+    return PipelineRecord(ids, stages, total, inputs)
 
 
 def build_schedule(stage_ids: list[int], stage_modules: list[nn.Module], state, config, device,

@@ -1,11 +1,11 @@
-"""The tensor-parallel plan: shard attention and MLP projections of an HF-style causal LM.
+"""The tensor-parallel plan: shard attention and MLP projections of an xorl causal LM (xorl/models).
 
-    apply_tensor_parallel(model, tp_mesh, sequence_parallel=True, overlap=True)
+    record = apply_tensor_parallel(model, tp_mesh, sequence_parallel=True, overlap=True)
 
 On every present ``model.model.layers[i]`` (entries may be None under pipeline parallelism):
 
 * ``self_attn.{q,k,v}_proj`` -> ColumnParallelLinear (heads split over TP; the attention module
-  reshapes with -1 heads, and integer head-count attributes, if any, are divided by TP), sharing one
+  reshapes with -1 heads, so it needs no head count of its own), sharing one
   gathered input; or, with merge_qkv, ``self_attn.qkv_proj`` -> one ColumnParallelLinear: its rows
   are grouped by KV head (xorl/models/attention.py), so the plain column split hands each rank its
   whole groups, q, k and v, and each overlap chunk runs one GEMM instead of three.
@@ -27,9 +27,9 @@ does. Under pipelining the activations between stages are therefore sequence sha
 region the norms and residual adds run on the shard; the column layers all-gather along the
 sequence, the row layers reduce-scatter along it. Replicated parameters used inside the region on
 a shard of the data have partial gradients: the decoder and final norms under SP, q/k norms
-always (each rank normalises only its own heads). They are listed in ``model.tp_partial_grads``,
-and the trainer sums them over TP once per optimizer step
-(``xorl.nn.tensor_parallel.sum_tp_partial_grads``: one all-reduce).
+always (each rank normalises only its own heads). They are listed in the returned record's
+``partial_grads``, and the step sums them over TP once per optimizer step
+(``xorl.nn.tensor_parallel.sum_tp_partial_grads``: one all-reduce; xorl/parallelize.py's ParallelPlan).
 
 MoE models: attention is tensor-parallel, and each MoE block runs on this TP rank's token shard,
 its experts split over the TP ranks by expert parallelism (EP folds over dp_shard x CP x TP, see
@@ -49,11 +49,16 @@ intermediate size divisible by TP, every rank holding the same full weights befo
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from xorl.nn.moe import MoE
 from xorl.nn.tensor_parallel import (
     ColumnParallelLinear,
+    ReplicatedEmbedding,
+    ReplicatedLMHead,
     RowParallelLinear,
     SharedInputColumnGroup,
     TPPartialGrads,
@@ -61,19 +66,32 @@ from xorl.nn.tensor_parallel import (
     VocabParallelLMHead,
     replicate_on_tp,
 )
-from xorl.nn.tp_comm import DEFAULT_OVERLAP_MIN_NUMEL, TPGroup, gather_from_shards, split_to_shard
+from xorl.nn.tp_comm import DEFAULT_OVERLAP_MIN_NUMEL, TPGroup
 
-_HEAD_COUNT_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads")
-_SEQ_DIM = -2
+
+@dataclass
+class TensorParallelRecord:
+    """What ``apply_tensor_parallel`` did, for the step (xorl/parallelize.py's ParallelPlan)."""
+
+    tp: TPGroup
+    sequence_parallel: bool  # activations between layers (and pipeline stages) are sequence shards
+    partial_grads: TPPartialGrads  # replicated parameters whose gradients the step sums over TP
+    moe_on_token_shards: bool  # MoE blocks route this rank's tokens: router losses differ per TP rank
+
+    @property
+    def sequence_shards(self) -> int:
+        """Into how many shards a rank's sequence is split between layers (1 without SP)."""
+        return self.tp.size if self.sequence_parallel else 1
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = True, overlap: bool = True, *,
                           overlap_min_numel: int = DEFAULT_OVERLAP_MIN_NUMEL,
-                          share_gathered_inputs: bool = True) -> nn.Module:
-    """Shard ``model`` in place over the 1-D ``tp_mesh``; returns the model. TP size 1: unchanged."""
+                          share_gathered_inputs: bool = True) -> TensorParallelRecord:
+    """Shard ``model`` in place over the 1-D ``tp_mesh``; returns what was done. TP size 1: unchanged."""
     tp = TPGroup.from_mesh(tp_mesh)
+    partial = TPPartialGrads(tp)
     if tp.size == 1:
-        return model
+        return TensorParallelRecord(tp, False, partial, False)
     decoder = getattr(model, "model", None)
     layers = getattr(decoder, "layers", None)
     if layers is None:
@@ -85,7 +103,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = T
     linear_kw = {"sequence_parallel": bool(sequence_parallel), "overlap": overlap,
                  "overlap_min_numel": int(overlap_min_numel)}
     memo: dict[int, nn.Parameter] = {}
-    partial = TPPartialGrads(tp)
+    moe_blocks = 0
     present = [(i, layer) for i, layer in enumerate(layers) if layer is not None]
     for i, layer in present:
         prefix = f"model.layers.{i}"
@@ -93,12 +111,12 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = T
                                share_gathered_inputs, partial)
         if not _parallelize_dense_mlp(layer.mlp, tp_mesh, tp, f"{prefix}.mlp", linear_kw, share_gathered_inputs):
             _moe_on_token_shards(layer, tp, sequence_parallel, partial)
+            moe_blocks += 1
         for norm in ("input_layernorm", "post_attention_layernorm"):
             replicate_on_tp(getattr(layer, norm), tp_mesh, memo, partial if sequence_parallel else None)
     _parallelize_vocabulary(model, decoder, tp_mesh, tp, sequence_parallel, overlap, memo, partial)
-    model.tp_partial_grads = partial
     _check_every_parameter_placed(model)
-    return model
+    return TensorParallelRecord(tp, bool(sequence_parallel), partial, moe_blocks > 0)
 
 
 def _parallelize_attention(attn: nn.Module, tp_mesh, tp: TPGroup, prefix: str, linear_kw: dict,
@@ -117,17 +135,11 @@ def _parallelize_attention(attn: nn.Module, tp_mesh, tp: TPGroup, prefix: str, l
         )
     names = ("qkv_proj",) if merged else ("q_proj", "k_proj", "v_proj")
     for name in names:
-        layer = ColumnParallelLinear.from_linear(getattr(attn, name), tp_mesh, **linear_kw)
-        layer.name = f"{prefix}.{name}"
-        setattr(attn, name, layer)
-    attn.o_proj = RowParallelLinear.from_linear(attn.o_proj, tp_mesh, **linear_kw)
-    attn.o_proj.name = f"{prefix}.o_proj"
+        setattr(attn, name, ColumnParallelLinear.from_linear(getattr(attn, name), tp_mesh, name=f"{prefix}.{name}",
+                                                             **linear_kw))
+    attn.o_proj = RowParallelLinear.from_linear(attn.o_proj, tp_mesh, name=f"{prefix}.o_proj", **linear_kw)
     if share and not merged:
         SharedInputColumnGroup([getattr(attn, n) for n in names], name=f"{prefix}.qkv_proj")
-    for attr in _HEAD_COUNT_ATTRS:
-        value = getattr(attn, attr, None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            setattr(attn, attr, value // tp.size)
     for norm in ("q_norm", "k_norm"):  # per-head norms: each rank sees only its own heads
         module = getattr(attn, norm, None)
         if module is not None:
@@ -148,35 +160,27 @@ def _parallelize_dense_mlp(mlp: nn.Module, tp_mesh, tp: TPGroup, prefix: str, li
             f"tensor_parallel_size={tp.size}"
         )
     for name in columns:
-        layer = ColumnParallelLinear.from_linear(getattr(mlp, name), tp_mesh, **linear_kw)
-        layer.name = f"{prefix}.{name}"
-        setattr(mlp, name, layer)
-    mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, tp_mesh, **linear_kw)
-    mlp.down_proj.name = f"{prefix}.down_proj"
+        setattr(mlp, name, ColumnParallelLinear.from_linear(getattr(mlp, name), tp_mesh, name=f"{prefix}.{name}",
+                                                            **linear_kw))
+    mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, tp_mesh, name=f"{prefix}.down_proj", **linear_kw)
     if share and not merged:
         SharedInputColumnGroup([mlp.gate_proj, mlp.up_proj], name=f"{prefix}.gate_up_proj")
     return True
 
 
 def _moe_on_token_shards(layer: nn.Module, tp: TPGroup, sequence_parallel: bool, partial: TPPartialGrads) -> None:
-    """A non-dense MLP (MoE) runs on this TP rank's tokens (see the module docstring)."""
+    """A non-dense MLP (an xorl MoE block) runs on this TP rank's tokens (see the module docstring)."""
     moe = layer.mlp
+    if not isinstance(moe, MoE):
+        raise ValueError(
+            f"apply_tensor_parallel: {type(moe).__name__} is neither a SwiGLU MLP nor an xorl.nn.MoE block; "
+            "build the model from xorl.models (or convert the block with MoE.from_block first)"
+        )
     for name, _ in moe.named_parameters():
         if not name.startswith("experts."):  # router, shared expert: a share of the tokens here
             owner_name, _, leaf = name.rpartition(".")
             partial.slots.append((moe.get_submodule(owner_name) if owner_name else moe, leaf))
-
-    def shard_inputs(module, args, kwargs):
-        mask = kwargs.get("token_mask")
-        if mask is not None:  # the mask covers the (CP-local) sequence; keep this rank's chunk
-            kwargs = {**kwargs, "token_mask": mask.chunk(tp.size, dim=-1)[tp.rank]}
-        if not sequence_parallel:  # replicated input: keep this rank's chunk of the sequence
-            args = (split_to_shard(args[0], tp, _SEQ_DIM), *args[1:])
-        return args, kwargs
-
-    moe.register_forward_pre_hook(shard_inputs, with_kwargs=True)
-    if not sequence_parallel:
-        moe.register_forward_hook(lambda module, args, output: gather_from_shards(output, tp, _SEQ_DIM))
+    moe.run_on_token_shards(tp, sequence_parallel)
 
 
 def _parallelize_vocabulary(model: nn.Module, decoder: nn.Module, tp_mesh, tp: TPGroup, sequence_parallel: bool,
@@ -202,22 +206,17 @@ def _parallelize_vocabulary(model: nn.Module, decoder: nn.Module, tp_mesh, tp: T
         if vocab_parallel:
             decoder.embed_tokens = VocabParallelEmbedding.from_embedding(embed, tp_mesh, sequence_parallel)
         else:
-            replicate_on_tp(embed, tp_mesh, memo)
-            if sequence_parallel:
-                embed.register_forward_hook(lambda module, args, out: split_to_shard(out, tp, _SEQ_DIM))
+            decoder.embed_tokens = ReplicatedEmbedding(embed, tp_mesh, sequence_parallel, memo)
     if norm is not None:
         replicate_on_tp(norm, tp_mesh, memo, partial if sequence_parallel else None)
     if head is not None:
         if vocab_parallel:
             model.lm_head = VocabParallelLMHead.from_linear(head, tp_mesh, sequence_parallel=sequence_parallel,
-                                                            overlap=overlap)
-            model.lm_head.name = "lm_head"
+                                                            overlap=overlap, name="lm_head")
             if tied:
                 model.lm_head.weight = decoder.embed_tokens.weight
         else:
-            replicate_on_tp(head, tp_mesh, memo)
-            if sequence_parallel:
-                head.register_forward_pre_hook(lambda module, args: (gather_from_shards(args[0], tp, _SEQ_DIM),))
+            model.lm_head = ReplicatedLMHead(head, tp_mesh, sequence_parallel, memo)
 
 
 def _check_every_parameter_placed(model: nn.Module) -> None:

@@ -1,0 +1,243 @@
+"""Every family against transformers' own class (issue 20).
+
+For each family: a tiny random checkpoint that transformers' class writes (save_pretrained) loads
+through ``xorl.models.from_pretrained`` and gives transformers' logits (fp32, eager attention,
+weights drawn so activations are O(1)), also at positions far past RoPE scaling's
+original_max_position_embeddings; our ``save_pretrained`` folder loads back in transformers with
+the same logits. For each family's published full-size config, ``from_pretrained(folder with only
+config.json, weights=False)`` on the meta device has exactly transformers' parameter count.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import xorl.models  # noqa: E402
+
+TOL = 1e-5
+SMALL = dict(vocab_size=97, hidden_size=48, intermediate_size=40, num_hidden_layers=3, num_attention_heads=6,
+             num_key_value_heads=2, rms_norm_eps=1e-5, max_position_embeddings=256)
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+
+# name -> (transformers class name, config class name, config fields beyond SMALL)
+FAMILIES = {
+    "llama3.1-rope-llama3": ("LlamaForCausalLM", "LlamaConfig", dict(rope_parameters=LLAMA3_ROPE)),
+    "llama3.2-tied-linear": ("LlamaForCausalLM", "LlamaConfig", dict(
+        tie_word_embeddings=True, attention_bias=True,
+        rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0})),
+    "llama-yarn": ("LlamaForCausalLM", "LlamaConfig", dict(rope_parameters={
+        "rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 32})),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(head_dim=16)),
+    "mistral": ("MistralForCausalLM", "MistralConfig", dict(head_dim=12, sliding_window=None)),
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(num_local_experts=5, num_experts_per_tok=2)),
+    "olmoe": ("OlmoeForCausalLM", "OlmoeConfig", dict(num_experts=6, num_experts_per_tok=3)),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig", dict(
+        num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=32,
+        norm_topk_prob=False, mlp_only_layers=[1])),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(
+        num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=True, head_dim=16)),
+    "glm4_moe": ("Glm4MoeForCausalLM", "Glm4MoeConfig", dict(
+        n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=16, n_shared_experts=2,
+        first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+        attention_bias=True, head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                           "partial_rotary_factor": 0.5})),
+}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+@torch.no_grad()
+def randomize_(model: torch.nn.Module, seed: int) -> None:
+    """O(1) activations: weights ~ N(0, 1/fan_in), norms ~ 1 + N(0, 0.3^2), biases and GLM's
+    selection bias ~ N(0, 0.3^2) (so group-limited routing is exercised)."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in [*model.named_parameters(), *model.named_buffers()]:
+        if not p.is_floating_point() or "inv_freq" in name:
+            continue
+        noise = torch.randn(p.shape, generator=gen, dtype=p.dtype)
+        if "norm" in name:
+            p.copy_(1 + 0.3 * noise)
+        elif p.dim() == 1:
+            p.copy_(0.3 * noise)
+        elif p.dim() == 3:  # transformers v5 fused experts [E, out, in]
+            p.copy_(noise * p.shape[-1] ** -0.5)
+        else:
+            p.copy_(noise * p.shape[-1] ** -0.5)
+
+
+def hf_checkpoint(name: str, folder, seed: int = 0, **overrides):
+    cls_name, config_name, fields = FAMILIES[name]
+    config = getattr(transformers, config_name)(**{**SMALL, **fields, **overrides}, attn_implementation="eager")
+    torch.manual_seed(seed)
+    model = getattr(transformers, cls_name)(config).eval()
+    randomize_(model, seed)
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_family_matches_transformers_and_round_trips(name, tmp_path):
+    hf = hf_checkpoint(name, tmp_path / "hf", seed=1)
+    ours = xorl.models.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32, attn_implementation="sdpa").eval()
+    assert ours.spec.model_type == hf.config.model_type
+    gen = torch.Generator().manual_seed(2)
+    input_ids = torch.randint(0, SMALL["vocab_size"], (2, 24), generator=gen)
+    # Positions past original_max_position_embeddings (16 / 32 here), as a context-parallel rank sees them.
+    positions = torch.arange(100, 124).expand(2, 24)
+    with torch.no_grad():
+        for position_ids in (None, positions):
+            ref = hf(input_ids=input_ids, position_ids=position_ids).logits
+            out = ours(input_ids, position_ids=position_ids).logits
+            assert rel_err(out, ref) < TOL, (name, position_ids is None)
+
+        xorl.models.save_pretrained(ours, str(tmp_path / "ours"))
+        back = getattr(transformers, FAMILIES[name][0]).from_pretrained(
+            tmp_path / "ours", attn_implementation="eager").eval()
+        assert rel_err(back(input_ids=input_ids).logits, ref_plain := hf(input_ids=input_ids).logits) < TOL
+        again = xorl.models.from_pretrained(str(tmp_path / "ours"), dtype=torch.float32).eval()
+        assert rel_err(again(input_ids).logits, ref_plain) < TOL
+
+
+def test_glm_routing_is_group_limited_and_scaled(tmp_path):
+    """The router picks only inside the chosen groups and scales the renormalised weights."""
+    hf = hf_checkpoint("glm4_moe", tmp_path / "hf", seed=3)
+    ours = xorl.models.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
+    assert ours.model.layers[0].mlp.__class__.__name__ == "SwiGLUMLP"  # first_k_dense_replace=1
+    gate = ours.model.layers[1].mlp.gate
+    x = torch.randn(64, SMALL["hidden_size"], generator=torch.Generator().manual_seed(4))
+    routed = gate(x)
+    ref_logits, ref_weights, ref_ids = hf.model.layers[1].mlp.gate(x)
+    assert torch.equal(routed.expert_ids.sort(-1).values, ref_ids.sort(-1).values)
+    order_ours, order_ref = routed.expert_ids.argsort(-1), ref_ids.argsort(-1)
+    assert rel_err(routed.weights.gather(1, order_ours), ref_weights.gather(1, order_ref)) < TOL
+    assert torch.allclose(routed.weights.sum(-1), torch.full((64,), 2.5))
+    groups = routed.expert_ids // 2  # 8 experts in 4 groups of 2, topk_group=2
+    assert all(len(set(row.tolist())) <= 2 for row in groups)
+
+
+# Published config.json values (the model cards), the fields that decide the parameter count.
+PUBLISHED = {
+    "Llama-3.1-8B": ("LlamaForCausalLM", dict(
+        model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        rope_theta=500000.0, tie_word_embeddings=False, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}), 8_030_261_248),
+    "Llama-3.2-1B": ("LlamaForCausalLM", dict(
+        model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
+        rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True, rope_scaling={
+            "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}), 1_235_814_400),
+    "Qwen2.5-7B": ("Qwen2ForCausalLM", dict(
+        model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+        num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=131072, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, sliding_window=131072, use_sliding_window=False, max_window_layers=28,
+        tie_word_embeddings=False), 7_615_616_512),
+    "Qwen3-8B": ("Qwen3ForCausalLM", dict(
+        model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, attention_bias=False, tie_word_embeddings=False,
+        use_sliding_window=False, sliding_window=None), 8_190_735_360),
+    "Mistral-7B-v0.3": ("MistralForCausalLM", dict(
+        model_type="mistral", vocab_size=32768, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=32768,
+        rms_norm_eps=1e-5, rope_theta=1000000.0, sliding_window=None, tie_word_embeddings=False), 7_248_023_552),
+    "Mixtral-8x7B": ("MixtralForCausalLM", dict(
+        model_type="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+        max_position_embeddings=32768, rms_norm_eps=1e-5, rope_theta=1000000.0, sliding_window=None,
+        router_aux_loss_coef=0.02, tie_word_embeddings=False), 46_702_792_704),
+    "OLMoE-1B-7B": ("OlmoeForCausalLM", dict(
+        model_type="olmoe", vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
+        num_attention_heads=16, num_key_value_heads=16, num_experts=64, num_experts_per_tok=8,
+        max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0, norm_topk_prob=False, clip_qkv=None,
+        router_aux_loss_coef=0.01, tie_word_embeddings=False), None),
+    "GLM-4.5-Air": ("Glm4MoeForCausalLM", dict(
+        model_type="glm4_moe", vocab_size=151552, hidden_size=4096, intermediate_size=10944,
+        moe_intermediate_size=1408, num_hidden_layers=46, num_attention_heads=96, num_key_value_heads=8,
+        head_dim=128, n_routed_experts=128, n_shared_experts=1, num_experts_per_tok=8, n_group=1, topk_group=1,
+        first_k_dense_replace=1, routed_scaling_factor=1.0, norm_topk_prob=True, partial_rotary_factor=0.5,
+        attention_bias=True, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=1000000.0,
+        use_qk_norm=False, num_nextn_predict_layers=1, tie_word_embeddings=False), None),
+}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_published_config_has_transformers_parameter_count(name, tmp_path):
+    cls_name, fields, published = PUBLISHED[name]
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": [cls_name], "hidden_act": "silu", **fields}))
+    with torch.device("meta"):
+        ours = xorl.models.from_pretrained(str(tmp_path), weights=False)
+        hf = getattr(transformers, cls_name)(transformers.AutoConfig.from_pretrained(tmp_path))
+    count = sum(p.numel() for p in ours.parameters())
+    assert count == sum(p.numel() for p in hf.parameters())
+    if published is not None:
+        assert count == published
+
+
+def test_glm_multi_token_prediction_layer_in_the_files_is_skipped(tmp_path):
+    """GLM-4.5 files hold their MTP layer after the last layer (num_nextn_predict_layers); transformers
+    does not build it, nor do we, and loading skips its tensors instead of calling them unexpected."""
+    from safetensors.torch import load_file, save_file
+
+    hf = hf_checkpoint("glm4_moe", tmp_path / "hf", seed=5)
+    path = tmp_path / "hf" / "model.safetensors"
+    tensors = load_file(path)
+    extra = SMALL["num_hidden_layers"]  # the layer after the last
+    tensors[f"model.layers.{extra}.eh_proj.weight"] = torch.randn(8, 8)
+    tensors[f"model.layers.{extra}.mlp.experts.0.gate_proj.weight"] = torch.randn(8, 8)
+    save_file(tensors, path, metadata={"format": "pt"})
+    ours = xorl.models.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
+    input_ids = torch.randint(0, SMALL["vocab_size"], (1, 16), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        assert rel_err(ours(input_ids).logits, hf(input_ids=input_ids).logits) < TOL
+
+
+def test_hub_style_config_json_loads_through_the_run_config(tmp_path):
+    """A config.json as the hub ships Llama-3.1 (transformers v4 keys: rope_theta, rope_scaling with
+    rope_type) fills the run config, and a dynamic or sliding-window one is refused naming the field."""
+    from xorl.config import ConfigError, load_config
+
+    fields = dict(PUBLISHED["Llama-3.1-8B"][1], architectures=["LlamaForCausalLM"], hidden_act="silu",
+                  bos_token_id=128000, eos_token_id=[128001, 128008, 128009])
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    config = load_config(None, [f"--model.model_path={tmp_path}"])
+    assert config.model.rope_scaling["rope_type"] == "llama3" and config.model.rope_theta == 500000.0
+    assert config.model.max_position_embeddings == 131072
+    fields["rope_scaling"] = {"type": "dynamic", "factor": 2.0}
+    (tmp_path / "config.json").write_text(json.dumps(fields))
+    with pytest.raises(ConfigError, match="rope_type 'dynamic' is refused: dynamic NTK"):
+        load_config(None, [f"--model.model_path={tmp_path}"])
+    mistral = dict(PUBLISHED["Mistral-7B-v0.3"][1], sliding_window=4096)
+    (tmp_path / "config.json").write_text(json.dumps(mistral))
+    with pytest.raises(ConfigError, match="sliding_window=4096: sliding-window attention is not supported yet"):
+        load_config(None, [f"--model.model_path={tmp_path}"])
+
+
+@pytest.mark.parametrize("name", ["mixtral", "glm4_moe"])
+def test_sharded_start_from_a_family_folder_reads_its_weights(name, gloo_world, tmp_path):
+    """FSDP 2 x EP 2 ranks start from the folder (each reading its own boxes, through the family's
+    file names: Mixtral's block_sparse_moe.experts.{j}.w1, GLM's shared_experts) with exactly the
+    weights one process loads."""
+    from tests.parity_runs import initial_weights
+    from xorl.config import load_config
+
+    experts = {"num_local_experts": 4} if name == "mixtral" else {}
+    hf_checkpoint(name, tmp_path / "hf", seed=7, vocab_size=272, **experts)
+    one = xorl.models.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).state_dict()
+    config = load_config(None, [f"--model.model_path={tmp_path / 'hf'}", f"--train.output_dir={tmp_path / 'run'}",
+                                "--train.data_parallel_shard_size=2", "--train.expert_parallel_size=2",
+                                "--data.seq_len=32", "--data.micro_batch_size=1"])
+    loaded = gloo_world(2).run(initial_weights, config)[0]
+    assert loaded.keys() == one.keys()
+    assert all(torch.equal(loaded[k], one[k]) for k in one), [k for k in one if not torch.equal(loaded[k], one[k])]

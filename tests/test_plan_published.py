@@ -1,0 +1,88 @@
+"""xorl-plan held against published, measured runs: torchtitan's Llama-3.1 tables on H100.
+
+Sources (pytorch/torchtitan): benchmarks/llama3_h100_202412_torchtitan.md tables 1 and 3 (8B, FSDP,
+local batch 2, selective op AC, eager) and benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md
+(70B, FSDP 32 x TP 8, local batch 16, full AC, vanilla TP; its memory is the Float8 row of the
+2024-12 table 4). Their GPUs: H100 SXM with 96 GB HBM2e at 2.4 TB/s and a 500 W power limit
+("the actual peak TFLOPs number is between SXM and NVL": 989 and 835, so the midpoint 912), 8 per
+node with NVLink, 400 Gb/s RDMA per GPU. The flags say exactly that and nothing fitted to these rows:
+--gpus-per-node 8 --gpu-memory-gb 96 --peak-tflops 912 --hbm-gbps 2400 (NVLink 450 GB/s, 8 NICs of
+50 GB/s per node: the defaults). The runs' own choices in xorl's fields: seq_len 8192, bf16 compute
+with fp32 master weights (FSDP2 mixed precision), an unfused cross-entropy on materialised logits
+(fused_loss false), vocabulary-parallel loss under TP, tp_overlap false (vanilla TP); the 70B run
+used torch.compile, which xorl refuses together with TP, so it is predicted eager.
+
+Published memory is torch.cuda.max_memory_reserved: compared with the prediction's ``reserved``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from xorl.config import Config
+from xorl.planner.guide import Options, evaluate
+from xorl.planner.step_time import Hardware
+
+LLAMA_31_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                   num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0,
+                   max_position_embeddings=131072)
+LLAMA_31_70B = dict(LLAMA_31_8B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                    num_attention_heads=64)
+GRAND_TETON = Hardware(gpus_per_node=8, gpu_memory_gb=96.0, peak_tflops=912.0, hbm_gbps=2400.0)
+TOKENS_TOLERANCE, MEMORY_TOLERANCE = 0.25, 0.10
+
+# Why two memory rows miss: xorl's `selective` (xorl/plans/data_parallel.py) keeps the output of
+# every matmul, torchtitan's op-level SAC keeps every other one (its policy's mm_count % 2), about
+# 38 KB more per token and layer for Llama-8B: +18.6 GiB at 16K tokens and 32 layers. The planner
+# predicts what xorl would hold; it is not a model of torchtitan's policy.
+SELECTIVE_DIFFERS = pytest.mark.xfail(strict=True, reason=(
+    "xorl's selective checkpointing keeps every matmul output, torchtitan's op SAC every other one "
+    "(+18.6 GiB at 16K tokens); the published run's policy is not one xorl has"))
+
+# (name, model, GPUs, train fields, micro_batch_size, published tokens/s per GPU, published GiB)
+ROWS = [
+    ("llama3.1-8b fsdp8", LLAMA_31_8B, 8,
+     dict(data_parallel_shard_size=8, activation_checkpointing="selective"), 2, 5762, 82.4),
+    ("llama3.1-8b fsdp128", LLAMA_31_8B, 128,
+     dict(data_parallel_shard_size=128, activation_checkpointing="selective"), 2, 5605, 67.0),
+    ("llama3.1-70b fsdp32 tp8", LLAMA_31_70B, 256,
+     dict(data_parallel_shard_size=32, tensor_parallel_size=8, sequence_parallel=True, tp_overlap=False,
+          activation_checkpointing="full"), 16, 597.3, 71.9),
+]
+
+
+def _predict(model: dict, gpus: int, train: dict, micro_batch: int):
+    config = Config.from_dict({
+        "model": model, "data": {"seq_len": 8192, "micro_batch_size": micro_batch},
+        "train": {"data_parallel_mode": "fsdp2", "dtype": "bfloat16", "gradient_accumulation_steps": 1, **train},
+    })
+    config.model.fused_loss = False  # torchtitan's loss: cross-entropy of fp32 logits (before and after the field)
+    candidate = evaluate(config, Options(gpus, GRAND_TETON))
+    tokens_per_gpu = micro_batch * 8192 / train.get("tensor_parallel_size", 1) / candidate.time.total
+    return tokens_per_gpu, candidate.memory.reserved / 2**30
+
+
+@pytest.mark.parametrize("name, model, gpus, train, micro_batch, tokens, gib", ROWS, ids=[r[0] for r in ROWS])
+def test_tokens_per_second_per_gpu(name, model, gpus, train, micro_batch, tokens, gib):
+    predicted, _ = _predict(model, gpus, train, micro_batch)
+    assert abs(predicted / tokens - 1) <= TOKENS_TOLERANCE, f"{name}: {predicted:.0f} vs published {tokens}"
+
+
+# The 70B figure is torchtitan's Float8 + torch.compile run (table 4 of the 2024-12 file; the bf16 run's
+# memory is published only as an image), with torchtitan's loss_parallel cross-entropy. The planner's
+# xorl prediction (every kept layer input + xorl's vocabulary-parallel loss at the loss's backward,
+# the peak the CPU allocator measurements put there) comes out 15 % below it: not explained by a
+# term the planner has, so left open rather than fitted.
+SEVENTY_B_OPEN = pytest.mark.xfail(strict=True, reason=(
+    "predicted 61 GiB vs published 71.9 GiB (Float8 + compile, torchtitan's loss_parallel): a 15 % gap "
+    "no planner term explains; open"))
+
+
+@pytest.mark.parametrize("name, model, gpus, train, micro_batch, tokens, gib", [
+    pytest.param(*ROWS[0], marks=SELECTIVE_DIFFERS, id=ROWS[0][0]),
+    pytest.param(*ROWS[1], marks=SELECTIVE_DIFFERS, id=ROWS[1][0]),
+    pytest.param(*ROWS[2], marks=SEVENTY_B_OPEN, id=ROWS[2][0]),
+])
+def test_memory_per_gpu(name, model, gpus, train, micro_batch, tokens, gib):
+    _, predicted = _predict(model, gpus, train, micro_batch)
+    assert abs(predicted / gib - 1) <= MEMORY_TOLERANCE, f"{name}: {predicted:.1f} GiB vs published {gib}"

@@ -1,0 +1,355 @@
+"""The one model schema: every model field declared once, and the families that read it.
+
+Each ``Field`` says its name (the Hugging Face config attribute name), type, default, what kind of
+field it is, and which families' config.json carries it (``families``; a family may spell it
+differently: ``Family.hf_names``). From this table come:
+
+- ``xorl.config.ModelConfig`` (the YAML ``model:`` section), field for field;
+- ``ModelSpec`` (xorl/models/spec.py), the resolved view the modules read;
+- ``hf_to_fields`` (a config.json -> field values, refusing what xorl cannot build exactly) and
+  ``fields_to_hf`` (the other way, refusing what the family's transformers class cannot hold);
+- ``shape_problems``: the shape rules, used by config_rules.py (before launch) and spec.py.
+
+Kinds: ``arch`` (architecture: a model folder defines it; export refuses a value the family's HF
+class cannot represent), ``knob`` (training settings: config.json may hold them, the run's
+explicit value wins), ``local`` (how xorl runs the model; never in config.json).
+
+A family (its block wiring and HF weight names) is one file in xorl/models/ declaring a ``Family``,
+plus its line in xorl/models/families.py. No torch import here: the config is checked before any
+process group or model exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+DENSE = ("llama", "qwen2", "qwen3", "mistral")
+MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe")
+ALL = DENSE + MOE
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    type: Any
+    default: Any
+    kind: Literal["arch", "knob", "local"] = "arch"
+    families: tuple[str, ...] = ALL  # whose config.json carries it
+    doc: str = ""
+
+
+def _f(name, tp, default, kind="arch", families=ALL, doc=""):
+    return Field(name, tp, default, kind, families, doc)
+
+
+FIELDS: tuple[Field, ...] = (
+    _f("model_type", Literal[ALL], "llama", doc="the family (xorl/models/families.py)"),
+    _f("vocab_size", int, 272, doc="272 = 256 bytes + 16 special tokens for the byte tokenizer"),
+    _f("hidden_size", int, 64),
+    _f("intermediate_size", int, 128, doc="the dense MLP's width (Mixtral: each expert's)"),
+    _f("num_hidden_layers", int, 2),
+    _f("num_attention_heads", int, 4),
+    _f("num_key_value_heads", int, 2),
+    _f("head_dim", int | None, None, doc="None: hidden_size // num_attention_heads"),
+    _f("rms_norm_eps", float, 1e-6),
+    _f("rope_theta", float, 10000.0),
+    _f("rope_scaling", dict | None, None,
+       doc="RoPE scaling: {rope_type: llama3 | linear | yarn, factor, ...} as in transformers' "
+           "rope_parameters (without rope_theta); None for plain RoPE"),
+    _f("partial_rotary_factor", float, 1.0, families=("glm4_moe",),
+       doc="the fraction of each head's dims that RoPE rotates (GLM-4.5: 0.5)"),
+    _f("max_position_embeddings", int, 2048),
+    _f("tie_word_embeddings", bool, False),
+    _f("attention_bias", bool, False, families=("llama", "qwen3", "qwen3_moe", "olmoe", "glm4_moe", "qwen2_moe"),
+       doc="biases on q/k/v (and o where the family's HF class puts one there: Family.o_proj_bias)"),
+    # MoE
+    _f("num_experts", int, 0, families=MOE, doc="0 on dense models"),
+    _f("num_experts_per_tok", int, 2, families=MOE),
+    _f("moe_intermediate_size", int, 64, families=("qwen3_moe", "qwen2_moe", "glm4_moe")),
+    _f("norm_topk_prob", bool, False, families=("qwen3_moe", "qwen2_moe", "olmoe", "glm4_moe"),
+       doc="renormalise the top-k router weights to sum to 1"),
+    _f("router_scoring", Literal["softmax", "sigmoid"], "softmax", families=()),
+    _f("router_expert_bias", bool, False, families=(),
+       doc="DeepSeek-V3's auxiliary-loss-free balancing bias (gate.e_score_correction_bias)"),
+    _f("router_n_group", int, 1, families=("glm4_moe",), doc="expert groups of group-limited routing"),
+    _f("router_topk_group", int, 1, families=("glm4_moe",), doc="groups a token may route into"),
+    _f("routed_scaling_factor", float, 1.0, families=("glm4_moe",), doc="multiplies the routed experts' weights"),
+    _f("shared_expert_intermediate_size", int, 0, families=("qwen2_moe",), doc="0: no shared expert"),
+    _f("first_k_dense_replace", int, 0, families=("glm4_moe",), doc="the first k layers use a dense MLP"),
+    _f("decoder_sparse_step", int, 1, families=("qwen3_moe", "qwen2_moe")),
+    _f("mlp_only_layers", list[int], [], families=("qwen3_moe", "qwen2_moe")),
+    # Training knobs: config.json may hold them; an explicit YAML / CLI value wins.
+    _f("router_aux_loss_coef", float, 0.001, "knob", families=MOE),
+    _f("router_z_loss_coef", float, 0.0, "knob", families=()),
+    _f("router_balance_scope", Literal["microbatch", "global_batch"], "microbatch", "knob", families=(),
+       doc="tokens the balancing statistics cover: the microbatch (what one process computes, on every "
+           "layout) or the global batch (every data- and context-parallel rank's microbatch of the round)"),
+    _f("router_bias_update_rate", float, 1e-3, "knob", families=(),
+       doc="router_expert_bias moves by this x sign(mean load - load) after every optimizer step"),
+    _f("initializer_range", float, 0.02, "knob"),
+    # Local: how xorl runs the model.
+    _f("merge_qkv", bool, False, "local", (),
+       doc="one fused q/k/v projection (rows grouped by KV head): one GEMM per TP rank"),
+    _f("merge_gate_up", bool, False, "local", (), doc="one fused gate/up projection of the dense MLP"),
+    _f("model_path", str | None, None, "local", (), doc="a local HF folder: config.json + *.safetensors"),
+    _f("attn_implementation", Literal["xorl", "flash_attn", "sdpa"], "xorl", "local", ()),
+)
+FIELD = {f.name: f for f in FIELDS}
+LOCAL_FIELDS = tuple(f.name for f in FIELDS if f.kind == "local")
+TRAINING_KNOBS = tuple(f.name for f in FIELDS if f.kind == "knob")
+
+
+@dataclass(frozen=True)
+class Family:
+    """What a family's HF class hard-codes or names differently; declared in its file."""
+
+    model_type: str
+    architecture: str  # transformers' class name, written to config.json "architectures"
+    moe: bool = False
+    qk_norm: Literal["none", "head", "width"] = "none"  # RMSNorm of q/k per head, or over the whole width
+    o_proj_bias: bool | None = None  # None: o_proj has a bias when attention_bias; False: never
+    shared_expert_gate: bool = True  # a shared expert's output goes through sigmoid(shared_expert_gate(x))
+    # field -> its config.json key, or keys (the first is written; any is read)
+    hf_names: dict[str, str | tuple[str, ...]] = field(default_factory=dict)
+    fixed: dict[str, Any] = field(default_factory=dict)  # values the HF class hard-codes
+    # (raw config.json, the fields read so far) -> problems; may fill derived fields in place.
+    read_hf: Callable[[dict, dict], list[str]] | None = None
+    # (spec, the config.json dict so far) -> None; adds the family's own entries.
+    write_hf: Callable[[Any, dict], None] | None = None
+    hf_extra: dict[str, Any] = field(default_factory=dict)  # constant config.json entries on export
+    # (xorl name fragment, HF name fragment) pairs: how the HF files spell the weights.
+    weight_names: tuple[tuple[str, str], ...] = ()
+    ignore_extra_layers: bool = False  # HF files hold layers past num_hidden_layers (GLM's MTP layer)
+    derived: tuple[str, ...] = ()  # fields read_hf computes from others (not exported under their name)
+    # field -> the field whose value it always takes (Mixtral's / OLMoE's experts are intermediate_size wide)
+    same_as: dict[str, str] = field(default_factory=dict)
+
+    def carries(self, name: str) -> bool:
+        return self.model_type in FIELD[name].families
+
+    def hf_keys(self, name: str) -> tuple[str, ...]:
+        keys = self.hf_names.get(name, name)
+        return (keys,) if isinstance(keys, str) else keys
+
+    def hf_key(self, name: str) -> str:
+        return self.hf_keys(name)[0]
+
+
+def model_config_class() -> type:
+    """``xorl.config.ModelConfig``: one dataclass field per schema field."""
+    fields = []
+    for f in FIELDS:
+        default = f.default
+        spec = field(default_factory=lambda d=default: list(d)) if isinstance(default, list) else field(default=default)
+        fields.append((f.name, f.type, spec))
+    cls = dataclasses.make_dataclass("ModelConfig", fields)
+    cls.__module__ = "xorl.config"
+    cls.__doc__ = "The ``model:`` section; its fields are declared in xorl/models/schema.py (FIELDS)."
+    return cls
+
+
+def field_values(config: Any) -> dict[str, Any]:
+    """Every schema field of ``config`` (a ModelConfig or any object with those attribute names);
+    absent or None attributes take the default (head_dim and rope_scaling keep None)."""
+    values = {}
+    for f in FIELDS:
+        value = getattr(config, f.name, None)
+        values[f.name] = f.default if value is None else value
+    return values
+
+
+def apply_family(values: dict[str, Any], family: Family) -> list[str]:
+    """Set what ``family``'s HF class hard-codes (``fixed``, ``same_as``) in ``values``; a problem for
+    each field explicitly set (not its default) to another value."""
+    problems = []
+    for name, value in family.fixed.items():
+        if _plain(values[name]) not in (_plain(value), _plain(FIELD[name].default)):
+            problems.append(f"model.{name}={values[name]!r}: model_type={family.model_type!r} always has {value!r}")
+        values[name] = value
+    for name, source in family.same_as.items():
+        values[name] = values[source]
+    return problems
+
+
+# ------------------------------------------------------------------------------------------------
+# Shape rules (one place: config_rules.py reports them before launch, ModelSpec raises them)
+# ------------------------------------------------------------------------------------------------
+
+
+def shape_problems(m: dict[str, Any], family: Family) -> list[str]:
+    """What makes field values ``m`` unbuildable, each naming the field (``model.`` prefixed)."""
+    problems = [f"model.{n}={m[n]} must be >= 1" for n in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "max_position_embeddings", "decoder_sparse_step", "router_n_group",
+        "router_topk_group") if m[n] < 1]
+    problems += [f"model.{n}={m[n]} must be >= 0" for n in (
+        "num_experts", "shared_expert_intermediate_size", "first_k_dense_replace") if m[n] < 0]
+    if m["head_dim"] is not None and m["head_dim"] < 1:
+        problems.append(f"model.head_dim={m['head_dim']} must be >= 1, or null for hidden_size // num_attention_heads")
+    if problems:
+        return problems
+    heads, kv = m["num_attention_heads"], m["num_key_value_heads"]
+    if heads % kv:
+        problems.append(f"model.num_attention_heads={heads} must be a multiple of "
+                        f"num_key_value_heads={kv} (grouped-query attention)")
+    head_dim = m["head_dim"]
+    if head_dim is None:
+        if m["hidden_size"] % heads:
+            problems.append(f"model.hidden_size={m['hidden_size']} is not divisible by num_attention_heads={heads}; "
+                            "set model.head_dim explicitly or change the sizes")
+        head_dim = m["hidden_size"] // heads
+    rotary = int(head_dim * m["partial_rotary_factor"])
+    if m["partial_rotary_factor"] == 1.0 and head_dim % 2:
+        problems.append(f"model: head_dim={head_dim} must be even for RoPE (model.head_dim, or hidden_size / "
+                        "num_attention_heads)")
+    elif not 0 < m["partial_rotary_factor"] <= 1 or rotary % 2:
+        problems.append(f"model.partial_rotary_factor={m['partial_rotary_factor']} must be in (0, 1] and rotate an "
+                        f"even number of dims of head_dim={head_dim} (rotates {rotary})")
+    if not family.moe and m["num_experts"] > 0:
+        problems.append(f"model.num_experts={m['num_experts']} but model_type={m['model_type']!r} is dense; set "
+                        "num_experts: 0, or a mixture-of-experts model_type (qwen3_moe, mixtral, ...)")
+    if family.moe:
+        e = m["num_experts"]
+        if e == 0:
+            problems.append(f"model.model_type={m['model_type']!r} needs num_experts >= 1 (or use a dense model_type)")
+        elif not 1 <= m["num_experts_per_tok"] <= e:
+            problems.append(f"model.num_experts_per_tok={m['num_experts_per_tok']} (top-k) must be between 1 and "
+                            f"num_experts={e}")
+        if m["moe_intermediate_size"] < 1:
+            problems.append(f"model.moe_intermediate_size={m['moe_intermediate_size']} must be >= 1")
+        bad = [i for i in m["mlp_only_layers"] if not 0 <= i < m["num_hidden_layers"]]
+        if bad:
+            problems.append(f"model.mlp_only_layers has {bad}, outside the layer indices "
+                            f"0..{m['num_hidden_layers'] - 1}")
+        groups, topk_group = m["router_n_group"], m["router_topk_group"]
+        if e and groups > 1 and (e % groups or topk_group > groups
+                                 or m["num_experts_per_tok"] > topk_group * (e // groups)):
+            problems.append(f"model.router_n_group={groups}, router_topk_group={topk_group}: num_experts={e} must "
+                            "split into router_n_group equal groups, router_topk_group <= router_n_group, and the "
+                            "chosen groups must hold num_experts_per_tok experts")
+    return problems + rope_problems(m["rope_scaling"])
+
+
+ROPE_TYPES = ("llama3", "linear", "yarn")
+
+
+def rope_problems(scaling: dict | None) -> list[str]:
+    """What makes a RoPE scaling unbuildable (or untrainable), naming model.rope_scaling."""
+    if not scaling:
+        return []
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "dynamic":
+        return ["model.rope_scaling rope_type 'dynamic' is refused: dynamic NTK rescales the frequencies with the "
+                "length of the sequence being generated, an inference-time scheme with no fixed positions to train "
+                "on; train with plain RoPE, or 'linear' / 'yarn' with a fixed factor"]
+    if kind not in ROPE_TYPES:
+        return [f"model.rope_scaling rope_type={kind!r} is not supported; use one of {ROPE_TYPES} (or null)"]
+    if "factor" not in scaling:
+        return [f"model.rope_scaling ({kind}) needs 'factor'"]
+    if kind == "llama3" and not {"low_freq_factor", "high_freq_factor", "original_max_position_embeddings"} <= set(
+            scaling):
+        return ["model.rope_scaling (llama3) needs low_freq_factor, high_freq_factor and "
+                "original_max_position_embeddings"]
+    return []
+
+
+# ------------------------------------------------------------------------------------------------
+# config.json <-> field values
+# ------------------------------------------------------------------------------------------------
+
+
+def _rope_from_hf(raw: dict) -> tuple[float | None, dict | None, float | None]:
+    """(rope_theta, scaling without theta or None, partial_rotary_factor) from a transformers v4 or
+    v5 config.json (v5 keeps all of it in ``rope_parameters``, v4 in rope_theta / rope_scaling)."""
+    params = dict(raw.get("rope_parameters") or {})
+    legacy = dict(raw.get("rope_scaling") or {})
+    theta = raw.get("rope_theta", params.get("rope_theta", legacy.get("rope_theta")))
+    partial = raw.get("partial_rotary_factor", params.get("partial_rotary_factor"))
+    scaling = {**params, **legacy}  # a v4 rope_scaling next to v5's rope_parameters is the one meant
+    for key in ("rope_theta", "partial_rotary_factor"):
+        scaling.pop(key, None)
+    if "type" in scaling:
+        scaling["rope_type"] = scaling.pop("type")
+    if scaling.get("rope_type", "default") == "default":
+        scaling = None
+    return theta, scaling, partial
+
+
+def hf_to_fields(raw: dict, family: Family, where: str) -> tuple[dict[str, Any], list[str]]:
+    """(field -> value that config.json ``raw`` defines, problems naming ``where``). Values are not
+    coerced to the field types here (xorl/model_path.py does that, naming the file)."""
+    problems = []
+    values: dict[str, Any] = {}
+    for f in FIELDS:
+        if f.kind == "local" or not family.carries(f.name):
+            continue
+        for key in family.hf_keys(f.name):
+            if raw.get(key) is not None:
+                values[f.name] = raw[key]
+                break
+    theta, scaling, partial = _rope_from_hf(raw)
+    if theta is not None:
+        values["rope_theta"] = theta
+    values["rope_scaling"] = scaling
+    problems += [p.replace("model.rope_scaling", "rope_scaling") for p in rope_problems(scaling)]
+    if partial is not None and partial != 1.0:
+        if not family.carries("partial_rotary_factor"):
+            problems.append(f"{where}: partial_rotary_factor={partial}: {family.architecture} rotates whole heads")
+        values["partial_rotary_factor"] = partial
+    if raw.get("hidden_act", "silu") != "silu":
+        problems.append(f"{where}: hidden_act={raw['hidden_act']!r}; xorl.models use SwiGLU (silu) only")
+    if raw.get("mlp_bias"):
+        problems.append(f"{where}: mlp_bias=true is not supported by xorl.models")
+    if raw.get("attention_dropout"):
+        problems.append(f"{where}: attention_dropout={raw['attention_dropout']}; xorl.models have no dropout")
+    if raw.get("use_sliding_window"):
+        problems.append(f"{where}: use_sliding_window=true: sliding-window attention is not supported yet; "
+                        "set it to false")
+    elif "use_sliding_window" not in raw and raw.get("sliding_window") is not None:
+        problems.append(f"{where}: sliding_window={raw['sliding_window']}: sliding-window attention is not "
+                        "supported yet (it lands with the sliding-window issue); set sliding_window to null")
+    for name, value in family.fixed.items():
+        key = family.hf_key(name)
+        if key in raw and raw[key] != value and raw[key] is not None:
+            problems.append(f"{where}: {key}={raw[key]!r}; {family.architecture} always has {value!r}")
+        values[name] = value
+    if family.read_hf is not None:
+        problems += family.read_hf(raw, values)
+    return values, [p if p.startswith(where) else f"{where}: {p}" for p in problems]
+
+
+_MOE_ONLY = {f.name for f in FIELDS if f.families and set(f.families) <= set(MOE)} | {
+    "router_scoring", "router_expert_bias"}
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def fields_to_hf(spec: Any, family: Family) -> dict[str, Any]:
+    """The config.json dict of ``spec`` that transformers' ``family.architecture`` loads; ValueError
+    naming the field when a value cannot be represented there."""
+    out: dict[str, Any] = {"architectures": [family.architecture], "model_type": family.model_type}
+    for f in FIELDS:
+        value = getattr(spec, f.name)
+        if f.kind == "local" or f.name in ("model_type", "rope_theta", "rope_scaling", "partial_rotary_factor"):
+            continue
+        if family.carries(f.name):
+            out[family.hf_key(f.name)] = list(value) if isinstance(value, tuple) else value
+        elif (f.kind == "arch" and _plain(value) != _plain(family.fixed.get(f.name, f.default))
+              and f.name not in family.derived and (family.moe or f.name not in _MOE_ONLY)):
+            raise ValueError(f"{f.name}={value!r} has no {family.architecture} equivalent (it always has "
+                             f"{family.fixed.get(f.name, f.default)!r}), so this model cannot be exported as one")
+    rope = {"rope_type": "default", **(spec.rope_scaling or {}), "rope_theta": spec.rope_theta}
+    if spec.partial_rotary_factor != 1.0:
+        rope["partial_rotary_factor"] = spec.partial_rotary_factor
+    out.update(hidden_act="silu", attention_dropout=0.0, rope_theta=spec.rope_theta, rope_parameters=rope,
+               **family.hf_extra)
+    if spec.rope_scaling:
+        out["rope_scaling"] = {**spec.rope_scaling}  # what transformers v4 reads
+    if family.write_hf is not None:
+        family.write_hf(spec, out)
+    return out

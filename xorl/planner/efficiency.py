@@ -1,0 +1,76 @@
+"""Achieved efficiency of the device's kernels and links: curves read from efficiency.json.
+
+The numbers are fractions of the device's peaks (--peak-tflops, --hbm-gbps, link rates), so a
+curve fitted on one GPU scales to another of the same family. Each entry of efficiency.json says
+where it comes from: a published figure, or an ASSUMPTION until scripts/plan_calibrate.py refits
+it from a GPU run's bench/ results (it writes a new file with the same keys; pass it with
+XORL_PLAN_EFFICIENCY=path or --efficiency path).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+from dataclasses import dataclass
+
+DEFAULT_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "efficiency.json")
+
+
+def interpolate(table: tuple[tuple[float, float], ...], x: float) -> float:
+    """Piecewise linear in log2(x) between the table's points; clamped at both ends."""
+    if x <= table[0][0]:
+        return table[0][1]
+    for (x0, y0), (x1, y1) in zip(table, table[1:]):
+        if x <= x1:
+            w = (math.log2(x) - math.log2(x0)) / (math.log2(x1) - math.log2(x0))
+            return y0 + w * (y1 - y0)
+    return table[-1][1]
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    gemm_max: float
+    gemm_by_min_dim: tuple[tuple[float, float], ...]
+    grouped_by_tokens_per_expert: tuple[tuple[float, float], ...]
+    attn_fwd: float
+    attn_bwd: float
+    hbm_fraction: float
+    launch_s: float
+    nvlink_fraction: float
+    net_fraction: float
+    latency_nvlink_s: float
+    latency_net_s: float
+    overlap_interference: float
+
+    def gemm(self, m: float, n: float, k: float) -> float:
+        """Fraction of peak a [m, k] x [k, n] GEMM reaches."""
+        return self.gemm_max * interpolate(self.gemm_by_min_dim, max(1.0, min(m, n, k)))
+
+    def grouped(self, tokens_per_expert: float, n: float, k: float) -> float:
+        """Fraction of peak of a grouped GEMM: the dense curve of its weights' n, k, times the
+        grouped curve of its tokens per expert (the ragged M dimension)."""
+        return (self.gemm_max * interpolate(self.gemm_by_min_dim, max(1.0, min(n, k)))
+                * interpolate(self.grouped_by_tokens_per_expert, max(1.0, tokens_per_expert)))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Efficiency:
+        nccl = d["nccl"]
+        return cls(
+            gemm_max=d["gemm"]["max_fraction"],
+            gemm_by_min_dim=tuple(tuple(x) for x in d["gemm"]["by_min_dim"]),
+            grouped_by_tokens_per_expert=tuple(tuple(x) for x in d["grouped_gemm"]["by_tokens_per_expert"]),
+            attn_fwd=d["attention"]["fwd_fraction"], attn_bwd=d["attention"]["bwd_fraction"],
+            hbm_fraction=d["hbm_fraction"], launch_s=d["launch_us"] * 1e-6,
+            nvlink_fraction=nccl["nvlink_fraction"], net_fraction=nccl["net_fraction"],
+            latency_nvlink_s=nccl["latency_nvlink_us"] * 1e-6, latency_net_s=nccl["latency_net_us"] * 1e-6,
+            overlap_interference=nccl["overlap_interference"],
+        )
+
+
+@functools.lru_cache(maxsize=4)
+def load(path: str | None = None) -> Efficiency:
+    path = path or os.environ.get("XORL_PLAN_EFFICIENCY") or DEFAULT_PATH
+    with open(path) as f:
+        return Efficiency.from_dict(json.load(f))
