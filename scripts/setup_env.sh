@@ -10,8 +10,12 @@
 # - Otherwise: a fresh venv, torch pinned to the local CPU build on machines without a GPU (an
 #   unpinned `torch` pulls a multi-GB CUDA build; torch==2.13.0 resolves to the local CPU build),
 #   then `pip install -e .[test]`.
+#
+# Each phase says what it does on stderr ("xorl setup: ..."): pip stays quiet, but a first set-up
+# that downloads torch takes minutes and must not look like a hang.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+say() { echo "xorl setup: $*" >&2; }
 venv="${XORL_VENV:-$root/.venv}"
 stamp="$venv/.xorl-installed"
 py="${PYTHON:-python3}"
@@ -22,6 +26,7 @@ if [ -z "$offline" ] && "$py" -c "import torch, sys; sys.exit(0 if torch.version
 fi
 
 if [ ! -x "$venv/bin/python" ]; then
+  say "creating the virtual environment $venv"
   if [ -n "$offline" ]; then
     "$py" -m venv --system-site-packages "$venv"
   else
@@ -35,18 +40,25 @@ fi
 want="$(cat "$root/pyproject.toml" "$root/setup.py" "$root/CMakeLists.txt" "$root"/csrc/* 2>/dev/null | sha1sum | cut -c1-40)"
 have="$(cat "$stamp" 2>/dev/null || true)"
 if [ "$want" != "$have" ]; then
+  started=$SECONDS
   if [ -n "$offline" ]; then
+    say "installing xorl into $venv from $root, offline, with the preinstalled torch (building the CUDA extension can take a few minutes)"
     python -m pip install -q --no-index --no-build-isolation --no-deps -e "$root"
   else
+    say "updating pip"
     python -m pip install -q --upgrade pip
     if ! python -c "import torch" 2>/dev/null; then
       if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+        say "downloading and installing torch (the CUDA build, several GB: often 5-10 minutes)"
         python -m pip install -q torch  # a GPU machine with a registry: the default CUDA build
       else
+        say "downloading and installing torch ${XORL_CPU_TORCH:-2.13.0} (the CPU build, about 200 MB: a few minutes)"
         python -m pip install -q "torch==${XORL_CPU_TORCH:-2.13.0}"
       fi
     fi
+    say "installing xorl and its test dependencies (pip install -e .[test]; builds the CUDA extension where nvcc exists)"
     python -m pip install -q -e "$root[test]"
   fi
   echo "$want" >"$stamp"
+  say "done in $((SECONDS - started)) s; later runs reuse $venv until pyproject.toml, setup.py or csrc/ change"
 fi

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -14,6 +15,8 @@ import time
 import pytest
 import yaml
 
+import xorl
+import xorl_kernels
 from tests.cli_runs import ROOT, alive, children, env, rank_of, torchrun, torchrun_command, write_config, xorl_train
 from xorl.metrics import read_metrics
 from xorl.optim import lr_factor
@@ -24,6 +27,26 @@ pytestmark = [pytest.mark.slow,
 
 def _no_traceback(text: str) -> bool:
     return "Traceback" not in text
+
+
+PACKAGE_DIRS = tuple(os.path.dirname(os.path.realpath(m.__file__)) + os.sep for m in (xorl, xorl_kernels))
+
+
+def _our_frames(text: str) -> list[str]:
+    """The traceback frames (``File "PATH", line N``) in xorl's own code. By path, not by the text
+    'xorl/': a clone folder named xorl puts that in torchrun's own frames (.../xorl/.venv/...)."""
+    frames = re.findall(r'File "([^"]+)", line \d+', text)
+    return [f for f in frames if os.path.realpath(f).startswith(PACKAGE_DIRS)]
+
+
+def test_our_frames_are_told_apart_from_torchrun_frames_in_a_clone_named_xorl():
+    # torchrun's stack in a clone at /home/user/xorl (git's default folder name) with its venv inside.
+    torchrun_trace = ('Traceback (most recent call last):\n  File "/home/user/xorl/.venv/lib/python3.11/site-packages/'
+                      'torch/distributed/run.py", line 892, in main\n    run(args)\n')
+    assert "xorl/" in torchrun_trace  # what the old check matched
+    assert _our_frames(torchrun_trace) == []
+    ours = f'{torchrun_trace}  File "{PACKAGE_DIRS[0]}cli/train.py", line 40, in main\n'
+    assert _our_frames(ours) == [f"{PACKAGE_DIRS[0]}cli/train.py"]
 
 
 def test_a_run_folder_from_start_to_resume_to_overwrite(tmp_path):
@@ -114,7 +137,7 @@ def test_config_errors_are_one_message_with_exit_code_2(tmp_path):
     assert launched.text.count("train.lr: expected float") == 1, launched.text
     assert "exitcode  : 2" in launched.text
     assert "traceback : invalid config (3 problems) (printed in full above by rank 0)" in launched.text
-    assert "xorl/" not in launched.text  # torchrun's own stack only, none of ours
+    assert _our_frames(launched.text) == []  # torchrun's own stack only, none of ours
 
     # An empty YAML runs on the defaults, and says so.
     check = xorl_train(str(tmp_path / "empty.yaml"), "--check", cwd=tmp_path)

@@ -2,6 +2,7 @@
 
 import importlib.util
 import os
+import shutil
 import time
 
 import pytest
@@ -41,9 +42,11 @@ def test_resume_hparams_decide_which_settings_win(gloo_world, tmp_path):
     run = str(tmp_path / "run")
     world.run(train_losses, tiny_config(run, max_steps=6, save_steps=3, **FSDP2), 3)
     new = dict(lr=2e-2, min_lr_ratio=0.2, max_steps=8, weight_decay=0.3, adam_betas=(0.8, 0.99), adam_eps=1e-6)
+    run_kept = str(tmp_path / "run_kept")  # each resume in its own copy: each run saves its last step
+    shutil.copytree(run, run_kept)
     config_wins = world.run(resume_and_report, tiny_config(run, resume=True, resume_hparams="config",
                                                            **new, **FSDP2))[0]
-    kept = world.run(resume_and_report, tiny_config(run, resume=True, resume_hparams="checkpoint",
+    kept = world.run(resume_and_report, tiny_config(run_kept, resume=True, resume_hparams="checkpoint",
                                                     **new, **FSDP2))[0]
     decay, no_decay = config_wins["groups"]
     assert decay["weight_decay"] == 0.3 and no_decay["weight_decay"] == 0.0

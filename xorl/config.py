@@ -19,6 +19,7 @@ Model field names are the Hugging Face config attribute names, so the models acc
 from __future__ import annotations
 
 import dataclasses
+import json
 import types
 from dataclasses import dataclass, field
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
@@ -50,36 +51,37 @@ ModelConfig = model_config_class()
 @dataclass
 class DataConfig:
     dataset: str = "builtin"  # the built-in corpus, or a local .jsonl / .txt / .parquet path
-    text_key: str = "text"
+    text_key: str = "text"  # the JSONL / parquet field holding each document's text
     tokenizer: str = "byte"  # byte-level, or a local HF tokenizer.json path
-    seq_len: int = 128
-    micro_batch_size: int = 2
-    packing: bool = True
+    seq_len: int = 128  # tokens per packed sequence
+    micro_batch_size: int = 2  # sequences per microbatch on each data-parallel rank
+    packing: bool = True  # several documents per sequence (false: one document per sequence, padded)
     # true: read, tokenise and pack the files as training goes (xorl/data/stream.py): bounded memory,
     # the files' order; false: tokenise everything up front and shuffle the packed sequences.
     streaming: bool = False
-    seed: int = 0
-    num_workers: int = 0
+    seed: int = 0  # the order the packed sequences are shuffled in (and the built-in corpus)
+    num_workers: int = 0  # data loader worker processes (0: read in the training process)
 
 
 @dataclass
 class TrainConfig(ParallelFields):
     """The parallel fields (see xorl/distributed/parallel_config.py) come first, then optimisation."""
 
-    lr: float = 1e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 10
-    max_steps: int = 100
-    weight_decay: float = 0.1
-    adam_betas: tuple[float, float] = (0.9, 0.95)
-    adam_eps: float = 1e-8
+    lr: float = 1e-3  # peak learning rate (AdamW), reached after warmup_steps
+    min_lr_ratio: float = 0.1  # the cosine decay ends at min_lr_ratio x lr at max_steps
+    warmup_steps: int = 10  # linear warmup steps (at most max_steps: a longer warmup is cut to max_steps)
+    max_steps: int = 100  # optimizer steps of the whole run (the schedule's length)
+    weight_decay: float = 0.1  # AdamW decoupled weight decay (not on norms and biases)
+    adam_betas: tuple[float, float] = (0.9, 0.95)  # AdamW (beta1, beta2)
+    adam_eps: float = 1e-8  # AdamW epsilon
     max_grad_norm: float = 1.0  # 0: no clipping
-    seed: int = 0
+    seed: int = 0  # the seeded initialisation of a model without model_path
+    # bfloat16: bf16 compute with fp32 master weights, on GPU under FSDP2 (CPU runs compute in float32).
     dtype: Literal["float32", "bfloat16"] = "float32"
     # none | full | selective (keep matmul / attention / collective outputs, recompute the rest);
     # true / false read as full / none. Full checkpointing applies to every n-th decoder block.
     activation_checkpointing: Literal["none", "full", "selective"] | bool = "none"
-    activation_checkpointing_every_n_layers: int = 1
+    activation_checkpointing_every_n_layers: int = 1  # with full checkpointing: every n-th decoder block
     # FSDP2 sharding level: "always" frees each block's gathered parameters after its forward
     # (ZeRO-3), "never" keeps them to the backward (ZeRO-2: less all-gather, more memory);
     # "default" is always, except for zero-bubble pipeline schedules, which need never.
@@ -91,16 +93,16 @@ class TrainConfig(ParallelFields):
     # blockwise 1x128 activations and 128x128 weights (DeepSeek-V3). A compute choice: master
     # weights, optimizer state and checkpoints are unchanged (xorl_kernels/fp8).
     fp8: Literal["none", "tensorwise", "rowwise", "blockwise"] = "none"
-    output_dir: str = "outputs"
-    save_steps: int = 0  # 0: no periodic checkpoints
+    output_dir: str = "outputs"  # the run folder: config.yaml, metrics.jsonl, checkpoints/
+    save_steps: int = 0  # a checkpoint every save_steps steps (0: none periodic); max_steps is always saved
     resume: bool | str = False  # true: latest checkpoint in output_dir; a path: that checkpoint
     # On resume, when lr / schedule / AdamW settings differ from the checkpoint's: "error" refuses
     # (listing each), "checkpoint" keeps the checkpoint's values, "config" applies the new ones.
     resume_hparams: Literal["error", "checkpoint", "config"] = "error"
     # A fresh run into a non-empty output_dir is refused unless this empties it first.
     overwrite_output_dir: bool = False
-    log_steps: int = 1
-    export_hf: bool = False
+    log_steps: int = 1  # a console line every log_steps steps (metrics.jsonl gets every step)
+    export_hf: bool = False  # write output_dir/hf (a Hugging Face folder) at the end
     # Every collective fails after this long (a stalled or dead rank ends the job, not hangs it).
     collective_timeout_s: float = 600.0
     # Rank 0 prints a line every heartbeat_s while a step or save takes longer than that (0: never).
@@ -112,6 +114,14 @@ class TrainConfig(ParallelFields):
     preempt_grace_s: float = 120.0
     # With resume=PATH inside output_dir: move the run's later checkpoints aside (checkpoints/discarded/).
     discard_later: bool = False
+
+
+def compute_dtype(train: TrainConfig, device_type: str) -> str:
+    """The dtype a run computes in: ``train.dtype: bfloat16`` is FSDP2's mixed-precision policy (bf16
+    matmuls, fp32 master weights and gradient reduction) on GPU; on CPU and without FSDP2 it is float32."""
+    if train.dtype == "bfloat16" and device_type == "cuda" and train.data_parallel_mode == "fsdp2":
+        return "bfloat16"
+    return "float32"
 
 
 SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}
@@ -145,6 +155,46 @@ class Config:
         return self
 
 
+# -- --help: every key, its default and its meaning, read from the dataclasses above ---------------
+def field_docs(cls: type) -> dict[str, str]:
+    """Field name -> its comment in the source (a trailing ``# ...``, else the comment block just above
+    it), for ``cls`` and its dataclass bases; the model section's from its schema's ``doc``. Why: they
+    are the fields' one documentation, so ``xorl-train --help`` cannot drift from what the code says."""
+    import inspect
+
+    if cls is ModelConfig:  # made from xorl/models/schema.py, where each field carries its doc
+        from xorl.models.schema import FIELDS
+
+        return {f.name: f.doc for f in FIELDS if f.doc}
+    docs: dict[str, str] = {}
+    for klass in reversed([c for c in cls.__mro__ if dataclasses.is_dataclass(c)]):
+        names = set(klass.__dict__.get("__annotations__", {}))
+        block: list[str] = []
+        for line in inspect.getsource(klass).splitlines()[1:]:
+            stripped = line.strip()
+            if stripped.startswith("#"):
+                block.append(stripped.lstrip("#").strip())
+                continue
+            name = stripped.split(":", 1)[0].strip()
+            if name in names and ":" in stripped:
+                trailing = stripped.split("  # ", 1)[1].strip() if "  # " in stripped else ""
+                docs[name] = trailing or " ".join(block)
+            block = []
+    return docs
+
+
+def config_help() -> str:
+    """Each section's keys with default and meaning: the body of ``xorl-train --help``."""
+    lines = []
+    for section, cls in SECTIONS.items():
+        lines.append(f"{section}:")
+        docs, defaults = field_docs(cls), dataclasses.asdict(cls())
+        for name, hint in _type_hints(cls).items():
+            value = json.dumps(_plain(defaults[name]))
+            lines.append(f"  {name}: {value}  ({_type_name(hint)}) {docs.get(name, '')}".rstrip())
+    return "\n".join(lines)
+
+
 def _plain(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
@@ -158,17 +208,11 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
     """Read ``path`` (YAML; None: defaults), then apply ``--section.key=value`` overrides in order,
     then fill the model from ``model.model_path``'s config.json. Raises one ConfigError listing
     every problem found (each wrong name or type, each conflict with the model folder)."""
-    data = None
+    data, problems = None, []
     if path is not None:
-        try:
-            with open(path) as f:
-                data = yaml.safe_load(f)
-        except OSError as e:
-            raise ConfigError(f"cannot read config file {path!r}: {e.strerror}") from e
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from e
+        data, problems = read_yaml(path)
     config = Config()
-    problems = _apply_dict(config, data, path or "config")
+    problems += _apply_dict(config, data, path or "config")
     parsed, override_problems = _parse_overrides(overrides or [])
     problems += override_problems
     for section, key, raw in parsed:
@@ -181,6 +225,42 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
     if problems:
         raise ConfigError(problems)
     return config
+
+
+def read_yaml(path: str) -> tuple[Any, list[str]]:
+    """(the YAML file's data, one problem per duplicated key). Why the check: PyYAML keeps the last of
+    two equal keys without a word, so a key set twice in a long config silently loses its first value."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path!r}: {e.strerror}") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text: {e.reason}") from None
+    try:
+        return yaml.safe_load(text), _duplicate_keys(yaml.compose(text, Loader=yaml.SafeLoader), path)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+
+
+def _duplicate_keys(node: Any, path: str, prefix: str = "") -> list[str]:
+    """``path:line: key 'train.lr' is set twice (also at line 2)`` for every mapping key repeated in ``node``."""
+    problems = []
+    if isinstance(node, yaml.MappingNode):
+        first_line: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            key = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+            line = key_node.start_mark.line + 1
+            if key is not None and key in first_line:
+                problems.append(f"{path}:{line}: key {prefix + key!r} is set twice (also at line {first_line[key]}); "
+                                "YAML would keep only the last value: remove one of them")
+            elif key is not None:
+                first_line[key] = line
+            problems += _duplicate_keys(value_node, path, f"{prefix}{key}." if key is not None else prefix)
+    elif isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            problems += _duplicate_keys(item, path, prefix)
+    return problems
 
 
 def _apply_dict(config: Config, data: Any, source: str) -> list[str]:
@@ -268,13 +348,7 @@ def set_field(
     section_cls = SECTIONS[section]
     hints = _type_hints(section_cls)
     if key not in hints:
-        others = [s for s, cls in SECTIONS.items() if s != section and key in _type_hints(cls)]
-        hint = (
-            f"; {key!r} is in the {others[0]!r} section: use {others[0]}.{key}"
-            if others
-            else did_you_mean(str(key), list(hints)) or f"; the keys of {section} are {list(hints)}"
-        )
-        raise ConfigError(f"{source}: unknown key {section}.{key}{hint}")
+        raise ConfigError(f"{source}: unknown key {section}.{key}{unknown_key_hint(section, str(key))}")
     name = f"{section}.{key}"
     try:
         try:
@@ -290,6 +364,52 @@ def set_field(
         raise ConfigError(f"{source}: {e}") from None  # name the file the value came from
     setattr(getattr(config, section), key, coerced)
     config.origins[name] = source
+
+
+# Other trainers' names (transformers' TrainingArguments, torchtitan, Megatron, axolotl) for xorl's
+# fields. Only suggested in the error for an unknown key, never accepted: one name per setting.
+KEY_ALIASES = {
+    "learning_rate": "train.lr", "lr_warmup_steps": "train.warmup_steps", "warmup": "train.warmup_steps",
+    "num_warmup_steps": "train.warmup_steps", "train_steps": "train.max_steps", "total_steps": "train.max_steps",
+    "max_train_steps": "train.max_steps", "training_steps": "train.max_steps", "steps": "train.max_steps",
+    "min_lr": "train.min_lr_ratio", "adam_epsilon": "train.adam_eps", "adam_beta1": "train.adam_betas",
+    "adam_beta2": "train.adam_betas", "betas": "train.adam_betas", "max_norm": "train.max_grad_norm",
+    "grad_clip": "train.max_grad_norm", "clip_grad_norm": "train.max_grad_norm", "gradient_clipping":
+    "train.max_grad_norm", "torch_dtype": "train.dtype", "bf16": "train.dtype", "mixed_precision": "train.dtype",
+    "precision": "train.dtype", "output_path": "train.output_dir", "save_dir": "train.output_dir",
+    "out_dir": "train.output_dir", "checkpointing_steps": "train.save_steps", "save_interval":
+    "train.save_steps", "checkpoint_interval": "train.save_steps", "logging_steps": "train.log_steps",
+    "log_interval": "train.log_steps", "log_freq": "train.log_steps", "resume_from_checkpoint": "train.resume",
+    "gradient_checkpointing": "train.activation_checkpointing", "gradient_accumulation":
+    "train.gradient_accumulation_steps", "grad_accum_steps": "train.gradient_accumulation_steps",
+    "tp_size": "train.tensor_parallel_size", "tensor_parallel_degree": "train.tensor_parallel_size",
+    "pp_size": "train.pipeline_parallel_size", "pipeline_parallel_degree": "train.pipeline_parallel_size",
+    "ep_size": "train.expert_parallel_size", "sequence_parallel_size": "train.ulysses_parallel_size",
+    "context_parallel_size": "train.ringattn_parallel_size", "cp_size": "train.ringattn_parallel_size",
+    "per_device_train_batch_size": "data.micro_batch_size", "batch_size": "data.micro_batch_size",
+    "micro_batch": "data.micro_batch_size", "max_seq_length": "data.seq_len", "max_seq_len": "data.seq_len",
+    "seq_length": "data.seq_len", "sequence_len": "data.seq_len", "block_size": "data.seq_len",
+    "max_length": "data.seq_len", "dataset_path": "data.dataset", "data_path": "data.dataset",
+    "train_file": "data.dataset", "dataset_name": "data.dataset", "tokenizer_name": "data.tokenizer",
+    "tokenizer_path": "data.tokenizer", "sample_packing": "data.packing", "dataloader_num_workers":
+    "data.num_workers", "model_name_or_path": "model.model_path", "pretrained_model_name_or_path":
+    "model.model_path", "base_model": "model.model_path", "num_layers": "model.num_hidden_layers",
+    "n_layers": "model.num_hidden_layers", "n_heads": "model.num_attention_heads",
+}
+
+
+def unknown_key_hint(section: str, key: str) -> str:
+    """What follows ``unknown key section.key``: the section that has it, the xorl name of another
+    trainer's key, or the close matches; then a pointer to ``--help`` (not every key of the section)."""
+    others = [s for s, cls in SECTIONS.items() if s != section and key in _type_hints(cls)]
+    if others:
+        return f"; {key!r} is in the {others[0]!r} section: use {others[0]}.{key}"
+    target = KEY_ALIASES.get(key.lower())
+    if target is not None:
+        target_section, target_key = target.split(".")
+        return f" (did you mean {repr(target_key) if target_section == section else target}?)"
+    guess = did_you_mean(key, _type_hints(SECTIONS[section]))
+    return f"{guess}; `xorl-train --help` lists every key with its default"
 
 
 _HINTS_CACHE: dict[type, dict[str, Any]] = {}

@@ -382,11 +382,6 @@ def _train_problems(t: Any) -> list[str]:
             f"train.fsdp_reshard_after_forward={t.fsdp_reshard_after_forward!r} needs data_parallel_mode: fsdp2 "
             f"(it is {t.data_parallel_mode!r}); remove the setting or use fsdp2"
         )
-    if t.warmup_steps > t.max_steps >= 1:
-        problems.append(
-            f"train.warmup_steps={t.warmup_steps} is more than train.max_steps={t.max_steps}: the learning "
-            "rate would never reach train.lr; use warmup_steps <= max_steps"
-        )
     if not t.collective_timeout_s > 0:
         problems.append(f"train.collective_timeout_s={t.collective_timeout_s} must be > 0 (seconds)")
     if not t.heartbeat_s >= 0:

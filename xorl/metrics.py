@@ -54,7 +54,8 @@ class MetricsLogger:
         """True when there is no progress bar (stderr is not a terminal): print a line per log."""
         return self._bar is None or self._bar.disable
 
-    def log(self, step: int, metrics: dict[str, float], elapsed_s: float | None = None) -> None:
+    def log(self, step: int, metrics: dict[str, float], elapsed_s: float | None = None, show: bool = True) -> None:
+        """One row of metrics.jsonl (and TensorBoard) for ``step``; a console line too when ``show``."""
         if not self.enabled:
             return
         elapsed = time.time() - self._t_start if elapsed_s is None else elapsed_s
@@ -64,6 +65,8 @@ class MetricsLogger:
         if self._tb is not None:
             for key, value in metrics.items():
                 self._tb.add_scalar(key, value, step)
+        if not show:
+            return
         if self.plain_lines:
             print(format_step_line(step, self.total_steps, row), flush=True)
         else:
@@ -121,21 +124,36 @@ def read_metrics(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def startup_summary(config, parallel, n_params: int, start_step: int, device_type: str) -> str:
-    """What the run is about to do, in five lines (printed by rank 0 before the first step)."""
+def startup_summary(config, parallel, n_params: int, start_step: int, device_type: str,
+                    data_sequences: int | None = None) -> str:
+    """What the run is about to do, in five lines, and a sixth with the epochs when the number of
+    packed sequences in the data is known (``data_sequences``; not for streamed data). Printed by rank 0
+    before the first step."""
+    from xorl.config import compute_dtype
     from xorl.distributed.parallel_config import MESH_DIM_NAMES
 
     t, d, m = config.train, config.data, config.model
+    dtype = compute_dtype(t, device_type)
+    # Say what runs, not only what was asked for.
+    unlike = f" (train.dtype={t.dtype} computes in bf16 on GPU under FSDP2 only)" if dtype != t.dtype else ""
     dims = " x ".join(f"{name} {size}" for name, size in zip(MESH_DIM_NAMES, parallel.mesh_shape) if size > 1)
     ep = f", expert parallel {parallel.ep}" if parallel.ep > 1 else ""
     sequences = d.micro_batch_size * t.gradient_accumulation_steps * parallel.dp
     count = f"{n_params / 1e9:.2f}B" if n_params >= 1e9 else f"{n_params / 1e6:.2f}M"
-    return "\n".join([
-        f"xorl: {m.model_type} model, {count} parameters, {t.dtype} on {device_type}",
+    lines = [
+        f"xorl: {m.model_type} model, {count} parameters, {dtype} on {device_type}{unlike}",
         f"xorl: world size {parallel.world_size} = {dims or 'one process'} ({t.data_parallel_mode}{ep})",
         f"xorl: {sequences} sequences x {d.seq_len} tokens = {sequences * d.seq_len} tokens a step "
         f"(micro batch {d.micro_batch_size} x accumulation {t.gradient_accumulation_steps} x data parallel "
         f"{parallel.dp})",
         f"xorl: data {d.dataset}, tokenizer {d.tokenizer}",
         f"xorl: steps {start_step} -> {t.max_steps}, writing to {t.output_dir}",
-    ])
+    ]
+    if data_sequences:
+        epochs = t.max_steps * sequences / data_sequences
+        small = (f"; fewer than one step's {sequences}: every step repeats some of them"
+                 if data_sequences < sequences else "")
+        plural = "s" * (data_sequences != 1)
+        lines.append(f"xorl: the data packs into {data_sequences} sequence{plural}{small}; {t.max_steps} steps "
+                     f"= {epochs:.3g} epochs")
+    return "\n".join(lines)

@@ -143,6 +143,9 @@ def model_path_weight_problems(config: Any) -> list[str]:
     folder = config.model.model_path
     if not folder:
         return []
+    damaged = weight_file_problems(folder)
+    if damaged:
+        return damaged
     import torch
 
     from xorl.models.hf_io import hf_folder_problems
@@ -152,3 +155,75 @@ def model_path_weight_problems(config: Any) -> list[str]:
         model = build_model(config.model)
     return [f"model.model_path={folder!r} does not match the model section: {p}"
             for p in hf_folder_problems(model, folder)]
+
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def weight_file_problems(folder: str) -> list[str]:
+    """Every weight file of ``folder`` that cannot be read, named: one the index lists but the folder
+    lacks ("missing"), a header cut short or not JSON, a file shorter or longer than its header says
+    (a copy cut short), a tensor the index places in a file whose header lacks it. Reads the headers
+    only (8 bytes of length, then JSON), so a 70B folder is checked in a second before any process
+    group starts, and each problem names its file instead of safetensors' bare "incomplete metadata"."""
+    where = f"model.model_path={folder!r}"
+    index_path = os.path.join(folder, SAFETENSORS_INDEX)
+    weight_map: dict[str, str] = {}
+    if os.path.isfile(index_path):
+        try:
+            with open(index_path, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError("weight_map is not a mapping")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            return [f"{where}: {index_path} is unreadable or has no weight_map ({e}); repair or re-download it"]
+        files = sorted(set(weight_map.values()))
+    elif os.path.isdir(folder):
+        files = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
+        if not files:
+            return [f"{where}: no *.safetensors files (nor {SAFETENSORS_INDEX}) in {folder}"]
+    else:
+        return []  # validate_config names a missing folder
+    problems = []
+    for name in files:
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            problems.append(f"{where}: {path} is missing ({SAFETENSORS_INDEX} lists it); copy or download it again")
+            continue
+        header, problem = _read_safetensors_header(path)
+        if problem:
+            problems.append(f"{where}: {path} {problem}; the file is damaged or cut short: copy or download it again")
+            continue
+        in_file = set(header) - {"__metadata__"}
+        absent = sorted(k for k, v in weight_map.items() if v == name and k not in in_file)
+        if absent:
+            problems.append(f"{where}: {index_path} places {len(absent)} tensors in {name} that it does not hold "
+                            f"({', '.join(absent[:3])}{' ...' if len(absent) > 3 else ''})")
+    return problems
+
+
+def _read_safetensors_header(path: str) -> tuple[dict[str, Any], str | None]:
+    """(the header of a .safetensors file, or what is wrong with the file against it)."""
+    size = os.path.getsize(path)
+    try:
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                return {}, f"has {size} bytes, too few for a safetensors header"
+            length = int.from_bytes(prefix, "little")
+            if length > size - 8:
+                return {}, f"has {size} bytes but its header alone needs {8 + length}"
+            header = json.loads(f.read(length))
+    except OSError as e:
+        return {}, f"cannot be read ({e.strerror})"
+    except (ValueError, UnicodeDecodeError):
+        return {}, "has a header that is not valid JSON"
+    if not isinstance(header, dict):
+        return {}, "has a header that is not a JSON object"
+    try:
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except (KeyError, TypeError, ValueError, IndexError):
+        return {}, "has a header without valid data_offsets"
+    if size != 8 + length + end:
+        return {}, f"has {size} bytes, its header describes {8 + length + end}"
+    return header, None

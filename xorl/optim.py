@@ -9,7 +9,10 @@ from torch.distributed.tensor import DTensor
 
 
 def lr_factor(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
-    """Multiplier of the peak lr at optimizer step ``step`` (0-based)."""
+    """Multiplier of the peak lr at optimizer step ``step`` (0-based). A warmup longer than the run is
+    cut to ``max_steps`` (the last step reaches the peak; prepare_run says so), so a smoke run with a
+    small ``--train.max_steps`` needs no ``--train.warmup_steps`` as well."""
+    warmup_steps = min(warmup_steps, max_steps)
     if warmup_steps > 0 and step < warmup_steps:
         return (step + 1) / warmup_steps
     decay_steps = max(1, max_steps - warmup_steps)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from xorl.config import compute_dtype
 from xorl.parallel_plan import ParallelPlan
 from xorl.plans.data_parallel import (
     CheckpointingRecord,
@@ -93,7 +94,7 @@ def parallelize_model(model: nn.Module, state, config) -> PartPlan:
         apply_compile(model, "inductor" if train.compile is True else train.compile,
                       capture_scalar_outputs=state.ep_size > 1, fullgraph=not nested_fsdp)
     if train.data_parallel_mode == "fsdp2":
-        bf16 = train.dtype == "bfloat16" and torch.cuda.is_available()
+        bf16 = compute_dtype(train, "cuda" if torch.cuda.is_available() else "cpu") == "bfloat16"
         part.fsdp = apply_fsdp(model, state, reshard_after_forward=reshard_after_forward(train, state.pp_size),
                                bf16_compute=bf16)
     return part

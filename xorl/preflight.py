@@ -62,6 +62,9 @@ def prepare_run(config: Any, world_size: int) -> RunPlan:
     busy = run_lock.holder(config.train.output_dir) if os.environ.get("RANK", "0") == "0" else None
     if busy:
         raise ConfigError(problems + [busy])
+    if config.train.warmup_steps > config.train.max_steps:  # xorl/optim.py's lr_factor cuts it
+        plan.notes.append(f"train.warmup_steps={config.train.warmup_steps} is more than train.max_steps="
+                          f"{config.train.max_steps}: warming up over {config.train.max_steps} steps")
     try:
         problems += _plan_run_dir(config, world_size, plan)
     except ConfigError as e:  # e.g. sizes that do not fit world_size, already listed above

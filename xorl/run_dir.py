@@ -27,6 +27,7 @@ from xorl.config_error import ConfigError
 
 CONFIG_NAME = "config.yaml"
 METRICS_NAME = "metrics.jsonl"
+PLOT_NAME = "metrics.png"  # xorl-plot-metrics' default output
 CHECKPOINTS_DIR = "checkpoints"
 LATEST = "latest"
 RUN_CONFIG_NAME = "run_config.yaml"
@@ -36,8 +37,8 @@ LOCK_NAME = ".lock"  # xorl/run_lock.py
 DISCARDED_DIR = "discarded"  # checkpoints moved aside by train.discard_later
 # Everything xorl may write into an output_dir; overwrite_output_dir removes only these.
 # What xorl writes into output_dir (export: hf, written as hf.partial, the previous one moved aside).
-XORL_ENTRIES = frozenset({CONFIG_NAME, METRICS_NAME, CHECKPOINTS_DIR, "tensorboard", "hf", "hf.partial", "hf.old",
-                          "startup.json", "export.json"})
+XORL_ENTRIES = frozenset({CONFIG_NAME, METRICS_NAME, PLOT_NAME, CHECKPOINTS_DIR, "tensorboard", "hf", "hf.partial",
+                          "hf.old", "startup.json", "export.json"})
 
 
 def checkpoint_root(output_dir: str) -> str:

@@ -39,6 +39,7 @@ from xorl.metrics import MetricsLogger, startup_summary
 from xorl.mfu import mfu
 from xorl.models.registry import build_model
 from xorl.models.spec import EXPERTS_LAYOUT, QKV_LAYOUT
+from xorl.nonfinite import explain_nonfinite
 from xorl.optim import build_optimizer, set_schedule_step
 from xorl.parallelize import build_parallel_plan
 from xorl.preemption import PreemptionGuard
@@ -149,8 +150,9 @@ class Trainer:
         self._maybe_resume()
         self._take_over_output_dir()
         if self.rank == 0:
-            print(startup_summary(config, self.parallel_config, self.num_parameters, self.step, self.device.type),
-                  flush=True)
+            data_sequences = None if config.data.streaming else len(self.loader.dataset)
+            print(startup_summary(config, self.parallel_config, self.num_parameters, self.step, self.device.type,
+                                  data_sequences), flush=True)
         # startup.json: each rank's peak host (and device) memory with the weights in place, before step 1.
         self.startup = report_startup(config.train.output_dir, self.device, time.perf_counter() - started,
                                       self.num_parameters,
@@ -297,9 +299,7 @@ class Trainer:
         loss_value = loss_total / max(tokens, 1)
         if not (math.isfinite(loss_value) and math.isfinite(norm)):
             raise NonFiniteLossError(
-                f"step {self.step}: loss={loss_value} grad_norm={norm}; stopping with the last "
-                f"good checkpoint left in {self.config.train.output_dir}"
-            )
+                f"step {self.step}: loss={loss_value} grad_norm={norm}")  # train() says what is at fault
         result = StepResult(self.step, loss_value, norm, lr, int(tokens),
                             aux_total / (ga * plan.balance_groups) if plan.has_router_loss else None)
         self.step += 1
@@ -362,26 +362,32 @@ class Trainer:
             while self.step < last:
                 t0 = time.perf_counter()
                 with heartbeat.busy(f"step {self.step + 1}"):
-                    result = self.train_step()
+                    try:
+                        result = self.train_step()
+                    except NonFiniteLossError as e:  # the weights, the data or divergence: say which
+                        raise NonFiniteLossError(explain_nonfinite(self, e, initialise_part)) from None
                 dt = time.perf_counter() - t0
                 results.append(result)
-                if self.step % max(train.log_steps, 1) == 0 or self.step == train.max_steps:
-                    # result.tokens counts label tokens of the global batch (the whole world's work).
-                    metrics = {"loss": result.loss, "grad_norm": result.grad_norm, "lr": result.lr,
-                               "tokens_per_s": result.tokens / dt, **self._memory_metrics()}
-                    utilisation = mfu(result.tokens / dt, self.config.model, self.config.data.seq_len,
-                                      dist.get_world_size(), self.device)
-                    if utilisation is not None:
-                        metrics["mfu"] = utilisation
-                    if result.aux_loss is not None:
-                        metrics["router_loss"] = result.aux_loss
-                    logger.log(result.step, metrics, elapsed_s=self.elapsed_s())
+                # metrics.jsonl gets every step; the console a line every log_steps (and the last).
+                show = self.step % max(train.log_steps, 1) == 0 or self.step == train.max_steps
+                # result.tokens counts label tokens of the global batch (the whole world's work).
+                metrics = {"loss": result.loss, "grad_norm": result.grad_norm, "lr": result.lr,
+                           "tokens_per_s": result.tokens / dt, **self._memory_metrics()}
+                utilisation = mfu(result.tokens / dt, self.config.model, self.config.data.seq_len,
+                                  dist.get_world_size(), self.device)
+                if utilisation is not None:
+                    metrics["mfu"] = utilisation
+                if result.aux_loss is not None:
+                    metrics["router_loss"] = result.aux_loss
+                logger.log(result.step, metrics, elapsed_s=self.elapsed_s(), show=show)
                 stop = preemption.should_stop()  # every rank stops after the same step (xorl/preemption.py)
                 if stop and self.step < last:
                     with heartbeat.busy(f"saving the checkpoint of step {self.step} (preempted)"):
                         path = self.save(blocking=True)
                     raise preemption.stopped(stop, self.step, path)
-                if train.save_steps and (self.step % train.save_steps == 0 or self.step == train.max_steps):
+                # Every save_steps, and always at max_steps (save_steps 0: that one only).
+                periodic = train.save_steps and self.step % train.save_steps == 0
+                if periodic or self.step == train.max_steps:
                     # In the background, except the last one: nothing is left to overlap it.
                     with heartbeat.busy(f"saving the checkpoint of step {self.step}"):
                         path = self.save(blocking=self.step == last)

@@ -1,40 +1,92 @@
-"""`xorl-plot-metrics RUN_DIR/metrics.jsonl [--out loss.png] [--keys loss grad_norm]`: plot to PNG."""
+"""`xorl-plot-metrics RUN_DIR [--out loss.png] [--keys loss grad_norm]`: plot a run's metrics to PNG.
+
+RUN_DIR is a run folder (its metrics.jsonl is read) or a metrics.jsonl file. The x axis counts
+steps from 1, as the console does. The default PNG is RUN_DIR/metrics.png, which xorl counts as
+its own file (overwrite_output_dir removes it with the rest of the run).
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import sys
+from typing import NoReturn
 
-from xorl.metrics import read_metrics
+from xorl.run_dir import METRICS_NAME, PLOT_NAME
+
+DEFAULT_KEYS = ["loss", "grad_norm", "lr"]
+NOT_PLOTTED = ("step", "time")
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("metrics", help="a metrics.jsonl file written by xorl-train")
-    parser.add_argument("--out", default=None, help="PNG path (default: next to the metrics file)")
-    parser.add_argument("--keys", nargs="+", default=["loss", "grad_norm", "lr"])
+    parser = argparse.ArgumentParser(prog="xorl-plot-metrics", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("metrics", help="a run folder (train.output_dir) or its metrics.jsonl")
+    parser.add_argument("--out", default=None, help=f"PNG path (default: {PLOT_NAME} beside the metrics file)")
+    parser.add_argument("--keys", nargs="+", default=None, help=f"metrics to plot (default: {DEFAULT_KEYS})")
     args = parser.parse_args(argv)
+    path = os.path.join(args.metrics, METRICS_NAME) if os.path.isdir(args.metrics) else args.metrics
+    rows = _read_rows(path)
+    known = sorted({k for r in rows for k in r if k not in NOT_PLOTTED})
+    if args.keys is None:
+        keys = [k for k in DEFAULT_KEYS if k in known]
+    else:
+        unknown = [k for k in args.keys if k not in known]
+        if unknown:
+            _fail(f"{path} has no metric {', '.join(map(repr, unknown))}; its metrics are {known}")
+        keys = args.keys
+    if not keys:
+        _fail(f"{path} holds no rows to plot" if not rows else f"{path} has none of {DEFAULT_KEYS}; use --keys "
+              f"with some of {known}")
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except ImportError as err:
-        raise SystemExit("plotting needs matplotlib: pip install matplotlib") from err
-    rows = read_metrics(args.metrics)
-    keys = [k for k in args.keys if any(k in r for r in rows)]
-    if not keys:
-        raise SystemExit(f"none of {args.keys} is in {args.metrics}")
+    except ImportError:
+        _fail("plotting needs matplotlib: pip install matplotlib", code=1)
     fig, axes = plt.subplots(len(keys), 1, figsize=(7, 2.5 * len(keys)), sharex=True, squeeze=False)
     for ax, key in zip(axes[:, 0], keys):
-        pts = [(r["step"], r[key]) for r in rows if key in r]
+        pts = [(r["step"] + 1, r[key]) for r in rows if key in r]  # steps from 1, as the console counts
         ax.plot([p[0] for p in pts], [p[1] for p in pts])
         ax.set_ylabel(key)
         ax.grid(alpha=0.3)
     axes[-1, 0].set_xlabel("step")
-    out = args.out or args.metrics.rsplit(".", 1)[0] + ".png"
+    out = args.out or os.path.join(os.path.dirname(path), PLOT_NAME)
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     print(out)
+
+
+def _read_rows(path: str) -> list[dict]:
+    """The rows of a metrics.jsonl; a line cut short by a kill is skipped, anything else is named."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except FileNotFoundError:
+        _fail(f"{path} does not exist; pass a run folder (train.output_dir) or its {METRICS_NAME}")
+    except (OSError, UnicodeDecodeError) as e:
+        _fail(f"cannot read {path}: {getattr(e, 'strerror', None) or e}")
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            if number == len(lines):  # the last line of a run that was killed while writing it
+                continue
+            _fail(f"{path}:{number}: not a JSON row; is this a metrics.jsonl written by xorl-train?")
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            _fail(f"{path}:{number}: not a row with a step; is this a metrics.jsonl written by xorl-train?")
+        rows.append(row)
+    return rows
+
+
+def _fail(message: str, code: int = 2) -> NoReturn:
+    print(f"xorl-plot-metrics: {message}", file=sys.stderr)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -34,9 +34,24 @@ CONFIG_ERROR_EXIT = 2
 RANK0_REPORT_GRACE_S = 30.0
 
 
+USAGE = """usage: xorl-train [CONFIG.yaml] [--section.key=value ...] [--check [--world-size=N]]
+       torchrun --nproc_per_node=N -m xorl.cli.train [CONFIG.yaml] [--section.key=value ...]
+
+Trains the model that CONFIG.yaml's model:, data: and train: sections describe (no CONFIG: the
+built-in default run); each --section.key=value overrides one key (e.g. --train.lr=3e-4).
+--check checks the config, the run folder and the checkpoint to resume for N ranks and exits
+(0: the run can start, 2: it cannot). The keys, with their defaults and meanings:
+"""
+
+
 def main(argv: list[str] | None = None) -> None:
-    exit_with_launcher()
     args = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in args or "--help" in args:
+        from xorl.config import config_help
+
+        print(USAGE + "\n" + config_help())
+        return
+    exit_with_launcher()
     check_only, world_size, args = _launcher_options(args)
     path = DEFAULT_CONFIG
     if args and not args[0].startswith("--"):
@@ -65,13 +80,13 @@ def main(argv: list[str] | None = None) -> None:
     from xorl.checkpoint import CheckpointError
     from xorl.fatal import exit_fatal
     from xorl.preemption import Preempted
-    from xorl.trainer import run_training
+    from xorl.trainer import NonFiniteLossError, run_training
 
     try:
         results = run_training(config, plan)
     except (ConfigError, DataError) as e:  # after the process group started: one rank may be alone in it
         exit_fatal(str(e), CONFIG_ERROR_EXIT)
-    except CheckpointError as e:
+    except (CheckpointError, NonFiniteLossError) as e:  # its message says what to do: no traceback
         exit_fatal(str(e), 1)
     except Preempted as e:  # the checkpoint is saved; exit 75 so the scheduler may requeue the job
         e.exit()

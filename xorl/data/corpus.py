@@ -123,9 +123,14 @@ def _read_parquet(path: str, text_key: str) -> Iterator[str]:
     except ImportError as err:
         raise ImportError("reading .parquet needs pyarrow: pip install pyarrow") from err
     try:
-        table = pq.read_table(path, columns=[text_key])
+        # The schema first: pyarrow's own error for a missing column appends the whole schema.
+        columns = pq.read_schema(path).names
+        table = pq.read_table(path, columns=[text_key]) if text_key in columns else None
     except (OSError, KeyError, ValueError) as e:  # pyarrow's errors derive from these
-        raise DataError(f"{path}: cannot read column {text_key!r}: {e}") from None
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DataError(f"{path}: cannot read column {text_key!r}: {first_line}") from None
+    if table is None:
+        raise DataError(f"{path}: no column {text_key!r} (columns: {columns}); set data.text_key")
     for row, value in enumerate(table.column(text_key).to_pylist()):
         yield _text(value, f"{path}: row {row} {text_key!r}")
 

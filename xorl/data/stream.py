@@ -71,18 +71,21 @@ def _documents_from(path: str, offset: int, text_key: str, seed: int) -> Iterato
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise DataError(f"{path}: byte offset {offset - len(raw)}: not UTF-8 text ({e.reason})") from None
+                raise DataError(f"{_line_at(path, offset - len(raw))}: not UTF-8 text ({e.reason})") from None
             if path.endswith(".jsonl"):
                 if not line.strip():
                     continue
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise DataError(f"{path}: byte offset {offset - len(raw)}: not valid JSON: {e.msg}") from None
+                    raise DataError(f"{_line_at(path, offset - len(raw))}: not valid JSON: {e.msg}") from None
                 if not isinstance(row, dict) or text_key not in row:
-                    raise DataError(f"{path}: byte offset {offset - len(raw)}: expected an object with key "
+                    raise DataError(f"{_line_at(path, offset - len(raw))}: expected an object with key "
                                     f"{text_key!r}; set data.text_key")
-                yield _text(row[text_key], f"{path}: byte offset {offset - len(raw)}: {text_key!r}"), offset
+                text = row[text_key]
+                if not isinstance(text, str):  # raises, naming the line (counted only then)
+                    _text(text, f"{_line_at(path, offset - len(raw))}: {text_key!r}")
+                yield text, offset
             elif line.strip():  # .txt: documents separated by blank lines
                 pending.append(line.rstrip("\n"))
             elif pending:
@@ -91,6 +94,19 @@ def _documents_from(path: str, offset: int, text_key: str, seed: int) -> Iterato
         del line_no
         if pending:
             yield "\n".join(pending), offset
+
+
+def _line_at(path: str, offset: int) -> str:
+    """``path:LINE`` of the line starting at byte ``offset`` (as the in-memory reader names it). Counted
+    only when an error is reported, so the stream keeps no line count (its state is a byte offset)."""
+    lines = 0
+    with open(path, "rb") as f:
+        while offset > 0:  # in 1 MiB pieces: the file may be far larger than memory
+            piece = f.read(min(offset, 1 << 20))
+            if not piece:
+                break
+            lines, offset = lines + piece.count(b"\n"), offset - len(piece)
+    return f"{path}:{lines + 1}"
 
 
 class StreamedLoader:

@@ -39,15 +39,11 @@ def init_distributed(timeout_s: float = 600.0) -> torch.device:
     if dist.is_initialized():
         return device
     if "RANK" not in os.environ:  # a plain `python -m xorl.cli.train`: a world of one
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        # An in-process store: one process needs no port, so a MASTER_PORT left in the environment
+        # (or taken by another job) cannot stop it.
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timedelta(seconds=timeout_s))
+        return device
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     return device
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

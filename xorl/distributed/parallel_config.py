@@ -53,20 +53,20 @@ class ParallelFields:
     # fsdp2: FSDP2 (HSDP when data_parallel_replicate_size > 1); ddp: every data-parallel rank
     # holds full weights and gradients are all-reduced over dp x cp; none: a single replica.
     data_parallel_mode: DataParallelMode = "fsdp2"
-    data_parallel_replicate_size: int = 1
+    data_parallel_replicate_size: int = 1  # HSDP: replicas of the FSDP-sharded model
     # -1: whatever world_size leaves after the other sizes.
     data_parallel_shard_size: int = -1
-    tensor_parallel_size: int = 1
-    sequence_parallel: bool = False
-    tp_overlap: bool = True
-    pipeline_parallel_size: int = 1
-    pipeline_parallel_schedule: PipelineSchedule = "1F1B"
+    tensor_parallel_size: int = 1  # ranks that split each matmul (keep inside a node)
+    sequence_parallel: bool = False  # under TP: norms and activations split over the sequence too
+    tp_overlap: bool = True  # under TP: overlap the matmuls with their collectives
+    pipeline_parallel_size: int = 1  # pipeline stages (the model's layers split over ranks)
+    pipeline_parallel_schedule: PipelineSchedule = "1F1B"  # the order stages run microbatches in
     # Stages per pipeline rank: 1 for 1F1B / GPipe, >= 2 for interleaved, exactly 2 for ZBV.
     # Ignored (like the schedule) when pipeline_parallel_size == 1.
     virtual_pipeline_stages: int = 1
-    expert_parallel_size: int = 1
-    ulysses_parallel_size: int = 1
-    ringattn_parallel_size: int = 1
+    expert_parallel_size: int = 1  # ranks that split the MoE experts (within the data x context ranks)
+    ulysses_parallel_size: int = 1  # context parallel by attention heads (all-to-all)
+    ringattn_parallel_size: int = 1  # context parallel by sequence chunks (ring attention, zig-zag)
     # Microbatches per optimizer step; with PP these are the schedule's microbatches.
     gradient_accumulation_steps: int = 1
 
