@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -48,7 +49,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from xorl.run_dir import LATEST, MANIFEST_NAME, checkpoint_root, latest_checkpoint  # noqa: F401 - re-exported
+from xorl.checkpoint_files import file_crc32, is_disk_full, no_space_message, recording_writer
+from xorl.run_dir import LATEST, MANIFEST_NAME, checkpoint_bytes, checkpoint_root, latest_checkpoint, resume_hint  # noqa: F401 - re-exported
 
 MODEL_CONFIG = "model_config.json"  # the model section as JSON: xorl-export needs nothing else
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -88,10 +90,11 @@ def _prepare(root: str, tmp: str) -> None:
     os.makedirs(tmp)
 
 
-def _publish(root: str, tmp: str, final: str, name: str, files: dict[str, str]) -> None:
+def _publish(root: str, tmp: str, final: str, name: str, files: dict[str, str],
+             records: dict[str, tuple[int, int]]) -> None:
     """Rank 0, once every rank wrote its part: the plain files and the manifest, ``step_N.tmp`` ->
     ``step_N``, then ``latest``."""
-    _write_files(tmp, files)
+    _write_files(tmp, files, records)
     shutil.rmtree(final, ignore_errors=True)
     os.rename(tmp, final)
     pointer = os.path.join(root, LATEST + ".tmp")
@@ -112,12 +115,37 @@ def save_checkpoint(output_dir: str, step: int, models: list[torch.nn.Module],
         _prepare(root, tmp)
     _barrier()
     model_sd, optim_sd = _state(models, optimizers)
-    dcp.save({"extra": extra, "model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
-    _barrier()
+    writer, fs = recording_writer(tmp)
+    dcp.save({"extra": extra, "model": model_sd, "optim": optim_sd}, storage_writer=writer)
+    records = _gather_records(fs.records, None)
     if _is_rank0():
-        _publish(root, tmp, final, name, files or {})
+        _publish(root, tmp, final, name, files or {}, records)
     _barrier()
     return final
+
+
+def _kept(root: str) -> str:
+    latest = os.path.join(root, LATEST)
+    return f"{latest} still names the previous one" if os.path.isfile(latest) else "no earlier checkpoint exists"
+
+
+def _gather_records(records: dict, group) -> dict[str, tuple[int, int]]:
+    """Every rank's {file: (crc32, size)}, merged (each rank writes its own files); also a barrier."""
+    if not dist.is_initialized():
+        return dict(records)
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, records, group=group)
+    return {k: v for part in gathered for k, v in part.items()}
+
+
+def _state_bytes(state: dict) -> dict[str, int]:
+    """Bytes of each tensor of the state at its global shape (a DTensor counts whole, on every rank)."""
+    sizes = {}
+    for section in ("model", "optim"):
+        for key, value in state[section].items():
+            if isinstance(value, torch.Tensor):
+                sizes[f"{section}/{key}"] = value.numel() * value.element_size()
+    return sizes
 
 
 class Checkpointer:
@@ -139,44 +167,92 @@ class Checkpointer:
         """
         self.wait()
         root, name, final, tmp = _paths(self.output_dir, step)
-        if _is_rank0():
-            _prepare(root, tmp)
-        self._barrier()
         model_sd, optim_sd = _state(models, optimizers)
         state = {"extra": extra, "model": model_sd, "optim": optim_sd}
+        needed = self._check_space(root, tmp, name, state)
+        writer, fs = recording_writer(tmp)
         if blocking:
             done: Future = Future()
             try:
-                done.set_result(dcp.save(state, checkpoint_id=tmp, process_group=self.group))
-            except Exception as err:  # noqa: BLE001 - reported once every rank answered (_finish)
+                done.set_result(dcp.save(state, storage_writer=writer, process_group=self.group))
+            except (Exception, CheckpointException) as err:  # noqa: BLE001 - reported in _finish, every rank
+                # (CheckpointException, DCP's gathered failures, is a BaseException: caught by name)
                 done.set_exception(err)
-            return self._finish(done, root, tmp, final, name, files or {})
+            return self._finish(done, root, tmp, final, name, files or {}, fs, needed)
         # Returns once the state is copied (staged); the write runs in DCP's background thread.
-        upload = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group)
-        self._pending = self._background.submit(self._finish, upload, root, tmp, final, name, files or {})
+        upload = dcp.async_save(state, storage_writer=writer, process_group=self.group)
+        self._pending = self._background.submit(self._finish, upload, root, tmp, final, name, files or {}, fs,
+                                                needed)
         return final
+
+    def _check_space(self, root: str, tmp: str, name: str, state: dict) -> int:
+        """Before a save starts (async ones too): refuse it on every rank when the disk cannot hold it.
+
+        The size is the previous checkpoint's (its manifest: exact, torch.save's overhead included);
+        for the first save, the state's tensors at their global shapes (every rank lists its own;
+        pipeline stages hold different ones). Rank 0 measures and broadcasts; the broadcast also
+        orders every rank's writes after rank 0 made ``step_N.tmp``.
+        """
+        previous = latest_checkpoint(self.output_dir) if _is_rank0() else None
+        known = torch.tensor([float(checkpoint_bytes(previous) or -1) if previous else -1.0], dtype=torch.float64)
+        if self.group is not None:  # rank 0's view decides (another node's may lag on a network filesystem)
+            dist.broadcast(known, src=0, group=self.group)
+        needed = int(known.item()) if known.item() >= 0 else None
+        if needed is None:
+            sizes = _state_bytes(state)
+            if self.group is not None:
+                gathered: list = [None] * dist.get_world_size(self.group)
+                dist.all_gather_object(gathered, sizes, group=self.group)
+                sizes = {k: v for part in gathered for k, v in part.items()}
+            needed = sum(sizes.values())
+        verdict = torch.zeros(2, dtype=torch.float64)  # (needed, free): exact below 2**53 bytes
+        if _is_rank0():
+            _prepare(root, tmp)
+            verdict[0], verdict[1] = needed, shutil.disk_usage(root).free
+        if self.group is not None:
+            dist.broadcast(verdict, src=0, group=self.group)
+        needed, free = int(verdict[0]), int(verdict[1])
+        if free < needed:
+            if _is_rank0():
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(
+                f"no space left on {root}: {needed} bytes needed, {free} free; checkpoint {name} was not started "
+                f"and {_kept(root)}. Free space (or move train.output_dir), then continue with --train.resume=true")
+        return needed
 
     def wait(self) -> str | None:
         """Block until the last save is complete and ``latest`` names it; re-raise its failure here."""
         pending, self._pending = self._pending, None
         return None if pending is None else pending.result()
 
-    def _finish(self, upload: Future, root: str, tmp: str, final: str, name: str, files: dict[str, str]) -> str:
+    def _finish(self, upload: Future, root: str, tmp: str, final: str, name: str, files: dict[str, str],
+                fs, needed: int) -> str:
         error = None
         try:
             upload.result()
-        except Exception as err:  # noqa: BLE001 - reported below, once every rank has answered
+        except (Exception, CheckpointException) as err:  # noqa: BLE001 - reported below, once every rank answered
             error = err
-        ok = torch.tensor([0.0 if error else 1.0])
-        if self.group is not None:  # publish only what every rank wrote
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
-        if ok.item() < 1.0:
+        full = fs.full is not None or is_disk_full(error)
+        # (ok, disk full): publish only what every rank wrote; any rank's ENOSPC names the disk
+        verdict = torch.tensor([0.0 if error else 1.0, 1.0 if full else 0.0])
+        if self.group is not None:
+            dist.all_reduce(verdict[:1], op=dist.ReduceOp.MIN, group=self.group)
+            dist.all_reduce(verdict[1:], op=dist.ReduceOp.MAX, group=self.group)
+        if verdict[0].item() < 1.0:
+            self._barrier()  # every rank stopped writing before rank 0 removes the partial folder
+            if verdict[1].item() > 0:
+                if _is_rank0():
+                    shutil.rmtree(tmp, ignore_errors=True)  # the space it took is the space we report
+                raise CheckpointError(
+                    f"{no_space_message(root, needed)}; checkpoint {name} was not written and {_kept(root)}. Free "
+                    "space (or move train.output_dir), then continue with --train.resume=true") from error
             raise RuntimeError(
                 f"checkpoint {name} was not written completely ({error or 'another rank failed'}); "
                 f"{os.path.join(root, LATEST)} still names the previous checkpoint"
             ) from error
+        records = _gather_records(fs.records, self.group)
         if _is_rank0():
-            _publish(root, tmp, final, name, files)
+            _publish(root, tmp, final, name, files, records)
         self._barrier()
         return final
 
@@ -185,20 +261,58 @@ class Checkpointer:
             dist.barrier(group=self.group)
 
 
-def _write_files(folder: str, files: dict[str, str]) -> None:
-    """The plain files, then the manifest of every file's size (written last: it vouches for the rest)."""
+def _write_files(folder: str, files: dict[str, str], records: dict[str, tuple[int, int]]) -> None:
+    """The plain files, then the manifest: every file's size and CRC-32 (computed as it was written:
+    ``records`` for DCP's files, the encoded text here). Written last: it vouches for the rest."""
+    records = dict(records)
     for name, text in files.items():
-        with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
-            f.write(text)
-    sizes = {}
+        data = text.encode("utf-8")
+        with open(os.path.join(folder, name), "wb") as f:
+            f.write(data)
+        records[name] = (zlib.crc32(data), len(data))
+    entries = {}
     for root, _, names in os.walk(folder):
         for name in names:
-            path = os.path.join(root, name)
-            sizes[os.path.relpath(path, folder)] = os.path.getsize(path)
+            rel = os.path.relpath(os.path.join(root, name), folder)
+            size = os.path.getsize(os.path.join(root, name))
+            if rel in records and records[rel][1] != size:
+                raise RuntimeError(f"checkpoint file {os.path.join(root, name)} has {size} bytes on disk, "
+                                   f"{records[rel][1]} were written")
+            entries[rel] = {"bytes": size, "crc32": records[rel][0]} if rel in records else {"bytes": size}
     with open(os.path.join(folder, MANIFEST_NAME), "w", encoding="utf-8") as f:
-        json.dump(dict(sorted(sizes.items())), f, indent=1)
+        json.dump(dict(sorted(entries.items())), f, indent=1)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _verify_checksums(path: str) -> None:
+    """Collective: the shard files' CRC-32 against the manifest, each file read by one rank.
+
+    Why split: a 70B checkpoint with its optimizer state is near a terabyte; each rank reads
+    1/world of the files (in parallel, once), and every rank learns every mismatch. The small files
+    were checked before start-up (run_dir.checkpoint_problems).
+    """
+    with open(os.path.join(path, MANIFEST_NAME), encoding="utf-8") as f:
+        manifest = json.load(f)
+    files = sorted(name for name, entry in manifest.items()
+                   if isinstance(entry, dict) and "crc32" in entry and name.endswith(".distcp"))
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    bad = []
+    for name in files[rank::world]:
+        file = os.path.join(path, name)
+        try:
+            crc = file_crc32(file)
+        except OSError as e:
+            bad.append(f"{e.strerror} (reading {file})")
+            continue
+        if crc != manifest[name]["crc32"]:
+            bad.append(f"damaged bytes: CRC-32 {crc:08x}, {manifest[name]['crc32']:08x} was written (reading {file})")
+    if world > 1:
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, bad)
+        bad = [line for part in gathered for line in part]
+    if bad:
+        raise CheckpointError(f"cannot load checkpoint {path}: " + "; ".join(bad) + f"; {resume_hint(path)}")
 
 
 def _check_metadata(path: str) -> None:
@@ -208,7 +322,7 @@ def _check_metadata(path: str) -> None:
         dcp.FileSystemReader(path).read_metadata()
     except Exception as e:  # noqa: BLE001 - unpickling can fail in many ways; all mean "damaged"
         raise CheckpointError(f"cannot load checkpoint {path}: {metadata} is unreadable ({type(e).__name__}: "
-                              f"{e}); resume from another checkpoint with --train.resume=PATH") from e
+                              f"{e}); {resume_hint(path)}") from e
 
 
 def _shard_files(path: str) -> str:
@@ -244,13 +358,14 @@ def load_checkpoint(path: str, models: list[torch.nn.Module], optimizers: list[t
     model_sd, optim_sd = _state(models, optimizers)
     state = {"extra": dict(extra_template), "model": model_sd, "optim": optim_sd}
     _check_metadata(path)
+    _verify_checksums(path)
     try:
         dcp.load(state, checkpoint_id=path)
     except (Exception, CheckpointException) as e:  # CheckpointException gathers every rank's failure
         lines = [line for line in str(e).splitlines() if line.strip()]
         reason = lines[-1] if lines else type(e).__name__
         raise CheckpointError(f"cannot load checkpoint {path}: {reason} (reading {_shard_files(path)}); "
-                              "resume from another checkpoint with --train.resume=PATH") from e
+                              f"{resume_hint(path)}") from e
     for model, optim in zip(models, optimizers):
         # Each part takes the keys it owns; strict=False because the dicts hold every part's keys.
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))

@@ -107,6 +107,14 @@ class TrainConfig(ParallelFields):
     collective_timeout_s: float = 600.0
     # Rank 0 prints a line every heartbeat_s while a step or save takes longer than that (0: never).
     heartbeat_s: float = 60.0
+    # On one of these signals the job finishes the current step, saves a checkpoint and exits with code 75
+    # (xorl/preemption.py); a second signal exits at once; [] turns it off.
+    preempt_signals: list[Literal["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP"]] = field(
+        default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    # Seconds from a preemption signal to the exit at the latest (set it below the scheduler's grace).
+    preempt_grace_s: float = 120.0
+    # With resume=PATH inside output_dir: move the run's later checkpoints aside (checkpoints/discarded/).
+    discard_later: bool = False
 
 
 def compute_dtype(train: TrainConfig, device_type: str) -> str:

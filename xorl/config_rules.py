@@ -386,6 +386,9 @@ def _train_problems(t: Any) -> list[str]:
         problems.append(f"train.collective_timeout_s={t.collective_timeout_s} must be > 0 (seconds)")
     if not t.heartbeat_s >= 0:
         problems.append(f"train.heartbeat_s={t.heartbeat_s} must be >= 0 (0: no heartbeat lines)")
+    if not t.preempt_grace_s > 0:
+        problems.append(f"train.preempt_grace_s={t.preempt_grace_s} must be > 0 (seconds from a preemption "
+                        "signal to the exit)")
     if isinstance(t.resume, str) and not os.path.exists(t.resume):
         problems.append(
             f"train.resume={t.resume!r}: no such checkpoint; use true (latest in output_dir) or false"

@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from xorl import run_dir
+from xorl import run_dir, run_lock
 from xorl.config_error import ConfigError
 from xorl.config_rules import validate_config
 from xorl.distributed.parallel_config import ParallelConfig
@@ -44,6 +44,7 @@ class RunPlan:
     overwrite: bool = False  # rank 0 removes the earlier run's files before writing anything
     apply_config_hparams: bool = False  # the new lr / schedule / AdamW values go over the loaded state
     finished: bool = False  # the checkpoint is at max_steps: nothing to train
+    discard_later: bool = False  # rank 0 moves the checkpoints after ``resume`` aside (train.discard_later)
     notes: list[str] = field(default_factory=list)  # what the user should know; rank 0 prints them
 
 
@@ -56,6 +57,11 @@ def prepare_run(config: Any, world_size: int) -> RunPlan:
     except ConfigError as e:
         problems += e.problems
     plan = RunPlan()
+    # Another run in this folder: refuse, nothing else. Rank 0 looks (it is the one that takes the lock,
+    # xorl/run_lock.py); another rank would take its own job's rank 0 of an earlier start for a stranger.
+    busy = run_lock.holder(config.train.output_dir) if os.environ.get("RANK", "0") == "0" else None
+    if busy:
+        raise ConfigError(problems + [busy])
     if config.train.warmup_steps > config.train.max_steps:  # xorl/optim.py's lr_factor cuts it
         plan.notes.append(f"train.warmup_steps={config.train.warmup_steps} is more than train.max_steps="
                           f"{config.train.max_steps}: warming up over {config.train.max_steps} steps")
@@ -103,11 +109,16 @@ def _plan_run_dir(config: Any, world_size: int, plan: RunPlan) -> list[str]:
         if t.overwrite_output_dir:  # the checkpoint lies outside output_dir (refused above otherwise)
             problems += _plan_overwrite(out, found, plan)
         later = [n for n in run_dir.step_folders(out) if inside and n > os.path.basename(os.path.normpath(checkpoint))]
-        if later:
+        if later and t.discard_later:
+            plan.discard_later = True
+            plan.notes.append(f"train.discard_later=true: moving the later {_some(later)} aside into "
+                              f"{os.path.join(run_dir.checkpoint_root(out), run_dir.DISCARDED_DIR)}/")
+        elif later:
             return [
                 f"train.resume={checkpoint!r}: {run_dir.checkpoint_root(out)} also holds the later {_some(later)} "
-                "of the run that went on; resuming here would mix the two. Continue into another "
-                "train.output_dir, or move the later checkpoints away first"
+                "of the run that went on; resuming here would mix the two. Add --train.discard_later=true to move "
+                f"them aside (into {os.path.join(run_dir.checkpoint_root(out), run_dir.DISCARDED_DIR)}/, deleting "
+                "nothing), or continue into another train.output_dir"
             ]
     elif checkpoint is None:
         root = run_dir.checkpoint_root(out)

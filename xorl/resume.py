@@ -26,7 +26,8 @@ FREE_MODEL_FIELDS = ("attn_implementation", "model_path", "initializer_range", "
                      "router_z_loss_coef", "fused_loss")
 DATA_ORDER_FIELDS = ("dataset", "text_key", "tokenizer", "seq_len", "packing", "seed", "streaming")
 # How to resume, not what: never compared.
-NOT_COMPARED = ("train.resume", "train.resume_hparams", "train.overwrite_output_dir", "train.output_dir")
+NOT_COMPARED = ("train.resume", "train.resume_hparams", "train.overwrite_output_dir", "train.output_dir",
+                "train.discard_later")
 
 
 def config_changes(stored: dict[str, Any], config: Any) -> list[tuple[str, Any, Any]]:

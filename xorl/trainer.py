@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from xorl import run_dir
+from xorl import run_dir, run_lock
 from xorl.checkpoint import MODEL_CONFIG, Checkpointer, latest_checkpoint, load_checkpoint
 from xorl.config import Config
 from xorl.data.loader import MicrobatchLoader, PackedDataset
@@ -42,6 +42,7 @@ from xorl.models.spec import EXPERTS_LAYOUT, QKV_LAYOUT
 from xorl.nonfinite import explain_nonfinite
 from xorl.optim import build_optimizer, set_schedule_step
 from xorl.parallelize import build_parallel_plan
+from xorl.preemption import PreemptionGuard
 from xorl.preflight import RunPlan, prepare_run
 from xorl.resume import apply_config_hparams
 from xorl.watchdog import Heartbeat
@@ -110,6 +111,7 @@ class Trainer:
         # Every rule, the run folder and the checkpoint to resume, before any process group exists.
         self.plan = plan if plan is not None else prepare_run(config, world_size)
         self.device = init_distributed(config.train.collective_timeout_s)
+        run_lock.hold(config.train.output_dir, self.device)  # one run per output_dir, before any write
         self.parallel_config = ParallelConfig.from_config(config, world_size)
         self.state = init_parallel_state(self.parallel_config, device_type=self.device.type)
         self.rank = dist.get_rank()
@@ -184,6 +186,9 @@ class Trainer:
             out = self.config.train.output_dir
             if self.plan.overwrite:
                 run_dir.clear_output_dir(out)
+            keep = self.plan.resume.path if self.plan.discard_later and self.plan.resume else None
+            for line in run_dir.tidy_checkpoints(out, discard_after=keep):  # discard_later, unfinished saves
+                print(f"xorl: {line}", flush=True)
             os.makedirs(out, exist_ok=True)
             run_dir.write_text_atomic(os.path.join(out, run_dir.CONFIG_NAME), self.config.to_yaml())
         dist.barrier()
@@ -345,10 +350,12 @@ class Trainer:
         """Run to ``train.max_steps``, or stop early after step ``stop_at`` (as a preempted job would;
         the learning-rate schedule still follows max_steps). Saves every ``save_steps`` and at the end."""
         train = self.config.train
+        run_lock.hold(train.output_dir, self.device)  # again: an earlier train() of this Trainer gave it back
         last = train.max_steps if stop_at is None else min(stop_at, train.max_steps)
         logger = MetricsLogger(train.output_dir, train.max_steps, self.step, enabled=self.rank == 0,
                                time_offset=self.elapsed_offset_s)
         heartbeat = Heartbeat(train.heartbeat_s, train.collective_timeout_s, enabled=self.rank == 0)
+        preemption = PreemptionGuard(train.preempt_signals, train.preempt_grace_s, self.device)
         results = []
         self._clock = time.perf_counter()
         try:
@@ -373,6 +380,11 @@ class Trainer:
                 if result.aux_loss is not None:
                     metrics["router_loss"] = result.aux_loss
                 logger.log(result.step, metrics, elapsed_s=self.elapsed_s(), show=show)
+                stop = preemption.should_stop()  # every rank stops after the same step (xorl/preemption.py)
+                if stop and self.step < last:
+                    with heartbeat.busy(f"saving the checkpoint of step {self.step} (preempted)"):
+                        path = self.save(blocking=True)
+                    raise preemption.stopped(stop, self.step, path)
                 # Every save_steps, and always at max_steps (save_steps 0: that one only).
                 periodic = train.save_steps and self.step % train.save_steps == 0
                 if periodic or self.step == train.max_steps:
@@ -384,8 +396,10 @@ class Trainer:
         finally:
             self.elapsed_offset_s, self._clock = self.elapsed_s(), None
             heartbeat.close()
+            preemption.close()
             logger.close()
         self.checkpointer.wait()  # the last save is complete (and `latest`) when train returns
+        run_lock.release(train.output_dir)  # a process that trains again (tests, notebooks) takes it again
         return results
 
     def _memory_metrics(self) -> dict[str, float]:
@@ -398,5 +412,6 @@ def run_training(config: Config, plan: RunPlan | None = None) -> list[StepResult
     trainer = Trainer(config, plan)
     results = trainer.train()
     if config.train.export_hf:
+        run_lock.hold(config.train.output_dir, trainer.device)
         trainer.export_hf(os.path.join(config.train.output_dir, "hf"))
     return results

@@ -78,14 +78,20 @@ def main(argv: list[str] | None = None) -> None:
     import torch.distributed as dist
 
     from xorl.checkpoint import CheckpointError
+    from xorl.fatal import exit_fatal
+    from xorl.preemption import Preempted
     from xorl.trainer import NonFiniteLossError, run_training
 
     try:
         results = run_training(config, plan)
-    except (ConfigError, DataError) as e:
-        _fail(str(e), CONFIG_ERROR_EXIT, rank)
-    except (CheckpointError, NonFiniteLossError) as e:
-        _fail(str(e), 1, rank)
+    except (ConfigError, DataError) as e:  # after the process group started: one rank may be alone in it
+        exit_fatal(str(e), CONFIG_ERROR_EXIT)
+    except (CheckpointError, NonFiniteLossError) as e:  # its message says what to do: no traceback
+        exit_fatal(str(e), 1)
+    except Preempted as e:  # the checkpoint is saved; exit 75 so the scheduler may requeue the job
+        e.exit()
+    except Exception as e:  # noqa: BLE001 - any other fatal error ends the whole job, shown once
+        exit_fatal(f"{type(e).__name__}: {e}", 1, with_traceback=True)
     if dist.is_initialized():
         if dist.get_rank() == 0 and results:
             first, last = results[0], results[-1]

@@ -39,7 +39,17 @@ def stream_files(dataset: str) -> list[str]:
             f"data.streaming reads {'/'.join(STREAM_SUFFIXES)} files; {bad or dataset!r} cannot be streamed "
             "(use data.streaming: false for parquet, or convert it to JSONL)"
         )
+    if not any(_has_text(f) for f in files):  # the stream would go round its files forever
+        shown = files[0] if len(files) == 1 else f"none of its {len(files)} files ({', '.join(files[:3])}, ...)"
+        raise DataError(f"data.dataset={dataset!r}: {shown} holds no document (it is empty or has only blank "
+                        "lines); there is nothing to stream")
     return files
+
+
+def _has_text(path: str) -> bool:
+    """Whether the file has a non-blank line (reads up to the first one)."""
+    with open(path, "rb") as f:
+        return any(line.strip() for line in f)
 
 
 def _documents_from(path: str, offset: int, text_key: str, seed: int) -> Iterator[tuple[str, int]]:
@@ -145,6 +155,7 @@ class StreamedLoader:
         if s["carry"]:
             doc, s["carry"] = s["carry"], []
             return doc
+        empty_files = 0  # files in a row that gave no token: a whole round of them would loop forever
         while True:
             if self._docs is None:
                 self._docs = _documents_from(self.files[s["file"]], s["offset"], self.text_key, self.seed)
@@ -154,6 +165,10 @@ class StreamedLoader:
                 if tokens:
                     return tokens
             self._docs = None
+            empty_files += 1
+            if empty_files > len(self.files):
+                raise DataError(f"data.streaming: no document of {', '.join(self.files[:3])}"
+                                f"{', ...' if len(self.files) > 3 else ''} has any token (every text is empty)")
             s["file"], s["offset"] = s["file"] + 1, 0
             if s["file"] == len(self.files):
                 s["file"], s["epoch"] = 0, s["epoch"] + 1
