@@ -83,14 +83,18 @@ LAYOUTS = [
 # ~1.5; the tiny model's chaotic step, parity_runs.tiny_config). Hence FP8_TOLERANCE below. EP 2
 # blockwise meets the fp32 bounds (measured: losses equal, grad norms 2.4e-7, weights 3.3e-8):
 # expert parallelism moves whole tokens, whose 1 x 128 tiles and the experts' 128 x 128 blocks are
-# those of one process.
-FP32_TOLERANCE = dict(losses=1e-5, grad_norms=1e-4, weights=1e-5)
-FP8_TOLERANCE = dict(losses=1e-3, grad_norms=1e-1, weights=1e-3)
+# those of one process. With the fused linear cross-entropy on (model.fused_loss, the default) that
+# no longer holds after step 1: the lm_head gradient is summed chunk by chunk, a last-bit change
+# that blockwise fp8 rounding amplifies through the routing (measured at the kernels merge: router
+# losses 1.7e-4, weights 4.5e-5; losses and grad norms within the fp32 bounds). So both FP8 rows
+# take the FP8 bounds after step 1; step 1 is held to 1e-6 like every row.
+FP32_TOLERANCE = dict(losses=1e-5, grad_norms=1e-4, weights=1e-5, router_losses=1e-5)
+FP8_TOLERANCE = dict(losses=1e-3, grad_norms=1e-1, weights=1e-3, router_losses=1e-3)
 FP8_LAYOUTS = [
     ("fp8 rowwise fsdp2 x tp2", 4, "llama", dict(data_parallel_shard_size=2, tensor_parallel_size=2,
                                                  sequence_parallel=True, fp8="rowwise"), FP8_TOLERANCE),
     ("fp8 blockwise moe ep2", 2, "qwen3_moe", dict(data_parallel_shard_size=2, expert_parallel_size=2,
-                                                  fp8="blockwise"), FP32_TOLERANCE),
+                                                  fp8="blockwise"), FP8_TOLERANCE),
 ]
 
 PIPELINE_LAYOUTS = [layout for layout in LAYOUTS if layout[3].get("pipeline_parallel_size", 1) > 1]
@@ -151,7 +155,7 @@ def check_layout(world_size: int, model_type: str, train: dict, gloo_world, refe
     assert max_rel_diff(got["grad_norms"], ref["grad_norms"]) <= tol["grad_norms"]
     if tiny_config("", model_type).model.num_experts:  # router losses on, balanced over each whole microbatch
         assert all(x > 0 for x in ref["router_losses"])
-        assert max_rel_diff(got["router_losses"], ref["router_losses"]) <= 1e-5
+        assert max_rel_diff(got["router_losses"], ref["router_losses"]) <= tol["router_losses"]
     assert weights_rel_diff(got["weights"], ref["weights"]) <= tol["weights"]
 
 
