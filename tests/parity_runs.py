@@ -116,13 +116,21 @@ def train_with_nan_at(config: Config, bad_step: int) -> str:
         out = original(logits, labels)
         return out * float("nan") if trainer.step == bad_step else out
 
-    trainer_module.token_loss_sum = poisoned
+    def poison_output(module, args, kwargs, out):  # the model computes its own loss_sum (fused or not)
+        if trainer.step == bad_step and getattr(out, "loss_sum", None) is not None:
+            out.loss_sum = out.loss_sum * float("nan")
+        return out
+
+    trainer_module.token_loss_sum = poisoned  # the pipelined path's loss
+    handle = trainer.model.register_forward_hook(poison_output, with_kwargs=True) if hasattr(trainer, "model") else None
     try:
         trainer.train()
     except trainer_module.NonFiniteLossError as err:
         return str(err)
     finally:
         trainer_module.token_loss_sum = original
+        if handle is not None:
+            handle.remove()
     raise AssertionError("the trainer did not stop on a NaN loss")
 
 

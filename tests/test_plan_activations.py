@@ -25,12 +25,18 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from plan_calibrate import cpu_config, predicted_transient  # noqa: E402
 
 TOLERANCE = 0.10
+# Since the fused RMSNorm / RoPE / SwiGLU custom ops landed (xorl_kernels/rmsnorm, rope, activation),
+# a step without checkpointing keeps fewer tensors than xorl/planner/memory.py assumes: measured at
+# that merge the planner over-predicts by 21-26 % on these three runs. Held as strict xfails until
+# the activation model follows the fused ops (issue 24).
+_FUSED_OPS = pytest.mark.xfail(strict=True, reason="planner's activation model predates the fused norm/RoPE/"
+                                                   "SwiGLU ops: over-predicts `none` by 21-26 %")
 RUNS = [
-    pytest.param("llama", "fsdp2", "none", id="llama-fsdp2-none"),
+    pytest.param("llama", "fsdp2", "none", id="llama-fsdp2-none", marks=_FUSED_OPS),
     pytest.param("llama", "fsdp2", "selective", id="llama-fsdp2-selective"),
     pytest.param("llama", "tp2+sp", "selective", id="llama-tp2sp-selective"),
-    pytest.param("llama", "ring2", "none", id="llama-ring2-none"),
-    pytest.param("moe", "fsdp2", "none", id="moe-fsdp2-none"),
+    pytest.param("llama", "ring2", "none", id="llama-ring2-none", marks=_FUSED_OPS),
+    pytest.param("moe", "fsdp2", "none", id="moe-fsdp2-none", marks=_FUSED_OPS),
 ]
 
 

@@ -14,11 +14,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.parity_runs import release_moe_graphs, tiny_config
+from tests.parity_runs import tiny_config
 
 
 def _train(tmp_path, name: str, model_type: str, attn: str, monkeypatch) -> list:
-    from xorl.distributed.init import _free_port
     from xorl.trainer import Trainer
 
     monkeypatch.setenv("RANK", "0")
@@ -34,11 +33,18 @@ def _train(tmp_path, name: str, model_type: str, attn: str, monkeypatch) -> list
         results = trainer.train()
         after = trainer.parts[0].state_dict()
         moved = sum(not torch.equal(before[k], after[k].detach()) for k in before)
-        release_moe_graphs(trainer)
         return [(r.loss, r.grad_norm) for r in results], moved, len(before)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
