@@ -70,7 +70,10 @@ def measure_here(path: str, tokens: int, vocab: int, hidden: int, dtype: torch.d
 
 def measure_cpu(path: str, tokens: int, vocab: int, hidden: int, dtype: str = "float32") -> dict:
     """``measure_here`` in a fresh process (one thread)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # The plain-torch path, whatever the calling process set (a test's TRITON_INTERPRET or forced
+    # backend would measure the Triton interpreter's buffers instead).
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "XORL_FORCE_REFERENCE")}
+    env["OMP_NUM_THREADS"] = "1"
     out = subprocess.run(
         [sys.executable, "-m", "bench.bench_fused_ce", "--measure", path, str(tokens), str(vocab), str(hidden),
          "--dtype", dtype],

@@ -38,7 +38,9 @@ def init_distributed(timeout_s: float = 600.0) -> torch.device:
     backend = override or backend
     if dist.is_initialized():
         return device
-    if "RANK" not in os.environ:  # a plain `python -m xorl.cli.train`: a world of one
+    # A plain `python -m xorl.cli.train`: a world of one. RANK alone does not mean a launcher (start-up
+    # code may have set it for the world of one); a launcher always gives MASTER_ADDR.
+    if "MASTER_ADDR" not in os.environ and os.environ.get("WORLD_SIZE", "1") == "1":
         # An in-process store: one process needs no port, so a MASTER_PORT left in the environment
         # (or taken by another job) cannot stop it.
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
