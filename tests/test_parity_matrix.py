@@ -8,6 +8,8 @@ tests/test_parity_matrix_pp.py (the same check; two files so that two pytest-xdi
 the matrix).
 """
 
+import importlib.util
+
 import pytest
 
 from tests.parity_runs import max_rel_diff, tiny_config, train_and_report, weights_rel_diff
@@ -129,6 +131,7 @@ def test_layout_matches_single_process(name, world_size, model_type, train, gloo
     check_layout(world_size, model_type, train, gloo_world, references, tmp_path)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="FP8 needs torchao (pip install -e .[fp8])")
 @pytest.mark.parametrize("name,world_size,model_type,train,tolerance", FP8_LAYOUTS,
                          ids=[layout[0] for layout in FP8_LAYOUTS])
 def test_fp8_layout_matches_single_process(name, world_size, model_type, train, tolerance, gloo_world, references,
