@@ -21,8 +21,11 @@ lse = -inf (no visible key anywhere) are exponentiated against 0, so their P is 
 
 Results are written in the gradient buffers' dtype; ``ACCUMULATE`` adds into existing fp32
 buffers instead (ring attention keeps fp32 accumulators across steps). Visibility and block
-skipping are the forward's (see attention/fwd_triton.py): bounds, same document, and under causal
-k_pos <= q_pos with per-block position ranges.
+skipping are the forward's (see attention/fwd_triton.py and attention/bounds.py): bounds, same
+document, under causal k_pos <= q_pos and with a window k_pos > q_pos - W, with per-block
+position ranges. q·k head dims may run as two chunks and v has its own head dim
+(common.qk_chunks). Sinks change nothing here (lse includes them; attention/sinks.py gives their
+gradient).
 """
 
 from __future__ import annotations
@@ -32,18 +35,13 @@ import triton
 import triton.language as tl
 
 from xorl_kernels.attention import common
+from xorl_kernels.attention.bounds import key_range, key_tile_visible, query_range, query_tile_visible
 from xorl_kernels.attention.common import (
     INTERPRET,
     LOG2E,
-    POS_HIGH,
-    POS_LOW,
     block_head_dim,
     check_device,
     dot_precision,
-    end_of_pos_at_most,
-    first_pos_above,
-    key_range,
-    key_tile_visible,
     last_dim_contiguous,
     load_positions,
     load_tile,
@@ -53,6 +51,7 @@ from xorl_kernels.attention.common import (
     store_tile,
     upcast_16bit,
 )
+from xorl_kernels.attention.dkdv_splits import device_sms, dkdv_head_splits
 
 
 def _configs(block_a: str, block_b: str) -> list[triton.Config]:
@@ -115,63 +114,6 @@ def _dkdv_block(
     return dk_a, dk_b, dv
 
 
-@triton.jit
-def _query_range(
-    QPOS, q_start, q_len, k_pos, n_valid, n_start, k_len, window,
-    IS_CAUSAL: tl.constexpr, HAS_POS: tl.constexpr, HAS_WINDOW: tl.constexpr, SCAN: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """Query loop bounds of one key block (dK/dV): ``(lo, mid, full_hi, q_end, k_lo, k_hi)``.
-
-    Rows [lo, mid) and [full_hi, q_end) need the mask, [mid, full_hi) see every key of the block
-    (mask-free), rows outside [lo, q_end) see none of it. Causal: rows before the first q_pos >=
-    min(k_pos) are skipped, rows after the last q_pos < max(k_pos) are mask-free. A window W adds:
-    rows after the last q_pos <= max(k_pos) + W - 1 are skipped, and mask-free rows also need
-    q_pos <= min(k_pos) + W - 1. Mirrors common.key_range (any positions are correct).
-    """
-    k_lo = n_start
-    k_hi = tl.minimum(n_start + BLOCK_N, k_len) - 1
-    q_end = q_len
-    if IS_CAUSAL:
-        if HAS_POS:
-            k_lo = tl.min(tl.where(n_valid, k_pos, POS_HIGH))
-            k_hi = tl.max(tl.where(n_valid, k_pos, POS_LOW))
-            lo = (first_pos_above(QPOS, q_start, q_len, k_lo - 1, SCAN) // BLOCK_M) * BLOCK_M
-            mid = tl.cdiv(end_of_pos_at_most(QPOS, q_start, q_len, k_hi - 1, SCAN), BLOCK_M) * BLOCK_M
-        else:
-            lo = (n_start // BLOCK_M) * BLOCK_M
-            mid = tl.cdiv(n_start + BLOCK_N, BLOCK_M) * BLOCK_M
-        mid = tl.minimum(tl.maximum(mid, lo), q_len)
-    else:
-        lo = q_len * 0
-        mid = q_len * 0
-    # Mask-free tiles also need every key of this block in bounds.
-    full_hi = tl.where(n_start + BLOCK_N <= k_len, tl.maximum((q_len // BLOCK_M) * BLOCK_M, mid), mid)
-    if IS_CAUSAL:
-        if HAS_WINDOW:
-            if HAS_POS:
-                stop = end_of_pos_at_most(QPOS, q_start, q_len, k_hi + window - 1, SCAN)
-                free_stop = first_pos_above(QPOS, q_start, q_len, k_lo + window - 1, SCAN)
-            else:
-                stop = tl.minimum(tl.maximum(k_hi + window, 0), q_len)
-                free_stop = tl.minimum(tl.maximum(k_lo + window, 0), q_len)
-            q_end = tl.minimum(tl.cdiv(stop, BLOCK_M) * BLOCK_M, q_len)
-            mid = tl.minimum(mid, q_end)
-            full_hi = tl.maximum(tl.minimum(full_hi, (free_stop // BLOCK_M) * BLOCK_M), mid)
-    return lo, mid, full_hi, q_end, k_lo, k_hi
-
-
-@triton.jit
-def _query_tile_visible(QPOS, q_start, q_len, rows, k_lo, k_hi, window, HAS_WINDOW: tl.constexpr):
-    """Whether a masked query tile (arbitrary positions) has a row that sees some key of the block."""
-    valid = rows < q_len
-    q_pos = load_positions(QPOS, q_start, rows, valid, True)
-    visible = tl.max(tl.where(valid, q_pos, POS_LOW)) >= k_lo
-    if HAS_WINDOW:
-        visible = visible & (tl.min(tl.where(valid, q_pos, POS_HIGH)) < k_hi + window)
-    return visible
-
-
 @triton.autotune(
     configs=_configs("BLOCK_N", "BLOCK_M"),
     key=["seq_bucket", "HEAD_A", "HEAD_B", "HEAD_V", "IS_CAUSAL", "HAS_POS", "HAS_WINDOW", "DOT_PREC",
@@ -222,7 +164,7 @@ def _flash_attn_bwd_dkdv_kernel(
     dk_b = tl.zeros([BLOCK_N, BLOCK_B], dtype=tl.float32)  # stays 0 without a second chunk
     dv = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
 
-    lo, mid, full_hi, q_end, k_lo, k_hi = _query_range(
+    lo, mid, full_hi, q_end, k_lo, k_hi = query_range(
         QPOS, q_start, q_len, k_pos, n_valid, pid_n * BLOCK_N, k_len, window,
         IS_CAUSAL, HAS_POS, HAS_WINDOW, SCAN, BLOCK_M, BLOCK_N,
     )
@@ -235,7 +177,7 @@ def _flash_attn_bwd_dkdv_kernel(
         for start_m in range(lo, mid, BLOCK_M):
             visible = start_m >= 0
             if HAS_POS:
-                visible = _query_tile_visible(QPOS, q_start, q_len, start_m + offs_m_base, k_lo, k_hi, window,
+                visible = query_tile_visible(QPOS, q_start, q_len, start_m + offs_m_base, k_lo, k_hi, window,
                                               HAS_WINDOW)
             if visible:
                 dk_a, dk_b, dv = _dkdv_block(
@@ -257,7 +199,7 @@ def _flash_attn_bwd_dkdv_kernel(
             visible = start_m >= 0
             if HAS_POS:
                 if HAS_WINDOW:
-                    visible = _query_tile_visible(QPOS, q_start, q_len, start_m + offs_m_base, k_lo, k_hi, window,
+                    visible = query_tile_visible(QPOS, q_start, q_len, start_m + offs_m_base, k_lo, k_hi, window,
                                                   HAS_WINDOW)
             if visible:
                 dk_a, dk_b, dv = _dkdv_block(
@@ -413,77 +355,6 @@ def _flash_attn_bwd_dq_kernel(
                    BLOCK_B)
 
 
-@triton.jit
-def _flash_attn_bwd_preprocess_kernel(
-    O, DO, DELTA, total, seq, heads, stride_ot, stride_oh, stride_dot, stride_doh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
-):
-    """delta[b, h, s] = Σ_d O·dO in fp32 for token t = b·seq + s (one pass, no fp32 temporaries)."""
-    head = tl.program_id(1)
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_d = tl.arange(0, BLOCK_D)
-    valid = offs_t < total
-    o = load_tile(O + head * stride_oh, offs_t, stride_ot, offs_d, valid, HEAD_DIM, BLOCK_D, False)
-    do = load_tile(DO + head * stride_doh, offs_t, stride_dot, offs_d, valid, HEAD_DIM, BLOCK_D, False)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    t64 = offs_t.to(tl.int64)
-    row = (t64 // seq) * heads * seq + head * seq + t64 % seq
-    tl.store(DELTA + row, delta, mask=valid)
-
-
-def triton_bwd_preprocess(out: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
-    """delta fp32 in lse layout: [batch, heads, seq] for 4-D out, [heads, total] for 3-D out."""
-    check_device(out, do)
-    out, do = last_dim_contiguous(out), last_dim_contiguous(do)
-    batched = out.dim() == 4
-    batch, seq = (out.shape[0], out.shape[1]) if batched else (1, out.shape[0])
-    heads, head_dim = out.shape[-2], out.shape[-1]
-    o2, do2 = (t.reshape(batch * seq, heads, head_dim) for t in (out, do))
-    delta = common.alloc_output((batch, heads, seq), torch.float32, out.device)
-    if batch * seq and heads:
-        block_t = 16 if INTERPRET else 64
-        grid = (triton.cdiv(batch * seq, block_t), heads)
-        _flash_attn_bwd_preprocess_kernel[grid](
-            o2, do2, delta, batch * seq, seq, heads, o2.stride(0), o2.stride(1), do2.stride(0), do2.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=block_head_dim(head_dim), BLOCK_T=block_t,
-        )
-    return delta if batched else delta[0]
-
-
-# Programs the dK/dV grid should give the GPU at least: 4 per SM, so that the causal imbalance
-# between key blocks (the first sees every query row, the last a few) evens out over the SMs.
-_PROGRAMS_PER_SM = 4
-# The largest key block of the autotune configs: the program count below never overestimates.
-_LARGEST_BLOCK_N = 128
-_INTERPRETER_SMS = 132  # under the interpreter, plan as for an H100 (tests then cover the slices)
-
-
-def dkdv_head_splits(total_k: int, num_docs: int, heads_kv: int, group: int, sms: int) -> int:
-    """Slices of each GQA group the dK/dV kernel runs in parallel: the smallest divisor of ``group``
-    that gives at least _PROGRAMS_PER_SM programs per SM, else ``group`` (one query head each).
-
-    Programs are counted from the tokens (ceil(total_k / 128) key blocks per KV head, plus one per
-    document for its partial block), not from the padded grid: empty programs do no work. The fp32
-    scratch is splits x the size of dK and dV, and splits only exceeds 1 while the key blocks are too
-    few to fill the GPU, so it holds about _PROGRAMS_PER_SM * SMs * 128 rows (35 MB at head_dim 128
-    on an H100) per tensor whatever the sequence length; up to twice that where the divisors of
-    ``group`` are coarse.
-    """
-    if group <= 1:
-        return 1
-    programs = heads_kv * (triton.cdiv(total_k, _LARGEST_BLOCK_N) + num_docs)
-    for splits in range(1, group + 1):
-        if group % splits == 0 and programs * splits >= _PROGRAMS_PER_SM * sms:
-            return splits
-    return group
-
-
-def _device_sms(device: torch.device) -> int:
-    if INTERPRET:
-        return _INTERPRETER_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count  # cached by torch: no sync
-
-
 def _sum_partials(partials: torch.Tensor, accum: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """Sum the [splits, ...] fp32 partials in slice order; add into ``accum`` when given."""
     total = partials.sum(0)
@@ -538,7 +409,7 @@ def triton_backward(
         DOT_PREC=dot_precision(q.dtype), UPCAST=upcast_16bit(q.dtype), SCAN=scan_block(),
     )
     group = heads_q // heads_kv
-    splits = dkdv_head_splits(k.shape[0], num_docs, heads_kv, group, _device_sms(q.device))
+    splits = dkdv_head_splits(k.shape[0], num_docs, heads_kv, group, device_sms(q.device))
     if splits > 1:
         # fp32 partials, one per slice of query heads, summed below; the kernel writes every row.
         dk = common.alloc_output((splits, *k.shape), torch.float32, k.device)
