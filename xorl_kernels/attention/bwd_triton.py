@@ -175,11 +175,16 @@ def _flash_attn_bwd_dkdv_kernel(
         Q_base = Q + q_start.to(tl.int64) * stride_qt + head * stride_qh
         DO_base = DO + q_start.to(tl.int64) * stride_dot + head * stride_doh
         for start_m in range(lo, mid, BLOCK_M):
-            visible = start_m >= 0
             if HAS_POS:
-                visible = query_tile_visible(QPOS, q_start, q_len, start_m + offs_m_base, k_lo, k_hi, window,
-                                              HAS_WINDOW)
-            if visible:
+                if query_tile_visible(QPOS, q_start, q_len, start_m + offs_m_base, k_lo, k_hi, window, HAS_WINDOW):
+                    dk_a, dk_b, dv = _dkdv_block(
+                        dk_a, dk_b, dv, k_a, k_b, v, k_pos, n_valid, Q_base, DO_base, LSE, DELTA, QPOS, head,
+                        stride_lse_h, q_start, start_m, q_len, window, stride_qt, stride_dot, sm_scale_log2,
+                        offs_m_base, offs_a, offs_b, offs_v, True, IS_CAUSAL, HAS_POS, HAS_WINDOW,
+                        HEAD_A, BLOCK_A, HEAD_B, BLOCK_B, HEAD_V, BLOCK_V, DOT_PREC, UPCAST,
+                    )
+                    tiles += 1
+            else:
                 dk_a, dk_b, dv = _dkdv_block(
                     dk_a, dk_b, dv, k_a, k_b, v, k_pos, n_valid, Q_base, DO_base, LSE, DELTA, QPOS, head,
                     stride_lse_h, q_start, start_m, q_len, window, stride_qt, stride_dot, sm_scale_log2,
@@ -196,12 +201,16 @@ def _flash_attn_bwd_dkdv_kernel(
             )
             tiles += 1
         for start_m in range(full_hi, q_end, BLOCK_M):
-            visible = start_m >= 0
-            if HAS_POS:
-                if HAS_WINDOW:
-                    visible = query_tile_visible(QPOS, q_start, q_len, start_m + offs_m_base, k_lo, k_hi, window,
-                                                  HAS_WINDOW)
-            if visible:
+            if HAS_POS & HAS_WINDOW:
+                if query_tile_visible(QPOS, q_start, q_len, start_m + offs_m_base, k_lo, k_hi, window, HAS_WINDOW):
+                    dk_a, dk_b, dv = _dkdv_block(
+                        dk_a, dk_b, dv, k_a, k_b, v, k_pos, n_valid, Q_base, DO_base, LSE, DELTA, QPOS, head,
+                        stride_lse_h, q_start, start_m, q_len, window, stride_qt, stride_dot, sm_scale_log2,
+                        offs_m_base, offs_a, offs_b, offs_v, True, IS_CAUSAL, HAS_POS, HAS_WINDOW,
+                        HEAD_A, BLOCK_A, HEAD_B, BLOCK_B, HEAD_V, BLOCK_V, DOT_PREC, UPCAST,
+                    )
+                    tiles += 1
+            else:
                 dk_a, dk_b, dv = _dkdv_block(
                     dk_a, dk_b, dv, k_a, k_b, v, k_pos, n_valid, Q_base, DO_base, LSE, DELTA, QPOS, head,
                     stride_lse_h, q_start, start_m, q_len, window, stride_qt, stride_dot, sm_scale_log2,
@@ -306,25 +315,32 @@ def _flash_attn_bwd_dq_kernel(
     dq_a = tl.zeros([BLOCK_M, BLOCK_A], dtype=tl.float32)
     dq_b = tl.zeros([BLOCK_M, BLOCK_B], dtype=tl.float32)
 
-    # Loop bounds exactly as in the forward (common.key_range).
+    # Loop bounds exactly as in the forward (bounds.key_range).
     lo, f0, f1, end, q_lo, q_hi = key_range(
         KPOS, k_start, k_len, q_pos, m_valid, pid_m * BLOCK_M, q_len, window,
         IS_CAUSAL, HAS_POS, HAS_WINDOW, SCAN, BLOCK_M, BLOCK_N,
     )
     tiles = q_len * 0
     # Padded query rows (past q_len) produce garbage only in rows that are never stored.
-    for start_n in range(lo, tl.minimum(f0, end), BLOCK_N):
-        visible = start_n >= 0
-        if HAS_POS:
-            visible = key_tile_visible(KPOS, k_start, k_len, start_n + offs_n, q_lo, q_hi, window, HAS_WINDOW)
-        if visible:
-            dq_a, dq_b = _dq_block(
-                dq_a, dq_b, q_a, q_b, do, lse, delta, q_pos, m_valid, K_base, V_base, KPOS, k_start, start_n,
-                k_len, window, stride_kt, stride_vt, sm_scale_log2, offs_n, offs_a, offs_b, offs_v,
-                True, IS_CAUSAL, HAS_POS, HAS_WINDOW, HEAD_A, BLOCK_A, HEAD_B, BLOCK_B, HEAD_V, BLOCK_V,
-                DOT_PREC, UPCAST,
-            )
-            tiles += 1
+    if HAS_WINDOW:  # the window's leading masked edge (without one, lo = f0 = 0)
+        for start_n in range(lo, tl.minimum(f0, end), BLOCK_N):
+            if HAS_POS:
+                if key_tile_visible(KPOS, k_start, k_len, start_n + offs_n, q_lo, q_hi, window, HAS_WINDOW):
+                    dq_a, dq_b = _dq_block(
+                        dq_a, dq_b, q_a, q_b, do, lse, delta, q_pos, m_valid, K_base, V_base, KPOS, k_start, start_n,
+                        k_len, window, stride_kt, stride_vt, sm_scale_log2, offs_n, offs_a, offs_b, offs_v,
+                        True, IS_CAUSAL, HAS_POS, HAS_WINDOW, HEAD_A, BLOCK_A, HEAD_B, BLOCK_B, HEAD_V, BLOCK_V,
+                        DOT_PREC, UPCAST,
+                    )
+                    tiles += 1
+            else:
+                dq_a, dq_b = _dq_block(
+                    dq_a, dq_b, q_a, q_b, do, lse, delta, q_pos, m_valid, K_base, V_base, KPOS, k_start, start_n,
+                    k_len, window, stride_kt, stride_vt, sm_scale_log2, offs_n, offs_a, offs_b, offs_v,
+                    True, IS_CAUSAL, HAS_POS, HAS_WINDOW, HEAD_A, BLOCK_A, HEAD_B, BLOCK_B, HEAD_V, BLOCK_V,
+                    DOT_PREC, UPCAST,
+                )
+                tiles += 1
     for start_n in range(f0, f1, BLOCK_N):
         dq_a, dq_b = _dq_block(
             dq_a, dq_b, q_a, q_b, do, lse, delta, q_pos, m_valid, K_base, V_base, KPOS, k_start, start_n,
@@ -334,10 +350,16 @@ def _flash_attn_bwd_dq_kernel(
         )
         tiles += 1
     for start_n in range(f1, end, BLOCK_N):
-        visible = start_n >= 0
         if HAS_POS:
-            visible = key_tile_visible(KPOS, k_start, k_len, start_n + offs_n, q_lo, q_hi, window, HAS_WINDOW)
-        if visible:
+            if key_tile_visible(KPOS, k_start, k_len, start_n + offs_n, q_lo, q_hi, window, HAS_WINDOW):
+                dq_a, dq_b = _dq_block(
+                    dq_a, dq_b, q_a, q_b, do, lse, delta, q_pos, m_valid, K_base, V_base, KPOS, k_start, start_n,
+                    k_len, window, stride_kt, stride_vt, sm_scale_log2, offs_n, offs_a, offs_b, offs_v,
+                    True, IS_CAUSAL, HAS_POS, HAS_WINDOW, HEAD_A, BLOCK_A, HEAD_B, BLOCK_B, HEAD_V, BLOCK_V,
+                    DOT_PREC, UPCAST,
+                )
+                tiles += 1
+        else:
             dq_a, dq_b = _dq_block(
                 dq_a, dq_b, q_a, q_b, do, lse, delta, q_pos, m_valid, K_base, V_base, KPOS, k_start, start_n,
                 k_len, window, stride_kt, stride_vt, sm_scale_log2, offs_n, offs_a, offs_b, offs_v,

@@ -157,20 +157,27 @@ def _flash_attn_fwd_kernel(
         IS_CAUSAL, HAS_POS, HAS_WINDOW, SCAN, BLOCK_M, BLOCK_N,
     )
     tiles = q_len * 0
-    for start_n in range(lo, tl.minimum(f0, end), BLOCK_N):
-        # Arbitrary positions: a block in a masked range may still be fully masked; skip it.
-        # (Zig-zag shards keep positions sorted per document, so these ranges are the band edges.)
-        visible = start_n >= 0
-        if HAS_POS:
-            visible = key_tile_visible(KPOS, k_start, k_len, start_n + offs_n, q_lo, q_hi, window, HAS_WINDOW)
-        if visible:
-            acc, l_i, m_i = _fwd_block(
-                acc, l_i, m_i, q_a, q_b, q_pos, K_base, V_base, k_start, start_n, k_len, KPOS, window,
-                stride_kt, stride_vt, sm_scale_log2, offs_n, offs_a, offs_b, offs_v,
-                True, IS_CAUSAL, HAS_POS, HAS_WINDOW, HEAD_A, BLOCK_A, HEAD_B, BLOCK_B, HEAD_V, BLOCK_V,
-                DOT_PREC, UPCAST,
-            )
-            tiles += 1
+    if HAS_WINDOW:  # the window's leading masked edge (without one, lo = f0 = 0)
+        for start_n in range(lo, tl.minimum(f0, end), BLOCK_N):
+            # Arbitrary positions: a block in a masked range may still be fully masked; skip it.
+            # (Zig-zag shards keep positions sorted per document, so these ranges are the band edges.)
+            if HAS_POS:
+                if key_tile_visible(KPOS, k_start, k_len, start_n + offs_n, q_lo, q_hi, window, HAS_WINDOW):
+                    acc, l_i, m_i = _fwd_block(
+                        acc, l_i, m_i, q_a, q_b, q_pos, K_base, V_base, k_start, start_n, k_len, KPOS, window,
+                        stride_kt, stride_vt, sm_scale_log2, offs_n, offs_a, offs_b, offs_v,
+                        True, IS_CAUSAL, HAS_POS, HAS_WINDOW, HEAD_A, BLOCK_A, HEAD_B, BLOCK_B, HEAD_V, BLOCK_V,
+                        DOT_PREC, UPCAST,
+                    )
+                    tiles += 1
+            else:
+                acc, l_i, m_i = _fwd_block(
+                    acc, l_i, m_i, q_a, q_b, q_pos, K_base, V_base, k_start, start_n, k_len, KPOS, window,
+                    stride_kt, stride_vt, sm_scale_log2, offs_n, offs_a, offs_b, offs_v,
+                    True, IS_CAUSAL, HAS_POS, HAS_WINDOW, HEAD_A, BLOCK_A, HEAD_B, BLOCK_B, HEAD_V, BLOCK_V,
+                    DOT_PREC, UPCAST,
+                )
+                tiles += 1
     for start_n in range(f0, f1, BLOCK_N):
         acc, l_i, m_i = _fwd_block(
             acc, l_i, m_i, q_a, q_b, q_pos, K_base, V_base, k_start, start_n, k_len, KPOS, window,
@@ -180,10 +187,16 @@ def _flash_attn_fwd_kernel(
         )
         tiles += 1
     for start_n in range(f1, end, BLOCK_N):
-        visible = start_n >= 0
         if HAS_POS:
-            visible = key_tile_visible(KPOS, k_start, k_len, start_n + offs_n, q_lo, q_hi, window, HAS_WINDOW)
-        if visible:
+            if key_tile_visible(KPOS, k_start, k_len, start_n + offs_n, q_lo, q_hi, window, HAS_WINDOW):
+                acc, l_i, m_i = _fwd_block(
+                    acc, l_i, m_i, q_a, q_b, q_pos, K_base, V_base, k_start, start_n, k_len, KPOS, window,
+                    stride_kt, stride_vt, sm_scale_log2, offs_n, offs_a, offs_b, offs_v,
+                    True, IS_CAUSAL, HAS_POS, HAS_WINDOW, HEAD_A, BLOCK_A, HEAD_B, BLOCK_B, HEAD_V, BLOCK_V,
+                    DOT_PREC, UPCAST,
+                )
+                tiles += 1
+        else:
             acc, l_i, m_i = _fwd_block(
                 acc, l_i, m_i, q_a, q_b, q_pos, K_base, V_base, k_start, start_n, k_len, KPOS, window,
                 stride_kt, stride_vt, sm_scale_log2, offs_n, offs_a, offs_b, offs_v,
