@@ -409,3 +409,21 @@ def test_window_tile_audit_zigzag_positions():
     ref_out, _ = oracle(q.double(), k.double(), v.double(), torch.zeros(q_pos.numel()), torch.zeros(seq), q_pos,
                         k_pos, True, 0.25, window)
     assert rel_err(out, ref_out) < 1e-5
+
+
+# -- compiled and autotuned on a GPU (skipped on CPU) ---------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("d_qk, d_v, hq, hk, window, with_sinks", [
+    (192, 128, 8, 8, None, False),  # DeepSeek-V3 MLA (q·k in two chunks)
+    (64, 64, 8, 1, 128, True),  # gpt-oss sliding layer: GQA, W = 128, sinks
+    (128, 128, 8, 2, 700, False),  # a window longer than one document, shorter than another
+])
+def test_gpu_features(poisoned, dtype, d_qk, d_v, hq, hk, window, with_sinks):
+    """Packed uneven documents (1024, 384, 640), causal, gradients of q, k, v (and sinks)."""
+    cu = docs(1024, 384, 640)
+    q, k, v, s = make_inputs(13, 2048, 2048, hq, hk, d_qk, d_v, sinks=with_sinks)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    check_case("triton", dtype, q, k, v, s, cu, cu, True, window=window, tol=tol)
