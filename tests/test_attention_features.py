@@ -469,3 +469,20 @@ def test_sorted_count_at_most_matches_searchsorted():
             _search_kernel[(thr.numel(),)](pos_d, thr_d, out_d, 1, length, SCAN=scan)
             expected = torch.searchsorted(seg.long(), thr.long(), right=True)
             assert torch.equal(out_d.cpu().long(), expected), (length, scan)
+
+
+def test_compile_fullgraph_with_sinks_window_and_head_dim_v():
+    """torch.compile (aot_eager, fullgraph) traces the custom op with the new arguments and gives the
+    eager gradients, sinks included (the fake and the backward's fake carry d_v and dsinks)."""
+    gen = torch.Generator().manual_seed(31)
+    q, k = torch.randn(2, 16, 4, 24, generator=gen), torch.randn(2, 16, 2, 24, generator=gen)
+    v, s = torch.randn(2, 16, 2, 16, generator=gen), torch.randn(4, generator=gen)
+    leaves = [t.requires_grad_() for t in (q, k, v, s)]
+
+    def loss(q, k, v, s):
+        return flash_attn(q, k, v, causal=True, window=5, sinks=s).square().sum()
+
+    eager = torch.autograd.grad(loss(*leaves), leaves)
+    compiled = torch.autograd.grad(torch.compile(loss, backend="aot_eager", fullgraph=True)(*leaves), leaves)
+    for a, b in zip(eager, compiled):
+        assert rel_err(b, a) < 1e-6
