@@ -486,3 +486,50 @@ def test_compile_fullgraph_with_sinks_window_and_head_dim_v():
     compiled = torch.autograd.grad(torch.compile(loss, backend="aot_eager", fullgraph=True)(*leaves), leaves)
     for a, b in zip(eager, compiled):
         assert rel_err(b, a) < 1e-6
+
+
+COMPILE_CHECK = r'''
+import os, sys
+os.environ.pop("TRITON_INTERPRET", None)
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile as triton_compile
+from xorl_kernels.attention import bwd_dq_triton, bwd_triton, fwd_triton
+from xorl_kernels.attention.common import block_head_dim, qk_chunks
+
+flags = dict(**qk_chunks(192), HEAD_V=128, BLOCK_V=block_head_dim(128), IS_CAUSAL=True, HAS_POS=True,
+             HAS_WINDOW=True, COUNT_TILES=True, DOT_PREC="tf32", UPCAST=False, SCAN=1024)
+pointers = {**dict.fromkeys(["Q", "K", "V", "O", "DO", "DQ", "DK", "DV"], "*bf16"),
+            **dict.fromkeys(["LSE", "DELTA", "SINKS"], "*fp32"),
+            **dict.fromkeys(["CU_Q", "CU_K", "QPOS", "KPOS", "TILES"], "*i32"),
+            "sm_scale": "fp32", "sm_scale_log2": "fp32"}
+for kernel, extra in ((fwd_triton._flash_attn_fwd_kernel, dict(HAS_SINKS=True)),
+                      (bwd_triton._flash_attn_bwd_dkdv_kernel, dict(ACCUMULATE=True)),
+                      (bwd_dq_triton._flash_attn_bwd_dq_kernel, dict(ACCUMULATE=True))):
+    fn = kernel.fn
+    consts = {**flags, **extra, "BLOCK_M": 64, "BLOCK_N": 32}
+    signature = {n: "constexpr" if n in consts else pointers.get(n, "i32") for n in fn.arg_names}
+    source = ASTSource(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    triton_compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=2))
+    print("compiled", fn.__name__)
+'''
+
+
+@pytest.mark.slow  # starts a process (conftest: tests that start processes carry `slow`)
+def test_kernels_compile_for_sm90_without_a_gpu():
+    """The interpreter runs the kernels as Python and would not see a code-generation error (a
+    loop-carried type change, an unsupported construct): compile the three kernels with every new
+    feature on (d 192/128 in two q·k chunks, positions, window, sinks, tile counter) to sm_90 machine
+    code through Triton's own compiler and ptxas, which needs no GPU. A subprocess, because this
+    process imported Triton in interpreter mode."""
+    import os
+    import subprocess
+    import sys
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        pytest.skip("this Triton build has no bundled ptxas")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", COMPILE_CHECK], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("compiled") == 3
