@@ -148,7 +148,7 @@ def ring_forward(q, k, v, kernel, exchange: RingExchange | None, sinks=None):
         if pending is not None:
             pending.wait()
     if sinks is not None:
-        from xorl_kernels.attention.merge import apply_sinks
+        from xorl_kernels.attention.sinks import apply_sinks
 
         out_acc, lse_acc = apply_sinks(out_acc, lse_acc, sinks)
     return out_acc.to(q.dtype), lse_acc
@@ -216,7 +216,7 @@ def ring_backward(
     dk, dv = dkv_own.pair(0)
     dsinks = None
     if sinks is not None:
-        from xorl_kernels.attention.merge import sink_grad
+        from xorl_kernels.attention.sinks import sink_grad
 
         dsinks = sink_grad(lse, delta, sinks).to(sinks.dtype)
     return dq_acc.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks
