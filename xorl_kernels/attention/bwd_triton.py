@@ -403,8 +403,11 @@ def triton_backward(
     dq_accum: torch.Tensor | None = None,
     dk_accum: torch.Tensor | None = None,
     dv_accum: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) on the packed form; given fp32 accumulators are added into and returned."""
+    if window is not None or v.shape[-1] != q.shape[-1]:
+        raise NotImplementedError("Triton attention: window / head_dim_v != head_dim_qk not yet; use backend='reference'")
     check_device(q, k, v, do)
     q, k, v, do = (last_dim_contiguous(t) for t in (q, k, v, do))
     lse = lse.float().contiguous()

@@ -185,8 +185,12 @@ def triton_forward(
     softmax_scale: float,
     q_positions: torch.Tensor | None = None,
     k_positions: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [total_q, heads_q, d] in q.dtype, lse fp32 [heads_q, total_q]) on the packed form."""
+    if sinks is not None or window is not None or v.shape[-1] != q.shape[-1]:
+        raise NotImplementedError("Triton attention: sinks / window / head_dim_v != head_dim_qk not yet; use backend='reference'")
     check_device(q, k, v)
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     total_q, heads_q, head_dim = q.shape
