@@ -4,20 +4,11 @@ and counters of the bytes each rank sends (wrapping torch.distributed, not our c
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 
-import pytest
 import torch
 import torch.distributed as dist
 
 from xorl.distributed.zigzag import prepare_context_parallel_batch, zigzag_shard
-
-# Until the kernel branch (sinks, windows, head_dim_v != head_dim_qk) is merged, the checks of
-# those features have nothing to call; they skip with this reason rather than fail.
-NEEDS_KERNEL_FEATURES = pytest.mark.skipif(
-    importlib.util.find_spec("xorl_kernels.attention.sinks") is None,
-    reason="xorl_kernels.attention has no sinks / window / d_v support yet (attn-kernel branch)",
-)
 
 
 def reference_attention(q, k, v, cu_seqlens=None, causal=True, scale=None, sinks=None, window=None):

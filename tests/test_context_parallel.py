@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from tests.cp_helpers import (
     DOC_LENS,
     FULL_DOCS,
-    NEEDS_KERNEL_FEATURES,
     SendCounter,
     cp_groups,
     rel_err,
@@ -71,7 +70,6 @@ def _hybrid_feature_errors(seed):
             for c in FEATURE_CASES]  # fmt: skip
 
 
-@NEEDS_KERNEL_FEATURES
 def test_hybrid_two_by_two_with_sinks_windows_and_narrow_v_matches_float64_reference(gloo_world):
     results = gloo_world(4).run(_hybrid_feature_errors, 4)
     for c, (name, *_) in enumerate(FEATURE_CASES):

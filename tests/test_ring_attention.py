@@ -14,7 +14,6 @@ import torch.distributed as dist
 from tests.cp_helpers import (
     DOC_LENS,
     FULL_DOCS,
-    NEEDS_KERNEL_FEATURES,
     SendCounter,
     local_inputs,
     rel_err,
@@ -73,7 +72,6 @@ def _feature_errors(seed):
     return [run_case(RingAttention(group, causal=c[1]), c, group, seed=seed) for c in FEATURE_CASES]
 
 
-@NEEDS_KERNEL_FEATURES
 @pytest.mark.parametrize("size", [2, 4])
 def test_ring_with_sinks_windows_and_narrow_v_matches_float64_reference(gloo_world, size):
     """Outputs and gradients of q, k, v and the sinks (summed over the ranks, as the gradient
@@ -115,7 +113,6 @@ def _steps_computed(window):
     return calls, errors
 
 
-@NEEDS_KERNEL_FEATURES
 def test_ring_skips_steps_outside_every_window(gloo_world):
     """Chunks of 8 at P = 4: with window 5 only the own block and the two neighbouring ranks'
     blocks hold keys a local query can see (chunk a sees chunk a - 1 at distance >= 1; any other

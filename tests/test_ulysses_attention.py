@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.cp_helpers import DOC_LENS, FULL_DOCS, NEEDS_KERNEL_FEATURES, SendCounter, local_inputs, rel_err, run_case
+from tests.cp_helpers import DOC_LENS, FULL_DOCS, SendCounter, local_inputs, rel_err, run_case
 from xorl.nn.ulysses_attention import UlyssesAttention, kv_head_index
 from xorl_kernels.ulysses.op import (
     ulysses_pack,
@@ -118,7 +118,6 @@ def _ulysses_feature_errors(seed):
     return [run_case(UlyssesAttention(group, _inner(c[1])), c, None, group, seed) for c in FEATURE_CASES]
 
 
-@NEEDS_KERNEL_FEATURES
 def test_ulysses_with_sinks_windows_and_narrow_v_matches_float64_reference(gloo_world):
     """U = 2: outputs and gradients of q, k, v and the sinks (summed over the ranks, as the
     gradient reduction over the CP ranks does) against one float64 process."""
@@ -139,7 +138,6 @@ def _ulysses_narrow_v_bytes():
     return counter.all_to_all, tuple(q.shape), tuple(k.shape), tuple(v.shape)
 
 
-@NEEDS_KERNEL_FEATURES
 def test_ulysses_moves_v_with_its_own_width(gloo_world):
     for a2a, (b, s, hq, d), (_, _, hkv, _), (*_, d_v) in gloo_world(2).run(_ulysses_narrow_v_bytes):
         qkv = b * s * (hq * d + hkv * d + hkv * d_v) * 4
