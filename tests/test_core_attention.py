@@ -74,11 +74,11 @@ WINDOWS = (3, 24)  # layer 0: smaller than a ring shard's chunk; layer 1: larger
 
 
 def _model_with_sinks_and_windows():
-    """A tiny xorl Llama whose attention layers own sinks and have sliding windows."""
+    """A tiny xorl Llama whose attention layers own sinks and have sliding windows (set here as
+    a family with them sets them in Attention.__init__, e.g. gpt-oss)."""
     from transformers import LlamaConfig
 
     from xorl.models import build_model
-    from xorl.models.attention import Attention
 
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
@@ -86,11 +86,8 @@ def _model_with_sinks_and_windows():
     torch.manual_seed(0)
     model = build_model(config)
     for layer, window in zip(model.model.layers, WINDOWS):
-        attn = Attention(model.spec, sinks=True, window=window)
-        state = layer.self_attn.state_dict()
-        state["sinks"] = torch.randn(4) * 2
-        attn.load_state_dict(state)
-        layer.self_attn = attn
+        layer.self_attn.sinks = torch.nn.Parameter(torch.randn(4) * 2)
+        layer.self_attn.window = window
     return model
 
 

@@ -193,9 +193,7 @@ class Attention(nn.Module):
     rank exactly its q, k and v heads, whatever the TP size (a checkpoint resumes on any TP), and
     each rank runs one GEMM for all three. HF files keep q_proj / k_proj / v_proj (hf_io converts)."""
 
-    def __init__(self, spec: ModelSpec, *, sinks: bool = False, window: int | None = None):
-        """``sinks``: the layer owns a learned logit per query head (gpt-oss; HF name ``sinks``);
-        ``window``: this layer's causal sliding window (None: full causal attention)."""
+    def __init__(self, spec: ModelSpec):
         super().__init__()
         self.head_dim = spec.head_dim
         self.merge_qkv = spec.merge_qkv
@@ -224,10 +222,12 @@ class Attention(nn.Module):
         # replaces this module and takes the ring-step kernel from the same table).
         backend = attention_backend(spec.attn_implementation).local
         self.core_attention: nn.Module = LocalAttention(softmax_scale=spec.head_dim**-0.5, backend=backend)
-        # Replicated like every non-TP parameter; under context parallelism each rank's gradient
-        # covers its own query rows and the FSDP / DDP reduction over dp_cp sums them.
-        self.sinks = nn.Parameter(torch.zeros(spec.num_attention_heads)) if sinks else None
-        self.window = window
+        # ``sinks`` (a learned logit per query head, gpt-oss; HF name ``sinks``) and this layer's
+        # sliding ``window`` go to the core attention in every call; a family that has them sets
+        # them here. Under context parallelism each rank's sinks gradient covers its own query
+        # rows and the FSDP / DDP reduction over dp_cp sums them, like any replicated parameter.
+        self.sinks: nn.Parameter | None = None
+        self.window: int | None = None
 
     def forward(
         self,
@@ -255,10 +255,10 @@ class Attention(nn.Module):
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if self.sinks is None and self.window is None:
-            out = self.core_attention(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
-        else:
-            out = self.core_attention(
-                q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, sinks=self.sinks, window=self.window
-            )
+        extra = {}
+        if self.sinks is not None:
+            extra["sinks"] = self.sinks
+        if self.window is not None:
+            extra["window"] = self.window
+        out = self.core_attention(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, **extra)
         return self.o_proj(out.reshape(batch, seq, -1))
