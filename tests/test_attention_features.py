@@ -31,7 +31,7 @@ from xorl_kernels.attention.op import (
 )
 
 F64 = torch.float64
-BACKENDS = ["reference"]  # Triton joins once its kernels take these features
+BACKENDS = ["reference", "triton"]
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -142,6 +142,18 @@ def test_head_dim_v_differs(poisoned, backend, causal):
     cu = docs(21, 7, 36)
     q, k, v, _ = make_inputs(0, 64, 64, 4, 2, 24, 16, sinks=False)
     check_case(backend, torch.float32, q, k, v, None, cu, cu, causal)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("d_qk, d_v", [(48, 32), (192, 128)])
+def test_head_dim_qk_in_two_chunks(poisoned, backend, d_qk, d_v):
+    """q·k head dims that the Triton kernels run as two power-of-two chunks (48 = 32 + 16; MLA's
+    192 = 128 + 64), with sinks, a window and zig-zag-like ascending positions split in two runs."""
+    assert common.qk_chunks(d_qk)["HEAD_B"] > 0
+    cu = docs(20, 13)
+    pos = torch.cat([torch.arange(20), torch.arange(13)]).int()
+    q, k, v, s = make_inputs(7, 33, 33, 2, 1, d_qk, d_v)
+    check_case(backend, torch.float32, q, k, v, s, cu, cu, True, window=6, pos_q=pos, pos_k=pos)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
