@@ -16,8 +16,9 @@ Heads: hq must divide by U. KV heads are split when hkv divides by U; when U div
 are replicated so every rank gets the one KV head its hq/U query heads read (their gradients are
 summed back); any other combination is an error naming the sizes.
 
-Bytes each rank sends per forward: (U-1)/U · b·s·(hq + 2·U·hkv_local)·d elements in the first
-all-to-all, (U-1)/U · b·s·hq·d in the second.
+Bytes each rank sends per forward: (U-1)/U · b·s·(hq·d_qk + U·hkv_local·(d_qk + d_v)) elements in
+the first all-to-all, (U-1)/U · b·s·hq·d_v in the second (v keeps its own head dim, MLA). Sinks
+[hq] are sliced to the rank's hq/U heads; a sliding window passes through to the inner attention.
 """
 
 from __future__ import annotations
