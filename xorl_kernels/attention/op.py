@@ -191,7 +191,7 @@ def flash_attn_bwd_preprocess(out: torch.Tensor, do: torch.Tensor, backend: str 
     if out.dim() not in (3, 4):
         raise ValueError(f"out must be [batch, seq, heads, head_dim] or [total, heads, head_dim], got {out.dim()}-D")
     if out.dtype != torch.float64 and do.dtype != torch.float64 and _use_triton(backend, out):
-        from xorl_kernels.attention.bwd_triton import triton_bwd_preprocess
+        from xorl_kernels.attention.preprocess_triton import triton_bwd_preprocess
 
         return triton_bwd_preprocess(out, do)
     return reference_bwd_preprocess(out, do)
