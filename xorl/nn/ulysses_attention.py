@@ -148,8 +148,12 @@ class UlyssesAttention(nn.Module):
         slice of its hq/U heads, so each rank's gradient lands on its own heads' entries.
         ``window`` passes through (the inner attention sees the whole ring-local sequence)."""
         world = self.ulysses_size
+        # Only when set: an inner attention written before sinks and windows still works without them.
+        extra = {} if window is None else {"window": window}
         if world == 1:
-            return self.inner(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, sinks=sinks, window=window)
+            if sinks is not None:
+                extra["sinks"] = sinks
+            return self.inner(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, **extra)
         if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3] or q.shape[:2] != k.shape[:2]:
             raise ValueError(
                 f"q must be [b, s, hq, d_qk], k [b, s, hkv, d_qk] and v [b, s, hkv, d_v] with the same b, s; "
@@ -166,12 +170,12 @@ class UlyssesAttention(nn.Module):
                 raise ValueError(f"sinks must be [heads_q] = [{q.shape[2]}], got {tuple(sinks.shape)}")
             local_heads = q.shape[2] // world
             rank = dist.get_rank(self.ulysses_group)
-            sinks = sinks[rank * local_heads : (rank + 1) * local_heads]  # the all-to-all's head order
+            extra["sinks"] = sinks[rank * local_heads : (rank + 1) * local_heads]  # the all-to-all's head order
         # Q, K and V travel in one message even when v is narrower than q/k (each keeps its width).
         qh, kh, vh = torch.ops.xorl.ulysses_seq_to_head(
             [q.contiguous(), k.contiguous(), v.contiguous()], self._group_name, world
         )
-        out = self.inner(qh, kh, vh, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, sinks=sinks, window=window)
+        out = self.inner(qh, kh, vh, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, **extra)
         (out,) = torch.ops.xorl.ulysses_head_to_seq([out.contiguous()], self._group_name, world)
         return out
 
