@@ -164,6 +164,12 @@ def test_bad_inputs_raise_clear_errors():
         attn(q, q[:, :, :3], q[:, :, :3])
     with pytest.raises(ValueError, match="attn_backend"):
         RingAttention(None, attn_backend="cudnn")
+    with pytest.raises(ValueError, match=r"sinks must be \[heads_q\] = \[4\]"):
+        attn(q, q, q, sinks=torch.zeros(3))
+    with pytest.raises(ValueError, match="use causal=True and window >= 1"):
+        RingAttention(None, causal=False)(q, q, q, window=4)
+    with pytest.raises(ValueError, match="not wired for attention sinks or sliding windows"):
+        RingAttention(None, attn_backend="flash_attn")(q, q, q, window=4)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -35,8 +35,8 @@ Attention sinks, sliding windows and head_dim_v != head_dim_qk (per call: ``sink
 ``xorl`` runs all three in its kernels, locally and in every ring step (the ring applies the
 sinks once after merging its steps); ``sdpa`` runs d_v natively and windows in its mask, and with
 sinks writes the softmax out in plain torch (SDPA has no sink input); the flash-attn package is
-not wired for sinks or windows (LocalAttention and the ring refuse them, config_rules refuses the
-combination before start).
+not wired for sinks or windows (LocalAttention and RingAttention refuse them, config_rules
+refuses the combination before start).
 """
 
 from __future__ import annotations

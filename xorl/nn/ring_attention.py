@@ -400,11 +400,6 @@ def make_step_kernel(q, cu_seqlens, max_seqlen, ring_size: int, causal: bool, so
     if backend == FLASH_ATTN:
         from xorl.nn.flash_attn_package import FlashAttnPackageStepKernel
 
-        if window is not None:
-            raise ValueError(
-                "attn_backend='flash_attn' has no position-based sliding window for zig-zag ring steps; "
-                "use attn_backend='xorl' (attn_implementation: xorl) for sliding-window layers"
-            )
         return FlashAttnPackageStepKernel(ring_size, causal, scale, cu_local, max_local, local_len)
     # "xorl": xorl_kernels picks its op backend (backend=None: its dispatch).
     kernel = ZigzagStepKernel(ring_size, causal, scale, cu_local, max_local, positions, None, window)
@@ -451,6 +446,11 @@ class RingAttention(nn.Module):
 
     def forward(self, q, k, v, cu_seqlens=None, max_seqlen=None, sinks=None, window=None):
         _check_inputs(q, k, v, cu_seqlens, sinks, window, self.causal)
+        if self.attn_backend == FLASH_ATTN and (sinks is not None or window is not None):
+            raise ValueError(
+                "attn_backend='flash_attn' (the flash-attn package) is not wired for attention sinks or "
+                "sliding windows; use attn_backend='xorl' (attn_implementation: xorl)"
+            )
         if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):
             cu_seqlens = torch.tensor(cu_seqlens)
         if max_seqlen is not None and not isinstance(max_seqlen, (int, torch.SymInt)):
