@@ -25,6 +25,12 @@ SMALL = dict(vocab_size=97, hidden_size=48, intermediate_size=40, num_hidden_lay
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
 
+MLA = dict(num_key_value_heads=6, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10,
+           n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=16, n_shared_experts=2,
+           first_k_dense_replace=1)
+MLA_YARN = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 64,
+            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8}
+
 # name -> (transformers class name, config class name, config fields beyond SMALL)
 FAMILIES = {
     "llama3.1-rope-llama3": ("LlamaForCausalLM", "LlamaConfig", dict(rope_parameters=LLAMA3_ROPE)),
@@ -48,6 +54,19 @@ FAMILIES = {
         first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
         attention_bias=True, head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
                                                            "partial_rotary_factor": 0.5})),
+    # MLA (q.k head 12 + 8, v head 10, so d_v != d_qk), YaRN with mscale_all_dim (the softmax scale's
+    # factor), interleaved RoPE pairs, 4 groups of 2 experts with the selection bias, a dense first layer.
+    "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(
+        MLA, q_lora_rank=20, n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+        rope_parameters=MLA_YARN)),
+    "deepseek_v3-no-q_lora": ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(
+        MLA, q_lora_rank=None, n_group=1, topk_group=1, norm_topk_prob=False, rope_interleave=False,
+        attention_bias=True)),
+    "deepseek_v2": ("DeepseekV2ForCausalLM", "DeepseekV2Config", dict(
+        MLA, q_lora_rank=20, topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=2.0,
+        rope_parameters=MLA_YARN)),
+    "deepseek_v2-lite-greedy": ("DeepseekV2ForCausalLM", "DeepseekV2Config", dict(
+        MLA, q_lora_rank=None, topk_method="greedy")),
 }
 
 
@@ -169,6 +188,27 @@ PUBLISHED = {
         first_k_dense_replace=1, routed_scaling_factor=1.0, norm_topk_prob=True, partial_rotary_factor=0.5,
         attention_bias=True, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=1000000.0,
         use_qk_norm=False, num_nextn_predict_layers=1, tie_word_embeddings=False), None),
+    # The hub file as released (v4 rope_scaling "type"; scoring_func / topk_method are informational
+    # there, transformers ignores them; no rope_interleave key: its default, true).
+    "DeepSeek-V3": ("DeepseekV3ForCausalLM", dict(
+        model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+        moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
+        n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4,
+        first_k_dense_replace=3, moe_layer_freq=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+        scoring_func="sigmoid", topk_method="noaux_tc", kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, max_position_embeddings=163840, rms_norm_eps=1e-6, rope_theta=10000,
+        rope_scaling={"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                      "original_max_position_embeddings": 4096, "type": "yarn"},
+        num_nextn_predict_layers=1, attention_bias=False, tie_word_embeddings=False), None),
+    "DeepSeek-V2-Lite": ("DeepseekV2ForCausalLM", dict(
+        model_type="deepseek_v2", vocab_size=102400, hidden_size=2048, intermediate_size=10944,
+        moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16,
+        n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6, n_group=1, topk_group=1, topk_method="greedy",
+        first_k_dense_replace=1, routed_scaling_factor=1.0, norm_topk_prob=False, kv_lora_rank=512, q_lora_rank=None,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, max_position_embeddings=163840,
+        rms_norm_eps=1e-6, rope_theta=10000, rope_scaling={
+            "beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
+            "original_max_position_embeddings": 4096, "type": "yarn"}, tie_word_embeddings=False), None),
 }
 
 
@@ -185,19 +225,24 @@ def test_published_config_has_transformers_parameter_count(name, tmp_path):
         assert count == published
 
 
-def test_glm_multi_token_prediction_layer_in_the_files_is_skipped(tmp_path):
-    """GLM-4.5 files hold their MTP layer after the last layer (num_nextn_predict_layers); transformers
-    does not build it, nor do we, and loading skips its tensors instead of calling them unexpected."""
+@pytest.mark.parametrize("name", ["glm4_moe", "deepseek_v3"])
+def test_multi_token_prediction_layer_in_the_files_is_skipped(name, tmp_path, caplog):
+    """GLM-4.5 and DeepSeek-V3 files hold their MTP layer after the last layer (num_nextn_predict_layers);
+    transformers does not build it, nor do we, and loading skips its tensors (saying so in one line)
+    instead of calling them unexpected."""
     from safetensors.torch import load_file, save_file
 
-    hf = hf_checkpoint("glm4_moe", tmp_path / "hf", seed=5)
+    hf = hf_checkpoint(name, tmp_path / "hf", seed=5)
     path = tmp_path / "hf" / "model.safetensors"
     tensors = load_file(path)
     extra = SMALL["num_hidden_layers"]  # the layer after the last
     tensors[f"model.layers.{extra}.eh_proj.weight"] = torch.randn(8, 8)
     tensors[f"model.layers.{extra}.mlp.experts.0.gate_proj.weight"] = torch.randn(8, 8)
     save_file(tensors, path, metadata={"format": "pt"})
-    ours = xorl.models.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
+    with caplog.at_level("WARNING", logger="xorl.models.hf_io"):
+        ours = xorl.models.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
+    skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(skipped) == 1 and f"model.layers.{extra}" in skipped[0], skipped
     input_ids = torch.randint(0, SMALL["vocab_size"], (1, 16), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         assert rel_err(ours(input_ids).logits, hf(input_ids=input_ids).logits) < TOL

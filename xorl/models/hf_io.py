@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -44,6 +45,8 @@ from xorl.distributed.shard_box import ShardBox, local_tensor, parameter_box
 from xorl.models.param_names import clean_name
 from xorl.models.registry import to_hf_config_dict
 from xorl.models.spec import ModelSpec
+
+logger = logging.getLogger(__name__)
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -285,10 +288,12 @@ class _SliceReader:
         self.key_of: dict[str, str] = {}  # common name -> the key in the file
         self.shapes: dict[str, tuple[int, ...]] = {}
         names = names or FileNames(None)
+        self.ignored_layers: set[str] = set()  # "model.layers.{i}" the files hold past the model's layers
         for file in self.files:
             with safe_open(os.path.join(folder, file), framework="pt") as f:
                 for key in f.keys():
                     if names.ignored(key):
+                        self.ignored_layers.add(".".join(key.split(".")[:3]))
                         continue
                     name = names.common_name(key)
                     self.file_of[name] = file
@@ -413,6 +418,10 @@ def load_hf_weights(model: nn.Module, folder: str) -> None:
         match.reader.close()
         raise ValueError(f"shape mismatches loading {folder!r}: {match.mismatches}")
     reader = match.reader
+    if reader.ignored_layers and (not dist.is_initialized() or dist.get_rank() == 0):
+        layers = sorted(reader.ignored_layers, key=lambda n: int(n.rsplit(".", 1)[1]))
+        logger.warning("%s: skipped %s (multi-token-prediction layers past num_hidden_layers=%d, which neither "
+                       "transformers nor xorl builds)", folder, ", ".join(layers), model.spec.num_hidden_layers)
     order = {file: i for i, file in enumerate(reader.files)}
     try:  # file by file, so each file is opened about once
         for name in sorted(match.targets, key=lambda n: order[reader.file_of[match.recipes[n].sources[0]]]):
