@@ -78,7 +78,8 @@ LAYOUTS = [
      dict(data_parallel_shard_size=1, tensor_parallel_size=2, sequence_parallel=True)),
     ("deepseek_v3 tp2 (no sp) x fsdp2", 4, "deepseek_v3",
      dict(data_parallel_shard_size=2, tensor_parallel_size=2)),
-    # deepseek_v3 ring2: pending the ring with d_v != d_qk (issue 21's ring work; refused until then).
+    ("deepseek_v3 ring2 x fsdp2 (zig-zag ring with d_v != d_qk, YaRN past original_max_position_embeddings)", 4,
+     "deepseek_v3", dict(data_parallel_shard_size=2, ringattn_parallel_size=2)),
 ]
 
 

@@ -39,13 +39,6 @@ from xorl.nn.tp_comm import TPGroup, to_head_parallel
 LATENT_NORM_EPS = 1e-6
 
 
-def local_backend(attn_implementation: str | None) -> str:
-    """LocalAttention's backend for MLA. Interim: xorl_kernels.flash_attn does not take a v narrower than
-    q.k yet (issue 21's kernel work adds it), so 'xorl' / 'auto' run torch SDPA here, which does."""
-    backend = attention_backend(attn_implementation).local
-    return "sdpa" if backend in ("xorl", "auto") else backend
-
-
 def deinterleave(x: torch.Tensor) -> torch.Tensor:
     """[..., (x0, x1), (x2, x3), ...] -> [..., x0, x2, ..., x1, x3, ...]: DeepSeek's interleaved RoPE
     pairs in the rotate-half layout (transformers' apply_rotary_pos_emb_interleave, bit for bit)."""
@@ -81,8 +74,10 @@ class LatentAttention(nn.Module):
                                 fp8=fp8)
         self.o_proj = Linear(heads * self.v_head_dim, spec.hidden_size, bias=bias, fp8=fp8)
         scale = self.head_dim**-0.5 * yarn_softmax_mscale(spec.rope_scaling)
-        self.core_attention: nn.Module = LocalAttention(softmax_scale=scale,
-                                                        backend=local_backend(spec.attn_implementation))
+        # Every backend takes a v narrower than q.k (xorl_kernels.flash_attn, SDPA; the ring and
+        # Ulysses that the context-parallel plan puts here instead).
+        backend = attention_backend(spec.attn_implementation).local
+        self.core_attention: nn.Module = LocalAttention(softmax_scale=scale, backend=backend)
         self.tp: TPGroup | None = None  # shard_heads_over_tp
         self.sequence_parallel = False
 
