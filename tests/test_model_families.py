@@ -11,6 +11,7 @@ config.json, weights=False)`` on the meta device has exactly transformers' param
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
 import torch
@@ -286,3 +287,51 @@ def test_sharded_start_from_a_family_folder_reads_its_weights(name, gloo_world, 
     loaded = gloo_world(2).run(initial_weights, config)[0]
     assert loaded.keys() == one.keys()
     assert all(torch.equal(loaded[k], one[k]) for k in one), [k for k in one if not torch.equal(loaded[k], one[k])]
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(model_type="deepseek_v3", head_dim=64), "head_dim=64: deepseek_v3's q.k head dim is qk_nope_head_dim"),
+    (dict(model_type="deepseek_v3", num_key_value_heads=2), "num_key_value_heads=2 must equal num_attention_heads"),
+    (dict(model_type="deepseek_v3", merge_qkv=True), "merge_qkv=true: deepseek_v3's latent attention"),
+    (dict(model_type="deepseek_v3", qk_rope_head_dim=5), "qk_rope_head_dim=5 must be even"),
+    (dict(model_type="llama", num_experts=0),
+     "v_head_dim: latent attention fields, but model_type=.llama."),
+])
+def test_bad_latent_attention_config_is_refused_naming_the_field(fields, message):
+    from xorl.models.spec import ModelSpec
+
+    base = dict(model_type="deepseek_v3", vocab_size=97, hidden_size=48, intermediate_size=40, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=4, num_experts=4, num_experts_per_tok=2,
+                kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        ModelSpec.from_config(types.SimpleNamespace(**{**base, **fields}))
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(norm_topk_prob=True), "norm_topk_prob=True; DeepseekV2ForCausalLM always has False"),
+    (dict(topk_method="noaux_tc"), "topk_method='noaux_tc': DeepseekV2ForCausalLM routes with one of"),
+])
+def test_deepseek_v2_router_that_transformers_does_not_run_is_refused(change, message, tmp_path):
+    cls_name, fields, _ = PUBLISHED["DeepSeek-V2-Lite"]
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": [cls_name], "hidden_act": "silu", **fields,
+                                                      **change}))
+    with pytest.raises(ValueError, match=message):
+        xorl.models.from_pretrained(str(tmp_path), weights=False)
+
+
+def test_deepseek_v2_group_limited_routing_ranks_groups_by_their_best_score(tmp_path):
+    """V2's group_limited_greedy: softmax scores, a group ranked by its best expert (not V3's top-2 sum),
+    weights times routed_scaling_factor, not renormalised: the same experts and weights as transformers."""
+    hf = hf_checkpoint("deepseek_v2", tmp_path / "hf", seed=8)
+    ours = xorl.models.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
+    gate = ours.model.layers[1].mlp.gate
+    assert gate.group_score == "max" and gate.e_score_correction_bias is None
+    x = torch.randn(256, SMALL["hidden_size"], generator=torch.Generator().manual_seed(9))
+    routed = gate(x)
+    _, ref_weights, ref_ids = hf.model.layers[1].mlp.gate(x)
+    assert torch.equal(routed.expert_ids.sort(-1).values, ref_ids.sort(-1).values)
+    order_ours, order_ref = routed.expert_ids.argsort(-1), ref_ids.argsort(-1)
+    assert rel_err(routed.weights.gather(1, order_ours), ref_weights.gather(1, order_ref)) < TOL
+    # Some token's groups differ between "best score" and "top-2 sum" ranking, so the test can tell them apart.
+    gate.group_score = "top2_sum"
+    assert not torch.equal(gate(x).expert_ids.sort(-1).values, routed.expert_ids.sort(-1).values)

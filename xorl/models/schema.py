@@ -289,6 +289,9 @@ def mla_problems(m: dict[str, Any]) -> list[str]:
     if m["partial_rotary_factor"] != 1.0:
         problems.append(f"model.partial_rotary_factor={m['partial_rotary_factor']}: latent attention rotates "
                         "qk_rope_head_dim dims of each head; set it to 1.0")
+    if m["merge_qkv"]:
+        problems.append(f"model.merge_qkv=true: {m['model_type']}'s latent attention has no q/k/v projections to "
+                        "merge (its keys and values come from one latent already); set merge_qkv: false")
     return problems
 
 
