@@ -335,3 +335,74 @@ def test_deepseek_v2_group_limited_routing_ranks_groups_by_their_best_score(tmp_
     # Some token's groups differ between "best score" and "top-2 sum" ranking, so the test can tell them apart.
     gate.group_score = "top2_sum"
     assert not torch.equal(gate(x).expert_ids.sort(-1).values, routed.expert_ids.sort(-1).values)
+
+
+def _fp8_blocks(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(e4m3 weight, scale_inv per block, their dequantised product) as DeepSeek's release stores them."""
+    rows, cols = (-(-n // block) for n in w.shape)
+    padded = torch.zeros(rows * block, cols * block)
+    padded[:w.shape[0], :w.shape[1]] = w
+    blocks = padded.view(rows, block, cols, block)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12) / 448.0
+    expanded = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)[:w.shape[0], :w.shape[1]]
+    q = (w / expanded).to(torch.float8_e4m3fn)
+    return q, scale, q.float() * expanded
+
+
+def test_fp8_block_quantised_release_folder_loads_dequantised(tmp_path):
+    """A folder as DeepSeek-V3 ships (per-expert projections, every projection float8 e4m3 with a
+    weight_scale_inv per block, quantization_config in config.json) loads dequantised box by box:
+    transformers' model holding the dequantised weights gives our logits; any box equals the slice."""
+    from safetensors.torch import load_file, save_file
+
+    from xorl.models.fp8_blocks import dequantize_box
+
+    block = 8  # 48 x 20, 16 x 48, ...: partial blocks at the edges
+    hf = hf_checkpoint("deepseek_v3", tmp_path / "hf", seed=11)
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        stacked = tensors.pop(name)  # transformers 5's fused experts -> the release's per-expert tensors
+        prefix = name.rsplit(".", 1)[0]
+        for j, w in enumerate(stacked):
+            if name.endswith("gate_up_proj"):
+                tensors[f"{prefix}.{j}.gate_proj.weight"], tensors[f"{prefix}.{j}.up_proj.weight"] = w.chunk(2)
+            else:
+                tensors[f"{prefix}.{j}.down_proj.weight"] = w
+    dequantised = {}
+    for name in [n for n in tensors if n.endswith("proj.weight") or n.endswith("proj_with_mqa.weight")]:
+        q, scale, dequantised[name] = _fp8_blocks(tensors[name], block)
+        tensors[name], tensors[name + "_scale_inv"] = q, scale
+    save_file(tensors, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [block, block]}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+
+    state = hf.state_dict()
+    for name, w in dequantised.items():
+        if ".experts." not in name:
+            state[name] = w
+    for key in [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        prefix = key.rsplit(".", 1)[0]
+        n = state[key].shape[0]
+        if key.endswith("gate_up_proj"):
+            state[key] = torch.stack([torch.cat([dequantised[f"{prefix}.{j}.gate_proj.weight"],
+                                                 dequantised[f"{prefix}.{j}.up_proj.weight"]]) for j in range(n)])
+        else:
+            state[key] = torch.stack([dequantised[f"{prefix}.{j}.down_proj.weight"] for j in range(n)])
+    hf.load_state_dict(state)
+    ours = xorl.models.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32, attn_implementation="sdpa")
+    input_ids = torch.randint(0, SMALL["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(12))
+    with torch.no_grad():
+        assert rel_err(ours(input_ids).logits, hf(input_ids=input_ids).logits) < TOL
+
+    name = "model.layers.1.self_attn.q_b_proj.weight"
+    q, scale = tensors[name], tensors[name + "_scale_inv"]
+    stored = {name: q, name + "_scale_inv": scale}
+    gen = torch.Generator().manual_seed(13)
+    for _ in range(20):
+        r0, c0 = (int(torch.randint(0, n, (), generator=gen)) for n in q.shape)
+        r1, c1 = (int(torch.randint(lo + 1, n + 1, (), generator=gen)) for lo, n in zip((r0, c0), q.shape))
+        box = dequantize_box(lambda k, i: stored[k][i], name, name + "_scale_inv", (slice(r0, r1), slice(c0, c1)),
+                             tuple(q.shape), (block, block))
+        assert torch.equal(box, dequantised[name][r0:r1, c0:c1])
