@@ -406,3 +406,24 @@ def test_fp8_block_quantised_release_folder_loads_dequantised(tmp_path):
         box = dequantize_box(lambda k, i: stored[k][i], name, name + "_scale_inv", (slice(r0, r1), slice(c0, c1)),
                              tuple(q.shape), (block, block))
         assert torch.equal(box, dequantised[name][r0:r1, c0:c1])
+
+
+def test_mfu_flops_of_latent_attention_count_its_projection_weights():
+    """xorl/mfu.py: for MLA the 6 N term counts the low-rank projections the model holds (not a
+    192-wide q/k/v/o), and the scores term 6 (d_qk + d_v) per key and head."""
+    from xorl.config import ModelConfig
+    from xorl.mfu import flops_per_token
+    from xorl.models.registry import build_model
+
+    config = ModelConfig(model_type="deepseek_v3", vocab_size=97, hidden_size=48, intermediate_size=40,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, num_experts=8,
+                         num_experts_per_tok=2, moe_intermediate_size=16, q_lora_rank=20, kv_lora_rank=12,
+                         qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)
+    model = build_model(config)
+    attn = sum(p.numel() for n, p in model.named_parameters() if ".self_attn." in n and p.ndim == 2)
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    router = sum(p.numel() for n, p in model.named_parameters() if n.endswith("mlp.gate.weight"))
+    matmul = attn + router + experts * 2 / 8 + model.lm_head.weight.numel()
+    seq = 32
+    scores = 6 * 2 * 4 * (12 + 6) * seq / 2
+    assert flops_per_token(config, seq) == pytest.approx(6 * matmul + scores, rel=1e-12)
