@@ -80,6 +80,8 @@ LAYOUTS = [
      dict(data_parallel_shard_size=2, tensor_parallel_size=2)),
     ("deepseek_v3 ring2 x fsdp2 (zig-zag ring with d_v != d_qk, YaRN past original_max_position_embeddings)", 4,
      "deepseek_v3", dict(data_parallel_shard_size=2, ringattn_parallel_size=2)),
+    ("deepseek_v3 pp2 x ep2 x fsdp2, dense first layer", 4, "deepseek_v3",
+     dict(data_parallel_shard_size=2, pipeline_parallel_size=2, expert_parallel_size=2)),
     ("deepseek_v3 ring2 x ulysses2, ep2", 4, "deepseek_v3",
      dict(data_parallel_shard_size=1, ringattn_parallel_size=2, ulysses_parallel_size=2, expert_parallel_size=2)),
 ]
