@@ -16,9 +16,12 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from tests.triton_helpers import triton_device
 from xorl_kernels.attention import common
+from xorl_kernels.attention.bounds import sorted_count_at_most
 from xorl_kernels.attention.merge import merge_attn_states
 from xorl_kernels.attention.op import (
     apply_sinks,
@@ -427,3 +430,59 @@ def test_gpu_features(poisoned, dtype, d_qk, d_v, hq, hk, window, with_sinks):
     q, k, v, s = make_inputs(13, 2048, 2048, hq, hk, d_qk, d_v, sinks=with_sinks)
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
     check_case("triton", dtype, q, k, v, s, cu, cu, True, window=window, tol=tol)
+
+
+def test_window_needs_ascending_positions():
+    """Windows find their bounds by searching positions: a drop inside a document is refused (CPU
+    check); a drop at a document boundary is fine."""
+    q, k, v, _ = make_inputs(0, 8, 8, 2, 1, 16, 16, sinks=False)
+    cu = docs(4, 4)
+    good = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3], dtype=torch.int32)
+    flash_attn(q, k, v, causal=True, cu_seqlens=cu, window=2, q_positions=good, k_positions=good)
+    bad = torch.tensor([0, 2, 1, 3, 0, 1, 2, 3], dtype=torch.int32)
+    with pytest.raises(ValueError, match="non-decreasing inside each document"):
+        flash_attn(q, k, v, causal=True, cu_seqlens=cu, window=2, q_positions=good, k_positions=bad)
+    flash_attn(q, k, v, causal=True, cu_seqlens=cu, q_positions=good, k_positions=bad)  # no window: any positions
+
+
+@triton.jit
+def _search_kernel(POS, THR, OUT, start, length, SCAN: tl.constexpr):
+    i = tl.program_id(0)
+    tl.store(OUT + i, sorted_count_at_most(POS, start, length, tl.load(THR + i), SCAN))
+
+
+def test_sorted_count_at_most_matches_searchsorted():
+    """The windowed kernels' bound search (bounds.sorted_count_at_most, a SCAN-ary search) against
+    torch.searchsorted on non-decreasing positions with repeats, thresholds below, inside and above
+    the range, lengths from 0 to several SCAN-fold narrowings, at an offset into the tensor."""
+    device = triton_device()
+    gen = torch.Generator().manual_seed(23)
+    for length in (0, 1, 5, 64, 65, 700, 5000):
+        pos = torch.randint(0, 4, (length + 7,), generator=gen).cumsum(0).int()  # repeats: steps of 0
+        pos = torch.cat([torch.tensor([99999], dtype=torch.int32), pos])  # start = 1: the offset is honoured
+        seg = pos[1 : 1 + length]
+        thr = torch.randint(-3, int(seg[-1]) + 4 if length else 3, (40,), generator=gen).int()
+        thr = torch.cat([thr, seg[:3], torch.tensor([-(2**30), 2**30], dtype=torch.int32)])
+        out = torch.full(thr.shape, -1, dtype=torch.int32)
+        pos_d, thr_d, out_d = (t.to(device) for t in (pos, thr, out))
+        for scan in (16, 64):
+            _search_kernel[(thr.numel(),)](pos_d, thr_d, out_d, 1, length, SCAN=scan)
+            expected = torch.searchsorted(seg.long(), thr.long(), right=True)
+            assert torch.equal(out_d.cpu().long(), expected), (length, scan)
+
+
+def test_compile_fullgraph_with_sinks_window_and_head_dim_v():
+    """torch.compile (aot_eager, fullgraph) traces the custom op with the new arguments and gives the
+    eager gradients, sinks included (the fake and the backward's fake carry d_v and dsinks)."""
+    gen = torch.Generator().manual_seed(31)
+    q, k = torch.randn(2, 16, 4, 24, generator=gen), torch.randn(2, 16, 2, 24, generator=gen)
+    v, s = torch.randn(2, 16, 2, 16, generator=gen), torch.randn(4, generator=gen)
+    leaves = [t.requires_grad_() for t in (q, k, v, s)]
+
+    def loss(q, k, v, s):
+        return flash_attn(q, k, v, causal=True, window=5, sinks=s).square().sum()
+
+    eager = torch.autograd.grad(loss(*leaves), leaves)
+    compiled = torch.autograd.grad(torch.compile(loss, backend="aot_eager", fullgraph=True)(*leaves), leaves)
+    for a, b in zip(eager, compiled):
+        assert rel_err(b, a) < 1e-6

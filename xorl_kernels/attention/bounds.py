@@ -4,8 +4,10 @@ A program owns one query block (forward, dQ) or one key block (dK/dV) and loops 
 side. These helpers give the range it must visit, split into tiles that need the mask and tiles
 visible to every row (mask-free); anything outside is never read. Causal masks and sliding
 windows both come from positions (or indices inside the document when there are none), so the
-bounds are correct for any positions and tight when positions ascend inside each document (zig-zag
-shards do): a windowed attention then visits only the tiles that meet the band p - W < k <= p.
+bounds are tight when positions ascend inside each document (zig-zag shards do): a windowed
+attention then visits only the tiles that meet the band p - W < k <= p. Without a window any
+positions are correct (bounds by scans over the document); with one, positions must be
+non-decreasing inside each document (bounds by searches, O(log) not O(document) per program).
 """
 
 from __future__ import annotations
@@ -43,6 +45,28 @@ def end_of_pos_at_most(POS, start, length, threshold, SCAN: tl.constexpr):
 
 
 @triton.jit
+def sorted_count_at_most(POS, start, length, threshold, SCAN: tl.constexpr):
+    """How many i in [0, length) have POS[start + i] <= threshold, for positions non-decreasing over
+    the range (so also the first i with POS > threshold). A SCAN-ary search: each step reads SCAN
+    evenly spaced positions and narrows the range SCAN-fold, so a bound costs about
+    log_SCAN(length) dependent loads (2-3 on a GPU) instead of a scan of the whole document; with a
+    window the compute per query block is O(W), and whole-document scans would dominate it.
+    """
+    lo = length * 0
+    hi = length
+    while lo < hi:  # invariant: the answer lies in [lo, hi]; each step leaves at most stride - 1
+        stride = tl.cdiv(hi - lo, SCAN)
+        idx = lo + tl.arange(0, SCAN) * stride
+        valid = idx < hi
+        pos = tl.load(POS + start + idx, mask=valid, other=POS_HIGH)
+        n = tl.sum(((pos <= threshold) & valid).to(tl.int32))  # samples 0..n-1 are <= threshold
+        new_lo = tl.where(n > 0, lo + (n - 1) * stride + 1, lo)
+        hi = tl.minimum(hi, lo + n * stride)  # sample n (if any) is > threshold
+        lo = new_lo
+    return lo
+
+
+@triton.jit
 def key_range(
     KPOS, k_start, k_len, q_pos, m_valid, m_start, q_len, window,
     IS_CAUSAL: tl.constexpr, HAS_POS: tl.constexpr, HAS_WINDOW: tl.constexpr, SCAN: tl.constexpr,
@@ -54,9 +78,11 @@ def key_range(
     keys outside [lo, end) are visible to no row and never read. Causal: keys after the last
     k_pos <= max(q_pos) are skipped, keys up to the first k_pos > min(q_pos) are mask-free. A
     window W adds: keys before the first k_pos > min(q_pos) - W are skipped, and mask-free keys
-    also need k_pos > max(q_pos) - W. All from the positions, correct for any positions (tight
-    when they ascend inside each document, as zig-zag shards do); without positions, from the
-    indices. q_lo / q_hi: the block's smallest / largest query position (for per-tile skips).
+    also need k_pos > max(q_pos) - W. From the positions: without a window by scans, correct for
+    any positions (tight when they ascend inside each document, as zig-zag shards do); with a
+    window by searches, which need positions non-decreasing inside each document (layout.py checks
+    CPU tensors). Without positions, from the indices. q_lo / q_hi: the block's smallest / largest
+    query position (for per-tile skips).
     """
     lo = k_len * 0
     f0 = k_len * 0
@@ -66,12 +92,15 @@ def key_range(
         if HAS_POS:
             q_lo = tl.min(tl.where(m_valid, q_pos, POS_HIGH))
             q_hi = tl.max(tl.where(m_valid, q_pos, POS_LOW))
-            full_end = (first_pos_above(KPOS, k_start, k_len, q_lo, SCAN) // BLOCK_N) * BLOCK_N
-            end = end_of_pos_at_most(KPOS, k_start, k_len, q_hi, SCAN)
             if HAS_WINDOW:
-                lo = (first_pos_above(KPOS, k_start, k_len, q_lo - window, SCAN) // BLOCK_N) * BLOCK_N
-                inside_all = end_of_pos_at_most(KPOS, k_start, k_len, q_hi - window, SCAN)
+                full_end = (sorted_count_at_most(KPOS, k_start, k_len, q_lo, SCAN) // BLOCK_N) * BLOCK_N
+                end = sorted_count_at_most(KPOS, k_start, k_len, q_hi, SCAN)
+                lo = (sorted_count_at_most(KPOS, k_start, k_len, q_lo - window, SCAN) // BLOCK_N) * BLOCK_N
+                inside_all = sorted_count_at_most(KPOS, k_start, k_len, q_hi - window, SCAN)
                 f0 = tl.maximum(tl.cdiv(inside_all, BLOCK_N) * BLOCK_N, lo)
+            else:
+                full_end = (first_pos_above(KPOS, k_start, k_len, q_lo, SCAN) // BLOCK_N) * BLOCK_N
+                end = end_of_pos_at_most(KPOS, k_start, k_len, q_hi, SCAN)
         else:
             full_end = (tl.minimum(m_start + 1, k_len) // BLOCK_N) * BLOCK_N
             end = tl.minimum(k_len, q_hi + 1)
@@ -109,7 +138,8 @@ def query_range(
     (mask-free), rows outside [lo, q_end) see none of it. Causal: rows before the first q_pos >=
     min(k_pos) are skipped, rows after the last q_pos < max(k_pos) are mask-free. A window W adds:
     rows after the last q_pos <= max(k_pos) + W - 1 are skipped, and mask-free rows also need
-    q_pos <= min(k_pos) + W - 1. Mirrors key_range (any positions are correct).
+    q_pos <= min(k_pos) + W - 1. Mirrors key_range (scans for any positions without a window,
+    searches over non-decreasing positions with one).
     """
     k_lo = n_start
     k_hi = tl.minimum(n_start + BLOCK_N, k_len) - 1
@@ -118,8 +148,12 @@ def query_range(
         if HAS_POS:
             k_lo = tl.min(tl.where(n_valid, k_pos, POS_HIGH))
             k_hi = tl.max(tl.where(n_valid, k_pos, POS_LOW))
-            lo = (first_pos_above(QPOS, q_start, q_len, k_lo - 1, SCAN) // BLOCK_M) * BLOCK_M
-            mid = tl.cdiv(end_of_pos_at_most(QPOS, q_start, q_len, k_hi - 1, SCAN), BLOCK_M) * BLOCK_M
+            if HAS_WINDOW:
+                lo = (sorted_count_at_most(QPOS, q_start, q_len, k_lo - 1, SCAN) // BLOCK_M) * BLOCK_M
+                mid = tl.cdiv(sorted_count_at_most(QPOS, q_start, q_len, k_hi - 1, SCAN), BLOCK_M) * BLOCK_M
+            else:
+                lo = (first_pos_above(QPOS, q_start, q_len, k_lo - 1, SCAN) // BLOCK_M) * BLOCK_M
+                mid = tl.cdiv(end_of_pos_at_most(QPOS, q_start, q_len, k_hi - 1, SCAN), BLOCK_M) * BLOCK_M
         else:
             lo = (n_start // BLOCK_M) * BLOCK_M
             mid = tl.cdiv(n_start + BLOCK_N, BLOCK_M) * BLOCK_M
@@ -132,8 +166,8 @@ def query_range(
     if IS_CAUSAL:
         if HAS_WINDOW:
             if HAS_POS:
-                stop = end_of_pos_at_most(QPOS, q_start, q_len, k_hi + window - 1, SCAN)
-                free_stop = first_pos_above(QPOS, q_start, q_len, k_lo + window - 1, SCAN)
+                stop = sorted_count_at_most(QPOS, q_start, q_len, k_hi + window - 1, SCAN)
+                free_stop = sorted_count_at_most(QPOS, q_start, q_len, k_lo + window - 1, SCAN)
             else:
                 stop = tl.minimum(tl.maximum(k_hi + window, 0), q_len)
                 free_stop = tl.minimum(tl.maximum(k_lo + window, 0), q_len)
