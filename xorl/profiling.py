@@ -1,7 +1,8 @@
 """Profiling on demand: a torch.profiler trace of chosen steps, and a CUDA memory snapshot.
 
 - ``train.profile_steps: [start, end]`` (1-based steps, as on the console): every rank records steps
-  start..end with torch.profiler (CPU, and CUDA kernels on a GPU; one ``ProfilerStep#`` range per step)
+  start..end with torch.profiler (CPU, and CUDA kernels on a GPU; each step a ``ProfilerStep#N`` range,
+  N the 1-based step, the name torch's own step ranges and trace tools use)
   and writes ``output_dir/profile/rank{r}/steps_{start}-{end}.json``, a Chrome trace (open it in
   Perfetto or chrome://tracing). A run resumed inside the range records from its first step; a run
   that stops inside it (preemption) writes what it recorded, named by the steps it holds.
@@ -49,6 +50,7 @@ class StepProfiler:
         self.snapshot_step = train.memory_snapshot_step if device.type == "cuda" else None
         self._profiler = None
         self._first = None  # the first step the running profiler recorded
+        self._step_range = None  # the running step's ProfilerStep#N range
         self._recording_memory = False
         if self.snapshot_step is not None and first_step < self.snapshot_step:
             torch.cuda.memory._record_memory_history(max_entries=SNAPSHOT_MAX_ENTRIES)
@@ -56,18 +58,22 @@ class StepProfiler:
 
     def before_step(self, step: int) -> None:
         """``step``: the 1-based number of the step about to run."""
-        if self.window is None or self._profiler is not None or not self.window[0] <= step <= self.window[1]:
+        if self.window is None or not self.window[0] <= step <= self.window[1]:
             return
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if self.device.type == "cuda":
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        self._profiler = torch.profiler.profile(activities=activities, record_shapes=True)
-        self._profiler.__enter__()
-        self._first = step
+        if self._profiler is None:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._profiler = torch.profiler.profile(activities=activities, record_shapes=True)
+            self._profiler.__enter__()
+            self._first = step
+        # Without a profiler schedule torch marks no steps: this range does (ours are not its step count).
+        self._step_range = torch.profiler.record_function(f"ProfilerStep#{step}")
+        self._step_range.__enter__()
 
     def after_step(self, step: int) -> None:
         if self._profiler is not None:
-            self._profiler.step()  # closes this step's ProfilerStep# range
+            self._end_step_range()
             if step == self.window[1]:
                 self._write_trace(step)
         if self._recording_memory and step == self.snapshot_step:
@@ -83,7 +89,13 @@ class StepProfiler:
         if self._recording_memory:
             self._stop_memory_history()
 
+    def _end_step_range(self) -> None:
+        if self._step_range is not None:
+            self._step_range.__exit__(None, None, None)
+            self._step_range = None
+
     def _write_trace(self, last_step: int) -> None:
+        self._end_step_range()  # a step that failed or was cut short
         profiler, self._profiler = self._profiler, None
         profiler.__exit__(None, None, None)
         if last_step < self._first:  # stopped before the first profiled step finished: nothing to show
