@@ -317,3 +317,19 @@ def test_the_sbatch_script_parses_and_runs_torchrun_with_the_job_rendezvous(tmp_
         assert arg in torchrun, torchrun
     assert torchrun[-5:-1] == ["-m", "xorl.cli.train", "run.yaml", "--train.lr=3e-4"]
     assert "--ntasks-per-node=1" in srun[:srun.index("torchrun")]
+
+
+def test_wandb_that_cannot_start_is_one_message(monkeypatch, tmp_path):
+    wandb = pytest.importorskip("wandb")
+    from xorl.log_sinks import open_sinks
+
+    def no_key(**kwargs):
+        raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.")
+
+    monkeypatch.setattr(wandb, "init", no_key)
+    train = TrainConfig(output_dir=str(tmp_path), wandb_project="p", tensorboard=True)
+    with pytest.raises(ConfigError) as info:
+        open_sinks(train, {}, 0)
+    assert str(info.value) == (
+        "train.wandb_project='p': W&B could not start a run (UsageError: No API key configured. Use `wandb login` "
+        "to log in.); log in (`wandb login` or WANDB_API_KEY), or log offline with --train.wandb_mode=offline")
