@@ -139,8 +139,8 @@ def _dataset(tmp_path) -> str:
 
 
 def _epoch_config(tmp_path, name: str, **train) -> Config:
-    config = tiny_config(str(tmp_path / name), max_steps=TrainConfig().max_steps, num_epochs=2.0,
-                         gradient_accumulation_steps=3, warmup_steps=1, **train)
+    train = {"max_steps": TrainConfig().max_steps, "num_epochs": 2.0, **train}
+    config = tiny_config(str(tmp_path / name), gradient_accumulation_steps=3, warmup_steps=1, **train)
     config.data.dataset, config.data.packing = _dataset(tmp_path), False
     return config
 
@@ -243,6 +243,17 @@ def test_num_epochs_sets_the_steps_logs_the_epoch_and_resumes_mid_epoch_bitwise(
     assert steps_again == 8 and len(rest) == 3
     assert read_first + read_rest == read  # the very sequences, in the same order: none skipped or repeated
     assert first + rest == full  # bitwise
+
+
+def test_a_stream_logs_its_pass_over_the_files(tmp_path, monkeypatch):
+    from xorl.metrics import read_metrics
+
+    config = _epoch_config(tmp_path, "stream", num_epochs=None, max_steps=8)
+    config.data.streaming = True
+    _train_recording(config, monkeypatch)
+    rows = read_metrics(str(tmp_path / "stream" / "metrics.jsonl"))
+    assert [r["epoch"] for r in rows] == [(3 * k - 1) // DOCS + 1 for k in range(1, 9)]  # 1, 1, 1, 2, ..., 3
+    assert "data_seen" not in rows[0]
 
 
 def test_num_epochs_with_max_steps_is_one_or_the_other(tmp_path):

@@ -419,9 +419,9 @@ class Trainer:
                 "peak_memory_gib": peak / 2**30}
 
     def _epoch_metrics(self) -> dict[str, float]:
-        """The pass over the data and how much of it was seen (in-memory data; a stream has no known length)."""
+        """The pass over the data and how much of it was seen (a stream's length is unknown: its pass only)."""
         if self.config.data.streaming:
-            return {}
+            return {"epoch": self.loader.state()["epoch"] + 1}
         return epoch_metrics(self.loader.first_sequence(self.step), len(self.loader.dataset))
 
 
