@@ -344,3 +344,31 @@ def test_wandb_that_cannot_start_is_one_message(monkeypatch, tmp_path):
     assert str(info.value) == (
         "train.wandb_project='p': W&B could not start a run (UsageError: No API key configured. Use `wandb login` "
         "to log in.); log in (`wandb login` or WANDB_API_KEY), or log offline with --train.wandb_mode=offline")
+
+
+def test_the_console_line_and_the_bar_show_throughput_mfu_and_memory(tmp_path, monkeypatch, capsys):
+    import io
+    import sys
+
+    from xorl.metrics import MetricsLogger, format_step_line
+
+    row = {"step": 4, "time": 12.25, "loss": 2.5, "grad_norm": 0.75, "lr": 1e-3, "epoch": 2, "data_seen": 1.25,
+           "tokens_per_s": 1234.4, "mfu": 0.4123, "peak_memory_gib": 61.2, "eval_loss": 2.0}
+    assert format_step_line(4, 10, row) == ("step 5/10 loss 2.5000 grad_norm 0.750 lr 1.00e-03 epoch 2 data_seen 1.250 "
+                                            "tokens/s 1234 mfu 41.2% peak_memory_gib 61.20 time 12.2s")
+    assert "mfu n/a" in format_step_line(4, 10, {**row, "mfu": None})
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    logger = MetricsLogger(str(tmp_path), total_steps=10, start_step=4)
+    metrics = {k: v for k, v in row.items() if k not in ("step", "time")}
+    logger.log(4, metrics, elapsed_s=12.25)
+    logger.close()
+    assert "tokens/s 1234 mfu 41.2% peak_memory_gib 61.20" in terminal.getvalue()
+    from xorl.metrics import read_metrics
+
+    assert read_metrics(str(tmp_path / "metrics.jsonl")) == [row]  # every key, eval metrics too

@@ -64,8 +64,8 @@ class MetricsLogger:
             print(format_step_line(step, self.total_steps, row), flush=True)
         else:
             self._bar.update(step + 1 - self._bar.n)
-            self._bar.set_postfix(loss=f"{metrics.get('loss', float('nan')):.4f}",
-                                  lr=f"{metrics.get('lr', 0.0):.2e}")
+            # The bar's postfix: the console line's figures, in its format (tokens/s, MFU and memory too).
+            self._bar.set_postfix_str(format_step_line(step, self.total_steps, row).split(" ", 2)[2])
 
     def note(self, text: str) -> None:
         """A line for the user (a checkpoint saved), beside the bar or among the plain lines."""
