@@ -307,7 +307,9 @@ def test_the_sbatch_script_parses_and_runs_torchrun_with_the_job_rendezvous(tmp_
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     stubs = {  # SLURM and xorl stand-ins that record how they were called
-        "scontrol": 'echo "$@" >> "$LOG/scontrol"; printf "gpu-node-07\\ngpu-node-08\\ngpu-node-09\\n"',
+        # a long list, as a big job's: a reader that stops at the first line must not fail the script
+        "scontrol": 'echo "$@" >> "$LOG/scontrol"; printf "gpu-node-07\\n"; for i in $(seq 8 20000); do '
+                    'echo "gpu-node-$i"; done',
         "srun": 'printf "%s\\n" "$@" > "$LOG/srun"',
         "xorl-train": 'printf "%s\\n" "$@" > "$LOG/check"',
     }
