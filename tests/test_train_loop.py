@@ -264,16 +264,25 @@ def test_num_epochs_with_max_steps_is_one_or_the_other(tmp_path):
     with pytest.raises(ConfigError) as info:
         prepare_run(config, 1)
     assert str(info.value) == ("train.max_steps=20 and train.num_epochs=2 are both set (2 epochs of 11 packed "
-                               "sequences at 3 a step = 8 steps); set one of them")
+                               "sequences at 3 a step = 8 steps); set one of them (--train.num_epochs=null counts "
+                               "the run in steps)")
     config.train.max_steps = TrainConfig().max_steps
     plan = prepare_run(config, 1)
     assert config.train.max_steps == 8 and len(plan.dataset) == DOCS
     assert ("train.num_epochs=2: 22 packed sequences (11 in the data) at 3 a step = max_steps 8; the last step's "
             "2 other sequences open the next pass") in plan.notes
-    # The run folder's config.yaml records both (max_steps derived): it loads and plans again.
+    # The run folder's config.yaml records both (max_steps derived): it loads and plans again, and a
+    # command-line num_epochs derives max_steps anew; a command-line max_steps beside it is refused.
     path = tmp_path / "again.yaml"
     path.write_text(config.to_yaml())
     assert prepare_run(load_config(str(path)), 1).dataset is not None
+    longer = load_config(str(path), ["--train.num_epochs=3"])
+    prepare_run(longer, 1)
+    assert longer.train.max_steps == 11
+    with pytest.raises(ConfigError, match="train.max_steps=9 and train.num_epochs=2 are both set"):
+        prepare_run(load_config(str(path), ["--train.max_steps=9"]), 1)
+    counted = load_config(str(path), ["--train.max_steps=9", "--train.num_epochs=null"])
+    assert prepare_run(counted, 1).dataset is None and counted.train.max_steps == 9
 
 
 # -- --help ----------------------------------------------------------------------------------------

@@ -54,16 +54,17 @@ def load_counted_dataset(config: Any):
 
 def resolve_num_epochs(config: Any, dataset, global_batch: int, step: int = 0, consumed: int = 0) -> str:
     """Set ``config.train.max_steps`` from ``num_epochs``; return the note rank 0 prints. Raises a
-    ConfigError when the config also sets max_steps to another number (one of the two, not both; the
-    derived number itself passes, as the run folder's config.yaml records it)."""
+    ConfigError when the config also sets max_steps to another number: one of the two, not both. What
+    passes: the derived number itself (the run folder's config.yaml records it), and a max_steps from a
+    file whose num_epochs a command-line override changes (the later setting wins, as overrides do)."""
     t = config.train
     n = len(dataset)
     steps = epoch_steps(t.num_epochs, n, global_batch, step, consumed)
-    explicit = "train.max_steps" in config.origins or t.max_steps != type(t)().max_steps
-    if explicit and t.max_steps != steps:
+    if _sets_max_steps(config) and t.max_steps != steps:
         raise ConfigError(
             f"train.max_steps={t.max_steps} and train.num_epochs={t.num_epochs:g} are both set ({t.num_epochs:g} "
-            f"epochs of {n} packed sequences at {global_batch} a step = {steps} steps); set one of them")
+            f"epochs of {n} packed sequences at {global_batch} a step = {steps} steps); set one of them "
+            "(--train.num_epochs=null counts the run in steps)")
     t.max_steps = steps
     total = total_sequences(t.num_epochs, n)
     extra = consumed + (steps - step) * global_batch - total
@@ -71,3 +72,13 @@ def resolve_num_epochs(config: Any, dataset, global_batch: int, step: int = 0, c
             if extra > 0 else "")
     return (f"train.num_epochs={t.num_epochs:g}: {total} packed sequences ({n} in the data) at {global_batch} a "
             f"step = max_steps {steps}{tail}")
+
+
+def _sets_max_steps(config: Any) -> bool:
+    """Whether max_steps was chosen beside num_epochs (not left at its default, nor overridden by a
+    later --train.num_epochs)."""
+    origin = config.origins.get("train.max_steps")
+    if origin is None:  # set in code, or not at all
+        return config.train.max_steps != type(config.train)().max_steps
+    epochs_origin = config.origins.get("train.num_epochs", "")
+    return origin.startswith("--") or not epochs_origin.startswith("--")

@@ -180,8 +180,8 @@ def _plan_run_dir(config: Any, world_size: int, plan: RunPlan) -> list[str]:
         plan.finished = True
         plan.notes.append(
             f"the run is finished: {checkpoint} is at step {step} and train.max_steps={t.max_steps}; nothing to "
-            "train. To train further, raise --train.max_steps (with --train.resume_hparams=config, since it "
-            "changes the schedule)"
+            f"train. To train further, raise --train.{'max_steps' if t.num_epochs is None else 'num_epochs'} "
+            "(with --train.resume_hparams=config, since it changes the schedule)"
         )
     return []
 
