@@ -357,8 +357,8 @@ class Trainer:
         self._clock = time.perf_counter()
         try:
             while self.step < last:
+                profiler.before_step(self.step + 1)  # outside the step's time
                 t0 = time.perf_counter()
-                profiler.before_step(self.step + 1)
                 with heartbeat.busy(f"step {self.step + 1}"):
                     try:
                         result = self.train_step()
@@ -400,8 +400,9 @@ class Trainer:
 
     def _throughput_metrics(self, tokens_per_s: float) -> dict[str, float | None]:
         """tokens/s (trained tokens of the global batch), MFU (None where the device's peak FLOP/s is not
-        known: CPU, unless XORL_PEAK_TFLOPS), and this rank's peak memory since start: the CUDA caching
-        allocator's on a GPU, the process's peak resident memory on CPU (where the tensors live)."""
+        known: CPU, unless XORL_PEAK_TFLOPS), and this rank's peak memory since start (rank 0 logs its own: no
+        collective for it): the CUDA caching allocator's on a GPU, the process's peak resident memory on CPU
+        (where the tensors live)."""
         peak = (torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else peak_host_bytes())
         return {"tokens_per_s": tokens_per_s,
                 "mfu": mfu(tokens_per_s, self.config.model, self.config.data.seq_len, dist.get_world_size(),
