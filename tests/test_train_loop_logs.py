@@ -92,3 +92,22 @@ def test_a_memory_snapshot_after_the_chosen_step_on_gpu(tmp_path):
         with open(tmp_path / "out" / "profile" / f"rank{rank}" / "steps_3-3.json") as f:
             trace = json.load(f)
         assert any(e.get("cat") == "kernel" for e in trace["traceEvents"])  # CUDA kernels recorded
+
+
+def test_wandb_mode_unset_follows_the_environment(tmp_path, monkeypatch):
+    """train.wandb_mode: null leaves the choice to WANDB_MODE (wandb's own variable): offline here."""
+    pytest.importorskip("wandb")
+    from tests.wandb_records import history
+    from xorl.config import TrainConfig
+    from xorl.log_sinks import open_sinks
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    train = TrainConfig(output_dir=str(tmp_path / "run"), wandb_project="p")
+    os.makedirs(train.output_dir)
+    (sink,) = open_sinks(train, {"train": {"lr": 1e-3}}, start_step=3)
+    sink.log(3, {"loss": 1.5, "mfu": None, "note": "text", "eval_loss": 2.25})
+    sink.close()
+    (path,) = glob.glob(str(tmp_path / "run" / "wandb" / "offline-run-*" / "run-*.wandb"))
+    (row,) = history(path)
+    assert (row["_step"], row["loss"], row["eval_loss"]) == (3, 1.5, 2.25) and "mfu" not in row and "note" not in row
