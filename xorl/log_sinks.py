@@ -81,6 +81,8 @@ class WandbSink:
         self.run.log(_numbers(metrics), step=step)
 
     def close(self) -> None:
+        # The run's files are complete once wandb's service has written them: at the latest when this
+        # process exits (wandb waits for it then); right after finish() they may not be yet.
         self.run.finish()
 
 
