@@ -58,7 +58,7 @@ def test_the_profiler_peak_is_exact():
     # size) is freed in the first, unread step.
     import torch
 
-    from xorl.planner.measure import _profiled_peak
+    from xorl.planner.measure import profiled_peak
 
     held = []
 
@@ -70,4 +70,4 @@ def test_the_profiler_peak_is_exact():
         held.append(a)
 
     held.append(torch.empty(3_000_000, dtype=torch.float32))  # allocated before profiling: freed in step 1
-    assert _profiled_peak(step) == 8_000_000
+    assert profiled_peak(step) == 8_000_000
