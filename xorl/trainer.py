@@ -33,6 +33,7 @@ from xorl.distributed.parallel_config import ParallelConfig
 from xorl.distributed.parallel_state import init_parallel_state
 from xorl.export import DEFAULT_MAX_SHARD_BYTES, export_checkpoint
 from xorl.grad_clip import clip_grad_norm_
+from xorl.lora_io import ADAPTER_DIR, save_adapter
 from xorl.loss import count_label_tokens, token_loss_sum
 from xorl.memory_report import current_host_bytes, report_startup, reset_peak_host_bytes
 from xorl.metrics import MetricsLogger, startup_summary
@@ -74,6 +75,10 @@ def initialise_part(part: nn.Module, config: Config) -> None:
         for buffer in part.buffers():  # state the files do not hold starts at zero
             local_tensor(buffer).zero_()
         load_hf_weights(part, config.model.model_path)
+        if config.model.lora:  # the adapters are not in the base model's folder: peft's initialisation
+            from xorl.models.seeded_init import seeded_init_
+
+            seeded_init_(part, config.train.seed, config.model.initializer_range, adapters_only=True)
     else:
         from xorl.models.seeded_init import seeded_init_
 
@@ -213,6 +218,9 @@ class Trainer:
             state["experts_layout"] = EXPERTS_LAYOUT
         files = {run_dir.RUN_CONFIG_NAME: self.config.to_yaml(), run_dir.TRAINER_STATE_NAME: json.dumps(state),
                  MODEL_CONFIG: json.dumps(dataclasses.asdict(self.config.model), indent=2)}
+        if self.config.model.lora:  # the adapter alone, in peft's format: output_dir/adapter (this step's)
+            save_adapter(self.parts, self.config.model, os.path.join(self.config.train.output_dir, ADAPTER_DIR),
+                         self.state.pp_group)
         return self.checkpointer.save(self.step, self.parts, self.optimizers, extra, files, blocking=blocking)
 
     def export_hf(self, folder: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:

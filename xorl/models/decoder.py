@@ -34,6 +34,7 @@ from xorl.models.attention import Attention
 from xorl.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
 from xorl.models.spec import ModelSpec
 from xorl.nn.cross_entropy import cross_entropy_sum, linear_cross_entropy_sum
+from xorl.nn.lora import freeze_base
 from xorl.nn.moe import MoE, MoEAux
 
 IGNORE_INDEX = -100
@@ -160,12 +161,14 @@ class DecoderForCausalLM(nn.Module):
         self.model = DecoderModel(spec, layers)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.tie_weights()
+        if spec.lora:  # LoRA fine-tuning: only the adapters the projections were built with train
+            freeze_base(self)
 
     def build_mlp(self, spec: ModelSpec, layer_idx: int) -> nn.Module:
         """A dense SwiGLU MLP, or on an MoE layer (``spec.is_moe_layer``) the family's MoE block."""
         if not spec.is_moe_layer(layer_idx):
             return SwiGLUMLP(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias,
-                             merge_gate_up=spec.merge_gate_up, fp8=spec.fp8)
+                             merge_gate_up=spec.merge_gate_up, fp8=spec.fp8, lora=spec.lora)
         return MoE(
             spec.hidden_size,
             spec.num_experts,

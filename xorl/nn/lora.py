@@ -1,0 +1,103 @@
+"""LoRA adapters, built into the linear layers from the start (``model.lora``).
+
+    model:
+      lora: {rank: 16, alpha: 32, dropout: 0.05, target_modules: [q_proj, k_proj, v_proj, o_proj]}
+
+A targeted projection is an ``xorl.nn.Linear(..., lora=LoRASpec)`` from construction on (no module
+is swapped in later, ``forward`` is never replaced): it holds the frozen base ``weight`` (and bias)
+and two trainable parameters ``lora_A`` [rank, in] and ``lora_B`` [out, rank], and computes
+
+    y = x W^T + b + scaling * dropout(x) A^T B^T,   scaling = alpha / rank
+
+exactly as peft's ``LoraLayer`` does (dropout on the adapter's input only; A kaiming-uniform with
+a = sqrt(5), B zero, so the first step's model is the base model). The tensor-parallel linears
+(xorl/nn/tensor_parallel.py) carry the same adapters, split to match their base (see there).
+With LoRA on, every other parameter of the model is frozen (``freeze_base``): no gradient, no
+optimizer state (xorl/optim.py's groups take only ``requires_grad`` parameters).
+
+Names: the adapter of module ``P`` is ``P.lora_A`` / ``P.lora_B`` in xorl's state dict, and
+``base_model.model.P.lora_A.weight`` in peft's adapter_model.safetensors (xorl/lora_io.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# The module names a LoRA target may use: the attention and dense-MLP projections (HF names).
+LINEAR_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ADAPTER_NAMES = ("lora_A", "lora_B")
+LORA_KEYS = ("rank", "alpha", "dropout", "target_modules", "init_lora_weights")
+
+
+@dataclass(frozen=True)
+class LoRASpec:
+    """One projection's adapter: rank r, scaling alpha / r, dropout on its input; ``init_lora_weights``
+    as peft's: True = B zero (the step-0 model is the base), False = B drawn too (tests only)."""
+
+    rank: int
+    alpha: float
+    dropout: float = 0.0
+    init_lora_weights: bool = True
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
+def lora_spec(lora: dict | None, module_name: str) -> LoRASpec | None:
+    """The adapter ``model.lora`` puts on projection ``module_name`` (e.g. "q_proj"), or None."""
+    if not lora or module_name not in lora.get("target_modules", ()):
+        return None
+    return LoRASpec(int(lora["rank"]), float(lora.get("alpha", lora["rank"])), float(lora.get("dropout", 0.0)),
+                    bool(lora.get("init_lora_weights", True)))
+
+
+def is_adapter_name(name: str) -> bool:
+    """True for an adapter parameter's name (``...q_proj.lora_A``)."""
+    return name.rpartition(".")[2] in ADAPTER_NAMES
+
+
+def adapter_bounds(spec: LoRASpec, in_features: int) -> dict[str, float | None]:
+    """The uniform bounds of A and B's initialisation (None: zeros), peft's: A kaiming-uniform with
+    a = sqrt(5), i.e. U(-1/sqrt(in), 1/sqrt(in)); B zero, or with init_lora_weights=False nn.Linear's
+    default for [out, rank], U(-1/sqrt(rank), 1/sqrt(rank))."""
+    return {"lora_A": 1.0 / math.sqrt(in_features),
+            "lora_B": None if spec.init_lora_weights else 1.0 / math.sqrt(spec.rank)}
+
+
+def make_adapters(module: nn.Module, spec: LoRASpec, a_shape, b_shape, device, dtype, wrap=None) -> None:
+    """Give ``module`` its ``lora_A`` / ``lora_B`` (``wrap`` turns a local tensor into the parameter's
+    data, e.g. a DTensor of the TP mesh) and its input dropout; initialise them when not on meta."""
+    a = torch.empty(a_shape, device=device, dtype=dtype)
+    b = torch.empty(b_shape, device=device, dtype=dtype)
+    module.lora_A = nn.Parameter(wrap("lora_A", a) if wrap else a)
+    module.lora_B = nn.Parameter(wrap("lora_B", b) if wrap else b)
+    # A module (not a functional call) so model.train() / eval() switch it as peft's does.
+    module.lora_dropout = nn.Dropout(spec.dropout) if spec.dropout > 0 else nn.Identity()
+
+
+def freeze_base(model: nn.Module) -> None:
+    """Every parameter but the adapters stops taking gradients (the base model of a LoRA run)."""
+    for name, param in model.named_parameters():
+        param.requires_grad_(is_adapter_name(name))
+
+
+def adapter_input(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """dropout(x), what A multiplies (peft: lora_A(dropout(x)))."""
+    return module.lora_dropout(x)
+
+
+def lora_delta(module: nn.Module, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """scaling * dropout(x) A^T B^T, in peft's order (A first: the rank-r tensor is the small one)."""
+    return F.linear(F.linear(adapter_input(module, x), a), b) * module.lora.scaling
+
+
+@torch.no_grad()
+def merged_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """W + scaling * B A (peft's ``merge``), computed in fp32 and returned in W's dtype."""
+    return (weight.float() + scaling * (b.float() @ a.float())).to(weight.dtype)
