@@ -1,0 +1,143 @@
+"""LoRA (model.lora, xorl/nn/lora.py): config rules, the frozen base, the optimizer state, and the
+round trip through peft and through the merged export against transformers' own model classes.
+
+The runs train a tiny Llama (every projection adapted) under FSDP 2 and a tiny Qwen3-MoE
+(attention adapted, experts frozen) under EP 2 x FSDP 2, with peft's ``init_lora_weights=false``
+(B drawn too) so the adapter changes the logits from step 1 on. After training, every rank checks
+that no frozen parameter has a gradient after a forward/backward and that its optimizer holds
+state for exactly its adapter shards (the bytes counted); rank 0 returns the trained model's logits
+on fresh random tokens. transformers + peft on the base folder and the saved adapter, and
+transformers alone on the merged export, must give those logits to 1e-5 (fp32).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from tests.parity_runs import tiny_config
+from xorl.config import Config, ConfigError, validate_config
+
+ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA = dict(rank=4, alpha=8, dropout=0.0, init_lora_weights=False)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    t = _local(t)
+    return t.numel() * t.element_size()
+
+
+def train_and_check(config, base_folder: str, tokens: torch.Tensor) -> dict:
+    """On every rank: train, check frozen grads and optimizer state, save the base, export merged."""
+    from xorl.models.hf_io import save_hf_weights
+    from xorl.nn.lora import is_adapter_name
+    from xorl.trainer import Trainer
+
+    trainer = Trainer(config)
+    trainer.train()
+    params = dict(trainer.model.named_parameters())
+    adapters = {n: p for n, p in params.items() if is_adapter_name(n)}
+    base = {n: p for n, p in params.items() if not is_adapter_name(n)}
+    assert adapters and base and all(p.requires_grad for p in adapters.values())
+    assert not any(p.requires_grad for p in base.values()), [n for n, p in base.items() if p.requires_grad]
+    # Optimizer state: exactly the adapters' shards, exp_avg + exp_avg_sq each as large as the shard.
+    optimizer = trainer.optimizers[0]
+    held = {id(p) for p in optimizer.state}
+    assert held == {id(p) for p in adapters.values()}
+    state_bytes = sum(_nbytes(v) for s in optimizer.state.values() for k, v in s.items() if k != "step")
+    assert state_bytes == 2 * sum(_nbytes(p) for p in adapters.values())
+    # A forward/backward reaches the adapters only.
+    out = trainer.model(tokens, labels=tokens.roll(-1, dims=1))
+    out.loss.backward()
+    assert all(p.grad is None for p in base.values())
+    assert all(p.grad is not None and _local(p.grad).abs().sum() > 0 for p in adapters.values())
+    optimizer.zero_grad(set_to_none=True)
+    trainer.model.eval()
+    with torch.no_grad():
+        logits = trainer.model(tokens).logits
+    save_hf_weights(trainer.model, base_folder, config.model)  # the base alone (a collective)
+    trainer.export_hf(os.path.join(config.train.output_dir, "hf"))  # merged
+    return {"logits": logits, "state_bytes": state_bytes} if dist.get_rank() == 0 else {}
+
+
+RUNS = {
+    "llama, every projection, fsdp2": ("llama", ALL_PROJECTIONS, dict(data_parallel_shard_size=2)),
+    "qwen3_moe, attention, ep2 x fsdp2": ("qwen3_moe", ["q_proj", "k_proj", "v_proj", "o_proj"],
+                                          dict(data_parallel_shard_size=2, expert_parallel_size=2)),
+}
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_adapter_loads_in_peft_and_merged_export_in_transformers(name, gloo_world, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    model_type, targets, train = RUNS[name]
+    config = tiny_config(str(tmp_path / "run"), model_type, max_steps=3, **train)
+    config.model.lora = dict(LORA, target_modules=targets)
+    tokens = torch.randint(0, config.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(7))
+    got = gloo_world(2).run(train_and_check, config, str(tmp_path / "base"), tokens)[0]
+    assert got["state_bytes"] > 0
+
+    def rel(a, b):
+        return float((a.double() - b.double()).norm() / b.double().norm())
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).eval()
+    with torch.no_grad():
+        base_logits = hf(tokens).logits
+    assert rel(got["logits"], base_logits) > 1e-2  # the adapter matters: the comparison below is not vacuous
+    adapted = peft.PeftModel.from_pretrained(hf, str(tmp_path / "run" / "adapter")).eval()
+    with torch.no_grad():
+        assert rel(got["logits"], adapted(tokens).logits) <= 1e-5
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf", dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert rel(got["logits"], merged(tokens).logits) <= 1e-5
+
+
+def _problems(**lora) -> str:
+    config = Config()
+    config.model.lora = lora
+    with pytest.raises(ConfigError) as err:
+        validate_config(config, 1)
+    return str(err.value)
+
+
+def test_config_rules_name_the_field_and_the_fix():
+    assert "model.lora.rank=0 must be an integer >= 1" in _problems(rank=0, target_modules=["q_proj"])
+    message = _problems(rank=4, target_modules=["q_proj", "qproj"])
+    assert "['qproj'] are not module names" in message and "'down_proj'" in message
+    assert "dropout=1.0 must be in [0, 1)" in _problems(rank=4, dropout=1.0, target_modules=["q_proj"])
+    assert "'experts'" in _problems(rank=4, target_modules=["experts"])
+    assert "give rank and target_modules" in _problems(rank=4)
+    config = Config()
+    config.model.lora = dict(rank=4, target_modules=["q_proj"])
+    config.model.merge_qkv = True
+    with pytest.raises(ConfigError, match="set merge_qkv: false"):
+        validate_config(config, 1)
+    config.model.merge_qkv = False
+    validate_config(config, 1)  # a valid LoRA config passes
+
+
+def test_adapter_initialisation_is_peft_s_and_the_same_on_every_layout():
+    """A uniform in +-1/sqrt(in) and B zero (peft's default); the numbers depend on the seed and name only."""
+    from xorl.models.registry import build_model
+
+    config = Config()
+    config.model.lora = dict(rank=4, target_modules=["q_proj", "down_proj"])
+    model = build_model(config.model)
+    q = model.model.layers[0].self_attn.q_proj
+    bound = 1 / q.in_features**0.5
+    assert q.lora_A.abs().max() <= bound and q.lora_A.abs().max() > 0.9 * bound and q.lora_A.std() > bound / 3
+    assert torch.count_nonzero(q.lora_B) == 0 and not q.weight.requires_grad
+    assert model.model.layers[0].self_attn.k_proj.lora is None
+    again = build_model(config.model)
+    model.init_weights(seed=3)
+    again.init_weights(seed=3)
+    assert torch.equal(model.model.layers[1].mlp.down_proj.lora_A, again.model.layers[1].mlp.down_proj.lora_A)
