@@ -141,3 +141,98 @@ def test_adapter_initialisation_is_peft_s_and_the_same_on_every_layout():
     model.init_weights(seed=3)
     again.init_weights(seed=3)
     assert torch.equal(model.model.layers[1].mlp.down_proj.lora_A, again.model.layers[1].mlp.down_proj.lora_A)
+
+
+# -- the planner's LoRA term (xorl/planner/memory.py) against the real sharded model ---------------
+PLAN_LAYOUTS = [  # (model fields, train fields) on 4 ranks; odd sizes so FSDP chunks unevenly
+    ({}, {"data_parallel_shard_size": 4}),
+    ({}, {"tensor_parallel_size": 2, "sequence_parallel": True}),
+    ({}, {"pipeline_parallel_size": 2, "gradient_accumulation_steps": 2, "tensor_parallel_size": 2}),
+    ({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
+      "mlp_only_layers": [0]}, {"expert_parallel_size": 2}),
+]
+
+
+def _plan_config(model: dict, train: dict) -> Config:
+    base = {"vocab_size": 276, "hidden_size": 40, "intermediate_size": 72, "num_hidden_layers": 3,
+            "num_attention_heads": 4, "num_key_value_heads": 2,
+            "lora": {"rank": 3, "alpha": 6, "target_modules": ALL_PROJECTIONS}}
+    config = Config.from_dict({"model": {**base, **model}, "data": {"seq_len": 16}, "train": train})
+    config.validate(4)
+    return config
+
+
+def _plan_probe_main() -> None:
+    """Subprocess: the trainer's parallel model on the meta device under the fake process group, each
+    rank in turn; its local element counts and the real optimizer's state bytes after one step."""
+    import json
+    import sys
+
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from xorl.distributed.parallel_config import ParallelConfig
+    from xorl.distributed.parallel_state import init_parallel_state
+    from xorl.models.registry import build_model
+    from xorl.optim import build_optimizer
+    from xorl.parallelize import parallelize_model
+    from xorl.plans.pipeline_parallel import split_into_stages
+
+    results = []
+    for config_dict in json.load(sys.stdin):
+        config = Config.from_dict(config_dict)
+        for rank in range(4):
+            dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=4)
+            try:
+                state = init_parallel_state(ParallelConfig.from_config(config, 4), device_type="cpu")
+                with torch.device("meta"):
+                    model = build_model(config.model)
+                stages = split_into_stages(model, state, config).stages if state.pp_size > 1 else [model]
+                parts = [parallelize_model(stage, state, config).module for stage in stages]
+                params = [p for part in parts for p in part.parameters()]
+                optimizers = [build_optimizer(part.parameters(), config.train)[0] for part in parts]
+                for p in params:
+                    if p.requires_grad:
+                        p.grad = torch.zeros_like(p)
+                for optimizer in optimizers:
+                    optimizer.step()
+                results.append({
+                    "rank": rank, "pp_rank": state.pp_rank, "shard_rank": state.dp_shard_cp_rank,
+                    "numel": sum(_local(p).numel() for p in params),
+                    "trainable": sum(_local(p).numel() for p in params if p.requires_grad),
+                    "optimizer_bytes": sum(_nbytes(v) for o in optimizers for s in o.state.values()
+                                           for k, v in s.items() if k != "step")})
+            finally:
+                dist.destroy_process_group()
+    json.dump(results, sys.stdout)
+
+
+def test_planner_counts_the_frozen_base_and_the_adapters_state_exactly():
+    """xorl-plan's params / grads / optimizer bytes of a LoRA run equal the sharded model's on every
+    rank: weights for every local element, gradients and AdamW moments for the adapters' alone."""
+    import json
+    import subprocess
+    import sys
+
+    from xorl.distributed.parallel_config import ParallelConfig
+    from xorl.planner.memory import estimate, model_shapes, rank_params
+
+    configs = [_plan_config(m, t) for m, t in PLAN_LAYOUTS]
+    proc = subprocess.run([sys.executable, "-c", "from tests.test_lora import _plan_probe_main; _plan_probe_main()"],
+                          input=json.dumps([c.to_dict() for c in configs]), capture_output=True, text=True,
+                          timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    measured = json.loads(proc.stdout)
+    for i, config in enumerate(configs):
+        p, t = ParallelConfig.from_config(config, 4), config.train
+        shapes = model_shapes(config.model)
+        for got in measured[4 * i: 4 * i + 4]:
+            rp = rank_params(shapes, p, t.pipeline_parallel_schedule, t.virtual_pipeline_stages, got["pp_rank"],
+                             t.data_parallel_mode == "fsdp2", got["shard_rank"])
+            assert (rp.local, rp.trainable) == (got["numel"], got["trainable"]), (PLAN_LAYOUTS[i], got)
+            assert 0 < got["trainable"] < got["numel"] / 5
+            assert 8 * rp.trainable == got["optimizer_bytes"]
+            if got["shard_rank"] == 0:
+                memory = estimate(config, p, shapes, got["pp_rank"], "fp32-master")
+                assert (memory.params, memory.grads, memory.optimizer) == (
+                    4 * got["numel"], 4 * got["trainable"], got["optimizer_bytes"])
