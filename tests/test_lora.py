@@ -147,6 +147,7 @@ def test_adapter_initialisation_is_peft_s_and_the_same_on_every_layout():
 PLAN_LAYOUTS = [  # (model fields, train fields) on 4 ranks; odd sizes so FSDP chunks unevenly
     ({}, {"data_parallel_shard_size": 4}),
     ({}, {"tensor_parallel_size": 2, "sequence_parallel": True}),
+    ({}, {"data_parallel_shard_size": 2, "tensor_parallel_size": 2, "dtype": "bfloat16"}),  # the base in bf16
     ({}, {"pipeline_parallel_size": 2, "gradient_accumulation_steps": 2, "tensor_parallel_size": 2}),
     ({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
       "mlp_only_layers": [0]}, {"expert_parallel_size": 2}),
@@ -174,6 +175,7 @@ def _plan_probe_main() -> None:
     from xorl.distributed.parallel_config import ParallelConfig
     from xorl.distributed.parallel_state import init_parallel_state
     from xorl.models.registry import build_model
+    from xorl.nn.lora import cast_frozen_, frozen_dtype
     from xorl.optim import build_optimizer
     from xorl.parallelize import parallelize_model
     from xorl.plans.pipeline_parallel import split_into_stages
@@ -187,6 +189,8 @@ def _plan_probe_main() -> None:
                 state = init_parallel_state(ParallelConfig.from_config(config, 4), device_type="cpu")
                 with torch.device("meta"):
                     model = build_model(config.model)
+                if frozen_dtype(config, "cuda") is not None:  # as the trainer does on a GPU
+                    cast_frozen_(model, frozen_dtype(config, "cuda"))
                 stages = split_into_stages(model, state, config).stages if state.pp_size > 1 else [model]
                 parts = [parallelize_model(stage, state, config).module for stage in stages]
                 params = [p for part in parts for p in part.parameters()]
@@ -199,6 +203,7 @@ def _plan_probe_main() -> None:
                 results.append({
                     "rank": rank, "pp_rank": state.pp_rank, "shard_rank": state.dp_shard_cp_rank,
                     "numel": sum(_local(p).numel() for p in params),
+                    "param_bytes": sum(_nbytes(p) for p in params),
                     "trainable": sum(_local(p).numel() for p in params if p.requires_grad),
                     "optimizer_bytes": sum(_nbytes(v) for o in optimizers for s in o.state.values()
                                            for k, v in s.items() if k != "step")})
@@ -223,6 +228,7 @@ def test_planner_counts_the_frozen_base_and_the_adapters_state_exactly():
                           timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert proc.returncode == 0, proc.stderr[-4000:]
     measured = json.loads(proc.stdout)
+    assert sum(r["param_bytes"] < 4 * r["numel"] for r in measured) == 4  # the bf16 layout's ranks
     for i, config in enumerate(configs):
         p, t = ParallelConfig.from_config(config, 4), config.train
         shapes = model_shapes(config.model)
@@ -235,4 +241,4 @@ def test_planner_counts_the_frozen_base_and_the_adapters_state_exactly():
             if got["shard_rank"] == 0:
                 memory = estimate(config, p, shapes, got["pp_rank"], "fp32-master")
                 assert (memory.params, memory.grads, memory.optimizer) == (
-                    4 * got["numel"], 4 * got["trainable"], got["optimizer_bytes"])
+                    got["param_bytes"], 4 * got["trainable"], got["optimizer_bytes"])

@@ -40,6 +40,7 @@ from xorl.metrics import MetricsLogger, startup_summary
 from xorl.mfu import mfu
 from xorl.models.registry import build_model
 from xorl.models.spec import EXPERTS_LAYOUT, QKV_LAYOUT
+from xorl.nn.lora import cast_frozen_, frozen_dtype
 from xorl.nonfinite import explain_nonfinite
 from xorl.optim import build_optimizer, set_schedule_step
 from xorl.parallelize import build_parallel_plan
@@ -124,6 +125,8 @@ class Trainer:
         # Build on the meta device, split for PP, then TP -> CP -> EP -> AC -> FSDP2, then allocate.
         with torch.device("meta"):
             model = build_model(config.model, fp8=config.train.fp8)
+        if frozen_dtype(config, self.device.type) is not None:  # LoRA's frozen base in bf16 (xorl/nn/lora.py)
+            cast_frozen_(model, frozen_dtype(config, self.device.type))
         self.num_parameters = sum(p.numel() for p in model.parameters())
         # What the plans did (xorl/parallel_plan.py): the step asks it what to shard and reduce.
         self.parallel = build_parallel_plan(model, self.state, config)
@@ -220,7 +223,7 @@ class Trainer:
                  MODEL_CONFIG: json.dumps(dataclasses.asdict(self.config.model), indent=2)}
         if self.config.model.lora:  # the adapter alone, in peft's format: output_dir/adapter (this step's)
             save_adapter(self.parts, self.config.model, os.path.join(self.config.train.output_dir, ADAPTER_DIR),
-                         self.state.pp_group)
+                         self.parallel.stages_group)
         return self.checkpointer.save(self.step, self.parts, self.optimizers, extra, files, blocking=blocking)
 
     def export_hf(self, folder: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:

@@ -87,6 +87,34 @@ def freeze_base(model: nn.Module) -> None:
         param.requires_grad_(is_adapter_name(name))
 
 
+def frozen_dtype(config, device_type: str) -> torch.dtype | None:
+    """The dtype a LoRA run stores its frozen base in (None: as built, fp32): the compute dtype."""
+    from xorl.config import compute_dtype
+
+    if config.model.lora and compute_dtype(config.train, device_type) == "bfloat16":
+        return torch.bfloat16
+    return None
+
+
+def cast_frozen_(model: nn.Module, dtype: torch.dtype) -> int:
+    """Store the frozen (base) parameters in ``dtype``; returns how many were cast.
+
+    Why: under bf16 compute (FSDP2's mixed precision on GPU) the base is only ever read in bf16, and
+    a frozen weight has no updates to accumulate, so an fp32 master copy would only double its memory.
+    The adapters keep fp32 master weights (FSDP2 asks a uniform dtype of the trainable parameters of
+    a unit only). Run on the model just built (meta device), before any plan: tied weights stay tied.
+    """
+    memo: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or param.requires_grad or not param.is_floating_point() or param.dtype == dtype:
+                continue
+            if id(param) not in memo:
+                memo[id(param)] = nn.Parameter(param.detach().to(dtype), requires_grad=False)
+            module._parameters[name] = memo[id(param)]
+    return len(memo)
+
+
 def adapter_input(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """dropout(x), what A multiplies (peft: lora_A(dropout(x)))."""
     return module.lora_dropout(x)

@@ -118,7 +118,7 @@ class _TPLinearBase(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp_mesh, sequence_parallel: bool,
                  overlap: bool, overlap_min_numel: int, device, dtype, fp8: str = "none", name: str | None = None,
-                 lora=None):
+                 lora=None, adapter_dtype=None):
         super().__init__()
         self.tp_mesh = tp_mesh
         self.tp = TPGroup.from_mesh(tp_mesh)
@@ -135,7 +135,8 @@ class _TPLinearBase(nn.Module):
         self.lora = lora  # xorl.nn.lora.LoRASpec or None
         if lora is not None:
             shapes = self._lora_local_shapes(lora.rank)
-            make_adapters(self, lora, shapes["lora_A"], shapes["lora_B"], device, dtype,
+            # adapter_dtype: the adapters keep fp32 master weights when the frozen base is stored in bf16.
+            make_adapters(self, lora, shapes["lora_A"], shapes["lora_B"], device, adapter_dtype or dtype,
                           wrap=lambda n, t: DTensor.from_local(t, tp_mesh, [self.lora_placements[n]], run_check=False))
             for param in (self.weight, self.bias):  # the base is frozen under LoRA
                 if param is not None:
@@ -262,6 +263,8 @@ class _TPLinearBase(nn.Module):
         # An xorl.nn.Linear's FP8 recipe (fixed when the model was built) carries over to the TP layer.
         kwargs.setdefault("fp8", getattr(linear, "fp8", "none"))
         kwargs.setdefault("lora", getattr(linear, "lora", None))  # and its LoRA adapter, split to match
+        if kwargs["lora"] is not None:
+            kwargs.setdefault("adapter_dtype", linear.lora_A.dtype)
         layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, tp_mesh=tp_mesh,
                     device="meta" if device.type == "meta" else device, dtype=linear.weight.dtype, **kwargs)
         if device.type != "meta":
@@ -293,11 +296,11 @@ class ColumnParallelLinear(_TPLinearBase):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, tp_mesh=None,
                  sequence_parallel: bool = False, overlap: bool = True, gather_output: bool = False, *,
                  overlap_min_numel: int = DEFAULT_OVERLAP_MIN_NUMEL, device=None, dtype=None, fp8: str = "none",
-                 name: str | None = None, lora=None):
+                 name: str | None = None, lora=None, adapter_dtype=None):
         tp = TPGroup.from_mesh(tp_mesh)
         _check_divisible(out_features, tp, "out_features", "ColumnParallelLinear")
         super().__init__(in_features, out_features, bias, tp_mesh, sequence_parallel, overlap,
-                         overlap_min_numel, device, dtype, fp8, name, lora)
+                         overlap_min_numel, device, dtype, fp8, name, lora, adapter_dtype)
         self.gather_output = bool(gather_output)
         self.shared_group: SharedInputColumnGroup | None = None
 
@@ -354,11 +357,11 @@ class RowParallelLinear(_TPLinearBase):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, tp_mesh=None,
                  input_is_parallel: bool = True, sequence_parallel: bool = False, overlap: bool = True, *,
                  overlap_min_numel: int = DEFAULT_OVERLAP_MIN_NUMEL, device=None, dtype=None, fp8: str = "none",
-                 name: str | None = None, lora=None):
+                 name: str | None = None, lora=None, adapter_dtype=None):
         tp = TPGroup.from_mesh(tp_mesh)
         _check_divisible(in_features, tp, "in_features", "RowParallelLinear")
         super().__init__(in_features, out_features, bias, tp_mesh, sequence_parallel, overlap,
-                         overlap_min_numel, device, dtype, fp8, name, lora)
+                         overlap_min_numel, device, dtype, fp8, name, lora, adapter_dtype)
         self.input_is_parallel = bool(input_is_parallel)
 
     def _local_weight_shape(self):

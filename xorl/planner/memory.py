@@ -17,7 +17,8 @@ device under torch's fake process group):
                   embedding on stage 0, final norm and lm_head on the last stage.
   LoRA       (model.lora) the adapters are parameters like any other (split by TP to match their
              base: B of a column layer on dim 0, A of a row layer on dim 1); grads and optimizer count
-             only them, the frozen base holds weights alone.
+             only them, the frozen base holds weights alone, in the compute dtype (bf16 under
+             fsdp2 + dtype bfloat16 on GPU: the trainer stores it so, xorl/nn/lora.py cast_frozen_).
   grads      FSDP2's sharded gradient: the sharded parameter's shape in the master dtype
              (reduce_dtype fp32); ddp / none: full fp32 gradients of the local (TP/EP) parameters.
   optimizer  AdamW's exp_avg and exp_avg_sq: two fp32 tensors shaped like each local parameter
@@ -405,9 +406,13 @@ def estimate(config, p: ParallelConfig, shapes: ModelShapes, pp_rank: int, preci
     fsdp = train.data_parallel_mode == "fsdp2"
     schedule, v = train.pipeline_parallel_schedule, train.virtual_pipeline_stages
     rp = rank_params(shapes, p, schedule, v, pp_rank, fsdp)
-    params = state_bytes(rp.local, precision)[0]
-    _, grads, optimizer = state_bytes(rp.trainable, precision)  # LoRA: the adapters' alone
     a = 2 if fsdp and train.dtype == "bfloat16" else 4
+    # LoRA: the frozen base in the compute dtype (cast_frozen_, xorl/nn/lora.py); its gradients and
+    # optimizer state are the adapters' alone.
+    frozen = rp.local - rp.trainable
+    params = state_bytes(rp.trainable, precision)[0] + (frozen * a if frozen and precision == "fp32-master"
+                                                        else state_bytes(frozen, precision)[0])
+    _, grads, optimizer = state_bytes(rp.trainable, precision)
     t = data.micro_batch_size * data.seq_len // p.cp
     m = train.gradient_accumulation_steps
     sp = train.sequence_parallel and p.tp > 1
