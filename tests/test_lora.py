@@ -242,3 +242,31 @@ def test_planner_counts_the_frozen_base_and_the_adapters_state_exactly():
                 memory = estimate(config, p, shapes, got["pp_rank"], "fp32-master")
                 assert (memory.params, memory.grads, memory.optimizer) == (
                     got["param_bytes"], 4 * got["trainable"], got["optimizer_bytes"])
+
+
+def test_resume_continues_the_adapters_and_their_optimizer_state_exactly(gloo_world, tmp_path):
+    """Stopped after step 3 and resumed (the same FSDP 2 layout, and from a TP 2 + SP save into FSDP 2):
+    the losses of steps 4-6 are those of the uninterrupted run (bitwise in the same layout), so the
+    adapters and their AdamW moments came back; the base stayed frozen and the run folder's adapter
+    is the last step's."""
+    from tests.parity_runs import train_losses
+
+    fsdp2 = dict(data_parallel_shard_size=2, gradient_accumulation_steps=2)
+    tp2 = dict(data_parallel_shard_size=1, tensor_parallel_size=2, sequence_parallel=True,
+               gradient_accumulation_steps=4)
+    world = gloo_world(2)
+    full = world.run(train_losses, tiny_config(str(tmp_path / "full"), "llama-lora", max_steps=6, **fsdp2))[0]
+    assert full[-1] < full[0]
+    for name, first_layout in (("same", fsdp2), ("from tp", tp2)):
+        run = str(tmp_path / name)
+        first = world.run(train_losses, tiny_config(run, "llama-lora", max_steps=6, save_steps=3, **first_layout),
+                          3)[0]
+        resumed = world.run(train_losses, tiny_config(run, "llama-lora", max_steps=6, resume=True, **fsdp2))[0]
+        if name == "same":
+            assert first + resumed == full
+        else:
+            assert max(abs(a - b) / b for a, b in zip(first + resumed, full)) <= 1e-5
+        from safetensors.torch import load_file
+
+        adapter = load_file(os.path.join(run, "adapter", "adapter_model.safetensors"))
+        assert len(adapter) == 2 * 7 * 4  # A and B of 7 projections in each of 4 layers
