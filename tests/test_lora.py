@@ -42,6 +42,10 @@ def train_and_check(config, base_folder: str, tokens: torch.Tensor) -> dict:
     from xorl.trainer import Trainer
 
     trainer = Trainer(config)
+    for name, module in trainer.model.named_modules():  # peft's initialisation, also over a loaded base
+        if getattr(module, "lora", None) is not None:
+            a, bound = _local(module.lora_A), module.in_features ** -0.5
+            assert a.numel() == 0 or (0 < a.abs().max() <= bound and a.std() > bound / 3), name
     trainer.train()
     params = dict(trainer.model.named_parameters())
     adapters = {n: p for n, p in params.items() if is_adapter_name(n)}
@@ -63,12 +67,13 @@ def train_and_check(config, base_folder: str, tokens: torch.Tensor) -> dict:
     trainer.model.eval()
     with torch.no_grad():
         logits = trainer.model(tokens).logits
-    save_hf_weights(trainer.model, base_folder, config.model)  # the base alone (a collective)
+    if not config.model.model_path:  # a seeded base: write it (the base alone; a collective)
+        save_hf_weights(trainer.model, base_folder, config.model)
     trainer.export_hf(os.path.join(config.train.output_dir, "hf"))  # merged
     return {"logits": logits, "state_bytes": state_bytes} if dist.get_rank() == 0 else {}
 
 
-RUNS = {
+RUNS = {  # the Llama fine-tunes a base read from an HF folder (model.model_path); the MoE a seeded one
     "llama, every projection, fsdp2": ("llama", ALL_PROJECTIONS, dict(data_parallel_shard_size=2)),
     "qwen3_moe, attention, ep2 x fsdp2": ("qwen3_moe", ["q_proj", "k_proj", "v_proj", "o_proj"],
                                           dict(data_parallel_shard_size=2, expert_parallel_size=2)),
@@ -81,15 +86,22 @@ def test_adapter_loads_in_peft_and_merged_export_in_transformers(name, gloo_worl
     peft = pytest.importorskip("peft")
     model_type, targets, train = RUNS[name]
     config = tiny_config(str(tmp_path / "run"), model_type, max_steps=3, **train)
+    base_folder = str(tmp_path / "base")
+    if model_type == "llama":
+        from xorl.models.pretrained import save_pretrained
+        from xorl.models.registry import build_model
+
+        save_pretrained(build_model(config.model), base_folder)  # a pretrained base, before LoRA is set
+        config.model.model_path = base_folder
     config.model.lora = dict(LORA, target_modules=targets)
     tokens = torch.randint(0, config.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(7))
-    got = gloo_world(2).run(train_and_check, config, str(tmp_path / "base"), tokens)[0]
+    got = gloo_world(2).run(train_and_check, config, base_folder, tokens)[0]
     assert got["state_bytes"] > 0
 
     def rel(a, b):
         return float((a.double() - b.double()).norm() / b.double().norm())
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.float32).eval()
     with torch.no_grad():
         base_logits = hf(tokens).logits
     assert rel(got["logits"], base_logits) > 1e-2  # the adapter matters: the comparison below is not vacuous
