@@ -64,6 +64,8 @@ LAYOUTS = [
     ("lora tp2+sp", 2, "llama-lora", dict(data_parallel_shard_size=1, tensor_parallel_size=2, sequence_parallel=True)),
     ("lora tp2 (no sp)", 2, "llama-lora", dict(data_parallel_shard_size=1, tensor_parallel_size=2)),
     ("lora ring2", 2, "llama-lora", dict(data_parallel_shard_size=1, ringattn_parallel_size=2)),
+    ("lora ulysses2", 2, "llama-lora", dict(data_parallel_shard_size=1, ulysses_parallel_size=2)),
+    ("lora hsdp", 4, "llama-lora", dict(data_parallel_replicate_size=2, data_parallel_shard_size=2)),
     ("lora pp2", 2, "llama-lora", dict(data_parallel_shard_size=1, pipeline_parallel_size=2)),
     ("lora moe ep2 x fsdp2", 2, "qwen3_moe-lora", dict(data_parallel_shard_size=2, expert_parallel_size=2)),
     # The families of issue 20, each on a layout that exercises what is new in it (tests/parity_runs.MODELS).
