@@ -26,6 +26,8 @@ MODELS = {
                                                         "up_proj", "down_proj"])),
     "qwen3_moe-lora": dict(model_type="qwen3_moe", **_MOE, lora=dict(_LORA, target_modules=["q_proj", "k_proj",
                                                                                             "v_proj", "o_proj"])),
+    "qwen3_moe-lora-experts": dict(model_type="qwen3_moe", **_MOE,
+                                   lora=dict(_LORA, target_modules=["q_proj", "v_proj", "experts"])),
     "qwen3_moe": dict(model_type="qwen3_moe", **_MOE),
     "llama3.1-rope": dict(model_type="llama", rope_scaling={
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -2,7 +2,7 @@
 round trip through peft and through the merged export against transformers' own model classes.
 
 The runs train a tiny Llama (every projection adapted) under FSDP 2 and a tiny Qwen3-MoE
-(attention adapted, experts frozen) under EP 2 x FSDP 2, with peft's ``init_lora_weights=false``
+(attention and per-expert adapters, the router frozen) under EP 2 x FSDP 2, with peft's ``init_lora_weights=false``
 (B drawn too) so the adapter changes the logits from step 1 on. After training, every rank checks
 that no frozen parameter has a gradient after a forward/backward and that its optimizer holds
 state for exactly its adapter shards (the bytes counted); rank 0 returns the trained model's logits
@@ -75,8 +75,8 @@ def train_and_check(config, base_folder: str, tokens: torch.Tensor) -> dict:
 
 RUNS = {  # the Llama fine-tunes a base read from an HF folder (model.model_path); the MoE a seeded one
     "llama, every projection, fsdp2": ("llama", ALL_PROJECTIONS, dict(data_parallel_shard_size=2)),
-    "qwen3_moe, attention, ep2 x fsdp2": ("qwen3_moe", ["q_proj", "k_proj", "v_proj", "o_proj"],
-                                          dict(data_parallel_shard_size=2, expert_parallel_size=2)),
+    "qwen3_moe, attention and experts, ep2 x fsdp2": ("qwen3_moe", ["q_proj", "k_proj", "v_proj", "o_proj", "experts"],
+                                                      dict(data_parallel_shard_size=2, expert_parallel_size=2)),
 }
 
 
@@ -113,6 +113,32 @@ def test_adapter_loads_in_peft_and_merged_export_in_transformers(name, gloo_worl
         assert rel(got["logits"], merged(tokens).logits) <= 1e-5
 
 
+def test_expert_adapters_match_peft_target_parameters(tmp_path):
+    """The experts' adapters alone (one process): peft's target_parameters on transformers' stacked
+    experts give xorl's logits, and the adapters change them (B drawn)."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from xorl.lora_io import save_adapter
+    from xorl.models.pretrained import save_pretrained
+    from xorl.models.registry import build_model
+
+    config = tiny_config(str(tmp_path), "qwen3_moe")
+    config.model.lora = dict(LORA, target_modules=["experts"])
+    model = build_model(config.model)
+    model.init_weights(seed=11)
+    save_pretrained(model, str(tmp_path / "base"))
+    save_adapter([model], config.model, str(tmp_path / "adapter"))
+    tokens = torch.randint(0, config.model.vocab_size, (2, 24), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ours = model(tokens).logits
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).eval()
+    with torch.no_grad():
+        base = hf(tokens).logits
+        theirs = peft.PeftModel.from_pretrained(hf, str(tmp_path / "adapter")).eval()(tokens).logits
+    assert float((ours - base).norm() / base.norm()) > 1e-2
+    assert float((ours - theirs).norm() / theirs.norm()) <= 1e-5
+
+
 def _problems(**lora) -> str:
     config = Config()
     config.model.lora = lora
@@ -126,7 +152,7 @@ def test_config_rules_name_the_field_and_the_fix():
     message = _problems(rank=4, target_modules=["q_proj", "qproj"])
     assert "['qproj'] are not module names" in message and "'down_proj'" in message
     assert "dropout=1.0 must be in [0, 1)" in _problems(rank=4, dropout=1.0, target_modules=["q_proj"])
-    assert "'experts'" in _problems(rank=4, target_modules=["experts"])
+    assert "['experts'] are not module names" in _problems(rank=4, target_modules=["experts"])  # a dense model
     assert "give rank and target_modules" in _problems(rank=4)
     config = Config()
     config.model.lora = dict(rank=4, target_modules=["q_proj"])
@@ -162,7 +188,8 @@ PLAN_LAYOUTS = [  # (model fields, train fields) on 4 ranks; odd sizes so FSDP c
     ({}, {"data_parallel_shard_size": 2, "tensor_parallel_size": 2, "dtype": "bfloat16"}),  # the base in bf16
     ({}, {"pipeline_parallel_size": 2, "gradient_accumulation_steps": 2, "tensor_parallel_size": 2}),
     ({"model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
-      "mlp_only_layers": [0]}, {"expert_parallel_size": 2}),
+      "mlp_only_layers": [0], "lora": {"rank": 3, "alpha": 6, "target_modules": [*ALL_PROJECTIONS, "experts"]}},
+     {"expert_parallel_size": 2}),
 ]
 
 

@@ -476,7 +476,7 @@ def _lora_problems(m: Any, t: Any) -> list[str]:
     lora = m.lora
     if lora is None:
         return []
-    from xorl.nn.lora import LINEAR_TARGETS, LORA_KEYS
+    from xorl.nn.lora import EXPERT_LORA_FAMILIES, LINEAR_TARGETS, LORA_KEYS
 
     unknown = sorted(set(lora) - set(LORA_KEYS))
     if unknown or "rank" not in lora or "target_modules" not in lora:
@@ -493,14 +493,18 @@ def _lora_problems(m: Any, t: Any) -> list[str]:
     if not isinstance(lora.get("init_lora_weights", True), bool):
         problems.append("model.lora.init_lora_weights must be true (B = 0, peft's default) or false")
     targets = lora["target_modules"]
-    valid = list(LINEAR_TARGETS)
+    valid = list(LINEAR_TARGETS) + (["experts"] if m.num_experts else [])
     if not isinstance(targets, list) or not targets or not all(isinstance(x, str) for x in targets):
         return problems + [f"model.lora.target_modules={targets!r}: give a non-empty list of module names from "
                            f"{valid}"]
-    if "experts" in targets:
-        problems.append("model.lora.target_modules: 'experts' (adapters on the MoE experts) is not supported yet; "
-                        f"target the attention and dense-MLP projections {valid}")
-    wrong = [x for x in targets if x not in valid and x != "experts"]
+    if "experts" in targets and m.num_experts and m.model_type not in EXPERT_LORA_FAMILIES:
+        problems.append(f"model.lora.target_modules: 'experts' with model_type={m.model_type!r}: per-expert adapters "
+                        f"are checked against peft for {list(EXPERT_LORA_FAMILIES)} only; target the attention "
+                        f"projections {list(LINEAR_TARGETS[:4])}")
+    if "experts" in targets and dropout:
+        problems.append(f"model.lora.dropout={dropout} with 'experts' targeted: peft's expert adapters take no "
+                        "dropout (the delta is applied to the weight); set dropout: 0")
+    wrong = [x for x in targets if x not in valid]
     if wrong:
         problems.append(f"model.lora.target_modules: {wrong} are not module names of model_type="
                         f"{m.model_type!r}; the valid names are {valid}")

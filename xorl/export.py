@@ -158,8 +158,12 @@ def lora_merges(metadata: Metadata, model_config: Any) -> dict[str, tuple[str, s
     for key in metadata.state_dict_metadata:
         if key.endswith(".lora_A"):
             module = key.removesuffix(".lora_A")
-            spec = lora_spec(lora, clean_name(module).rpartition(".")[2])
-            merges[module + ".weight"] = (key, module + ".lora_B", spec.scaling)
+            parent, _, leaf = module.rpartition(".")
+            if leaf in ("lora_gate_up_proj", "lora_down_proj"):  # experts.lora_X adapts experts.X [E, in, out]
+                base, spec = f"{parent}.{leaf.removeprefix('lora_')}", lora_spec(lora, "experts")
+            else:
+                base, spec = module + ".weight", lora_spec(lora, leaf)
+            merges[base] = (key, module + ".lora_B", spec.scaling)
     return merges
 
 

@@ -34,7 +34,7 @@ from xorl.models.attention import Attention
 from xorl.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
 from xorl.models.spec import ModelSpec
 from xorl.nn.cross_entropy import cross_entropy_sum, linear_cross_entropy_sum
-from xorl.nn.lora import freeze_base
+from xorl.nn.lora import freeze_base, lora_spec
 from xorl.nn.moe import MoE, MoEAux
 
 IGNORE_INDEX = -100
@@ -186,6 +186,7 @@ class DecoderForCausalLM(nn.Module):
             aux_loss_coef=spec.router_aux_loss_coef,
             z_loss_coef=spec.router_z_loss_coef,
             fp8=spec.fp8,
+            lora=lora_spec(spec.lora, "experts"),
         )
 
     def tie_weights(self) -> None:

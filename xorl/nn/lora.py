@@ -31,6 +31,9 @@ from torch import nn
 # The module names a LoRA target may use: the attention and dense-MLP projections (HF names).
 LINEAR_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ADAPTER_NAMES = ("lora_A", "lora_B")
+# Families whose experts may take adapters (``experts``): where transformers holds the experts as
+# ``mlp.experts.{gate_up_proj, down_proj}``, which peft adapts (xorl/lora_io.py), checked by test.
+EXPERT_LORA_FAMILIES = ("qwen3_moe",)
 LORA_KEYS = ("rank", "alpha", "dropout", "target_modules", "init_lora_weights")
 
 
@@ -125,7 +128,48 @@ def lora_delta(module: nn.Module, x: torch.Tensor, a: torch.Tensor, b: torch.Ten
     return F.linear(F.linear(adapter_input(module, x), a), b) * module.lora.scaling
 
 
+class ExpertsLoRA(nn.Module):
+    """Per-expert adapters of one stacked expert weight [E, in, out] (``experts`` in target_modules).
+
+    ``lora_A`` [E, in, r] and ``lora_B`` [E, r, out], in the grouped GEMM's [groups, in, out] layout, so
+    the adapter runs as two grouped GEMMs over the same expert-sorted rows as the base:
+    ``delta = scaling * grouped_gemm(grouped_gemm(x, A), B)``, per expert ``x A_e B_e`` (peft's
+    per-expert ``B_e A_e`` on the transposed weight). Expert parallelism shards both on dim 0 as it
+    shards the base (``GroupedExperts.distribute_over``). No dropout (peft refuses it on experts too:
+    the delta is applied to the weight there).
+    """
+
+    def __init__(self, spec: LoRASpec, num_experts: int, in_features: int, out_features: int, device=None,
+                 dtype=None):
+        super().__init__()
+        self.lora, self.in_features, self.out_features = spec, in_features, out_features
+        self.lora_A = nn.Parameter(torch.empty(num_experts, in_features, spec.rank, device=device, dtype=dtype))
+        self.lora_B = nn.Parameter(torch.empty(num_experts, spec.rank, out_features, device=device, dtype=dtype))
+        self.reset_lora_parameters()
+
+    @torch.no_grad()
+    def reset_lora_parameters(self) -> None:
+        if self.lora_A.device.type == "meta":
+            return
+        for name, bound in adapter_bounds(self.lora, self.in_features).items():
+            param = getattr(self, name)
+            param.zero_() if bound is None else param.uniform_(-bound, bound)
+
+    def forward(self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor, local) -> torch.Tensor:
+        """``local``: the parameter -> this rank's experts (GroupedExperts' ``_local``)."""
+        from xorl_kernels.grouped_gemm.op import grouped_gemm
+
+        xa = grouped_gemm(x_sorted, local(self.lora_A), tokens_per_expert)
+        return grouped_gemm(xa, local(self.lora_B), tokens_per_expert) * self.lora.scaling
+
+    def extra_repr(self) -> str:
+        return f"experts={self.lora_A.shape[0]}, in={self.in_features}, out={self.out_features}, rank={self.lora.rank}"
+
+
 @torch.no_grad()
 def merged_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
-    """W + scaling * B A (peft's ``merge``), computed in fp32 and returned in W's dtype."""
+    """W + scaling * B A (peft's ``merge``), computed in fp32 and returned in W's dtype; stacked experts
+    ([E, in, out] with A [E, in, r], B [E, r, out]): W + scaling * A B per expert."""
+    if weight.dim() == 3:
+        return (weight.float() + scaling * torch.bmm(a.float(), b.float())).to(weight.dtype)
     return (weight.float() + scaling * (b.float() @ a.float())).to(weight.dtype)

@@ -116,7 +116,9 @@ TP_SHARD_DIM = {
     "self_attn.o_proj.lora_A": 1,
     "mlp.down_proj.lora_A": 1,
 }
-EXPERT_PARAMS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+EXPERT_PARAMS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj",
+                 # LoRA's per-expert adapters, [E, ...] and split like the experts (xorl/nn/lora.py)
+                 *(f"mlp.experts.lora_{w}.lora_{x}" for w in ("gate_up_proj", "down_proj") for x in "AB"))
 PRECISIONS = {"fp32-master": (4, 4, 8), "fp16": (2, 2, 4)}  # bytes per parameter: weights, grads, optimizer
 WORKSPACE_BYTES = 256 * 2**20
 # ASSUMPTION until scripts/plan_calibrate.py measures max_memory_reserved against max_memory_allocated
