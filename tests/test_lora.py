@@ -12,6 +12,7 @@ transformers alone on the merged export, must give those logits to 1e-5 (fp32).
 
 from __future__ import annotations
 
+import filecmp
 import os
 
 import pytest
@@ -111,6 +112,14 @@ def test_adapter_loads_in_peft_and_merged_export_in_transformers(name, gloo_worl
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "hf", dtype=torch.float32).eval()
     with torch.no_grad():
         assert rel(got["logits"], merged(tokens).logits) <= 1e-5
+    # xorl-export (one CPU process, the config from the checkpoint) merges the same way.
+    from xorl.cli.export import main as xorl_export
+
+    cli = str(tmp_path / "cli")
+    assert xorl_export([str(tmp_path / "run"), cli]) == 0
+    names = sorted(os.listdir(tmp_path / "run" / "hf"))
+    assert sorted(os.listdir(cli)) == names
+    assert filecmp.cmpfiles(tmp_path / "run" / "hf", cli, names, shallow=False)[0] == names
 
 
 def test_expert_adapters_match_peft_target_parameters(tmp_path):
