@@ -318,3 +318,35 @@ def test_resume_continues_the_adapters_and_their_optimizer_state_exactly(gloo_wo
 
         adapter = load_file(os.path.join(run, "adapter", "adapter_model.safetensors"))
         assert len(adapter) == 2 * 7 * 4  # A and B of 7 projections in each of 4 layers
+
+
+def test_linear_with_dropout_is_peft_s_lora_layer():
+    """xorl.nn.Linear(lora=...) against peft's lora.Linear on the same weights, in float64: training
+    mode with the same seed (dropout on the adapter's input only, one draw) and eval mode."""
+    peft = pytest.importorskip("peft")
+    from xorl.nn.linear import Linear
+    from xorl.nn.lora import LoRASpec
+
+    torch.manual_seed(0)
+    ours = Linear(24, 40, bias=True, lora=LoRASpec(rank=4, alpha=12, dropout=0.3, init_lora_weights=False)).double()
+    base = torch.nn.Linear(24, 40, bias=True).double()
+    base.load_state_dict({"weight": ours.weight, "bias": ours.bias})
+    config = peft.LoraConfig(r=4, lora_alpha=12, lora_dropout=0.3)
+    theirs = peft.tuners.lora.Linear(base, "default", config=config, r=4, lora_alpha=12, lora_dropout=0.3).double()
+    theirs.lora_A["default"].weight.data.copy_(ours.lora_A)
+    theirs.lora_B["default"].weight.data.copy_(ours.lora_B)
+    x = torch.randn(3, 7, 24, dtype=torch.float64)
+    for training in (True, False):
+        ours.train(training)
+        theirs.train(training)
+        torch.manual_seed(42)
+        got = ours(x)
+        torch.manual_seed(42)
+        want = theirs(x)
+        assert float((got - want).norm() / want.norm()) <= 1e-12, training
+    ours.train()
+    torch.manual_seed(42)
+    assert not torch.allclose(ours(x), theirs.eval()(x))  # dropout acts in training mode
+    got = ours(x)
+    got.sum().backward()
+    assert ours.weight.grad is None and ours.bias.grad is None and ours.lora_A.grad is not None
