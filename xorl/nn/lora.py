@@ -28,6 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from xorl_kernels.grouped_gemm.op import grouped_gemm
+
 # The module names a LoRA target may use: the attention and dense-MLP projections (HF names).
 LINEAR_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ADAPTER_NAMES = ("lora_A", "lora_B")
@@ -157,8 +159,6 @@ class ExpertsLoRA(nn.Module):
 
     def forward(self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor, local) -> torch.Tensor:
         """``local``: the parameter -> this rank's experts (GroupedExperts' ``_local``)."""
-        from xorl_kernels.grouped_gemm.op import grouped_gemm
-
         xa = grouped_gemm(x_sorted, local(self.lora_A), tokens_per_expert)
         return grouped_gemm(xa, local(self.lora_B), tokens_per_expert) * self.lora.scaling
 

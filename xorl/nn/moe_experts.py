@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from xorl.nn.lora import ExpertsLoRA
 from xorl_kernels.activation.op import swiglu
 from xorl_kernels.grouped_gemm.op import grouped_gemm
 
@@ -73,8 +74,6 @@ class GroupedExperts(nn.Module):
         # LoRA on the experts (xorl.nn.lora.LoRASpec): per-expert adapters of both stacked weights,
         # inside this module so FSDP2's unit over the experts holds them too; the base is frozen.
         if lora is not None:
-            from xorl.nn.lora import ExpertsLoRA
-
             self.lora_gate_up_proj = ExpertsLoRA(lora, num_experts, hidden_size, 2 * moe_intermediate_size,
                                                  device, dtype)
             self.lora_down_proj = ExpertsLoRA(lora, num_experts, moe_intermediate_size, hidden_size, device, dtype)
