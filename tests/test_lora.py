@@ -122,17 +122,24 @@ def test_adapter_loads_in_peft_and_merged_export_in_transformers(name, gloo_worl
     assert filecmp.cmpfiles(tmp_path / "run" / "hf", cli, names, shallow=False)[0] == names
 
 
-def test_expert_adapters_match_peft_target_parameters(tmp_path):
-    """The experts' adapters alone (one process): peft's target_parameters on transformers' stacked
-    experts give xorl's logits, and the adapters change them (B drawn)."""
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe"])
+def test_expert_adapters_match_peft_target_parameters(family, tmp_path):
+    """The experts' adapters alone (one process), for every family of EXPERT_LORA_FAMILIES: peft's
+    target_parameters on transformers' stacked experts give xorl's logits, and the adapters change
+    them (B drawn). Qwen2-MoE with its shared expert (not adapted), GLM-4.5 with its dense first layer."""
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
     from xorl.lora_io import save_adapter
     from xorl.models.pretrained import save_pretrained
     from xorl.models.registry import build_model
+    from xorl.nn.lora import EXPERT_LORA_FAMILIES
 
-    config = tiny_config(str(tmp_path), "qwen3_moe")
+    assert family in EXPERT_LORA_FAMILIES
+    config = tiny_config(str(tmp_path), "qwen3_moe" if family == "qwen2_moe" else family)
+    if family == "qwen2_moe":
+        config.model.model_type, config.model.shared_expert_intermediate_size = "qwen2_moe", 16
     config.model.lora = dict(LORA, target_modules=["experts"])
+    validate_config(config, 1)
     model = build_model(config.model)
     model.init_weights(seed=11)
     save_pretrained(model, str(tmp_path / "base"))

@@ -33,9 +33,10 @@ from xorl_kernels.grouped_gemm.op import grouped_gemm
 # The module names a LoRA target may use: the attention and dense-MLP projections (HF names).
 LINEAR_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ADAPTER_NAMES = ("lora_A", "lora_B")
-# Families whose experts may take adapters (``experts``): where transformers holds the experts as
-# ``mlp.experts.{gate_up_proj, down_proj}``, which peft adapts (xorl/lora_io.py), checked by test.
-EXPERT_LORA_FAMILIES = ("qwen3_moe",)
+# Families whose experts may take adapters (``experts``): transformers holds their experts as
+# ``mlp.experts.{gate_up_proj, down_proj}``, which peft adapts (xorl/lora_io.py); each is checked
+# against peft by tests/test_lora.py. A new MoE family is refused until it is added here and there.
+EXPERT_LORA_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe")
 LORA_KEYS = ("rank", "alpha", "dropout", "target_modules", "init_lora_weights")
 
 
