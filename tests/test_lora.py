@@ -171,6 +171,10 @@ def test_config_rules_name_the_field_and_the_fix():
     assert "['experts'] are not module names" in _problems(rank=4, target_modules=["experts"])  # a dense model
     assert "give rank and target_modules" in _problems(rank=4)
     config = Config()
+    config.model.model_type, config.model.lora = "deepseek_v3", dict(rank=4, target_modules=["q_proj"])
+    with pytest.raises(ConfigError, match="multi-head latent attention"):
+        validate_config(config, 1)
+    config = Config()
     config.model.lora = dict(rank=4, target_modules=["q_proj"])
     config.model.merge_qkv = True
     with pytest.raises(ConfigError, match="set merge_qkv: false"):
@@ -195,6 +199,10 @@ def test_adapter_initialisation_is_peft_s_and_the_same_on_every_layout():
     model.init_weights(seed=3)
     again.init_weights(seed=3)
     assert torch.equal(model.model.layers[1].mlp.down_proj.lora_A, again.model.layers[1].mlp.down_proj.lora_A)
+    moe = tiny_config("", "qwen3_moe").model  # no dense MLP layer: gate_proj would adapt nothing
+    moe.lora = dict(rank=2, target_modules=["q_proj", "gate_proj"])
+    with pytest.raises(ValueError, match=r"\['gate_proj'\]: no module of this model takes a LoRA adapter"):
+        build_model(moe)
 
 
 # -- the planner's LoRA term (xorl/planner/memory.py) against the real sharded model ---------------

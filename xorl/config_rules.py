@@ -513,6 +513,11 @@ def _lora_problems(m: Any, t: Any) -> list[str]:
         problems.append(f"model.lora.dropout={dropout!r} must be in [0, 1)")
     if not isinstance(lora.get("init_lora_weights", True), bool):
         problems.append("model.lora.init_lora_weights must be true (B = 0, peft's default) or false")
+    from xorl.models.schema import MLA
+
+    if m.model_type in MLA:
+        return problems + [f"model.lora with model_type={m.model_type!r}: adapters on multi-head latent attention "
+                           "(xorl/models/mla.py) are not supported yet; fine-tune it without model.lora"]
     targets = lora["target_modules"]
     valid = list(LINEAR_TARGETS) + (["experts"] if m.num_experts else [])
     if not isinstance(targets, list) or not targets or not all(isinstance(x, str) for x in targets):

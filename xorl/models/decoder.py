@@ -35,7 +35,7 @@ from xorl.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
 from xorl.models.mla import LatentAttention
 from xorl.models.spec import ModelSpec
 from xorl.nn.cross_entropy import cross_entropy_sum, linear_cross_entropy_sum
-from xorl.nn.lora import freeze_base, lora_spec
+from xorl.nn.lora import check_targets_built, freeze_base, lora_spec
 from xorl.nn.moe import MoE, MoEAux
 
 IGNORE_INDEX = -100
@@ -167,6 +167,7 @@ class DecoderForCausalLM(nn.Module):
         self.tie_weights()
         if spec.lora:  # LoRA fine-tuning: only the adapters the projections were built with train
             freeze_base(self)
+            check_targets_built(self, spec.lora)
 
     def build_mlp(self, spec: ModelSpec, layer_idx: int) -> nn.Module:
         """A dense SwiGLU MLP, or on an MoE layer (``spec.is_moe_layer``) the family's MoE block."""

@@ -121,6 +121,22 @@ def cast_frozen_(model: nn.Module, dtype: torch.dtype) -> int:
     return len(memo)
 
 
+def check_targets_built(model: nn.Module, lora: dict) -> None:
+    """Every name of ``target_modules`` got an adapter somewhere: a target no module of this model
+    builds with one (e.g. a family whose attention does not take adapters) is an error, never a
+    silently smaller fine-tune. xorl/config_rules.py refuses the known cases before launch."""
+    built = set()
+    for name, module in model.named_modules():
+        if isinstance(module, ExpertsLoRA):
+            built.add("experts")
+        elif getattr(module, "lora", None) is not None:
+            built.add(name.rpartition(".")[2])
+    missing = [t for t in lora["target_modules"] if t not in built]
+    if missing:
+        raise ValueError(f"model.lora.target_modules {missing}: no module of this model takes a LoRA adapter under "
+                         f"that name (adapted: {sorted(built)}); remove them")
+
+
 def adapter_input(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """dropout(x), what A multiplies (peft: lora_A(dropout(x)))."""
     return module.lora_dropout(x)
