@@ -15,6 +15,10 @@ device under torch's fake process group):
                   holds min(c, n - r*c) rows, c = ceil(n / group): rank 0 holds the most;
              PP   the layers of the stages this pipeline rank runs (xorl/plans/pipeline_parallel.py), the
                   embedding on stage 0, final norm and lm_head on the last stage.
+  LoRA       (model.lora) the adapters are parameters like any other (split by TP to match their
+             base: B of a column layer on dim 0, A of a row layer on dim 1); grads and optimizer count
+             only them, the frozen base holds weights alone, in the compute dtype (bf16 under
+             fsdp2 + dtype bfloat16 on GPU: the trainer stores it so, xorl/nn/lora.py cast_frozen_).
   grads      FSDP2's sharded gradient: the sharded parameter's shape in the master dtype
              (reduce_dtype fp32); ddp / none: full fp32 gradients of the local (TP/EP) parameters.
   optimizer  AdamW's exp_avg and exp_avg_sq: two fp32 tensors shaped like each local parameter
@@ -105,6 +109,7 @@ import math
 from dataclasses import dataclass
 
 from xorl.distributed.parallel_config import PIPELINE_SCHEDULES, ParallelConfig
+from xorl.nn.lora import is_adapter_name
 from xorl.plans.pipeline_parallel import layer_ranges, num_stages, stage_indices
 
 # Zero-bubble schedules: the stage stays gathered (xorl/plans/pipeline_parallel.py).
@@ -119,8 +124,15 @@ TP_SHARD_DIM = {
     "self_attn.q_b_proj.weight": 0, "self_attn.kv_b_proj.weight": 0,  # latent attention's per-head up-projections
     **{f"mlp.{x}_proj.{kind}": 0 for x in ("gate", "up", "gate_up") for kind in ("weight", "bias")},
     "mlp.down_proj.weight": 1,
+    # LoRA adapters split to match their base (xorl/nn/tensor_parallel.py): B with a column base, A with a row base.
+    **{f"self_attn.{x}_proj.lora_B": 0 for x in ("q", "k", "v")},
+    **{f"mlp.{x}_proj.lora_B": 0 for x in ("gate", "up")},
+    "self_attn.o_proj.lora_A": 1,
+    "mlp.down_proj.lora_A": 1,
 }
-EXPERT_PARAMS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+EXPERT_PARAMS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj",
+                 # LoRA's per-expert adapters, [E, ...] and split like the experts (xorl/nn/lora.py)
+                 *(f"mlp.experts.lora_{w}.lora_{x}" for w in ("gate_up_proj", "down_proj") for x in "AB"))
 PRECISIONS = {"fp32-master": (4, 4, 8), "fp16": (2, 2, 4)}  # bytes per parameter: weights, grads, optimizer
 WORKSPACE_BYTES = 256 * 2**20
 # ASSUMPTION until scripts/plan_calibrate.py measures max_memory_reserved against max_memory_allocated
@@ -187,8 +199,10 @@ def _shapes(model_fields: tuple) -> ModelShapes:
 
 
 def model_shapes(model_config) -> ModelShapes:
-    def hashable(v):  # lru_cache keys: lists as tuples, dicts (rope_scaling) as tagged item tuples
-        return tuple(v) if isinstance(v, list) else ("__dict__", tuple(sorted(v.items()))) if isinstance(v, dict) else v
+    def hashable(v):  # lru_cache keys: lists as tuples, dicts (rope_scaling, lora) as tagged item tuples
+        if isinstance(v, dict):
+            return ("__dict__", tuple(sorted((k, hashable(x)) for k, x in v.items())))
+        return tuple(v) if isinstance(v, list) else v
 
     return _shapes(tuple(sorted((k, hashable(v)) for k, v in dataclasses.asdict(model_config).items())))
 
@@ -222,6 +236,7 @@ class RankParams:
     """Parameter counts of one pipeline rank at one sharding index."""
 
     local: int  # elements held (sharded)
+    trainable: int  # of those, the ones with gradients and optimizer state (LoRA: the adapters alone)
     layers: tuple[int, ...]  # the decoder layers it runs
     stage_layers: tuple[int, ...]  # layers per stage it runs
     largest_layer_unsharded: int  # TP/EP-local elements of its largest layer (what FSDP all-gathers)
@@ -242,18 +257,25 @@ def rank_params(shapes: ModelShapes, p: ParallelConfig, schedule: str, virtual: 
     else:
         stages, has_first, has_last = [range(len(shapes.layers))], True, True
     layers = [i for stage in stages for i in stage]
-    per_kind = [(sum(local_numel(n, s, p, fsdp, shard_rank) for n, s in kind), kind_numel(kind, p))
-                for kind in shapes.kinds]
-    local = unsharded = largest = 0
+    lora = any(is_adapter_name(n) for kind in shapes.kinds for n, _ in kind)
+
+    def trains(name: str) -> bool:  # under LoRA only the adapters (the base is frozen: xorl/nn/lora.py)
+        return not lora or is_adapter_name(name)
+
+    per_kind = [(sum(local_numel(n, s, p, fsdp, shard_rank) for n, s in kind), kind_numel(kind, p),
+                 sum(local_numel(n, s, p, fsdp, shard_rank) for n, s in kind if trains(n))) for kind in shapes.kinds]
+    local = unsharded = largest = trainable = 0
     for i in layers:
-        held, full = per_kind[shapes.layer_kind[i]]
+        held, full, train = per_kind[shapes.layer_kind[i]]
         local += held
         unsharded += full
+        trainable += train
         largest = max(largest, full)
     root = [*(shapes.first if has_first else ()), *(shapes.last if has_last else ())]
     root_local = sum(local_numel(n, s, p, fsdp, shard_rank) for n, s in root)
     root_full = sum(local_numel(n, s, p, False, 0) for n, s in root)  # TP-local: vocab-parallel when TP divides V
-    return RankParams(local + root_local, tuple(layers), tuple(len(s) for s in stages), largest, root_full,
+    trainable += sum(local_numel(n, s, p, fsdp, shard_rank) for n, s in root if trains(n))
+    return RankParams(local + root_local, trainable, tuple(layers), tuple(len(s) for s in stages), largest, root_full,
                       unsharded + root_full, has_first, has_last)
 
 
@@ -420,8 +442,13 @@ def estimate(config, p: ParallelConfig, shapes: ModelShapes, pp_rank: int, preci
     fsdp = train.data_parallel_mode == "fsdp2"
     schedule, v = train.pipeline_parallel_schedule, train.virtual_pipeline_stages
     rp = rank_params(shapes, p, schedule, v, pp_rank, fsdp)
-    params, grads, optimizer = state_bytes(rp.local, precision)
     a = 2 if fsdp and train.dtype == "bfloat16" else 4
+    # LoRA: the frozen base in the compute dtype (cast_frozen_, xorl/nn/lora.py); its gradients and
+    # optimizer state are the adapters' alone.
+    frozen = rp.local - rp.trainable
+    params = state_bytes(rp.trainable, precision)[0] + (frozen * a if frozen and precision == "fp32-master"
+                                                        else state_bytes(frozen, precision)[0])
+    _, grads, optimizer = state_bytes(rp.trainable, precision)
     t = data.micro_batch_size * data.seq_len // p.cp
     m = train.gradient_accumulation_steps
     sp = train.sequence_parallel and p.tp > 1
@@ -469,7 +496,7 @@ def estimate(config, p: ParallelConfig, shapes: ModelShapes, pp_rank: int, preci
     # 4 bytes per local parameter, once the activations are freed).
     at_loss = held + loss + gathered
     at_layer = held + logits_held + work + gathered + grad_buffers
-    at_end = grads + 4 * rp.local
+    at_end = grads + 4 * rp.trainable
     activations = held + (loss if at_loss >= at_layer else logits_held + work)
     peak = max(at_loss, at_layer, at_end) + fixed
     # Buckets: grads are the exact gradient bytes (held at the end); other is what the peak holds
