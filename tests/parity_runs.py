@@ -127,28 +127,20 @@ def train_with_nan_at(config: Config, bad_step: int) -> str:
     """Make the loss NaN at ``bad_step``; return the error message the trainer stops with."""
     import xorl.trainer as trainer_module
 
-    original = trainer_module.token_loss_sum
     trainer = trainer_module.Trainer(config)
-
-    def poisoned(logits, labels):
-        out = original(logits, labels)
-        return out * float("nan") if trainer.step == bad_step else out
 
     def poison_output(module, args, kwargs, out):  # the model computes its own loss_sum (fused or not)
         if trainer.step == bad_step and getattr(out, "loss_sum", None) is not None:
             out.loss_sum = out.loss_sum * float("nan")
         return out
 
-    trainer_module.token_loss_sum = poisoned  # the pipelined path's loss
-    handle = trainer.model.register_forward_hook(poison_output, with_kwargs=True) if hasattr(trainer, "model") else None
+    handle = trainer.model.register_forward_hook(poison_output, with_kwargs=True)
     try:
         trainer.train()
     except trainer_module.NonFiniteLossError as err:
         return str(err)
     finally:
-        trainer_module.token_loss_sum = original
-        if handle is not None:
-            handle.remove()
+        handle.remove()
     raise AssertionError("the trainer did not stop on a NaN loss")
 
 

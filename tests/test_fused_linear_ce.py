@@ -240,6 +240,24 @@ def test_second_backward_through_one_forward_is_refused():
         loss.backward()
 
 
+def test_zero_bubble_replay_with_the_same_gradient():
+    """A zero-bubble pipeline schedule runs the node's backward twice with one captured gradient
+    tensor: the input pass (d_hidden), then the weight pass (d_weight); both must be scale x the true
+    gradients, not scaled twice."""
+    h, w, labels = _case(37, 29, 8, seed=5)
+    scale = 0.37
+    ref_loss, ref_dh, ref_dw = float64_loss_and_grads(h, w, labels, 0.0, scale=scale)
+    h.requires_grad_()
+    w.requires_grad_()
+    loss = fused_linear_cross_entropy(h, w, labels, chunk_size=16)
+    grad = torch.full((), scale)
+    (d_hidden,) = torch.autograd.grad(loss, h, grad, retain_graph=True)
+    (d_weight,) = torch.autograd.grad(loss, w, grad)
+    assert rel_err(loss * scale, ref_loss) < TOL
+    assert rel_err(d_hidden, ref_dh) < TOL
+    assert rel_err(d_weight, ref_dw) < TOL
+
+
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_op_bf16_within_bf16_tolerance(backend):
     """bf16 inputs (the GPU case): chunk logits and their gradient in bf16, d_weight accumulated in bf16."""

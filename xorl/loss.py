@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from xorl.nn.cross_entropy import IGNORE_INDEX, cross_entropy_sum
+from xorl.nn.cross_entropy import IGNORE_INDEX
 
-__all__ = ["IGNORE_INDEX", "count_label_tokens", "token_loss_sum"]
+__all__ = ["IGNORE_INDEX", "count_label_tokens"]
 
 
 def count_label_tokens(microbatches: list[dict], group, device: torch.device) -> torch.Tensor:
@@ -30,7 +30,3 @@ def count_label_tokens(microbatches: list[dict], group, device: torch.device) ->
         dist.all_reduce(total, group=group)
     return total[0]
 
-
-def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of cross-entropies over label tokens, in fp32 (vocabulary-sharded logits too: xorl.nn.cross_entropy)."""
-    return cross_entropy_sum(logits, labels)

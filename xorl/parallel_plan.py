@@ -111,22 +111,21 @@ class ParallelPlan:
                 "cu_seqlens": cp.cu_seqlens, "max_seqlen": cp.max_seqlen, "token_mask": cp.token_mask}
 
     # -- pipeline stages --------------------------------------------------------------------
-    def stage_io_shape(self, row_tokens: int) -> tuple[int, tuple[int, int, int], tuple[int, int, int]]:
-        """(tokens a stage's input ids hold, the hidden-state shape between stages, the logits' shape)
-        for microbatch rows of ``row_tokens`` tokens."""
+    def stage_io_shape(self, row_tokens: int) -> tuple[int, tuple[int, int, int]]:
+        """(tokens a stage's input ids hold, the hidden-state shape between stages) for microbatch rows
+        of ``row_tokens`` tokens. The last stage returns its loss sum, a scalar (plans/pipeline_parallel.py)."""
         config = self.config
         tokens = config.data.micro_batch_size * row_tokens // self.state.cp_size
-        hidden = (1, tokens // self.sequence_shards, config.model.hidden_size)
-        return tokens, hidden, (1, tokens, config.model.vocab_size)
+        return tokens, (1, tokens // self.sequence_shards, config.model.hidden_size)
 
     def build_schedule(self, row_tokens: int, loss_fn, device: torch.device):
         """The pipeline schedule for rows of ``row_tokens`` tokens (stages are built with static shapes)."""
         from xorl.plans.pipeline_parallel import build_schedule
 
-        tokens, hidden_shape, output_shape = self.stage_io_shape(row_tokens)
+        tokens, hidden_shape = self.stage_io_shape(row_tokens)
         example = torch.zeros((1, tokens), dtype=torch.int64)
         return build_schedule(self.pipeline.stage_ids, self.modules, self.state, self.config, device, example,
-                              hidden_shape=hidden_shape, output_shape=output_shape, loss_fn=loss_fn)
+                              hidden_shape=hidden_shape, loss_fn=loss_fn)
 
     def start_pipeline_step(self, side_inputs: list[dict], aux_scale: float, device: torch.device) -> None:
         """The side inputs the stages read for this step's microbatches (plans/pipeline_parallel.py)."""

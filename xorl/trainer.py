@@ -36,7 +36,7 @@ from xorl.export import DEFAULT_MAX_SHARD_BYTES, export_checkpoint
 from xorl.grad_clip import clip_grad_norm_
 from xorl.log_sinks import open_sinks
 from xorl.lora_io import ADAPTER_DIR, save_adapter
-from xorl.loss import count_label_tokens, token_loss_sum
+from xorl.loss import count_label_tokens
 from xorl.memory_report import current_host_bytes, peak_host_bytes, report_startup, reset_peak_host_bytes
 from xorl.metrics import MetricsLogger, startup_summary
 from xorl.mfu import mfu
@@ -254,8 +254,8 @@ class Trainer:
         row_tokens = self.config.data.seq_len if row_tokens is None else row_tokens
         self._step_tokens = 1
 
-        def loss_fn(logits, labels):
-            return token_loss_sum(logits, labels) / self._step_tokens
+        def loss_fn(loss_sum, labels):  # the last stage's output: its microbatch's token-loss sum
+            return loss_sum / self._step_tokens
 
         return self.parallel.build_schedule(row_tokens, loss_fn, self.device)
 
@@ -337,12 +337,13 @@ class Trainer:
         """One schedule step over the microbatches; returns this rank's (loss sum, router-loss sum)."""
         plan = self.parallel
         ga = len(microbatches)
-        side = [{"position_ids": mb["position_ids"], "cu_seqlens": mb["cu_seqlens"],
+        side = [{"position_ids": mb["position_ids"], "cu_seqlens": mb["cu_seqlens"], "labels": mb["labels"],
                  "max_seqlen": mb["max_seqlen"], "token_mask": mb.get("token_mask")} for mb in microbatches]
         plan.start_pipeline_step(side, aux_scale=1.0 / (ga * plan.balance_groups), device=self.device)
         self._step_tokens = n_tok.clamp(min=1).to(torch.float32)
         # Looped / V schedules: the first and the last stage may both be on this rank.
         args = (torch.cat([mb["input_ids"] for mb in microbatches]),) if plan.holds_first_stage else ()
+        # The last stage reads its labels as a side input; the schedule still splits a target for loss_fn.
         target = torch.cat([mb["labels"] for mb in microbatches]) if plan.holds_last_stage else None
         losses: list[torch.Tensor] = []
         self.schedule.step(*args, target=target, losses=losses)

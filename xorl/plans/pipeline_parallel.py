@@ -6,9 +6,13 @@ stage owns them), so checkpoints and exports never depend on the split.
 
 Per-microbatch side inputs (position ids, document boundaries) are not passed between stages:
 every pipeline rank reads the same data, so each stage looks them up by microbatch index, which
-the schedule visits in increasing order on every stage. The stage's forward hook turns the
-model's output into the one tensor the schedule passes on (hidden states, or logits on the last
-stage) and attaches MoE router losses to it so their gradients flow without a second loss path.
+the schedule visits in increasing order on every stage. The last stage also reads its microbatch's
+labels that way and computes the loss in the model's forward, as one process does (fused with
+lm_head under model.fused_loss, so no [tokens, vocab] logits are formed; vocabulary-parallel under
+TP): its output is the microbatch's token-loss sum, which the schedule's loss_fn only normalises.
+The stage's forward hook turns the model's output into the one tensor the schedule passes on (hidden
+states, or that loss sum on the last stage) and attaches MoE router losses to it so their gradients
+flow without a second loss path.
 
 Why hooks here (the README's "What is where" lists them): torch.distributed.pipelining calls
 ``stage(*tensors)`` with the tensors it passes between stages only, and sends on the one tensor
@@ -186,14 +190,18 @@ def _prune(model: nn.Module, first_layer: int, last_layer: int, is_first: bool, 
     return stage
 
 
-def _install_stage_hooks(stage: nn.Module, stage_id: int, inputs: MicrobatchInputs) -> None:
+def _install_stage_hooks(stage: nn.Module, stage_id: int, inputs: MicrobatchInputs, is_last: bool) -> None:
     """The two hooks torch's pipelining needs (module docstring): side inputs in, one tensor out."""
 
     def pre(module, args, kwargs):
-        return args, {**kwargs, **inputs.next_for(stage_id)}
+        side = inputs.next_for(stage_id)
+        if not is_last:  # only the stage with lm_head computes the loss
+            side = {k: v for k, v in side.items() if k != "labels"}
+        return args, {**kwargs, **side}
 
     def post(module, args, output):
-        out = output.logits
+        # [1], not a scalar, on the last stage: the schedule concatenates its outputs over microbatches.
+        out = output.loss_sum.reshape(1) if is_last else output.logits
         if output.router_loss is not None:
             inputs.router_loss_sum += output.router_loss.detach().double()
             out = AttachAuxLoss.apply(out, output.router_loss, inputs.aux_scale)
@@ -213,15 +221,17 @@ def split_into_stages(model: nn.Module, state, config) -> PipelineRecord:
     stages = []
     for s in ids:
         stage = _prune(model, *ranges[s], is_first=s == 0, is_last=s == total - 1)
-        _install_stage_hooks(stage, s, inputs)
+        _install_stage_hooks(stage, s, inputs, is_last=s == total - 1)
         stages.append(stage)
     return PipelineRecord(ids, stages, total, inputs)
 
 
 def build_schedule(stage_ids: list[int], stage_modules: list[nn.Module], state, config, device,
-                   example_input: torch.Tensor, hidden_shape: tuple[int, ...], output_shape: tuple[int, ...],
-                   loss_fn):
-    """PipelineStages with static shapes (no shape-inference forward) and the configured schedule."""
+                   example_input: torch.Tensor, hidden_shape: tuple[int, ...], loss_fn):
+    """PipelineStages with static shapes (no shape-inference forward) and the configured schedule.
+
+    The last stage's output is its microbatch's token-loss sum (fp32 [1], module docstring);
+    ``loss_fn(loss_sum, labels)`` turns that (as a scalar) into the loss the schedule backpropagates."""
     train = config.train
     total = num_stages(state.pp_size, train.virtual_pipeline_stages, train.pipeline_parallel_schedule)
     # requires_grad: static stage metadata decides from it whether gradients flow back to the sender.
@@ -229,7 +239,7 @@ def build_schedule(stage_ids: list[int], stage_modules: list[nn.Module], state, 
     stages = []
     for s, module in zip(stage_ids, stage_modules):
         inp = torch.empty(example_input.shape, dtype=example_input.dtype, device="meta") if s == 0 else hidden
-        out = torch.empty(output_shape, device="meta") if s == total - 1 else hidden
+        out = torch.empty((1,), dtype=torch.float32, device="meta") if s == total - 1 else hidden
         stages.append(ShardedGradPipelineStage(
             module, s, total, device, input_args=(inp,), output_args=(out,), group=state.pp_group,
             reshard_per_microbatch=not PIPELINE_SCHEDULES[train.pipeline_parallel_schedule].split_backward,
@@ -238,4 +248,5 @@ def build_schedule(stage_ids: list[int], stage_modules: list[nn.Module], state, 
     cls = getattr(torch_schedules, info.torch_class)
     # scale_grads=False: the loss is already normalised by the global token count (xorl/loss.py).
     stage_arg = stages[0] if info.stages == "one" else stages
-    return cls(stage_arg, n_microbatches=train.gradient_accumulation_steps, loss_fn=loss_fn, scale_grads=False)
+    return cls(stage_arg, n_microbatches=train.gradient_accumulation_steps,
+               loss_fn=lambda loss_sum, labels: loss_fn(loss_sum[0], labels), scale_grads=False)

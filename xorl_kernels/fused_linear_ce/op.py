@@ -118,23 +118,30 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                     torch.addmm(d_weight, logits.T, h, out=d_weight)
             del logits
         ctx.save_for_backward(d_hidden, d_weight)
-        ctx.used = False
+        ctx.scaled_by = None  # the gradient the buffers were scaled by, once backward ran
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        if ctx.used:
+        if ctx.scaled_by is not None and grad_loss is not ctx.scaled_by:
             raise RuntimeError(
                 "fused_linear_cross_entropy: backward ran twice through one forward (retain_graph); its "
                 "gradients are scaled in place, so run the forward again instead"
             )
-        ctx.used = True
         d_hidden, d_weight = ctx.saved_tensors
+        if ctx.scaled_by is not None:
+            # Zero-bubble pipeline schedules run this node twice with the same gradient tensor: the
+            # input pass, then the weight pass from the gradient it captured (torch.distributed.
+            # pipelining's stage_backward_weight). The buffers already hold that product.
+            return d_hidden, d_weight, None, None, None, None, None, None, None
+        ctx.scaled_by = grad_loss
         # Scaled in place: a fresh [V, H] copy would add a parameter-sized buffer at the loss's peak.
+        # Through .data, whose version counter is its own: the saved buffers stay unpackable for that
+        # replay (they are this op's own, so no other saved tensor sees the change).
         scale = grad_loss.to(torch.float32)
         for grad in (d_hidden, d_weight):
             if grad is not None:
-                grad.mul_(scale)
+                grad.data.mul_(scale)
         return d_hidden, d_weight, None, None, None, None, None, None, None
 
 
