@@ -67,7 +67,9 @@ parallel, else 1; h hidden, hq / hkv query / KV width (heads x head_dim), I inte
   vocabulary-parallel, xorl/nn/cross_entropy.py): t x vocab x (a + 12): the logits, the fp32
   log-softmax kept for backward and two fp32 gradient temporaries; without PP the trainer's loop
   holds the logits (a t vocab) in the model's output through the backward, and with m > 1 also
-  while the next microbatch's forward runs. With model.fused_loss (xorl_kernels/fused_linear_ce,
+  while the next microbatch's forward runs. Under PP the last stage computes the loss in its
+  forward too (fused or not) and passes on only the loss sum (xorl/plans/pipeline_parallel.py),
+  so no logits outlive the loss there. With model.fused_loss (xorl_kernels/fused_linear_ce,
   default on) no logits: one chunk's [chunk, vocab] x a (chunk = default_chunk_size there,
   min(t, max(128, next_pow2(ceil(t / ceil(vocab / h)))))), d_hidden a t h and d_weight
   a vocab h, both made in the forward; d_weight is lm_head's gradient, already in the FSDP root
@@ -347,7 +349,8 @@ def loss_bytes(spec, model_config, a: int, t: int, tp: int, loop: bool, m: int, 
                ) -> tuple[float, float]:
     """The loss's buffers on the last stage (see the module docstring): (at the loss, held through the
     layers' backward). ``loop``: the trainer's own microbatch loop (no PP), whose model output keeps
-    the unfused logits until the next microbatch's forward has returned. ``head_grad_counted``: the
+    the unfused logits until the next microbatch's forward has returned; a pipeline stage's output is
+    the loss sum alone. ``head_grad_counted``: the
     lm_head's gradient is already in the FSDP root group's buffers."""
     vocab = spec.vocab_size // vocab_split(spec.vocab_size, tp)
     h = spec.hidden_size
