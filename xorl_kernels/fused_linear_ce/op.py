@@ -13,6 +13,8 @@
   ``d_hidden`` rows and its share of ``d_weight`` (accumulated in the weight's dtype, as the
   weight's own gradient would be). Backward only scales them by the incoming gradient, so no
   logits are recomputed. Under ``torch.no_grad`` (or inputs that need no gradient) they are skipped.
+  A second backward through one forward is refused, except a replay with the same gradient tensor
+  (zero-bubble pipeline schedules run the input pass, then the weight pass from the captured gradient).
 - Vocabulary parallel: ``reduce`` is an object with ``max_(t)`` and ``sum_(t)`` (in-place all-reduces
   over the ranks that share the vocabulary; xorl.nn.cross_entropy builds it from the TP group, so
   this package holds no process group). Per chunk: the row max is all-reduced (MAX), then the
