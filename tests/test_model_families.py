@@ -48,6 +48,13 @@ FAMILIES = {
         first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
         attention_bias=True, head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
                                                            "partial_rotary_factor": 0.5})),
+    # A window (5) shorter than the sequence (24), random sinks and biases (randomize_), a swiglu_limit
+    # low enough that the clamps cut, a non-default alpha, YaRN past its original length (32).
+    "gpt_oss": ("GptOssForCausalLM", "GptOssConfig", dict(
+        num_local_experts=5, num_experts_per_tok=2, head_dim=16, sliding_window=5, swiglu_limit=0.8,
+        swiglu_alpha=1.3, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"rope_type": "yarn", "rope_theta": 1.5e5, "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 32})),
 }
 
 

@@ -9,6 +9,8 @@ with the same forward signature.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -50,10 +52,15 @@ def causal_attention_reference(
     v: torch.Tensor,
     softmax_scale: float,
     cu_seqlens: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Plain-torch causal attention (SDPA with a boolean mask); block-diagonal when cu_seqlens is given.
 
     q [b, s, h, d], k/v [b, s, h_kv, d] with h % h_kv == 0 -> [b, s, h, d].
+    ``window`` W: a query at p attends keys p-W < k <= p only (gpt-oss's sliding layers). ``sinks``
+    [h]: a learned logit per head that joins every row's softmax denominator and attends to nothing
+    (gpt-oss); computed as transformers' eager_attention_forward does (the sink as an extra column).
     """
     b, s, h, _ = q.shape
     h_kv = k.shape[2]
@@ -68,10 +75,25 @@ def causal_attention_reference(
         check_cu_seqlens(cu_seqlens, b, s)
         doc_ids = torch.searchsorted(cu_seqlens[1:].to(q.device), positions, right=True)
         mask = mask & (doc_ids[:, None] == doc_ids[None, :])
+    if window is not None:
+        mask = mask & (positions[:, None] - positions[None, :] < window)
+    if sinks is not None:
+        return _attention_with_sinks(q, k, v, mask, sinks, softmax_scale)
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=softmax_scale
     )
     return out.transpose(1, 2)
+
+
+def _attention_with_sinks(q, k, v, mask, sinks, softmax_scale):
+    """softmax over [scores | sink] per row, the sink column dropped before the product with v."""
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * softmax_scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
+    logits = torch.cat([scores, sink], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(logits, dim=-1)[..., :-1]
+    return torch.einsum("bhqk,bkhd->bqhd", probs.to(v.dtype), v)
 
 
 def _xorl_flash_attn():
@@ -129,8 +151,13 @@ class LocalAttention(nn.Module):
         v: torch.Tensor,
         cu_seqlens: torch.Tensor | None = None,
         max_seqlen: int | None = None,
+        sinks: torch.Tensor | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
+        """``sinks`` [heads] and ``window`` (gpt-oss): see ``causal_attention_reference``."""
         scale = self.softmax_scale if self.softmax_scale is not None else q.shape[-1] ** -0.5
+        if sinks is not None or window is not None:
+            return self._sinks_or_window(q, k, v, scale, cu_seqlens, max_seqlen, sinks, window)
         if self.backend == "flash_attn":
             return _flash_attn_package(q, k, v, scale, cu_seqlens, max_seqlen)
         if self.backend == "xorl" or (self.backend == "auto" and q.is_cuda):
@@ -142,6 +169,19 @@ class LocalAttention(nn.Module):
                     q, k, v, causal=True, softmax_scale=scale, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen
                 )
         return causal_attention_reference(q, k, v, scale, cu_seqlens)
+
+    def _sinks_or_window(self, q, k, v, scale, cu_seqlens, max_seqlen, sinks, window):
+        """xorl's flash attention once it takes sinks / windows (issue 21's kernel part), else the
+        plain-torch path (it holds the [b, h, s, s] scores: CPU tests and short sequences)."""
+        if self.backend == "flash_attn":
+            raise RuntimeError("attn_implementation='flash_attn' (the flash-attn package) has no attention sinks; "
+                               "use 'xorl' or 'sdpa'")
+        if self.backend == "xorl" or (self.backend == "auto" and q.is_cuda):
+            flash_attn = _xorl_flash_attn()
+            if flash_attn is not None and {"sinks", "window"} <= set(inspect.signature(flash_attn).parameters):
+                return flash_attn(q, k, v, causal=True, softmax_scale=scale, cu_seqlens=cu_seqlens,
+                                  max_seqlen=max_seqlen, sinks=sinks, window=window)
+        return causal_attention_reference(q, k, v, scale, cu_seqlens, sinks, window)
 
     def extra_repr(self) -> str:
         return f"backend={self.backend}"
@@ -158,7 +198,7 @@ class Attention(nn.Module):
     rank exactly its q, k and v heads, whatever the TP size (a checkpoint resumes on any TP), and
     each rank runs one GEMM for all three. HF files keep q_proj / k_proj / v_proj (hf_io converts)."""
 
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, layer_idx: int = 0):
         super().__init__()
         self.head_dim = spec.head_dim
         self.merge_qkv = spec.merge_qkv
@@ -187,6 +227,10 @@ class Attention(nn.Module):
         # replaces this module and takes the ring-step kernel from the same table).
         backend = attention_backend(spec.attn_implementation).local
         self.core_attention: nn.Module = LocalAttention(softmax_scale=spec.head_dim**-0.5, backend=backend)
+        # gpt-oss: a learned logit per query head in every softmax row, and a sliding window on
+        # the layers layer_types marks (spec.attention_window); both go to the core attention.
+        self.sinks = nn.Parameter(torch.empty(spec.num_attention_heads)) if spec.family.attention_sinks else None
+        self.window = spec.attention_window(layer_idx)
 
     def forward(
         self,
@@ -214,5 +258,10 @@ class Attention(nn.Module):
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = self.core_attention(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+        extra = {}
+        if self.sinks is not None:
+            extra["sinks"] = self.sinks
+        if self.window is not None:
+            extra["window"] = self.window
+        out = self.core_attention(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, **extra)
         return self.o_proj(out.reshape(batch, seq, -1))

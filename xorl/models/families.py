@@ -22,6 +22,7 @@ _FAMILY_MODULES = {
     "mixtral": "xorl.models.mixtral",
     "olmoe": "xorl.models.olmoe",
     "glm4_moe": "xorl.models.glm4_moe",
+    "gpt_oss": "xorl.models.gpt_oss",
 }
 MODEL_TYPES = tuple(_FAMILY_MODULES)
 assert set(MODEL_TYPES) == set(ALL), "schema.ALL and the family table must list the same families"

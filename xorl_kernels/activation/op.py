@@ -84,3 +84,15 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, backend: str | None = None) 
     if gate.shape != up.shape or gate.dtype != up.dtype:
         raise ValueError(f"swiglu: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} must match")
     return torch.ops.xorl.swiglu(gate, up, backend)
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU ``(up.clamp(-limit, limit) + 1) * g * sigmoid(alpha * g)``, with
+    ``g = gate.clamp(max=limit)``. Plain torch on every device for now (torch.compile fuses its few
+    elementwise ops); a fused kernel would follow ``swiglu``'s."""
+    from xorl_kernels.activation.reference import clamped_swiglu_reference
+
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(f"clamped_swiglu: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} "
+                         f"{up.dtype} must match")
+    return clamped_swiglu_reference(gate, up, alpha, limit)

@@ -19,3 +19,12 @@ def swiglu_backward_reference(dy, gate, up):
     dgate = d * u * s * (1 + g * (1 - s))
     dup = d * g * s
     return dgate.to(gate.dtype), dup.to(up.dtype)
+
+
+def clamped_swiglu_reference(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's expert activation (transformers' GptOssExperts._apply_gate, same ops and order):
+    gate clamped above at ``limit``, up to [-limit, limit], then ``(up + 1) * gate * sigmoid(alpha * gate)``.
+    Differentiable by autograd (the clamps pass no gradient where they cut)."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
