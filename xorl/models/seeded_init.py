@@ -65,7 +65,7 @@ def init_rule(model: nn.Module, raw_name: str, is_buffer: bool) -> str:
     """"ones", "zeros" or "normal" for the tensor ``raw_name`` of ``model``."""
     module_name, _, leaf = raw_name.rpartition(".")
     owner = model.get_submodule(module_name) if module_name else model
-    if is_buffer or leaf == "bias":
+    if is_buffer or leaf == "bias" or leaf.endswith("_bias"):  # gpt-oss experts: gate_up_proj_bias, down_proj_bias
         return "zeros"
     if isinstance(owner, RMSNorm):
         return "ones"

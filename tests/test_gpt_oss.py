@@ -1,0 +1,157 @@
+"""gpt-oss pieces beyond the family parity (tests/test_model_families.py): MXFP4 expert weights
+read by dequantising on load, box by box; the clamped SwiGLU; routing with the router's bias.
+
+The MXFP4 reference is written out here: each nibble decoded from its bits (sign, 2 exponent bits,
+1 mantissa bit of e2m1) times 2 ** (scale - 127) in float64, sharing nothing with the dequantiser,
+and transformers' own convert_moe_packed_tensors where it imports on this machine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+transformers = pytest.importorskip("transformers")
+
+import xorl.models  # noqa: E402
+from tests.test_model_families import hf_checkpoint, rel_err  # noqa: E402
+from xorl.models.mxfp4 import dequantize_mxfp4, quantize_mxfp4  # noqa: E402
+
+
+def decode_e2m1_float64(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """[..., G, 16] bytes, [..., G] exponents -> [..., G * 32] float64, bit by bit."""
+    nibbles = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).long()  # low nibble first
+    sign = torch.where(nibbles & 8 > 0, -1.0, 1.0).double()
+    exponent, mantissa = (nibbles >> 1) & 3, (nibbles & 1).double()
+    magnitude = torch.where(exponent == 0, 0.5 * mantissa, 2.0 ** (exponent.double() - 1) * (1 + 0.5 * mantissa))
+    value = sign * magnitude * 2.0 ** (scales.double() - 127).unsqueeze(-1)
+    return value.flatten(-2)
+
+
+def random_mxfp4(shape_rows: tuple[int, ...], in_features: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (*shape_rows, in_features // 32, 16), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(118, 132, (*shape_rows, in_features // 32), generator=gen, dtype=torch.uint8)
+    return blocks, scales
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantize_matches_bitwise_decode_and_transformers(dtype):
+    blocks, scales = random_mxfp4((3, 10), 96, seed=0)
+    ours = dequantize_mxfp4(blocks, scales, dtype)
+    assert ours.shape == (3, 10, 96) and ours.dtype == dtype
+    # e2m1 values times powers of two are exact in bf16 and fp32 at these exponents.
+    assert torch.equal(ours.double(), decode_e2m1_float64(blocks, scales))
+    try:
+        from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    except ImportError:  # pragma: no cover - depends on the installed transformers
+        return
+    theirs = convert_moe_packed_tensors(blocks, scales, dtype=dtype)  # [E, in, out]
+    assert torch.equal(ours.transpose(1, 2), theirs)
+
+
+def test_quantize_round_trip():
+    """Values already on the MXFP4 grid come back exactly; random ones within half a grid step."""
+    blocks, scales = random_mxfp4((4, 6), 64, seed=1)
+    exact = decode_e2m1_float64(blocks, scales).float()
+    b2, s2 = quantize_mxfp4(exact)
+    assert torch.equal(dequantize_mxfp4(b2, s2, torch.float32), exact)
+    w = torch.randn(5, 7, 64, generator=torch.Generator().manual_seed(2))
+    back = dequantize_mxfp4(*quantize_mxfp4(w), torch.float32)
+    step = 2.0 ** (quantize_mxfp4(w)[1].double() - 127)  # the grid's largest step per block (6 -> 4: 2 x scale)
+    err = (back.double() - w.double()).abs().view(5, 7, 2, 32)
+    assert bool((err <= step.unsqueeze(-1) + 1e-12).all())
+    assert rel_err(back, w) < 0.2
+
+
+def mxfp4_folder(tmp_path, seed: int = 1):
+    """transformers' tiny gpt-oss checkpoint with its experts re-stored as MXFP4 blocks and scales
+    (quantised here); returns (HF model holding the dequantised weights, folder)."""
+    hf = hf_checkpoint("gpt_oss", tmp_path / "hf", seed=seed, intermediate_size=64, hidden_size=64)
+    path = tmp_path / "hf" / "model.safetensors"
+    tensors = load_file(path)
+    with torch.no_grad():
+        for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+            blocks, scales = quantize_mxfp4(tensors.pop(name).transpose(1, 2).contiguous())  # [E, out, in]
+            tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+            module, attr = name.rsplit(".", 1)
+            dequantized = dequantize_mxfp4(blocks, scales, torch.float32).transpose(1, 2)
+            getattr(hf.get_submodule(module), attr).copy_(dequantized)
+    save_file(tensors, path, metadata={"format": "pt"})
+    return hf, tmp_path / "hf"
+
+
+def test_mxfp4_checkpoint_loads_to_transformers_logits(tmp_path):
+    hf, folder = mxfp4_folder(tmp_path)
+    ours = xorl.models.from_pretrained(str(folder), dtype=torch.float32).eval()
+    ids = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert rel_err(ours(ids).logits, hf(input_ids=ids).logits) < 1e-5
+        xorl.models.save_pretrained(ours, str(tmp_path / "dense"))  # export: dense, interleaved
+        back = transformers.GptOssForCausalLM.from_pretrained(tmp_path / "dense", attn_implementation="eager")
+        assert rel_err(back(input_ids=ids).logits, hf(input_ids=ids).logits) < 1e-5
+
+
+def test_mxfp4_boxes_read_only_what_a_shard_holds(tmp_path):
+    """An FSDP / EP shard's box (a range of experts, of in rows and of out columns) equals that box
+    of the whole dequantised tensor, reading only the MXFP4 blocks around it."""
+    from xorl.distributed.shard_box import ShardBox
+    from xorl.models.hf_io import FileNames, _plan, _SliceReader
+
+    hf, folder = mxfp4_folder(tmp_path)
+    ours = xorl.models.from_pretrained(str(folder), dtype=torch.float32)
+    reader = _SliceReader(str(folder), FileNames(ours.spec))
+    reads = []
+    plain = reader.__call__
+
+    def counting(key, index):
+        out = plain(key, index)
+        reads.append((key, out.numel()))
+        return out
+
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    recipe = _plan([name, name + "_bias", "model.layers.1.mlp.experts.down_proj"], set(reader.file_of), False,
+                   ours.spec)
+    full = dict(ours.named_parameters())
+    for target, offset, shape in ((name, (1, 33, 50), (3, 20, 40)), (name + "_bias", (2, 60), (2, 50)),
+                                  ("model.layers.1.mlp.experts.down_proj", (4, 0, 10), (1, 64, 30))):
+        global_shape = tuple(full[target].shape)
+        box = ShardBox(global_shape, offset, shape)
+        dest = torch.full(shape, float("nan"))
+        reads.clear()
+        recipe[target].fill(counting, dest, box)
+        assert torch.equal(dest, full[target].detach()[box.slices]), target
+        if target.endswith("gate_up_proj"):  # 3 experts x 40 out rows x the 32-value blocks over in 33..52
+            assert sum(n for k, n in reads if k.endswith("_blocks")) <= 3 * 41 * 2 * 16
+    reader.close()
+
+
+def test_clamped_swiglu_matches_transformers_apply_gate():
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    from xorl_kernels.activation.op import clamped_swiglu
+
+    config = transformers.GptOssConfig(hidden_size=8, intermediate_size=16, num_local_experts=2, swiglu_limit=1.5,
+                                       swiglu_alpha=1.3)
+    gate_up = 3 * torch.randn(40, 32, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    ref = GptOssExperts(config)._apply_gate(gate_up.clone().requires_grad_(True))
+    x = gate_up.clone().requires_grad_(True)
+    out = clamped_swiglu(x[:, ::2], x[:, 1::2], alpha=1.3, limit=1.5)
+    assert (gate_up[:, ::2] > 1.5).any() and (gate_up[:, 1::2].abs() > 1.5).any()
+    assert torch.allclose(out, ref, rtol=0, atol=1e-14)
+    dy = torch.randn_like(out)
+    (dx,) = torch.autograd.grad(out, x, dy)
+    g = gate_up.clone().requires_grad_(True)
+    (dref,) = torch.autograd.grad(GptOssExperts(config)._apply_gate(g), g, dy)
+    assert torch.allclose(dx, dref, rtol=0, atol=1e-14)
+
+
+def test_router_with_bias_matches_gpt_oss_topk_router(tmp_path):
+    hf = hf_checkpoint("gpt_oss", tmp_path / "hf", seed=6)
+    ours = xorl.models.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
+    x = torch.randn(64, 48, generator=torch.Generator().manual_seed(7))
+    routed = ours.model.layers[0].mlp.gate(x)
+    _, ref_weights, ref_ids = hf.model.layers[0].mlp.router(x)
+    assert torch.equal(routed.expert_ids, ref_ids)
+    assert rel_err(routed.weights, ref_weights) < 1e-6
