@@ -28,6 +28,11 @@ MODELS = {
     "glm4_moe": dict(model_type="glm4_moe", **_MOE, num_hidden_layers=4, first_k_dense_replace=1,
                      shared_expert_intermediate_size=32, router_n_group=2, router_topk_group=1,
                      routed_scaling_factor=2.0, attention_bias=True, partial_rotary_factor=0.5),
+    # Windows (8) shorter than the sequence (32) on the even layers, sinks, q/k/v/o, router and expert
+    # biases, a swiglu_limit the tiny model's gates cross, YaRN past original_max_position_embeddings.
+    "gpt_oss": dict(model_type="gpt_oss", **_MOE, sliding_window=8, attention_bias=True, swiglu_limit=0.1,
+                    rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                  "truncate": False, "original_max_position_embeddings": 8}),
 }
 
 

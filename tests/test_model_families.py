@@ -176,6 +176,25 @@ PUBLISHED = {
         first_k_dense_replace=1, routed_scaling_factor=1.0, norm_topk_prob=True, partial_rotary_factor=0.5,
         attention_bias=True, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=1000000.0,
         use_qk_norm=False, num_nextn_predict_layers=1, tie_word_embeddings=False), None),
+    # The released config.json (MXFP4 experts: quantization_config), model card: 116.83B / 20.91B parameters.
+    "gpt-oss-120b": ("GptOssForCausalLM", dict(
+        model_type="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=36,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=128, num_experts_per_tok=4,
+        experts_per_token=4, attention_bias=True, sliding_window=128, swiglu_limit=7.0, initial_context_length=4096,
+        layer_types=["sliding_attention", "full_attention"] * 18, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        rope_theta=150000, rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                         "truncate": False, "original_max_position_embeddings": 4096},
+        router_aux_loss_coef=0.9, tie_word_embeddings=False, quantization_config={
+            "quant_method": "mxfp4", "modules_to_not_convert": [
+                "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}),
+        116_829_156_672),
+    "gpt-oss-20b": ("GptOssForCausalLM", dict(
+        model_type="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4,
+        attention_bias=True, sliding_window=128, swiglu_limit=7.0, max_position_embeddings=131072,
+        rms_norm_eps=1e-5, rope_theta=150000, rope_scaling={
+            "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+            "original_max_position_embeddings": 4096}, tie_word_embeddings=False), 20_914_757_184),
 }
 
 

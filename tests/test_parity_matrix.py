@@ -72,6 +72,8 @@ LAYOUTS = [
      dict(data_parallel_shard_size=2, tensor_parallel_size=2, sequence_parallel=True, expert_parallel_size=4)),
     ("glm4.5 pp2 x ep2 x fsdp2, dense first layer", 4, "glm4_moe",
      dict(data_parallel_shard_size=2, pipeline_parallel_size=2, expert_parallel_size=2)),
+    ("gpt_oss ep2 (sinks, windows, router / expert biases, clamped SwiGLU)", 2, "gpt_oss",
+     dict(data_parallel_shard_size=2, expert_parallel_size=2)),
 ]
 
 

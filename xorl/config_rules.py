@@ -101,6 +101,12 @@ def _parallel_model_problems(m: Any, p: ParallelConfig) -> list[str]:
             "a token, and tensor parallelism gives each rank only its own heads, so the norm would see a part of "
             "the width; use tensor_parallel_size: 1 (shard with FSDP / EP / CP instead)"
         )
+    if m.model_type in _MODEL_TYPES and family(m.model_type).attention_sinks and p.cp > 1:
+        problems.append(
+            f"train.ringattn_parallel_size={p.ring} x ulysses_parallel_size={p.ulysses} with model_type="
+            f"{m.model_type!r}: context parallelism does not take attention sinks and sliding windows yet "
+            "(issue 21); use ringattn_parallel_size: 1 and ulysses_parallel_size: 1"
+        )
     if p.tp > 1:
         if not tp_divides_heads:
             problems.append(
