@@ -14,6 +14,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from xorl.models.layers import RMSNorm, apply_rotary
 from xorl.models.spec import ModelSpec
@@ -259,8 +260,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         extra = {}
-        if self.sinks is not None:
-            extra["sinks"] = self.sinks
+        if self.sinks is not None:  # under tensor parallelism a DTensor over the heads: this rank's heads
+            extra["sinks"] = self.sinks.to_local() if isinstance(self.sinks, DTensor) else self.sinks
         if self.window is not None:
             extra["window"] = self.window
         out = self.core_attention(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, **extra)
