@@ -2,14 +2,13 @@
 
 The split is the plug point for context parallelism: ``Attention`` computes q, k, v as
 [batch, seq, heads, head_dim] and calls ``self.core_attention(q, k, v, cu_seqlens=..., max_seqlen=...)``
-(causal, k/v may have fewer heads). ``LocalAttention`` is the single-device default;
+(causal, k/v may have fewer heads, v may have its own head dim), adding ``sinks=`` (the layer's
+parameter) and ``window=`` when the layer has them. ``LocalAttention`` is the single-device default;
 RingAttention / UlyssesAttention / ContextParallelAttention (xorl.nn) replace ``core_attention``
 with the same forward signature.
 """
 
 from __future__ import annotations
-
-import inspect
 
 import torch
 import torch.nn.functional as F
@@ -58,10 +57,10 @@ def causal_attention_reference(
 ) -> torch.Tensor:
     """Plain-torch causal attention (SDPA with a boolean mask); block-diagonal when cu_seqlens is given.
 
-    q [b, s, h, d], k/v [b, s, h_kv, d] with h % h_kv == 0 -> [b, s, h, d].
-    ``window`` W: a query at p attends keys p-W < k <= p only (gpt-oss's sliding layers). ``sinks``
-    [h]: a learned logit per head that joins every row's softmax denominator and attends to nothing
-    (gpt-oss); computed as transformers' eager_attention_forward does (the sink as an extra column).
+    q [b, s, h, d], k [b, s, h_kv, d], v [b, s, h_kv, d_v] with h % h_kv == 0 -> [b, s, h, d_v].
+    ``window``: a query at position p (inside its document) sees keys p - window < k <= p.
+    ``sinks`` [h]: one more logit per head in every row's softmax denominator (gpt-oss); SDPA has
+    no such input, so with sinks the softmax is written out (same mask, O(s²) memory like SDPA's).
     """
     b, s, h, _ = q.shape
     h_kv = k.shape[2]
@@ -76,25 +75,17 @@ def causal_attention_reference(
         check_cu_seqlens(cu_seqlens, b, s)
         doc_ids = torch.searchsorted(cu_seqlens[1:].to(q.device), positions, right=True)
         mask = mask & (doc_ids[:, None] == doc_ids[None, :])
-    if window is not None:
+    if window is not None:  # within one document index differences are position differences
         mask = mask & (positions[:, None] - positions[None, :] < window)
-    if sinks is not None:
-        return _attention_with_sinks(q, k, v, mask, sinks, softmax_scale)
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=softmax_scale
-    )
-    return out.transpose(1, 2)
-
-
-def _attention_with_sinks(q, k, v, mask, sinks, softmax_scale):
-    """softmax over [scores | sink] per row, the sink column dropped before the product with v."""
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * softmax_scale
+    qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if sinks is None:
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=softmax_scale)
+        return out.transpose(1, 2)
+    scores = torch.matmul(qh, kh.transpose(-1, -2)) * softmax_scale
     scores = scores.masked_fill(~mask, float("-inf"))
-    sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
-    logits = torch.cat([scores, sink], dim=-1)
-    logits = logits - logits.max(dim=-1, keepdim=True).values
-    probs = torch.softmax(logits, dim=-1)[..., :-1]
-    return torch.einsum("bhqk,bkhd->bqhd", probs.to(v.dtype), v)
+    sink = sinks.to(scores.dtype).view(1, h, 1, 1).expand(b, h, s, 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs.to(vh.dtype), vh).transpose(1, 2)
 
 
 def _xorl_flash_attn():
@@ -136,6 +127,11 @@ class LocalAttention(nn.Module):
     tensors, plain torch (SDPA) on CPU; "sdpa": always plain torch; "xorl": always
     xorl_kernels.flash_attn (which itself runs its plain-torch reference on CPU); "flash_attn":
     the flash-attn pip package.
+
+    Per call, as for the context-parallel attentions that replace it: ``sinks`` [heads] (the
+    attention layer's parameter) and ``window`` (causal sliding window). v may be narrower or
+    wider than q/k (MLA). The flash-attn package takes neither sinks nor windows here (refused;
+    config_rules refuses the combination before start).
     """
 
     def __init__(self, softmax_scale: float | None = None, backend: str = "auto"):
@@ -155,33 +151,32 @@ class LocalAttention(nn.Module):
         sinks: torch.Tensor | None = None,
         window: int | None = None,
     ) -> torch.Tensor:
-        """``sinks`` [heads] and ``window`` (gpt-oss): see ``causal_attention_reference``."""
         scale = self.softmax_scale if self.softmax_scale is not None else q.shape[-1] ** -0.5
-        if sinks is not None or window is not None:
-            return self._sinks_or_window(q, k, v, scale, cu_seqlens, max_seqlen, sinks, window)
+        if sinks is not None and tuple(sinks.shape) != (q.shape[2],):
+            raise ValueError(f"sinks must be [heads_q] = [{q.shape[2]}], got {tuple(sinks.shape)}")
+        if window is not None and window < 1:
+            raise ValueError(f"window={window}: a sliding window sees at least the query itself (>= 1)")
         if self.backend == "flash_attn":
+            if sinks is not None or window is not None:
+                raise ValueError(
+                    "attn_implementation='flash_attn' (the flash-attn package) is not wired for attention "
+                    "sinks or sliding windows; use attn_implementation: xorl (or sdpa)"
+                )
             return _flash_attn_package(q, k, v, scale, cu_seqlens, max_seqlen)
         if self.backend == "xorl" or (self.backend == "auto" and q.is_cuda):
             flash_attn = _xorl_flash_attn()
             if flash_attn is None and self.backend == "xorl":
                 raise RuntimeError("attn_implementation='xorl' but xorl_kernels.attention.op is not available")
             if flash_attn is not None:
+                extra = {}  # only when set: the call without them is today's, on any kernel version
+                if sinks is not None:
+                    extra["sinks"] = sinks
+                if window is not None:
+                    extra["window"] = int(window)
                 return flash_attn(
-                    q, k, v, causal=True, softmax_scale=scale, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen
+                    q, k, v, causal=True, softmax_scale=scale, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                    **extra,
                 )
-        return causal_attention_reference(q, k, v, scale, cu_seqlens)
-
-    def _sinks_or_window(self, q, k, v, scale, cu_seqlens, max_seqlen, sinks, window):
-        """xorl's flash attention once it takes sinks / windows (issue 21's kernel part), else the
-        plain-torch path (it holds the [b, h, s, s] scores: CPU tests and short sequences)."""
-        if self.backend == "flash_attn":
-            raise RuntimeError("attn_implementation='flash_attn' (the flash-attn package) has no attention sinks; "
-                               "use 'xorl' or 'sdpa'")
-        if self.backend == "xorl" or (self.backend == "auto" and q.is_cuda):
-            flash_attn = _xorl_flash_attn()
-            if flash_attn is not None and {"sinks", "window"} <= set(inspect.signature(flash_attn).parameters):
-                return flash_attn(q, k, v, causal=True, softmax_scale=scale, cu_seqlens=cu_seqlens,
-                                  max_seqlen=max_seqlen, sinks=sinks, window=window)
         return causal_attention_reference(q, k, v, scale, cu_seqlens, sinks, window)
 
     def extra_repr(self) -> str:
@@ -228,10 +223,14 @@ class Attention(nn.Module):
         # replaces this module and takes the ring-step kernel from the same table).
         backend = attention_backend(spec.attn_implementation).local
         self.core_attention: nn.Module = LocalAttention(softmax_scale=spec.head_dim**-0.5, backend=backend)
-        # gpt-oss: a learned logit per query head in every softmax row, and a sliding window on
-        # the layers layer_types marks (spec.attention_window); both go to the core attention.
-        self.sinks = nn.Parameter(torch.empty(spec.num_attention_heads)) if spec.family.attention_sinks else None
-        self.window = spec.attention_window(layer_idx)
+        # ``sinks`` (a learned logit per query head, gpt-oss; HF name ``sinks``) and this layer's
+        # sliding ``window`` go to the core attention in every call; a family that has them sets
+        # them here. Under context parallelism each rank's sinks gradient covers its own query
+        # rows and the FSDP / DDP reduction over dp_cp sums them, like any replicated parameter.
+        # gpt-oss (family trait attention_sinks; its layer_types say which layers slide).
+        self.sinks: nn.Parameter | None = (nn.Parameter(torch.empty(spec.num_attention_heads))
+                                           if spec.family.attention_sinks else None)
+        self.window: int | None = spec.attention_window(layer_idx)
 
     def forward(
         self,

@@ -36,6 +36,26 @@ def block_head_dim(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
+def qk_chunks(head_dim: int) -> dict[str, int]:
+    """How the q·k head dim is tiled: one padded power-of-two chunk, or two when that is narrower.
+
+    tl.arange needs power-of-two widths, so a 192-wide q·k (MLA) padded to one 256-wide tile
+    would spend a third of its q·k FLOPs and loads on zeros; instead it runs as a 128-wide and a
+    64-wide chunk (two dots summed, two dK/dQ accumulators), with no padding at all. 96 -> 64+32,
+    80 -> 64+16; 24 stays one 32-wide chunk (16+16 is no narrower). The value head dim is one
+    chunk padded to a power of two (block_head_dim): its only products are P·V and dO·Vᵀ, and the
+    MLA value dim (128) is already a power of two. Keys: HEAD_A / BLOCK_A (columns and width of
+    chunk A), HEAD_B / BLOCK_B (chunk B; HEAD_B = 0 means no second chunk, BLOCK_B then only
+    sizes an unused dummy).
+    """
+    full = block_head_dim(head_dim)
+    low = 1 << (head_dim.bit_length() - 1)  # largest power of two <= head_dim
+    rest = head_dim - low
+    if low >= 16 and rest > 0 and low + block_head_dim(rest) < full:
+        return dict(HEAD_A=low, BLOCK_A=low, HEAD_B=rest, BLOCK_B=block_head_dim(rest))
+    return dict(HEAD_A=head_dim, BLOCK_A=full, HEAD_B=0, BLOCK_B=16)
+
+
 def seq_bucket(max_seqlen: int) -> int:
     """Autotune key: configs are re-tuned per power-of-two bucket of the longest document, not per length."""
     return triton.next_power_of_2(max(int(max_seqlen), 16))
@@ -132,6 +152,98 @@ def end_of_pos_at_most(POS, start, length, threshold, SCAN: tl.constexpr):
         pos = tl.load(POS + start + idx, mask=idx < length, other=POS_HIGH)
         result = tl.maximum(result, tl.max(tl.where(pos <= threshold, idx + 1, 0)))
     return result
+
+
+@triton.jit
+def key_range(
+    KPOS, k_start, k_len, q_pos, m_valid, m_start, q_len, window,
+    IS_CAUSAL: tl.constexpr, HAS_POS: tl.constexpr, HAS_WINDOW: tl.constexpr, SCAN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Key loop bounds of one query block (forward and dQ): ``(lo, f0, f1, end, q_lo, q_hi)``.
+
+    Keys [lo, f0) and [f1, end) need the mask, [f0, f1) are visible to every row (mask-free),
+    keys outside [lo, end) are visible to no row and never read. Causal: keys after the last
+    k_pos <= max(q_pos) are skipped, keys up to the first k_pos > min(q_pos) are mask-free. A
+    window W adds: keys before the first k_pos > min(q_pos) - W are skipped, and mask-free keys
+    also need k_pos > max(q_pos) - W. All from the positions, correct for any positions (tight
+    when they ascend inside each document, as zig-zag shards do); without positions, from the
+    indices. q_lo / q_hi: the block's smallest / largest query position (for per-tile skips).
+    """
+    lo = k_len * 0
+    f0 = k_len * 0
+    q_lo = m_start
+    q_hi = tl.minimum(q_len, m_start + BLOCK_M) - 1
+    if IS_CAUSAL:
+        if HAS_POS:
+            q_lo = tl.min(tl.where(m_valid, q_pos, POS_HIGH))
+            q_hi = tl.max(tl.where(m_valid, q_pos, POS_LOW))
+            full_end = (first_pos_above(KPOS, k_start, k_len, q_lo, SCAN) // BLOCK_N) * BLOCK_N
+            end = end_of_pos_at_most(KPOS, k_start, k_len, q_hi, SCAN)
+            if HAS_WINDOW:
+                lo = (first_pos_above(KPOS, k_start, k_len, q_lo - window, SCAN) // BLOCK_N) * BLOCK_N
+                inside_all = end_of_pos_at_most(KPOS, k_start, k_len, q_hi - window, SCAN)
+                f0 = tl.maximum(tl.cdiv(inside_all, BLOCK_N) * BLOCK_N, lo)
+        else:
+            full_end = (tl.minimum(m_start + 1, k_len) // BLOCK_N) * BLOCK_N
+            end = tl.minimum(k_len, q_hi + 1)
+            if HAS_WINDOW:
+                lo = (tl.maximum(q_lo - window + 1, 0) // BLOCK_N) * BLOCK_N
+                inside_all = tl.minimum(tl.maximum(q_hi - window + 1, 0), k_len)
+                f0 = tl.maximum(tl.cdiv(inside_all, BLOCK_N) * BLOCK_N, lo)
+    else:
+        full_end = (k_len // BLOCK_N) * BLOCK_N
+        end = k_len
+    f1 = tl.maximum(full_end, f0)
+    return lo, f0, f1, end, q_lo, q_hi
+
+
+@triton.jit
+def key_tile_visible(KPOS, k_start, k_len, cols, q_lo, q_hi, window, HAS_WINDOW: tl.constexpr):
+    """Whether a masked key tile (arbitrary positions) has a key some row of the block can see."""
+    valid = cols < k_len
+    k_pos = load_positions(KPOS, k_start, cols, valid, True)
+    visible = tl.min(tl.where(valid, k_pos, POS_HIGH)) <= q_hi
+    if HAS_WINDOW:
+        visible = visible & (tl.max(tl.where(valid, k_pos, POS_LOW)) > q_lo - window)
+    return visible
+
+
+_NO_COUNTER: dict[torch.device, torch.Tensor] = {}
+
+
+def no_counter(device: torch.device) -> torch.Tensor:
+    """A stand-in for the tile counter when nothing is counted (never written), one per device."""
+    if device not in _NO_COUNTER:
+        _NO_COUNTER[device] = torch.zeros(3, dtype=torch.int32, device=device)
+    return _NO_COUNTER[device]
+
+
+# Tile audit: while ``count_tiles`` is active the kernels add the (query block, key block) tiles
+# they compute to TILE_COUNTER: [forward, dK/dV backward, dQ backward]. Off (the default) the
+# counting code is not compiled in (a constexpr flag).
+TILE_COUNTER: list[torch.Tensor] = []
+
+
+class count_tiles:  # noqa: N801 - used as a context manager, like torch.no_grad
+    """``with count_tiles(device) as tiles: ...`` then ``tiles.tolist()`` = [fwd, dkdv, dq] tiles."""
+
+    def __init__(self, device) -> None:
+        self.tiles = torch.zeros(3, dtype=torch.int32, device=device)
+
+    def __enter__(self) -> torch.Tensor:
+        TILE_COUNTER.append(self.tiles)
+        return self.tiles
+
+    def __exit__(self, *exc) -> None:
+        TILE_COUNTER.remove(self.tiles)
+
+
+def tile_counter(device: torch.device) -> tuple[torch.Tensor, bool]:
+    """(counter tensor, counting?) for a launch."""
+    if TILE_COUNTER:
+        return TILE_COUNTER[-1], True
+    return no_counter(device), False
 
 
 def scan_block() -> int:

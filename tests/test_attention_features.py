@@ -1,0 +1,333 @@
+"""flash_attn's model-family features against float64 plain torch: head_dim_v != head_dim_qk (MLA),
+attention sinks (gpt-oss) and causal sliding windows, alone and together, on packed documents,
+zig-zag positions and GQA, forward (out, lse) and gradients of q, k, v and the sinks.
+
+The oracle below is written here, independent of attention/reference.py and of the kernels: one
+dense [total_q, total_k] mask from document ids and positions, the sinks as one more column of the
+scores, softmax, matmul, differentiated by torch autograd in float64. A second oracle is
+transformers' own gpt-oss eager attention with a mask from transformers' masking_utils (which
+also pins the window convention). Triton runs compiled on a GPU and under TRITON_INTERPRET=1 on
+the CPU (tests/triton_helpers.py), so shapes stay small; kernel outputs are NaN-poisoned first.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.triton_helpers import triton_device
+from xorl_kernels.attention import common
+from xorl_kernels.attention.merge import merge_attn_states
+from xorl_kernels.attention.op import (
+    apply_sinks,
+    flash_attn,
+    flash_attn_backward,
+    flash_attn_bwd_preprocess,
+    flash_attn_forward,
+    flash_attn_with_lse,
+    sink_grad,
+)
+
+F64 = torch.float64
+BACKENDS = ["reference", "triton"]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    assert torch.isfinite(a).all(), "result has NaN/inf"
+    denom = b.norm()
+    return float((a - b).norm() / (denom if denom > 0 else 1.0))
+
+
+def oracle(q, k, v, doc_q, doc_k, pos_q, pos_k, causal, scale, window=None, sinks=None):
+    """Dense float64 attention on packed q [Tq, Hq, Dqk], v [Tk, Hkv, Dv] -> out [Tq, Hq, Dv], lse [Hq, Tq]."""
+    group = q.shape[1] // k.shape[1]
+    kk, vv = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, kk) * scale
+    allowed = doc_q[:, None] == doc_k[None, :]
+    if causal:
+        allowed &= pos_k[None, :] <= pos_q[:, None]
+    if window is not None:
+        allowed &= pos_k[None, :] > pos_q[:, None] - window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:  # one more column per row: the head's sink logit, no value behind it
+        scores = torch.cat([scores, sinks[:, None, None].expand(-1, q.shape[0], 1)], -1)
+        allowed = torch.cat([allowed, torch.ones_like(allowed[:, :1])], -1)
+    empty = ~allowed.any(-1)  # rows that see nothing (never with sinks)
+    lse_raw = torch.logsumexp(scores.masked_fill(empty[None, :, None], 0.0), -1)
+    lse = lse_raw.masked_fill(empty[None, :], float("-inf"))
+    probs = torch.exp(scores - lse_raw.masked_fill(empty[None, :], 0.0)[..., None])
+    if sinks is not None:
+        probs = probs[..., :-1]
+    return torch.einsum("hqk,khd->qhd", probs, vv), lse
+
+
+def token_meta(cu: torch.Tensor, positions: torch.Tensor | None):
+    lengths = (cu[1:] - cu[:-1]).tolist()
+    doc = torch.cat([torch.full((n,), d) for d, n in enumerate(lengths)])
+    pos = torch.cat([torch.arange(n) for n in lengths]) if positions is None else positions.long()
+    return doc, pos
+
+
+def finite_lse_loss(out, lse, w_out, w_lse):
+    lse_term = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)) * w_lse.to(lse.dtype)
+    return (out * w_out.to(out.dtype)).sum() + lse_term.sum()
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    def alloc(shape, dtype, device):
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    monkeypatch.setattr(common, "alloc_output", alloc)
+
+
+def make_inputs(seed, total_q, total_k, hq, hk, d_qk, d_v, sinks=True):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(total_q, hq, d_qk, generator=gen, dtype=F64)
+    k = torch.randn(total_k, hk, d_qk, generator=gen, dtype=F64)
+    v = torch.randn(total_k, hk, d_v, generator=gen, dtype=F64)
+    s = torch.randn(hq, generator=gen, dtype=F64) * 2 if sinks else None
+    return q, k, v, s
+
+
+def check_case(backend, dtype, q, k, v, sinks, cu_q, cu_k, causal, window=None, pos_q=None, pos_k=None,
+               tol=1e-5, seed=3):
+    """flash_attn_with_lse (packed 3-D) vs the oracle: out, lse, dq, dk, dv, dsinks."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    device = triton_device() if backend == "triton" else torch.device("cpu")
+    leaves = [t.to(device, dtype).requires_grad_() for t in (q, k, v)]
+    if sinks is not None:
+        leaves.append(sinks.to(device, torch.float32 if dtype != F64 else F64).requires_grad_())
+    dev = [None if t is None else t.to(device) for t in (cu_q, cu_k, pos_q, pos_k)]
+    kw = dict(cu_seqlens_q=dev[0], cu_seqlens_k=dev[1], q_positions=dev[2], k_positions=dev[3],
+              causal=causal, window=window, sinks=leaves[3] if sinks is not None else None, backend=backend)
+    out, lse = flash_attn_with_lse(*leaves[:3], **kw)
+    gen = torch.Generator().manual_seed(seed)
+    w_out, w_lse = torch.randn(out.shape, generator=gen, dtype=F64), torch.randn(lse.shape, generator=gen, dtype=F64)
+    grads = torch.autograd.grad(finite_lse_loss(out, lse, w_out.to(device), w_lse.to(device)), leaves)
+
+    ref_leaves = [t.detach().to(dtype).to(F64).requires_grad_() for t in (q, k, v)]
+    if sinks is not None:
+        ref_leaves.append(leaves[3].detach().cpu().to(F64).requires_grad_())
+    doc_q, p_q = token_meta(cu_q, pos_q)
+    doc_k, p_k = token_meta(cu_k, pos_k)
+    ref_out, ref_lse = oracle(*ref_leaves[:3], doc_q, doc_k, p_q, p_k, causal, scale, window,
+                              ref_leaves[3] if sinks is not None else None)
+    ref_grads = torch.autograd.grad(finite_lse_loss(ref_out, ref_lse, w_out, w_lse), ref_leaves)
+
+    assert out.shape == ref_out.shape
+    assert torch.equal(torch.isneginf(lse.cpu()), torch.isneginf(ref_lse)), "rows with no visible key differ"
+    finite = torch.isfinite(ref_lse)
+    assert rel_err(out, ref_out) < tol
+    assert rel_err(lse.cpu()[finite], ref_lse[finite]) < tol
+    for name, g, ref in zip(["q", "k", "v", "sinks"], grads, ref_grads):
+        assert rel_err(g, ref) < tol, f"d{name}: {rel_err(g, ref)}"
+    return out, lse
+
+
+def docs(*lengths):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+# -- every feature, each backend -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_head_dim_v_differs(poisoned, backend, causal):
+    """MLA-like 24 (q·k) / 16 (v), packed uneven documents, GQA 4/2; no sinks, no window."""
+    cu = docs(21, 7, 36)
+    q, k, v, _ = make_inputs(0, 64, 64, 4, 2, 24, 16, sinks=False)
+    check_case(backend, torch.float32, q, k, v, None, cu, cu, causal)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("d_qk, d_v", [(48, 32), (192, 128)])
+def test_head_dim_qk_in_two_chunks(poisoned, backend, d_qk, d_v):
+    """q·k head dims that the Triton kernels run as two power-of-two chunks (48 = 32 + 16; MLA's
+    192 = 128 + 64), with sinks, a window and zig-zag-like ascending positions split in two runs."""
+    assert common.qk_chunks(d_qk)["HEAD_B"] > 0
+    cu = docs(20, 13)
+    pos = torch.cat([torch.arange(20), torch.arange(13)]).int()
+    q, k, v, s = make_inputs(7, 33, 33, 2, 1, d_qk, d_v)
+    check_case(backend, torch.float32, q, k, v, s, cu, cu, True, window=6, pos_q=pos, pos_k=pos)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_sinks(poisoned, backend, causal):
+    """Sinks with packed documents, GQA, q·k 16 / v 32; an empty key document gives out 0, lse = sink."""
+    cu_q, cu_k = docs(19, 5, 24), docs(23, 0, 30)
+    q, k, v, s = make_inputs(1, 48, 53, 4, 1, 16, 32)
+    out, lse = check_case(backend, torch.float32, q, k, v, s, cu_q, cu_k, causal)
+    assert torch.all(out[19:24].cpu() == 0)
+    assert torch.allclose(lse[:, 19:24].cpu().double(), s.float().double()[:, None].expand(-1, 5))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("window", [5, 24, 40])
+def test_window(poisoned, backend, window):
+    """Window smaller than, equal to and larger than the longest document (24), with sinks, GQA and
+    d_qk 24 / d_v 16; documents of 24, 9 and 17 tokens."""
+    cu = docs(24, 9, 17)
+    q, k, v, s = make_inputs(2 + window, 50, 50, 4, 2, 24, 16)
+    check_case(backend, torch.float32, q, k, v, s, cu, cu, True, window=window)
+    check_case(backend, torch.float32, q, k, v, None, cu, cu, True, window=window)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("window", [3, 11])
+def test_window_zigzag_positions(poisoned, backend, window):
+    """A zig-zag shard (two runs of each document, true positions) against its full-sequence keys,
+    rows whose window lies wholly in the other run included; sinks and d_qk != d_v."""
+    lengths, world, rank = [48, 32], 2, 1
+    index, positions, cu_k = [], [], [0]
+    offset = 0
+    for length in lengths:
+        chunk = length // (2 * world)
+        for c in (rank, 2 * world - 1 - rank):
+            index.append(torch.arange(offset + c * chunk, offset + (c + 1) * chunk))
+            positions.append(torch.arange(c * chunk, (c + 1) * chunk))
+        offset += length
+        cu_k.append(offset)
+    pos_q = torch.cat(positions).int()
+    cu_q = docs(*[length // world for length in lengths])
+    pos_k = torch.cat([torch.arange(n) for n in lengths]).int()
+    q, k, v, s = make_inputs(5 + window, pos_q.numel(), sum(lengths), 2, 2, 16, 24)
+    check_case(backend, torch.float32, q, k, v, s, cu_q, torch.tensor(cu_k, dtype=torch.int32), True,
+               window=window, pos_q=pos_q, pos_k=pos_k)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_batched_layout_bf16(poisoned, backend):
+    """Batched [B, S, H, D] layout in bf16 with everything on: d 32/16, GQA, sinks, window 6."""
+    gen = torch.Generator().manual_seed(11)
+    q, k = (torch.randn(2, 40, h, 32, generator=gen) for h in (4, 2))
+    v = torch.randn(2, 40, 2, 16, generator=gen)
+    s = torch.randn(4, generator=gen)
+    device = triton_device() if backend == "triton" else torch.device("cpu")
+    args = [t.to(device, torch.bfloat16) for t in (q, k, v)]
+    out, lse = flash_attn_with_lse(*args, causal=True, window=6, sinks=s.to(device), backend=backend)
+    flat = [t.to(torch.bfloat16).double().reshape(80, *t.shape[2:]) for t in (q, k, v)]
+    cu = docs(40, 40)
+    doc, pos = token_meta(cu, None)
+    ref_out, ref_lse = oracle(*flat, doc, doc, pos, pos, True, 32 ** -0.5, 6, s.double())
+    assert rel_err(out.reshape(80, 4, 16), ref_out) < 1e-2
+    assert rel_err(lse.transpose(0, 1).reshape(4, 80), ref_lse) < 1e-2
+
+
+# -- the ring pieces: steps without sinks, merged, the sink applied once ---------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ring_decomposition_with_sinks_and_window(poisoned, backend):
+    """Keys split in two (as two ring steps), each step's forward without sinks, merge_attn_states,
+    then apply_sinks once; backward: every step with the final lse / delta, sink_grad once. Equals
+    the oracle over all keys, gradients of q, k, v and sinks included."""
+    device = triton_device() if backend == "triton" else torch.device("cpu")
+    total, cut, window = 40, 17, 9
+    q, k, v, s = make_inputs(21, total, total, 4, 2, 24, 16)
+    pos = torch.arange(total, dtype=torch.int32)
+    cu = docs(total)
+    qd, kd, vd, sd = (t.float().to(device) for t in (q, k, v, s))
+    parts = [(0, cut), (cut, total)]
+    mask = dict(causal=True, window=window, backend=backend, q_positions=pos.to(device))
+    merged = None
+    for a, b in parts:
+        step = flash_attn_forward(qd, kd[a:b], vd[a:b], cu_seqlens_q=cu.to(device),
+                                  cu_seqlens_k=docs(b - a).to(device), k_positions=pos[a:b].to(device), **mask)
+        merged = step if merged is None else merge_attn_states(*merged, *step)
+    out, lse = apply_sinks(*merged, sd)
+
+    gen = torch.Generator().manual_seed(4)
+    dout = torch.randn(out.shape, generator=gen, dtype=F64)
+    delta = flash_attn_bwd_preprocess(out, dout.float().to(device), backend=backend)
+    dq = torch.zeros(qd.shape, device=device)
+    dk, dv = torch.zeros(kd.shape, device=device), torch.zeros(vd.shape, device=device)
+    for a, b in parts:
+        flash_attn_backward(dout.float().to(device), qd, kd[a:b], vd[a:b], out, lse, delta,
+                            cu_seqlens_q=cu.to(device), cu_seqlens_k=docs(b - a).to(device),
+                            k_positions=pos[a:b].to(device), dq_accum=dq, dk_accum=dk[a:b], dv_accum=dv[a:b],
+                            **mask)
+    dsinks = sink_grad(lse, delta, sd)
+
+    leaves = [t.float().double().requires_grad_() for t in (q, k, v, s)]
+    doc, p = token_meta(cu, None)
+    ref_out, ref_lse = oracle(*leaves[:3], doc, doc, p, p, True, 24 ** -0.5, window, leaves[3])
+    ref_grads = torch.autograd.grad((ref_out * dout).sum(), leaves)
+    assert rel_err(out, ref_out) < 1e-5 and rel_err(lse, ref_lse) < 1e-5
+    for name, g, ref in zip(["q", "k", "v", "sinks"], (dq, dk, dv, dsinks), ref_grads):
+        assert rel_err(g, ref) < 1e-5, f"d{name}"
+    # The one-call low-level backward with sinks gives the same dsinks as its 4th result.
+    full = flash_attn_backward(dout.float().to(device), qd, kd, vd, out, lse, delta, cu_seqlens=cu.to(device),
+                               k_positions=pos.to(device), sinks=sd, **mask)
+    assert len(full) == 4 and rel_err(full[3], ref_grads[3]) < 1e-5
+
+
+def test_apply_sinks_on_empty_rows():
+    """lse = -inf (no key anywhere) plus a sink: out 0, lse = sink, finite gradients."""
+    out = torch.zeros(3, 2, 4, dtype=F64)
+    lse = torch.full((2, 3), float("-inf"), dtype=F64).requires_grad_()
+    s = torch.tensor([0.5, -1.0], dtype=F64, requires_grad=True)
+    new_out, new_lse = apply_sinks(out, lse, s)
+    assert torch.all(new_out == 0) and torch.equal(new_lse, s.detach()[:, None].expand(2, 3))
+    (gl, gs) = torch.autograd.grad(new_lse.sum(), (lse, s))
+    assert torch.isfinite(gl).all() and torch.equal(gs, torch.full((2,), 3.0, dtype=F64))
+
+
+# -- second oracle: transformers' gpt-oss eager attention ---------------------------------------
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_against_transformers_gpt_oss_eager(window):
+    """transformers' GptOss eager_attention_forward (sinks column, max-subtracted softmax) with the
+    mask built from transformers' masking_utils causal / sliding-window mask functions."""
+    pytest.importorskip("transformers")
+    from types import SimpleNamespace
+
+    from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    gen = torch.Generator().manual_seed(17)
+    b, s_len, hq, hk, d = 2, 13, 4, 2, 16
+    q, k, v = (torch.randn(b, h, s_len, d, generator=gen, dtype=F64) for h in (hq, hk, hk))
+    sinks = torch.randn(hq, generator=gen, dtype=F64)
+    fn = causal_mask_function if window is None else sliding_window_causal_mask_function(window)
+    idx = torch.arange(s_len)
+    allowed = fn(torch.tensor(0), torch.tensor(0), idx[:, None], idx[None, :]).expand(s_len, s_len)
+    additive = torch.zeros(s_len, s_len, dtype=F64).masked_fill(~allowed, float("-inf"))
+    module = SimpleNamespace(num_key_value_groups=hq // hk, sinks=sinks, training=False)
+    ref, _ = eager_attention_forward(module, q, k, v, additive[None, None], scaling=d ** -0.5)
+    ours = flash_attn(*(t.transpose(1, 2) for t in (q, k, v)), causal=True, window=window, sinks=sinks,
+                      backend="reference")
+    assert rel_err(ours, ref) < 1e-12
+
+
+# -- argument checks and defaults --------------------------------------------------------------
+
+
+def test_argument_errors():
+    q, k, v, s = make_inputs(0, 8, 8, 2, 1, 16, 8)
+    cu = docs(8)
+    with pytest.raises(ValueError, match="needs causal=True"):
+        flash_attn(q, k, v, cu_seqlens=cu, window=4)
+    with pytest.raises(ValueError, match="window must be an int >= 1"):
+        flash_attn(q, k, v, causal=True, cu_seqlens=cu, window=0)
+    with pytest.raises(ValueError, match="sinks must be a float tensor"):
+        flash_attn(q, k, v, causal=True, cu_seqlens=cu, sinks=torch.zeros(3, dtype=F64))
+    with pytest.raises(ValueError, match="k and v must match"):
+        flash_attn(q, k, v[:4], causal=True, cu_seqlens=cu)
+
+
+def test_fake_tensor_shapes_with_head_dim_v():
+    """The custom op's fake implementation gives v's head dim to out (torch.compile traces through it)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q, k = torch.empty(2, 8, 4, 24), torch.empty(2, 8, 2, 24)
+        v = torch.empty(2, 8, 2, 16)
+        out, lse = flash_attn_with_lse(q, k, v, causal=True, window=3, sinks=torch.empty(4))
+    assert tuple(out.shape) == (2, 8, 4, 16) and tuple(lse.shape) == (2, 4, 8)
