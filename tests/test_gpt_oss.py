@@ -155,3 +155,42 @@ def test_router_with_bias_matches_gpt_oss_topk_router(tmp_path):
     _, ref_weights, ref_ids = hf.model.layers[0].mlp.router(x)
     assert torch.equal(routed.expert_ids, ref_ids)
     assert rel_err(routed.weights, ref_weights) < 1e-6
+
+
+def test_mxfp4_folder_starts_expert_parallel_ranks_reading_only_their_experts(gloo_world, tmp_path):
+    """A trainer start from an MXFP4 folder on EP 2 x FSDP 2: every rank's experts are the
+    dequantised tensors (transformers' convert_moe_packed_tensors, de-interleaved here), and each
+    rank reads no more checkpoint elements than it holds (blocks and scales of its experts only)."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from tests.parity_runs import tiny_config
+    from tests.test_sharded_start import start_and_gather
+    from xorl.models.hf_io import save_hf_weights
+    from xorl.trainer import initial_state_dict
+
+    source = tiny_config(str(tmp_path / "src"), "gpt_oss")
+    source.train.seed = 11
+    folder = tmp_path / "folder"
+    save_hf_weights(initial_state_dict(source), str(folder), source.model)
+    tensors = load_file(folder / "model.safetensors")
+    expected = {}
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = quantize_mxfp4(tensors.pop(name).transpose(1, 2).contiguous())
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+        dense = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, in, out], interleaved
+        expected[name] = torch.cat([dense[..., 0::2], dense[..., 1::2]], -1) if "gate_up" in name else dense
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+    configs = []
+    for sub, path in (("seeded", None), ("hf", str(folder))):
+        config = tiny_config(str(tmp_path / sub), "gpt_oss", data_parallel_shard_size=2, expert_parallel_size=2)
+        config.model.model_path, config.train.seed = path, 3
+        configs.append(config)
+    results = gloo_world(2).run(start_and_gather, *configs, timeout_s=600)
+    loaded = results[0]["from_folder"]
+    for name, value in expected.items():
+        assert torch.equal(loaded[name], value), name
+    assert torch.equal(loaded["model.layers.0.mlp.experts.gate_up_proj_bias"],
+                       initial_state_dict(source)["model.layers.0.mlp.experts.gate_up_proj_bias"])
+    for rank, r in enumerate(results):
+        assert 0 < r["read"] < r["owned"], (rank, r)
