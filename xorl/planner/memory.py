@@ -103,10 +103,12 @@ VOCAB_PARAMS = ("model.embed_tokens.weight", "lm_head.weight")
 TP_SHARD_DIM = {
     **{f"self_attn.{x}_proj.{kind}": 0 for x in ("q", "k", "v", "qkv") for kind in ("weight", "bias")},
     "self_attn.o_proj.weight": 1,
+    "self_attn.sinks": 0,  # gpt-oss: one logit per query head, split with the heads
     **{f"mlp.{x}_proj.{kind}": 0 for x in ("gate", "up", "gate_up") for kind in ("weight", "bias")},
     "mlp.down_proj.weight": 1,
 }
-EXPERT_PARAMS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+EXPERT_PARAMS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj",
+                 "mlp.experts.gate_up_proj_bias", "mlp.experts.down_proj_bias")  # gpt-oss: per-expert biases
 PRECISIONS = {"fp32-master": (4, 4, 8), "fp16": (2, 2, 4)}  # bytes per parameter: weights, grads, optimizer
 WORKSPACE_BYTES = 256 * 2**20
 # ASSUMPTION until scripts/plan_calibrate.py measures max_memory_reserved against max_memory_allocated
