@@ -114,7 +114,8 @@ def test_mxfp4_boxes_read_only_what_a_shard_holds(tmp_path):
     recipe = _plan([name, name + "_bias", "model.layers.1.mlp.experts.down_proj"], set(reader.file_of), False,
                    ours.spec)
     full = dict(ours.named_parameters())
-    for target, offset, shape in ((name, (1, 33, 50), (3, 20, 40)), (name + "_bias", (2, 60), (2, 50)),
+    for target, offset, shape in ((name, (1, 33, 50), (3, 20, 40)), (name, (2, 0, 0), (2, 64, 128)),
+                                  (name + "_bias", (2, 60), (2, 50)), (name + "_bias", (0, 10), (1, 100)),
                                   ("model.layers.1.mlp.experts.down_proj", (4, 0, 10), (1, 64, 30))):
         global_shape = tuple(full[target].shape)
         box = ShardBox(global_shape, offset, shape)
@@ -122,8 +123,10 @@ def test_mxfp4_boxes_read_only_what_a_shard_holds(tmp_path):
         reads.clear()
         recipe[target].fill(counting, dest, box)
         assert torch.equal(dest, full[target].detach()[box.slices]), target
-        if target.endswith("gate_up_proj"):  # 3 experts x 40 out rows x the 32-value blocks over in 33..52
+        if target.endswith("gate_up_proj") and shape[0] == 3:  # 3 experts x 40 out rows x blocks over in 33..52
             assert sum(n for k, n in reads if k.endswith("_blocks")) <= 3 * 41 * 2 * 16
+        if target.endswith("gate_up_proj") and shape[0] == 2:  # whole experts: their blocks read once
+            assert sum(n for k, n in reads if k.endswith("_blocks")) == 2 * 128 * 2 * 16
     reader.close()
 
 

@@ -103,11 +103,20 @@ class ExpertRecipe:
             dest.copy_(self._read(read, experts, rows, cols))
             return
         units = box.global_shape[-1] // 2
-        for parity, shift in ((0, 0), (1, units)):  # gate units, then up units
-            lo, hi = max(cols.start, shift), min(cols.stop, shift + units)
-            if lo < hi:  # xorl column shift + u is file column 2u + parity
-                part = self._read(read, experts, rows, slice(2 * (lo - shift) + parity, 2 * (hi - shift) + parity - 1))
-                dest[..., lo - cols.start:hi - cols.start].copy_(part[..., ::2])
+        # (xorl column range, its unit range, parity): xorl column shift + u is file column 2u + parity.
+        parts = [(lo, hi, lo - shift, hi - shift, parity) for parity, shift in ((0, 0), (1, units))
+                 if (lo := max(cols.start, shift)) < (hi := min(cols.stop, shift + units))]
+        if len(parts) == 2 and max(parts[0][2], parts[1][2]) < min(parts[0][3], parts[1][3]):
+            # Gate and up units overlap (a box of whole experts: the same units): one read serves both.
+            first, last = min(parts[0][2], parts[1][2]), max(parts[0][3], parts[1][3])
+            both = self._read(read, experts, rows, slice(2 * first, 2 * last))
+            for lo, hi, u_lo, u_hi, parity in parts:
+                picked = both[..., 2 * (u_lo - first) + parity:2 * (u_hi - first):2]
+                dest[..., lo - cols.start:hi - cols.start].copy_(picked)
+            return
+        for lo, hi, u_lo, u_hi, parity in parts:
+            part = self._read(read, experts, rows, slice(2 * u_lo + parity, 2 * u_hi + parity - 1))
+            dest[..., lo - cols.start:hi - cols.start].copy_(part[..., ::2])
 
 
 def interleave_gate_up(tensor: torch.Tensor) -> torch.Tensor:
