@@ -197,3 +197,24 @@ def test_mxfp4_folder_starts_expert_parallel_ranks_reading_only_their_experts(gl
                        initial_state_dict(source)["model.layers.0.mlp.experts.gate_up_proj_bias"])
     for rank, r in enumerate(results):
         assert 0 < r["read"] < r["owned"], (rank, r)
+
+
+def test_trainer_export_under_expert_parallelism_loads_in_transformers(gloo_world, tmp_path):
+    """Train 2 steps on EP 2 x FSDP 2, export through the trainer (streamed from the gathered
+    weights): transformers' GptOssForCausalLM loads the folder and gives the logits of an xorl model
+    holding the trained weights."""
+    from tests.parity_runs import tiny_config
+    from tests.test_export import train_and_export
+    from xorl.models.registry import build_model
+
+    config = tiny_config(str(tmp_path / "run"), "gpt_oss", max_steps=2, data_parallel_shard_size=2,
+                         expert_parallel_size=2)
+    weights = gloo_world(2).run(train_and_export, config, str(tmp_path / "hf"))[0]
+    ours = build_model(config.model)
+    ours.load_state_dict(weights)
+    hf = transformers.GptOssForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="eager",
+                                                        dtype=torch.float32).eval()
+    ids = torch.randint(0, config.model.vocab_size, (2, 32), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        assert rel_err(ours.eval()(ids).logits, hf(input_ids=ids).logits) < 1e-5
+    assert torch.equal(hf.model.layers[1].self_attn.sinks, weights["model.layers.1.self_attn.sinks"])
