@@ -193,9 +193,8 @@ def test_mxfp4_folder_starts_expert_parallel_ranks_reading_only_their_experts(gl
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     from tests.parity_runs import tiny_config
-    from tests.test_sharded_start import start_and_gather
+    from tests.test_sharded_start import initial_state_dict, start_and_gather
     from xorl.models.hf_io import save_hf_weights
-    from xorl.trainer import initial_state_dict
 
     source = tiny_config(str(tmp_path / "src"), "gpt_oss")
     source.train.seed = 11
