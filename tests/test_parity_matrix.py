@@ -76,6 +76,8 @@ LAYOUTS = [
      dict(data_parallel_shard_size=2, expert_parallel_size=2)),
     ("gpt_oss ring2 with a window (8) smaller than a ring shard (16)", 2, "gpt_oss",
      dict(data_parallel_shard_size=1, ringattn_parallel_size=2)),
+    ("gpt_oss ulysses2 (each rank its heads' sinks)", 2, "gpt_oss",
+     dict(data_parallel_shard_size=1, ulysses_parallel_size=2)),
     ("gpt_oss tp2+sp, ep2 over tp (sinks split with the heads)", 2, "gpt_oss",
      dict(data_parallel_shard_size=1, tensor_parallel_size=2, sequence_parallel=True, expert_parallel_size=2)),
 ]
