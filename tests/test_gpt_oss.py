@@ -243,3 +243,21 @@ def test_trainer_export_under_expert_parallelism_loads_in_transformers(gloo_worl
     with torch.no_grad():
         assert rel_err(ours.eval()(ids).logits, hf(input_ids=ids).logits) < 1e-5
     assert torch.equal(hf.model.layers[1].self_attn.sinks, weights["model.layers.1.self_attn.sinks"])
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(fp8="blockwise"), "FP8 grouped GEMM takes none"),
+    (dict(layer_types=["sliding_attention"] * 3), "layer_types must list"),
+    (dict(sliding_window=None), "sliding_window is null"),
+    (dict(model_type="qwen3_moe"), "only model_type gpt_oss reads it"),
+])
+def test_configs_xorl_cannot_run_are_refused_naming_the_field(change, message):
+    from tests.parity_runs import tiny_config
+    from xorl.config_error import ConfigError
+    from xorl.config_rules import validate_config
+
+    config = tiny_config("/unused", "gpt_oss")
+    for key, value in change.items():
+        setattr(config.train if key == "fp8" else config.model, key, value)
+    with pytest.raises(ConfigError, match=message):
+        validate_config(config, 1)
