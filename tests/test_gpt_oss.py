@@ -261,3 +261,25 @@ def test_configs_xorl_cannot_run_are_refused_naming_the_field(change, message):
         setattr(config.train if key == "fp8" else config.model, key, value)
     with pytest.raises(ConfigError, match=message):
         validate_config(config, 1)
+
+
+def test_new_custom_ops_pass_opcheck():
+    """The grouped GEMM with a bias and the clamped SwiGLU trace under torch.compile (schema, fake
+    and autograd registrations; tests/test_compile.py checks the other kernel ops the same way)."""
+    import xorl_kernels.activation.op  # noqa: F401
+    import xorl_kernels.grouped_gemm.op  # noqa: F401
+
+    ops = torch.ops.xorl
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).requires_grad_()
+
+    sizes = torch.tensor([3, 0, 4])
+    torch.library.opcheck(ops.grouped_gemm_bias.default, (rand(7, 5), rand(3, 5, 6), rand(3, 6), sizes, None))
+    torch.library.opcheck(ops.grouped_bias_grad.default, (torch.randn(7, 6), torch.randn(3, 6), sizes, None))
+    gu = 3 * torch.randn(4, 10, generator=gen)
+    torch.library.opcheck(ops.clamped_swiglu.default, (gu[:, ::2].requires_grad_(), gu[:, 1::2].requires_grad_(),
+                                                       1.702, 1.5, None))
+    torch.library.opcheck(ops.clamped_swiglu_backward.default, (torch.randn(4, 5), gu[:, ::2], gu[:, 1::2], 1.702,
+                                                                1.5, None))
