@@ -283,3 +283,24 @@ def test_new_custom_ops_pass_opcheck():
                                                        1.702, 1.5, None))
     torch.library.opcheck(ops.clamped_swiglu_backward.default, (torch.randn(4, 5), gu[:, ::2], gu[:, 1::2], 1.702,
                                                                 1.5, None))
+
+
+def test_flops_per_token_counts_the_keys_inside_each_window():
+    """MFU's attention term: the (query, key) pairs each layer computes, counted one by one here."""
+    from tests.parity_runs import tiny_config
+    from xorl.mfu import flops_per_token
+
+    m = tiny_config("/unused", "gpt_oss").model  # windows of 8 on layers 0 and 2 of 4
+    seq = 40
+    pos = torch.arange(seq)
+    causal = (pos[None, :] <= pos[:, None]).sum().item()
+    windowed = ((pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < 8)).sum().item()
+    per_pair = 6 * m.num_attention_heads * 2 * (m.head_dim or m.hidden_size // m.num_attention_heads)
+    full = dict(vars(m), sliding_window=None, layer_types=[])
+    difference = flops_per_token(type("M", (), full)(), seq) - flops_per_token(m, seq)
+    # The formula counts areas (a full causal layer: seq / 2 keys per query, the triangle); the exact
+    # counts exceed them by the half diagonal: (seq + 1) / 2 and W - W^2 / (2 seq) + W / (2 seq).
+    keys_full, keys_window = seq / 2, 8 - 64 / (2 * seq)
+    assert difference == pytest.approx(2 * per_pair * (keys_full - keys_window), rel=1e-12)
+    assert causal / seq - keys_full == pytest.approx(0.5)
+    assert windowed / seq - keys_window == pytest.approx(8 / (2 * seq))
