@@ -304,3 +304,56 @@ def test_flops_per_token_counts_the_keys_inside_each_window():
     assert difference == pytest.approx(2 * per_pair * (keys_full - keys_window), rel=1e-12)
     assert causal / seq - keys_full == pytest.approx(0.5)
     assert windowed / seq - keys_window == pytest.approx(8 / (2 * seq))
+
+
+def compile_new_kernels_for_sm90() -> dict:
+    """sm_90 compiles (no GPU needed) of the clamped SwiGLU (forward and backward) and the bias
+    gradient kernels, as launched for bf16 tensors: the interpreter accepts code the GPU compiler
+    rejects. Returns each kernel's shared memory."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from xorl_kernels.activation import triton_kernels as act
+    from xorl_kernels.grouped_gemm import triton_kernels as gg
+
+    def build(kernel, constexprs, floats=()):
+        signature = {}
+        for name in kernel.arg_names:
+            if name in constexprs:
+                signature[name] = "constexpr"
+            elif name.endswith("_ptr"):
+                signature[name] = "*i32" if name == "sizes_ptr" else "*bf16"
+            else:
+                signature[name] = "fp32" if name in floats else "i32"
+        compiled = triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+                                  options=dict(num_warps=4))
+        return compiled.metadata.shared
+
+    out = {}
+    for backward in (False, True):
+        out[f"clamped_swiglu backward={backward}"] = build(
+            act._clamped_swiglu_kernel, {"BACKWARD": backward, "BLOCK": 1024}, floats=("alpha", "limit"))
+    out["grouped_bias_grad"] = build(gg._grouped_bias_grad_kernel, {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_G": 16})
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernels run for real")
+def test_new_kernels_compile_for_h100():
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import json, tests.test_gpt_oss as t\n"
+            "try:\n    print(json.dumps(t.compile_new_kernels_for_sm90()))\n"
+            "except (ImportError, TypeError) as e:\n    print('API', e); raise SystemExit(3)\n")
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], env=env,
+                          capture_output=True, text=True)
+    if proc.returncode == 3:
+        pytest.skip(f"this triton's AOT compile API differs: {proc.stdout.strip()}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(json.loads(proc.stdout.strip().splitlines()[-1])) == 3
