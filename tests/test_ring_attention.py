@@ -164,6 +164,12 @@ def test_bad_inputs_raise_clear_errors():
         attn(q, q[:, :, :3], q[:, :, :3])
     with pytest.raises(ValueError, match="attn_backend"):
         RingAttention(None, attn_backend="cudnn")
+    with pytest.raises(ValueError, match=r"sinks must be \[heads_q\] = \[4\]"):
+        attn(q, q, q, sinks=torch.zeros(3))
+    with pytest.raises(ValueError, match="use causal=True and window >= 1"):
+        RingAttention(None, causal=False)(q, q, q, window=4)
+    with pytest.raises(ValueError, match="not wired for attention sinks or sliding windows"):
+        RingAttention(None, attn_backend="flash_attn")(q, q, q, window=4)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -255,3 +261,38 @@ def test_flash_attn_package_backend_maps_zigzag_steps_to_varlen_calls(gloo_world
     per_case = _errors_per_case(gloo_world(4).run(_flash_attn_backend_errors))
     for (name, *_), errs in zip(CASES, per_case):
         assert max(errs) < TOL, f"flash_attn backend, {name}: rel err out/dq/dk/dv = {errs}"
+
+
+def test_zigzag_step_in_window_matches_brute_force_over_positions():
+    """The static skip rule against every (query, key) pair of the two ranks' true positions."""
+    from xorl_kernels.zigzag.layout import zigzag_positions, zigzag_step_in_window
+
+    for world in (2, 3, 4):
+        for chunk in (1, 2, 5):
+            pos = zigzag_positions(2 * world * chunk, None, world).view(world, 2 * chunk)
+            for window in range(1, 4 * world * chunk):
+                for q_rank in range(world):
+                    for k_rank in range(world):
+                        diff = pos[q_rank][:, None] - pos[k_rank][None, :]
+                        seen = bool(((diff >= 0) & (diff < window)).any())
+                        got = zigzag_step_in_window(q_rank, k_rank, world, chunk, window)
+                        assert got == seen, (world, chunk, window, q_rank, k_rank)
+
+
+def test_static_skip_table_for_packed_documents_follows_the_shortest_document():
+    """_active_steps on host cu_seqlens: a step is skipped only when no document has a visible pair."""
+    from xorl.nn.ring_attention import _active_steps
+    from xorl_kernels.zigzag.layout import zigzag_positions
+
+    world, cu = 4, torch.tensor([0, 16, 80, 144])  # chunks of 2, 8 and 8
+    local = int(cu[-1]) // world
+    pos = zigzag_positions(int(cu[-1]), None, world, cu, within_document=True).view(world, local)
+    doc = torch.searchsorted(cu[1:] // world, torch.arange(local), right=True)
+    for window in (1, 2, 4, 5, 9, 17, 40):
+        table = _active_steps(cu, world, local, window)
+        for q_rank in range(world):
+            for k_rank in range(world):
+                diff = pos[q_rank][:, None] - pos[k_rank][None, :]
+                seen = bool(((diff >= 0) & (diff < window) & (doc[:, None] == doc[None, :])).any())
+                assert table[q_rank][k_rank] == seen, (window, q_rank, k_rank)
+    assert _active_steps(cu, world, local, None) is None and _active_steps(cu, 1, local, 5) is None

@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> None:
         _fail("plotting needs matplotlib: pip install matplotlib", code=1)
     fig, axes = plt.subplots(len(keys), 1, figsize=(7, 2.5 * len(keys)), sharex=True, squeeze=False)
     for ax, key in zip(axes[:, 0], keys):
-        pts = [(r["step"] + 1, r[key]) for r in rows if key in r]  # steps from 1, as the console counts
+        # steps from 1, as the console counts; a null (MFU where the peak FLOP/s is unknown) is not a point
+        pts = [(r["step"] + 1, r[key]) for r in rows if r.get(key) is not None]
         ax.plot([p[0] for p in pts], [p[1] for p in pts])
         ax.set_ylabel(key)
         ax.grid(alpha=0.3)

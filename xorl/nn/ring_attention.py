@@ -1,7 +1,8 @@
 """Zig-zag ring attention: a drop-in core attention whose K/V blocks travel around the ring group.
 
     attn = RingAttention(ring_group)
-    out = attn(q, k, v, cu_seqlens=None, max_seqlen=None)   # q [b, s_local, hq, d], k/v [b, s_local, hkv, d]
+    out = attn(q, k, v, cu_seqlens=None, max_seqlen=None, sinks=None, window=None)
+    # q [b, s_local, hq, d_qk], k [b, s_local, hkv, d_qk], v [b, s_local, hkv, d_v] -> [b, s_local, hq, d_v]
 
 Layout (xorl.distributed.zigzag): each document is cut into 2P chunks and ring rank r holds chunks
 r and 2P-1-r. ``cu_seqlens`` are the GLOBAL document boundaries of the unsharded packed sequence,
@@ -21,6 +22,17 @@ behind its block and arrives home after the last step, while dQ accumulates loca
 Nothing all-gathers K/V. Bytes each rank sends: forward (P-1)·|K+V|, backward (P-1)·|K+V| +
 (P-1)·|dK+dV| (the owner keeps its own contribution instead of shipping it around the ring).
 GQA rotates only the KV heads. No host synchronisation in either direction (given max_seqlen).
+
+MLA (d_v != d_qk): K and V travel in one flat buffer per hop, each with its own width.
+Sinks [hq] (gpt-oss): the steps run without them; the merged (out, lse) takes them once per row
+(``apply_sinks``), so the lse every backward step uses includes the sink, and dsinks is computed
+once from the final lse and delta (``sink_grad``) for this rank's query rows; the sum over the CP
+ranks is the usual reduction of a replicated parameter's gradient (FSDP over dp_shard_cp).
+Sliding window W: every step passes W with the true positions, so the kernel never reads a tile
+outside the band; a step whose key chunks lie wholly outside every local query's window (known
+from the zig-zag layout and the shortest document, when cu_seqlens is on the host or absent) is
+not launched at all. At S = 4096, W = 128, P = 4 the ring visits exactly the tiles of one
+monolithic windowed attention (tests/test_ring_tiles.py).
 """
 
 from __future__ import annotations
@@ -388,11 +400,6 @@ def make_step_kernel(q, cu_seqlens, max_seqlen, ring_size: int, causal: bool, so
     if backend == FLASH_ATTN:
         from xorl.nn.flash_attn_package import FlashAttnPackageStepKernel
 
-        if window is not None:
-            raise ValueError(
-                "attn_backend='flash_attn' has no position-based sliding window for zig-zag ring steps; "
-                "use attn_backend='xorl' (attn_implementation: xorl) for sliding-window layers"
-            )
         return FlashAttnPackageStepKernel(ring_size, causal, scale, cu_local, max_local, local_len)
     # "xorl": xorl_kernels picks its op backend (backend=None: its dispatch).
     kernel = ZigzagStepKernel(ring_size, causal, scale, cu_local, max_local, positions, None, window)
@@ -439,6 +446,11 @@ class RingAttention(nn.Module):
 
     def forward(self, q, k, v, cu_seqlens=None, max_seqlen=None, sinks=None, window=None):
         _check_inputs(q, k, v, cu_seqlens, sinks, window, self.causal)
+        if self.attn_backend == FLASH_ATTN and (sinks is not None or window is not None):
+            raise ValueError(
+                "attn_backend='flash_attn' (the flash-attn package) is not wired for attention sinks or "
+                "sliding windows; use attn_backend='xorl' (attn_implementation: xorl)"
+            )
         if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):
             cu_seqlens = torch.tensor(cu_seqlens)
         if max_seqlen is not None and not isinstance(max_seqlen, (int, torch.SymInt)):

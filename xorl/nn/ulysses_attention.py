@@ -16,8 +16,9 @@ Heads: hq must divide by U. KV heads are split when hkv divides by U; when U div
 are replicated so every rank gets the one KV head its hq/U query heads read (their gradients are
 summed back); any other combination is an error naming the sizes.
 
-Bytes each rank sends per forward: (U-1)/U · b·s·(hq + 2·U·hkv_local)·d elements in the first
-all-to-all, (U-1)/U · b·s·hq·d in the second.
+Bytes each rank sends per forward: (U-1)/U · b·s·(hq·d_qk + U·hkv_local·(d_qk + d_v)) elements in
+the first all-to-all, (U-1)/U · b·s·hq·d_v in the second (v keeps its own head dim, MLA). Sinks
+[hq] are sliced to the rank's hq/U heads; a sliding window passes through to the inner attention.
 """
 
 from __future__ import annotations
@@ -147,8 +148,12 @@ class UlyssesAttention(nn.Module):
         slice of its hq/U heads, so each rank's gradient lands on its own heads' entries.
         ``window`` passes through (the inner attention sees the whole ring-local sequence)."""
         world = self.ulysses_size
+        # Only when set: an inner attention written before sinks and windows still works without them.
+        extra = {} if window is None else {"window": window}
         if world == 1:
-            return self.inner(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, sinks=sinks, window=window)
+            if sinks is not None:
+                extra["sinks"] = sinks
+            return self.inner(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, **extra)
         if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3] or q.shape[:2] != k.shape[:2]:
             raise ValueError(
                 f"q must be [b, s, hq, d_qk], k [b, s, hkv, d_qk] and v [b, s, hkv, d_v] with the same b, s; "
@@ -165,12 +170,12 @@ class UlyssesAttention(nn.Module):
                 raise ValueError(f"sinks must be [heads_q] = [{q.shape[2]}], got {tuple(sinks.shape)}")
             local_heads = q.shape[2] // world
             rank = dist.get_rank(self.ulysses_group)
-            sinks = sinks[rank * local_heads : (rank + 1) * local_heads]  # the all-to-all's head order
+            extra["sinks"] = sinks[rank * local_heads : (rank + 1) * local_heads]  # the all-to-all's head order
         # Q, K and V travel in one message even when v is narrower than q/k (each keeps its width).
         qh, kh, vh = torch.ops.xorl.ulysses_seq_to_head(
             [q.contiguous(), k.contiguous(), v.contiguous()], self._group_name, world
         )
-        out = self.inner(qh, kh, vh, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, sinks=sinks, window=window)
+        out = self.inner(qh, kh, vh, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, **extra)
         (out,) = torch.ops.xorl.ulysses_head_to_seq([out.contiguous()], self._group_name, world)
         return out
 

@@ -21,8 +21,11 @@ lse = -inf (no visible key anywhere) are exponentiated against 0, so their P is 
 
 Results are written in the gradient buffers' dtype; ``ACCUMULATE`` adds into existing fp32
 buffers instead (ring attention keeps fp32 accumulators across steps). Visibility and block
-skipping are the forward's (see attention/fwd_triton.py): bounds, same document, and under causal
-k_pos <= q_pos with per-block position ranges.
+skipping are the forward's (see attention/fwd_triton.py and attention/bounds.py): bounds, same
+document, under causal k_pos <= q_pos and with a window k_pos > q_pos - W, with per-block
+position ranges. q·k head dims may run as two chunks and v has its own head dim
+(common.qk_chunks). Sinks change nothing here (lse includes them; attention/sinks.py gives their
+gradient).
 """
 
 from __future__ import annotations
@@ -32,18 +35,18 @@ import triton
 import triton.language as tl
 
 from xorl_kernels.attention import common
+from xorl_kernels.attention.bounds import query_range, query_tile_visible
+from xorl_kernels.attention.bwd_dq_triton import (
+    _flash_attn_bwd_dq_kernel,
+    bwd_configs,
+    load_row_stats,
+    restore_on_tuning,
+)
 from xorl_kernels.attention.common import (
-    INTERPRET,
     LOG2E,
-    POS_HIGH,
-    POS_LOW,
     block_head_dim,
     check_device,
     dot_precision,
-    end_of_pos_at_most,
-    first_pos_above,
-    key_range,
-    key_tile_visible,
     last_dim_contiguous,
     load_positions,
     load_tile,
@@ -53,29 +56,7 @@ from xorl_kernels.attention.common import (
     store_tile,
     upcast_16bit,
 )
-
-
-def _configs(block_a: str, block_b: str) -> list[triton.Config]:
-    """block_a: the block a program owns; block_b: the block it loops over."""
-    if INTERPRET:
-        return [triton.Config({block_a: 32, block_b: 16}, num_warps=4, num_stages=1)]
-    shapes = [(64, 64, 4, 2), (64, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 3), (128, 64, 4, 2)]
-    return [triton.Config({block_a: a, block_b: b}, num_warps=w, num_stages=s) for a, b, w, s in shapes]
-
-
-def _restore(names):
-    # With ACCUMULATE the kernels add into caller buffers: tuning runs must not add repeatedly.
-    return None if INTERPRET else names
-
-
-@triton.jit
-def _load_row_stats(LSE, DELTA, head, stride_lse_h, q_start, offs_m, m_valid):
-    """lse in the exp2 domain (with -inf rows mapped to 0) and delta for a query block."""
-    row = head.to(tl.int64) * stride_lse_h + q_start + offs_m
-    lse = tl.load(LSE + row, mask=m_valid, other=0.0) * 1.4426950408889634
-    lse = tl.where(lse == float("-inf"), 0.0, lse)
-    delta = tl.load(DELTA + row, mask=m_valid, other=0.0)
-    return lse, delta
+from xorl_kernels.attention.dkdv_splits import device_sms, dkdv_head_splits
 
 
 @triton.jit
@@ -90,7 +71,7 @@ def _dkdv_block(
     m_valid = offs_m < q_len
     q_a = load_tile(Q_base, offs_m, stride_qt, offs_a, m_valid, HEAD_A, BLOCK_A, UPCAST)
     do = load_tile(DO_base, offs_m, stride_dot, offs_v, m_valid, HEAD_V, BLOCK_V, UPCAST)
-    lse, delta = _load_row_stats(LSE, DELTA, head, stride_lse_h, q_start, offs_m, m_valid)
+    lse, delta = load_row_stats(LSE, DELTA, head, stride_lse_h, q_start, offs_m, m_valid)
     qk_t = tl.dot(k_a, tl.trans(q_a), input_precision=DOT_PREC)  # [BLOCK_N, BLOCK_M]
     q_b = q_a
     if HEAD_B > 0:
@@ -115,68 +96,11 @@ def _dkdv_block(
     return dk_a, dk_b, dv
 
 
-@triton.jit
-def _query_range(
-    QPOS, q_start, q_len, k_pos, n_valid, n_start, k_len, window,
-    IS_CAUSAL: tl.constexpr, HAS_POS: tl.constexpr, HAS_WINDOW: tl.constexpr, SCAN: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """Query loop bounds of one key block (dK/dV): ``(lo, mid, full_hi, q_end, k_lo, k_hi)``.
-
-    Rows [lo, mid) and [full_hi, q_end) need the mask, [mid, full_hi) see every key of the block
-    (mask-free), rows outside [lo, q_end) see none of it. Causal: rows before the first q_pos >=
-    min(k_pos) are skipped, rows after the last q_pos < max(k_pos) are mask-free. A window W adds:
-    rows after the last q_pos <= max(k_pos) + W - 1 are skipped, and mask-free rows also need
-    q_pos <= min(k_pos) + W - 1. Mirrors common.key_range (any positions are correct).
-    """
-    k_lo = n_start
-    k_hi = tl.minimum(n_start + BLOCK_N, k_len) - 1
-    q_end = q_len
-    if IS_CAUSAL:
-        if HAS_POS:
-            k_lo = tl.min(tl.where(n_valid, k_pos, POS_HIGH))
-            k_hi = tl.max(tl.where(n_valid, k_pos, POS_LOW))
-            lo = (first_pos_above(QPOS, q_start, q_len, k_lo - 1, SCAN) // BLOCK_M) * BLOCK_M
-            mid = tl.cdiv(end_of_pos_at_most(QPOS, q_start, q_len, k_hi - 1, SCAN), BLOCK_M) * BLOCK_M
-        else:
-            lo = (n_start // BLOCK_M) * BLOCK_M
-            mid = tl.cdiv(n_start + BLOCK_N, BLOCK_M) * BLOCK_M
-        mid = tl.minimum(tl.maximum(mid, lo), q_len)
-    else:
-        lo = q_len * 0
-        mid = q_len * 0
-    # Mask-free tiles also need every key of this block in bounds.
-    full_hi = tl.where(n_start + BLOCK_N <= k_len, tl.maximum((q_len // BLOCK_M) * BLOCK_M, mid), mid)
-    if IS_CAUSAL:
-        if HAS_WINDOW:
-            if HAS_POS:
-                stop = end_of_pos_at_most(QPOS, q_start, q_len, k_hi + window - 1, SCAN)
-                free_stop = first_pos_above(QPOS, q_start, q_len, k_lo + window - 1, SCAN)
-            else:
-                stop = tl.minimum(tl.maximum(k_hi + window, 0), q_len)
-                free_stop = tl.minimum(tl.maximum(k_lo + window, 0), q_len)
-            q_end = tl.minimum(tl.cdiv(stop, BLOCK_M) * BLOCK_M, q_len)
-            mid = tl.minimum(mid, q_end)
-            full_hi = tl.maximum(tl.minimum(full_hi, (free_stop // BLOCK_M) * BLOCK_M), mid)
-    return lo, mid, full_hi, q_end, k_lo, k_hi
-
-
-@triton.jit
-def _query_tile_visible(QPOS, q_start, q_len, rows, k_lo, k_hi, window, HAS_WINDOW: tl.constexpr):
-    """Whether a masked query tile (arbitrary positions) has a row that sees some key of the block."""
-    valid = rows < q_len
-    q_pos = load_positions(QPOS, q_start, rows, valid, True)
-    visible = tl.max(tl.where(valid, q_pos, POS_LOW)) >= k_lo
-    if HAS_WINDOW:
-        visible = visible & (tl.min(tl.where(valid, q_pos, POS_HIGH)) < k_hi + window)
-    return visible
-
-
 @triton.autotune(
-    configs=_configs("BLOCK_N", "BLOCK_M"),
+    configs=bwd_configs("BLOCK_N", "BLOCK_M"),
     key=["seq_bucket", "HEAD_A", "HEAD_B", "HEAD_V", "IS_CAUSAL", "HAS_POS", "HAS_WINDOW", "DOT_PREC",
          "ACCUMULATE", "splits"],
-    restore_value=_restore(["DK", "DV", "TILES"]),
+    restore_value=restore_on_tuning(["DK", "DV", "TILES"]),
 )
 @triton.jit
 def _flash_attn_bwd_dkdv_kernel(
@@ -222,7 +146,7 @@ def _flash_attn_bwd_dkdv_kernel(
     dk_b = tl.zeros([BLOCK_N, BLOCK_B], dtype=tl.float32)  # stays 0 without a second chunk
     dv = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
 
-    lo, mid, full_hi, q_end, k_lo, k_hi = _query_range(
+    lo, mid, full_hi, q_end, k_lo, k_hi = query_range(
         QPOS, q_start, q_len, k_pos, n_valid, pid_n * BLOCK_N, k_len, window,
         IS_CAUSAL, HAS_POS, HAS_WINDOW, SCAN, BLOCK_M, BLOCK_N,
     )
@@ -233,11 +157,16 @@ def _flash_attn_bwd_dkdv_kernel(
         Q_base = Q + q_start.to(tl.int64) * stride_qt + head * stride_qh
         DO_base = DO + q_start.to(tl.int64) * stride_dot + head * stride_doh
         for start_m in range(lo, mid, BLOCK_M):
-            visible = start_m >= 0
             if HAS_POS:
-                visible = _query_tile_visible(QPOS, q_start, q_len, start_m + offs_m_base, k_lo, k_hi, window,
-                                              HAS_WINDOW)
-            if visible:
+                if query_tile_visible(QPOS, q_start, q_len, start_m + offs_m_base, k_lo, k_hi, window, HAS_WINDOW):
+                    dk_a, dk_b, dv = _dkdv_block(
+                        dk_a, dk_b, dv, k_a, k_b, v, k_pos, n_valid, Q_base, DO_base, LSE, DELTA, QPOS, head,
+                        stride_lse_h, q_start, start_m, q_len, window, stride_qt, stride_dot, sm_scale_log2,
+                        offs_m_base, offs_a, offs_b, offs_v, True, IS_CAUSAL, HAS_POS, HAS_WINDOW,
+                        HEAD_A, BLOCK_A, HEAD_B, BLOCK_B, HEAD_V, BLOCK_V, DOT_PREC, UPCAST,
+                    )
+                    tiles += 1
+            else:
                 dk_a, dk_b, dv = _dkdv_block(
                     dk_a, dk_b, dv, k_a, k_b, v, k_pos, n_valid, Q_base, DO_base, LSE, DELTA, QPOS, head,
                     stride_lse_h, q_start, start_m, q_len, window, stride_qt, stride_dot, sm_scale_log2,
@@ -254,12 +183,16 @@ def _flash_attn_bwd_dkdv_kernel(
             )
             tiles += 1
         for start_m in range(full_hi, q_end, BLOCK_M):
-            visible = start_m >= 0
-            if HAS_POS:
-                if HAS_WINDOW:
-                    visible = _query_tile_visible(QPOS, q_start, q_len, start_m + offs_m_base, k_lo, k_hi, window,
-                                                  HAS_WINDOW)
-            if visible:
+            if HAS_POS & HAS_WINDOW:
+                if query_tile_visible(QPOS, q_start, q_len, start_m + offs_m_base, k_lo, k_hi, window, HAS_WINDOW):
+                    dk_a, dk_b, dv = _dkdv_block(
+                        dk_a, dk_b, dv, k_a, k_b, v, k_pos, n_valid, Q_base, DO_base, LSE, DELTA, QPOS, head,
+                        stride_lse_h, q_start, start_m, q_len, window, stride_qt, stride_dot, sm_scale_log2,
+                        offs_m_base, offs_a, offs_b, offs_v, True, IS_CAUSAL, HAS_POS, HAS_WINDOW,
+                        HEAD_A, BLOCK_A, HEAD_B, BLOCK_B, HEAD_V, BLOCK_V, DOT_PREC, UPCAST,
+                    )
+                    tiles += 1
+            else:
                 dk_a, dk_b, dv = _dkdv_block(
                     dk_a, dk_b, dv, k_a, k_b, v, k_pos, n_valid, Q_base, DO_base, LSE, DELTA, QPOS, head,
                     stride_lse_h, q_start, start_m, q_len, window, stride_qt, stride_dot, sm_scale_log2,
@@ -277,211 +210,6 @@ def _flash_attn_bwd_dkdv_kernel(
         store_tile(DK_base + BLOCK_A, dk_b * sm_scale, offs_n, stride_dkt, offs_b, n_valid, ACCUMULATE, HEAD_B,
                    BLOCK_B)
     store_tile(DV_base, dv, offs_n, stride_dvt, offs_v, n_valid, ACCUMULATE, HEAD_V, BLOCK_V)
-
-
-@triton.jit
-def _dq_block(
-    dq_a, dq_b, q_a, q_b, do, lse, delta, q_pos, m_valid, K_base, V_base, KPOS, k_start, start_n, k_len,
-    window, stride_kt, stride_vt, sm_scale_log2, offs_n, offs_a, offs_b, offs_v,
-    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_POS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HEAD_A: tl.constexpr, BLOCK_A: tl.constexpr, HEAD_B: tl.constexpr, BLOCK_B: tl.constexpr,
-    HEAD_V: tl.constexpr, BLOCK_V: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-):
-    cols = start_n + offs_n
-    n_valid = cols < k_len
-    k_a = load_tile(K_base, cols, stride_kt, offs_a, n_valid, HEAD_A, BLOCK_A, UPCAST)
-    v = load_tile(V_base, cols, stride_vt, offs_v, n_valid, HEAD_V, BLOCK_V, UPCAST)
-    qk = tl.dot(q_a, tl.trans(k_a), input_precision=DOT_PREC)
-    k_b = k_a
-    if HEAD_B > 0:
-        k_b = load_tile(K_base + BLOCK_A, cols, stride_kt, offs_b, n_valid, HEAD_B, BLOCK_B, UPCAST)
-        qk = tl.dot(q_b, tl.trans(k_b), qk, input_precision=DOT_PREC)
-    qk = qk * sm_scale_log2
-    if MASKED:
-        visible = n_valid[None, :] & m_valid[:, None]
-        if IS_CAUSAL:
-            k_pos = load_positions(KPOS, k_start, cols, n_valid, HAS_POS)
-            visible = visible & (k_pos[None, :] <= q_pos[:, None])
-            if HAS_WINDOW:
-                visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
-        qk = tl.where(visible, qk, float("-inf"))
-    p = tl.math.exp2(qk - lse[:, None])
-    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
-    ds = (p * (dp - delta[:, None])).to(k_a.dtype)
-    dq_a = tl.dot(ds, k_a, dq_a, input_precision=DOT_PREC)
-    if HEAD_B > 0:
-        dq_b = tl.dot(ds, k_b, dq_b, input_precision=DOT_PREC)
-    return dq_a, dq_b
-
-
-@triton.autotune(
-    configs=_configs("BLOCK_M", "BLOCK_N"),
-    key=["seq_bucket", "HEAD_A", "HEAD_B", "HEAD_V", "IS_CAUSAL", "HAS_POS", "HAS_WINDOW", "DOT_PREC",
-         "ACCUMULATE"],
-    restore_value=_restore(["DQ", "TILES"]),
-)
-@triton.jit
-def _flash_attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K, QPOS, KPOS, TILES,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-    stride_dqt, stride_dqh, stride_lse_h,
-    sm_scale, sm_scale_log2, heads_q, group, window, seq_bucket,
-    HEAD_A: tl.constexpr, BLOCK_A: tl.constexpr, HEAD_B: tl.constexpr, BLOCK_B: tl.constexpr,
-    HEAD_V: tl.constexpr, BLOCK_V: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_POS: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, COUNT_TILES: tl.constexpr,
-    ACCUMULATE: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, SCAN: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    pid_dh = tl.program_id(0)
-    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
-    doc = pid_dh // heads_q
-    head = pid_dh % heads_q
-    q_start = tl.load(CU_Q + doc)
-    q_len = tl.load(CU_Q + doc + 1) - q_start
-    if pid_m * BLOCK_M >= q_len:
-        return
-    k_start = tl.load(CU_K + doc)
-    k_len = tl.load(CU_K + doc + 1) - k_start
-    kv_head = head // group
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_a = tl.arange(0, BLOCK_A)
-    offs_b = tl.arange(0, BLOCK_B)
-    offs_v = tl.arange(0, BLOCK_V)
-    m_valid = offs_m < q_len
-    Q_base = Q + q_start.to(tl.int64) * stride_qt + head * stride_qh
-    DO_base = DO + q_start.to(tl.int64) * stride_dot + head * stride_doh
-    K_base = K + k_start.to(tl.int64) * stride_kt + kv_head * stride_kh
-    V_base = V + k_start.to(tl.int64) * stride_vt + kv_head * stride_vh
-    q_a = load_tile(Q_base, offs_m, stride_qt, offs_a, m_valid, HEAD_A, BLOCK_A, UPCAST)
-    q_b = q_a
-    if HEAD_B > 0:
-        q_b = load_tile(Q_base + BLOCK_A, offs_m, stride_qt, offs_b, m_valid, HEAD_B, BLOCK_B, UPCAST)
-    do = load_tile(DO_base, offs_m, stride_dot, offs_v, m_valid, HEAD_V, BLOCK_V, UPCAST)
-    lse, delta = _load_row_stats(LSE, DELTA, head, stride_lse_h, q_start, offs_m, m_valid)
-    q_pos = load_positions(QPOS, q_start, offs_m, m_valid, HAS_POS)
-    dq_a = tl.zeros([BLOCK_M, BLOCK_A], dtype=tl.float32)
-    dq_b = tl.zeros([BLOCK_M, BLOCK_B], dtype=tl.float32)
-
-    # Loop bounds exactly as in the forward (common.key_range).
-    lo, f0, f1, end, q_lo, q_hi = key_range(
-        KPOS, k_start, k_len, q_pos, m_valid, pid_m * BLOCK_M, q_len, window,
-        IS_CAUSAL, HAS_POS, HAS_WINDOW, SCAN, BLOCK_M, BLOCK_N,
-    )
-    tiles = q_len * 0
-    # Padded query rows (past q_len) produce garbage only in rows that are never stored.
-    for start_n in range(lo, tl.minimum(f0, end), BLOCK_N):
-        visible = start_n >= 0
-        if HAS_POS:
-            visible = key_tile_visible(KPOS, k_start, k_len, start_n + offs_n, q_lo, q_hi, window, HAS_WINDOW)
-        if visible:
-            dq_a, dq_b = _dq_block(
-                dq_a, dq_b, q_a, q_b, do, lse, delta, q_pos, m_valid, K_base, V_base, KPOS, k_start, start_n,
-                k_len, window, stride_kt, stride_vt, sm_scale_log2, offs_n, offs_a, offs_b, offs_v,
-                True, IS_CAUSAL, HAS_POS, HAS_WINDOW, HEAD_A, BLOCK_A, HEAD_B, BLOCK_B, HEAD_V, BLOCK_V,
-                DOT_PREC, UPCAST,
-            )
-            tiles += 1
-    for start_n in range(f0, f1, BLOCK_N):
-        dq_a, dq_b = _dq_block(
-            dq_a, dq_b, q_a, q_b, do, lse, delta, q_pos, m_valid, K_base, V_base, KPOS, k_start, start_n,
-            k_len, window, stride_kt, stride_vt, sm_scale_log2, offs_n, offs_a, offs_b, offs_v,
-            False, IS_CAUSAL, HAS_POS, HAS_WINDOW, HEAD_A, BLOCK_A, HEAD_B, BLOCK_B, HEAD_V, BLOCK_V,
-            DOT_PREC, UPCAST,
-        )
-        tiles += 1
-    for start_n in range(f1, end, BLOCK_N):
-        visible = start_n >= 0
-        if HAS_POS:
-            visible = key_tile_visible(KPOS, k_start, k_len, start_n + offs_n, q_lo, q_hi, window, HAS_WINDOW)
-        if visible:
-            dq_a, dq_b = _dq_block(
-                dq_a, dq_b, q_a, q_b, do, lse, delta, q_pos, m_valid, K_base, V_base, KPOS, k_start, start_n,
-                k_len, window, stride_kt, stride_vt, sm_scale_log2, offs_n, offs_a, offs_b, offs_v,
-                True, IS_CAUSAL, HAS_POS, HAS_WINDOW, HEAD_A, BLOCK_A, HEAD_B, BLOCK_B, HEAD_V, BLOCK_V,
-                DOT_PREC, UPCAST,
-            )
-            tiles += 1
-    if COUNT_TILES:
-        tl.atomic_add(TILES + 2, tiles)
-
-    DQ_base = DQ + q_start.to(tl.int64) * stride_dqt + head * stride_dqh
-    store_tile(DQ_base, dq_a * sm_scale, offs_m, stride_dqt, offs_a, m_valid, ACCUMULATE, HEAD_A, BLOCK_A)
-    if HEAD_B > 0:
-        store_tile(DQ_base + BLOCK_A, dq_b * sm_scale, offs_m, stride_dqt, offs_b, m_valid, ACCUMULATE, HEAD_B,
-                   BLOCK_B)
-
-
-@triton.jit
-def _flash_attn_bwd_preprocess_kernel(
-    O, DO, DELTA, total, seq, heads, stride_ot, stride_oh, stride_dot, stride_doh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
-):
-    """delta[b, h, s] = Σ_d O·dO in fp32 for token t = b·seq + s (one pass, no fp32 temporaries)."""
-    head = tl.program_id(1)
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_d = tl.arange(0, BLOCK_D)
-    valid = offs_t < total
-    o = load_tile(O + head * stride_oh, offs_t, stride_ot, offs_d, valid, HEAD_DIM, BLOCK_D, False)
-    do = load_tile(DO + head * stride_doh, offs_t, stride_dot, offs_d, valid, HEAD_DIM, BLOCK_D, False)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    t64 = offs_t.to(tl.int64)
-    row = (t64 // seq) * heads * seq + head * seq + t64 % seq
-    tl.store(DELTA + row, delta, mask=valid)
-
-
-def triton_bwd_preprocess(out: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
-    """delta fp32 in lse layout: [batch, heads, seq] for 4-D out, [heads, total] for 3-D out."""
-    check_device(out, do)
-    out, do = last_dim_contiguous(out), last_dim_contiguous(do)
-    batched = out.dim() == 4
-    batch, seq = (out.shape[0], out.shape[1]) if batched else (1, out.shape[0])
-    heads, head_dim = out.shape[-2], out.shape[-1]
-    o2, do2 = (t.reshape(batch * seq, heads, head_dim) for t in (out, do))
-    delta = common.alloc_output((batch, heads, seq), torch.float32, out.device)
-    if batch * seq and heads:
-        block_t = 16 if INTERPRET else 64
-        grid = (triton.cdiv(batch * seq, block_t), heads)
-        _flash_attn_bwd_preprocess_kernel[grid](
-            o2, do2, delta, batch * seq, seq, heads, o2.stride(0), o2.stride(1), do2.stride(0), do2.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=block_head_dim(head_dim), BLOCK_T=block_t,
-        )
-    return delta if batched else delta[0]
-
-
-# Programs the dK/dV grid should give the GPU at least: 4 per SM, so that the causal imbalance
-# between key blocks (the first sees every query row, the last a few) evens out over the SMs.
-_PROGRAMS_PER_SM = 4
-# The largest key block of the autotune configs: the program count below never overestimates.
-_LARGEST_BLOCK_N = 128
-_INTERPRETER_SMS = 132  # under the interpreter, plan as for an H100 (tests then cover the slices)
-
-
-def dkdv_head_splits(total_k: int, num_docs: int, heads_kv: int, group: int, sms: int) -> int:
-    """Slices of each GQA group the dK/dV kernel runs in parallel: the smallest divisor of ``group``
-    that gives at least _PROGRAMS_PER_SM programs per SM, else ``group`` (one query head each).
-
-    Programs are counted from the tokens (ceil(total_k / 128) key blocks per KV head, plus one per
-    document for its partial block), not from the padded grid: empty programs do no work. The fp32
-    scratch is splits x the size of dK and dV, and splits only exceeds 1 while the key blocks are too
-    few to fill the GPU, so it holds about _PROGRAMS_PER_SM * SMs * 128 rows (35 MB at head_dim 128
-    on an H100) per tensor whatever the sequence length; up to twice that where the divisors of
-    ``group`` are coarse.
-    """
-    if group <= 1:
-        return 1
-    programs = heads_kv * (triton.cdiv(total_k, _LARGEST_BLOCK_N) + num_docs)
-    for splits in range(1, group + 1):
-        if group % splits == 0 and programs * splits >= _PROGRAMS_PER_SM * sms:
-            return splits
-    return group
-
-
-def _device_sms(device: torch.device) -> int:
-    if INTERPRET:
-        return _INTERPRETER_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count  # cached by torch: no sync
 
 
 def _sum_partials(partials: torch.Tensor, accum: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -538,7 +266,7 @@ def triton_backward(
         DOT_PREC=dot_precision(q.dtype), UPCAST=upcast_16bit(q.dtype), SCAN=scan_block(),
     )
     group = heads_q // heads_kv
-    splits = dkdv_head_splits(k.shape[0], num_docs, heads_kv, group, _device_sms(q.device))
+    splits = dkdv_head_splits(k.shape[0], num_docs, heads_kv, group, device_sms(q.device))
     if splits > 1:
         # fp32 partials, one per slice of query heads, summed below; the kernel writes every row.
         dk = common.alloc_output((splits, *k.shape), torch.float32, k.device)

@@ -13,9 +13,18 @@ blocks with the online softmax (exp2 domain, fp32 accumulators). Masking:
   block's max q_pos. Correct for any positions; for zig-zag shards (positions ascending inside
   each document) the masked range is just the diagonal, so a step costs what a monolithic
   causal attention spends on the same tiles.
+- sliding window W (causal): also k_pos > q_pos - W. Two more scans give a lower bound (keys
+  before the first k_pos > min(q_pos) - W are never read) and shrink the mask-free range to keys
+  with k_pos > max(q_pos) - W, so a windowed attention visits about S·W/(BLOCK_M·BLOCK_N) tiles
+  (attention/bounds.py; tests/test_attention_features.py audits the count).
 
-Rows that see no key end with l = 0: out = 0 and lse = -inf (the running max is clamped to 0 for
-the exp so nothing turns into NaN).
+Head dims: q·k and v are tiled separately (common.qk_chunks): v one power-of-two chunk, q·k one
+chunk or two (192 = 128 + 64 for MLA, summed dots) so no q·k FLOPs go to padding.
+
+Sinks (gpt-oss): after the last key block each row folds exp(sink) into its denominator (exp2
+domain), so lse includes the sink. Rows that see no key end with l = 0: out = 0 and lse = -inf
+(the running max is clamped to 0 for the exp so nothing turns into NaN); with a sink, out = 0 and
+lse = sink.
 
 Grid: axis 0 = document × query head (no 65535 limit), axis 1 = query blocks in reverse order so
 the most expensive causal blocks start first (better tail balance).
@@ -28,6 +37,7 @@ import triton
 import triton.language as tl
 
 from xorl_kernels.attention import common
+from xorl_kernels.attention.bounds import key_range, key_tile_visible
 from xorl_kernels.attention.common import (
     INTERPRET,
     LN2,
@@ -35,8 +45,6 @@ from xorl_kernels.attention.common import (
     block_head_dim,
     check_device,
     dot_precision,
-    key_range,
-    key_tile_visible,
     last_dim_contiguous,
     load_positions,
     load_tile,
@@ -149,20 +157,27 @@ def _flash_attn_fwd_kernel(
         IS_CAUSAL, HAS_POS, HAS_WINDOW, SCAN, BLOCK_M, BLOCK_N,
     )
     tiles = q_len * 0
-    for start_n in range(lo, tl.minimum(f0, end), BLOCK_N):
-        # Arbitrary positions: a block in a masked range may still be fully masked; skip it.
-        # (Zig-zag shards keep positions sorted per document, so these ranges are the band edges.)
-        visible = start_n >= 0
-        if HAS_POS:
-            visible = key_tile_visible(KPOS, k_start, k_len, start_n + offs_n, q_lo, q_hi, window, HAS_WINDOW)
-        if visible:
-            acc, l_i, m_i = _fwd_block(
-                acc, l_i, m_i, q_a, q_b, q_pos, K_base, V_base, k_start, start_n, k_len, KPOS, window,
-                stride_kt, stride_vt, sm_scale_log2, offs_n, offs_a, offs_b, offs_v,
-                True, IS_CAUSAL, HAS_POS, HAS_WINDOW, HEAD_A, BLOCK_A, HEAD_B, BLOCK_B, HEAD_V, BLOCK_V,
-                DOT_PREC, UPCAST,
-            )
-            tiles += 1
+    if HAS_WINDOW:  # the window's leading masked edge (without one, lo = f0 = 0)
+        for start_n in range(lo, tl.minimum(f0, end), BLOCK_N):
+            # Arbitrary positions: a block in a masked range may still be fully masked; skip it.
+            # (Zig-zag shards keep positions sorted per document, so these ranges are the band edges.)
+            if HAS_POS:
+                if key_tile_visible(KPOS, k_start, k_len, start_n + offs_n, q_lo, q_hi, window, HAS_WINDOW):
+                    acc, l_i, m_i = _fwd_block(
+                        acc, l_i, m_i, q_a, q_b, q_pos, K_base, V_base, k_start, start_n, k_len, KPOS, window,
+                        stride_kt, stride_vt, sm_scale_log2, offs_n, offs_a, offs_b, offs_v,
+                        True, IS_CAUSAL, HAS_POS, HAS_WINDOW, HEAD_A, BLOCK_A, HEAD_B, BLOCK_B, HEAD_V, BLOCK_V,
+                        DOT_PREC, UPCAST,
+                    )
+                    tiles += 1
+            else:
+                acc, l_i, m_i = _fwd_block(
+                    acc, l_i, m_i, q_a, q_b, q_pos, K_base, V_base, k_start, start_n, k_len, KPOS, window,
+                    stride_kt, stride_vt, sm_scale_log2, offs_n, offs_a, offs_b, offs_v,
+                    True, IS_CAUSAL, HAS_POS, HAS_WINDOW, HEAD_A, BLOCK_A, HEAD_B, BLOCK_B, HEAD_V, BLOCK_V,
+                    DOT_PREC, UPCAST,
+                )
+                tiles += 1
     for start_n in range(f0, f1, BLOCK_N):
         acc, l_i, m_i = _fwd_block(
             acc, l_i, m_i, q_a, q_b, q_pos, K_base, V_base, k_start, start_n, k_len, KPOS, window,
@@ -172,10 +187,16 @@ def _flash_attn_fwd_kernel(
         )
         tiles += 1
     for start_n in range(f1, end, BLOCK_N):
-        visible = start_n >= 0
         if HAS_POS:
-            visible = key_tile_visible(KPOS, k_start, k_len, start_n + offs_n, q_lo, q_hi, window, HAS_WINDOW)
-        if visible:
+            if key_tile_visible(KPOS, k_start, k_len, start_n + offs_n, q_lo, q_hi, window, HAS_WINDOW):
+                acc, l_i, m_i = _fwd_block(
+                    acc, l_i, m_i, q_a, q_b, q_pos, K_base, V_base, k_start, start_n, k_len, KPOS, window,
+                    stride_kt, stride_vt, sm_scale_log2, offs_n, offs_a, offs_b, offs_v,
+                    True, IS_CAUSAL, HAS_POS, HAS_WINDOW, HEAD_A, BLOCK_A, HEAD_B, BLOCK_B, HEAD_V, BLOCK_V,
+                    DOT_PREC, UPCAST,
+                )
+                tiles += 1
+        else:
             acc, l_i, m_i = _fwd_block(
                 acc, l_i, m_i, q_a, q_b, q_pos, K_base, V_base, k_start, start_n, k_len, KPOS, window,
                 stride_kt, stride_vt, sm_scale_log2, offs_n, offs_a, offs_b, offs_v,

@@ -152,10 +152,25 @@ def pack(
     k_pos = _check_positions("k_positions", k_positions, kp.shape[0], batch, seq_k, device)
     if (q_pos is None) != (k_pos is None):
         raise ValueError("q_positions and k_positions must be given together")
+    window = _check_window(window, causal)
+    if window is not None:
+        _check_ascending("q_positions", q_pos, cu_q)
+        _check_ascending("k_positions", k_pos, cu_k)
     return Packed(
         qp, kp, vp, cu_q, cu_k, max_q, max_k, q_pos, k_pos, bool(causal), float(softmax_scale),
-        layout, batch, seq_q, _check_sinks(sinks, heads_q, device), _check_window(window, causal),
+        layout, batch, seq_q, _check_sinks(sinks, heads_q, device), window,
     )
+
+
+def _check_ascending(name: str, pos: torch.Tensor | None, cu: torch.Tensor) -> None:
+    """With a window the Triton kernels find their bounds by searching the positions, so positions
+    must not decrease inside a document (zig-zag shards and gathered sequences ascend). Checked
+    for CPU tensors only (a GPU check would sync the device every call)."""
+    if pos is None or pos.is_cuda or pos.numel() < 2:
+        return
+    drops = ((pos[1:] < pos[:-1]).nonzero().flatten() + 1).tolist()  # i with pos[i] < pos[i - 1]
+    if drops and not set(drops) <= set(cu.tolist()):
+        raise ValueError(f"with window, {name} must be non-decreasing inside each document")
 
 
 def _check_sinks(sinks, heads_q: int, device) -> torch.Tensor | None:

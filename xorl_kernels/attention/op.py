@@ -43,7 +43,9 @@ separate tokens).
 
 Sliding window: ``window=W`` (causal only; non-causal raises) also needs ``k_pos > q_pos - W``:
 a query sees the last W positions of its document, itself included (transformers'
-``sliding_window_overlay``: ``kv_idx > q_idx - sliding_window``).
+``sliding_window_overlay``: ``kv_idx > q_idx - sliding_window``). With a window, positions must be
+non-decreasing inside each document (zig-zag shards are; the Triton kernels search them for their
+bounds; checked for CPU tensors).
 
 Sinks: ``sinks`` [heads_q] (float, learned logits in the units of the scaled scores) join every
 row's softmax denominator without a value (gpt-oss); the returned lse includes them, and a row
@@ -52,12 +54,13 @@ that sees no key gets out = 0, lse = sink. Under autograd ``sinks`` gets its gra
 without sinks and applies them once per row after the merge (attention/sinks.py).
 
 Cost: the Triton kernels derive each block's loop bounds from the positions, so keys visible to
-every row of a query block run mask-free and keys visible to none are never read. Any positions
-are correct; positions ascending inside each document (zig-zag shards are) make the masked part
+every row of a query block run mask-free and keys visible to none are never read. Without a
+window any positions are correct; positions ascending inside each document (zig-zag shards are) make the masked part
 just the diagonal, so the P² steps of a zig-zag ring visit exactly the tiles of one monolithic
 causal attention (when chunk lengths are multiples of the block sizes). A window adds lower
 bounds from the positions the same way: tiles wholly before every row's window are never read,
-so a windowed attention costs about S·W, not S².
+so a windowed attention costs about S·W, not S² (tests/test_attention_features.py audits the
+tile counts: common.count_tiles).
 
 Gradients through lse
 ---------------------
@@ -191,7 +194,7 @@ def flash_attn_bwd_preprocess(out: torch.Tensor, do: torch.Tensor, backend: str 
     if out.dim() not in (3, 4):
         raise ValueError(f"out must be [batch, seq, heads, head_dim] or [total, heads, head_dim], got {out.dim()}-D")
     if out.dtype != torch.float64 and do.dtype != torch.float64 and _use_triton(backend, out):
-        from xorl_kernels.attention.bwd_triton import triton_bwd_preprocess
+        from xorl_kernels.attention.preprocess_triton import triton_bwd_preprocess
 
         return triton_bwd_preprocess(out, do)
     return reference_bwd_preprocess(out, do)
