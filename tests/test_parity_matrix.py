@@ -99,6 +99,14 @@ LAYOUTS = [
      dict(data_parallel_shard_size=2, pipeline_parallel_size=2, expert_parallel_size=2)),
     ("deepseek_v3 ring2 x ulysses2, ep2", 4, "deepseek_v3",
      dict(data_parallel_shard_size=1, ringattn_parallel_size=2, ulysses_parallel_size=2, expert_parallel_size=2)),
+    ("gpt_oss ep2 (sinks, windows, router / expert biases, clamped SwiGLU)", 2, "gpt_oss",
+     dict(data_parallel_shard_size=2, expert_parallel_size=2)),
+    ("gpt_oss ring2 with a window (8) smaller than a ring shard (16)", 2, "gpt_oss",
+     dict(data_parallel_shard_size=1, ringattn_parallel_size=2)),
+    ("gpt_oss ulysses2 (each rank its heads' sinks)", 2, "gpt_oss",
+     dict(data_parallel_shard_size=1, ulysses_parallel_size=2)),
+    ("gpt_oss tp2+sp, ep2 over tp (sinks split with the heads)", 2, "gpt_oss",
+     dict(data_parallel_shard_size=1, tensor_parallel_size=2, sequence_parallel=True, expert_parallel_size=2)),
 ]
 
 

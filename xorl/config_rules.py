@@ -490,6 +490,13 @@ def _fp8_problems(t: Any, m: Any) -> list[str]:
             "and a Triton kernel that are not registered as torch custom ops, so a compiled block would break "
             "its graph (and fullgraph is on); set compile: false, or fp8: none"
         )
+    from xorl.models.families import MODEL_TYPES, family
+
+    if t.fp8 == "blockwise" and m.model_type in MODEL_TYPES and family(m.model_type).expert_biases:
+        problems.append(
+            f"train.fp8: blockwise with model_type={m.model_type!r}: its experts add per-expert biases, and the "
+            "FP8 grouped GEMM takes none; use fp8: rowwise or tensorwise (the experts then compute in train.dtype)"
+        )
     return problems
 
 
