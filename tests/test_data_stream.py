@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 import random
-import types
 
 import pytest
 import torch
 
+from xorl.config import DataConfig
 from xorl.data.packing import pack_documents
 from xorl.data.stream import StreamedLoader
 from xorl.data.tokenizer import ByteTokenizer
@@ -29,7 +29,7 @@ def _write_corpus(path, n_docs: int, seed: int, long_every: int = 7) -> list[str
 
 
 def _data(path, seq_len=128, packing=True):
-    return types.SimpleNamespace(dataset=str(path), text_key="text", seed=0, seq_len=seq_len, packing=packing)
+    return DataConfig(dataset=str(path), text_key="text", seed=0, seq_len=seq_len, packing=packing)
 
 
 @pytest.mark.parametrize("packing", [True, False])
