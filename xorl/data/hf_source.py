@@ -20,7 +20,7 @@ def _datasets():
     try:
         import datasets
     except ImportError as err:
-        raise ImportError("data.dataset: reading this source needs Hugging Face datasets: pip install datasets") from err
+        raise ImportError("data.dataset: this source is read by Hugging Face datasets: pip install datasets") from err
     datasets.disable_progress_bars()  # one line per step in the log, not a bar per file
     return datasets
 

@@ -89,8 +89,8 @@ class PackedDataset:
             self.sequences: list[PackedSequence] = list(_builtin_sequences(
                 data_config.seed, data_config.seq_len, data_config.tokenizer, data_config.packing))
         else:
-            split = (data_config.eval_split or "validation") if part == "eval" and data_config.eval_dataset is not None \
-                else data_config.split
+            own_eval = part == "eval" and data_config.eval_dataset is not None
+            split = (data_config.eval_split or "validation") if own_eval else data_config.split
             rows = source_rows(source, split, data_config.seed)
             if fraction:
                 keep_eval = part == "eval"

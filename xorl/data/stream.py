@@ -30,7 +30,8 @@ import json
 import os
 from collections.abc import Iterator
 
-from xorl.data.corpus import DataError, TextDocument, builtin_documents, dataset_files, is_saved_dataset, text_of
+from xorl.data.corpus import (DataError, TextDocument, builtin_documents, dataset_files, is_saved_dataset,
+                              text_of)
 from xorl.data.formats import RowEncoder
 from xorl.data.packing import DataCounts, Document, Packer, collate, to_packed_sequence
 
