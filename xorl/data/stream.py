@@ -30,8 +30,7 @@ import json
 import os
 from collections.abc import Iterator
 
-from xorl.data.corpus import (DataError, TextDocument, builtin_documents, dataset_files, is_saved_dataset,
-                              text_of)
+from xorl.data.corpus import DataError, TextDocument, builtin_documents, dataset_files, is_saved_dataset, text_of
 from xorl.data.formats import RowEncoder
 from xorl.data.packing import DataCounts, Document, Packer, collate, to_packed_sequence
 
@@ -55,7 +54,7 @@ def stream_files(dataset: str) -> list[str]:
     if bad or not files:
         raise DataError(
             f"data.streaming reads a folder of {'/'.join(STREAM_SUFFIXES)} files, or one file datasets reads; "
-            f"{bad or dataset!r} cannot be streamed from a folder (stream the file itself, or use data.streaming: false)"
+            f"{bad or dataset!r} cannot be streamed from a folder (stream each file, or data.streaming: false)"
         )
     if not any(_has_text(f) for f in files):  # the stream would go round its files forever
         shown = files[0] if len(files) == 1 else f"none of its {len(files)} files ({', '.join(files[:3])}, ...)"
