@@ -95,7 +95,8 @@ class MetricsLogger:
 def format_step_line(step: int, total_steps: int, row: dict) -> str:
     """``step 10/150 loss 2.3456 grad_norm 0.812 lr 1.00e-03 tokens/s 1234 time 12.3s`` (steps 1-based)."""
     parts = [f"step {step + 1}/{total_steps}"]
-    for key, fmt in (("loss", ".4f"), ("grad_norm", ".3f"), ("lr", ".2e"), ("router_loss", ".4f"),
+    for key, fmt in (("loss", ".4f"), ("eval_loss", ".4f"), ("eval_ppl", ".3g"), ("grad_norm", ".3f"), ("lr", ".2e"),
+                     ("router_loss", ".4f"),
                      ("tokens_per_s", ".0f"), ("mfu", ".1%"), ("peak_memory_gib", ".1f")):
         if key in row:
             parts.append(f"{key.replace('_per_s', '/s')} {row[key]:{fmt}}")

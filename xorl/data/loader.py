@@ -130,6 +130,14 @@ class PackedDataset:
         return idx
 
 
+def data_report(loader) -> list[str]:
+    """The log lines about the training data: its format and what was left out or cut."""
+    dataset = getattr(loader, "dataset", None)
+    if isinstance(dataset, PackedDataset):
+        return dataset.report()
+    return [f"xorl: data: {loader.dataset}, streamed, format {loader.encoder.describe()}"]
+
+
 class MicrobatchLoader:
     """Yields this rank's microbatches for a given optimizer step."""
 
