@@ -99,6 +99,16 @@ FP8_LAYOUTS = [
                                                   fp8="blockwise"), FP8_TOLERANCE),
 ]
 
+# The messages format (chat rows rendered with a chat template built in the test, loss on the assistant
+# tokens only: tests/chat_data.py): masked tokens change every layout's loss denominator the same way.
+SFT_LAYOUTS = [
+    ("messages fsdp2", 2, "llama", dict(data_parallel_shard_size=2)),
+    ("messages tp2+sp", 2, "llama", dict(data_parallel_shard_size=1, tensor_parallel_size=2, sequence_parallel=True)),
+    ("messages ring2", 2, "llama", dict(data_parallel_shard_size=1, ringattn_parallel_size=2)),
+    ("messages pp2", 2, "llama", dict(data_parallel_shard_size=1, pipeline_parallel_size=2)),
+    ("messages moe ep2", 2, "qwen3_moe", dict(data_parallel_shard_size=2, expert_parallel_size=2)),
+]
+
 PIPELINE_LAYOUTS = [layout for layout in LAYOUTS if layout[3].get("pipeline_parallel_size", 1) > 1]
 OTHER_LAYOUTS = [layout for layout in LAYOUTS if layout not in PIPELINE_LAYOUTS]
 
@@ -116,12 +126,14 @@ def single_process_references(gloo_world, tmp_path_factory):
     """model type -> the single-process run of the global batch, computed once when first asked."""
     cache = {}
 
-    def get(model_type: str, fp8: str = "none") -> dict:
-        if (model_type, fp8) not in cache:
+    def get(model_type: str, fp8: str = "none", data: dict | None = None) -> dict:
+        key = (model_type, fp8, tuple(sorted((data or {}).items())))
+        if key not in cache:
             out = str(tmp_path_factory.mktemp(f"ref-{model_type}-{fp8}"))
             config = tiny_config(out, model_type, gradient_accumulation_steps=GLOBAL_MICROBATCHES, fp8=fp8)
-            cache[model_type, fp8] = gloo_world(1).run(train_and_report, config)[0]
-        return cache[model_type, fp8]
+            set_data(config, data)
+            cache[key] = gloo_world(1).run(train_and_report, config)[0]
+        return cache[key]
 
     return get
 
@@ -139,13 +151,37 @@ def test_fp8_layout_matches_single_process(name, world_size, model_type, train, 
     check_layout(world_size, model_type, train, gloo_world, references, tmp_path, tolerance)
 
 
+@pytest.fixture(scope="module")
+def chat_data(tmp_path_factory) -> dict:
+    """data.* of the messages rows: a chat dataset and a tokenizer with a chat template, made here."""
+    from tests.chat_data import conversations, make_chat_tokenizer, write_jsonl
+
+    root = tmp_path_factory.mktemp("chat")
+    chats = conversations(200, seed=11, turns=1) + conversations(100, seed=12, turns=2)
+    dataset = write_jsonl(root / "chat.jsonl", [{"messages": m} for m in chats])
+    return {"dataset": dataset, "tokenizer": make_chat_tokenizer(root / "tok"), "format": "messages", "seq_len": 64}
+
+
+@pytest.mark.parametrize("name,world_size,model_type,train", SFT_LAYOUTS, ids=[layout[0] for layout in SFT_LAYOUTS])
+def test_messages_layout_matches_single_process(name, world_size, model_type, train, gloo_world, references,
+                                                chat_data, tmp_path):
+    check_layout(world_size, model_type, train, gloo_world, references, tmp_path, data=chat_data)
+
+
+def set_data(config, data: dict | None) -> None:
+    for key, value in (data or {}).items():
+        setattr(config.data, key, value)
+
+
 def check_layout(world_size: int, model_type: str, train: dict, gloo_world, references, tmp_path,
-                 tol: dict = FP32_TOLERANCE) -> None:
+                 tol: dict = FP32_TOLERANCE, data: dict | None = None) -> None:
     """The layout's 10 steps against one process's (see the module docstring); ``tol``: the bounds
-    after step 1 (looser for the FP8 rows)."""
-    ref = references(model_type, train.get("fp8", "none"))
+    after step 1 (looser for the FP8 rows); ``data``: data.* settings of the row (both runs)."""
+    ref = references(model_type, train.get("fp8", "none"), data) if data else references(model_type,
+                                                                                          train.get("fp8", "none"))
     train = dict(train, gradient_accumulation_steps=GLOBAL_MICROBATCHES // _dp(train))
     config = tiny_config(str(tmp_path), model_type, **train)
+    set_data(config, data)
     # A generous timeout: 8 ranks share 2 cores on CI, and a slow run is not a hang.
     got = gloo_world(world_size).run(train_and_report, config, timeout_s=900)[0]
     assert len(got["losses"]) == len(ref["losses"]) == 10
