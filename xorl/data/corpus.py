@@ -12,6 +12,11 @@ import os
 import random
 from collections.abc import Iterator
 
+from xorl.data.errors import DataError
+from xorl.data.hf_source import file_rows, is_saved_dataset, saved_dataset_rows
+
+__all__ = ["DataError", "is_saved_dataset", "read_documents", "read_rows", "text_of"]
+
 _NAMES = ["Ada", "Alan", "Grace", "Edsger", "Barbara", "Donald", "Frances", "John", "Leslie", "Radia"]
 _OBJECTS = ["kernel", "tensor", "gradient", "pipeline", "expert", "ring", "mesh", "shard", "token", "layer"]
 _VERBS = ["reads", "writes", "splits", "merges", "sends", "checks", "trains", "packs", "moves", "sorts"]
@@ -41,10 +46,6 @@ READABLE_SUFFIXES = (".jsonl", ".txt", ".parquet")
 DATASETS_SUFFIXES = (".json", ".csv", ".arrow")
 
 
-class DataError(ValueError):
-    """A dataset file that cannot be read as documents; the message names the file and the line."""
-
-
 class TextDocument(str):
     """A document that is text by nature (a .txt document, the built-in corpus), not a JSON row."""
 
@@ -55,19 +56,11 @@ def dataset_files(folder: str) -> list[str]:
     return sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(suffixes))
 
 
-def is_saved_dataset(path: str) -> bool:
-    """A folder written by ``datasets``' ``save_to_disk`` (a Dataset or a DatasetDict)."""
-    return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f))
-                                       for f in ("state.json", "dataset_dict.json"))
-
-
 def read_rows(path: str, split: str | None = None) -> Iterator[tuple[object, str]]:
     """(row, where) of a local file or folder: .jsonl objects, .txt documents (strings), .parquet
     rows (ours: errors name the file and line or row); .json / .csv / .arrow files and save_to_disk
     folders through ``datasets`` (xorl/data/hf_source.py). ``where`` is ``file:line`` / ``file: row n``."""
     if is_saved_dataset(path):
-        from xorl.data.hf_source import saved_dataset_rows
-
         yield from saved_dataset_rows(path, split)
         return
     if os.path.isdir(path):
@@ -78,8 +71,6 @@ def read_rows(path: str, split: str | None = None) -> Iterator[tuple[object, str
             yield from read_rows(file)
         return
     if path.endswith(DATASETS_SUFFIXES) and os.path.isfile(path):
-        from xorl.data.hf_source import file_rows
-
         yield from file_rows(path)
         return
     reader = _reader_for(path)

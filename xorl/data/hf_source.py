@@ -11,9 +11,15 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 
-from xorl.data.corpus import DataError, is_saved_dataset
+from xorl.data.errors import DataError
 
 _BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".arrow": "arrow", ".parquet": "parquet"}
+
+
+def is_saved_dataset(path: str) -> bool:
+    """A folder written by ``datasets``' ``save_to_disk`` (a Dataset or a DatasetDict)."""
+    return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f))
+                                       for f in ("state.json", "dataset_dict.json"))
 
 
 def _datasets():
