@@ -204,3 +204,30 @@ def test_eval_fraction_holds_out_rows_never_trained_on(tmp_path, chat_tokenizer)
     assert not rows(train) & rows(held) or len({json.dumps(c) for c in chats}) < 200  # no row in both
     again = PackedDataset(config, part="eval")  # deterministic
     assert [s.input_ids.tolist() for s in again.sequences] == [s.input_ids.tolist() for s in held.sequences]
+
+
+def test_data_and_eval_settings_are_checked_up_front(tmp_path):
+    from xorl.config import ConfigError, load_config
+
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": "hello there"}])
+
+    def problems(*overrides) -> str:
+        try:
+            load_config(None, [f"--train.output_dir={tmp_path / 'out'}", *overrides]).validate(1)
+        except ConfigError as e:
+            return str(e)
+        return ""
+
+    assert "train.eval_steps=5 but there is no eval data" in problems("--train.eval_steps=5")
+    assert "train.eval_steps is 0, so it would never be evaluated" in problems("--data.eval_fraction=0.1")
+    assert "use one eval source" in problems(f"--data.eval_dataset={path}", "--data.eval_fraction=0.1",
+                                             "--train.eval_steps=2")
+    assert "data.eval_fraction=1.5 must be in [0, 1)" in problems("--data.eval_fraction=1.5", "--train.eval_steps=2")
+    assert "full read of the stream" in problems(f"--data.dataset={path}", "--data.streaming=true",
+                                                 "--data.eval_fraction=0.1", "--train.eval_steps=2")
+    assert "data.split='test': " in problems(f"--data.dataset={path}", "--data.split=test")
+    assert "applies to messages and prompt_completion rows" in problems("--data.format=text", "--data.train_on=all")
+    assert "data.eval_dataset='missing.jsonl': no such file" in problems("--data.eval_dataset=missing.jsonl",
+                                                                         "--train.eval_steps=2")
+    assert problems(f"--data.dataset={path}", "--data.eval_fraction=0.5", "--train.eval_steps=2") == ""
+    assert problems("--data.dataset=HuggingFaceH4/ultrachat_200k", "--data.split=train_sft") == ""  # a hub name

@@ -162,3 +162,30 @@ def test_an_evaluation_changes_no_training_state(world_size, train, gloo_world, 
     assert a["losses"] == b["losses"] and a["grad_norms"] == b["grad_norms"]
     assert all(torch.equal(a["weights"][k], b["weights"][k]) for k in b["weights"])
     assert weights_rel_diff(a["weights"], b["weights"]) == 0.0
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["in memory", "streamed"])
+def test_a_chat_run_from_a_saved_dataset_resumes_exactly(streaming, gloo_world, chat_files, tmp_path):
+    """A save_to_disk folder of chat rows (datasets; an IterableDataset when streamed): 4 steps at once,
+    or 2 steps, stop, resume from the checkpoint: the same losses."""
+    datasets = pytest.importorskip("datasets")
+    import json as _json
+
+    from tests.parity_runs import train_losses
+
+    with open(chat_files["train"]) as f:
+        rows = [_json.loads(line) for line in f]
+    saved = str(tmp_path / "saved")
+    datasets.Dataset.from_list(rows).save_to_disk(saved)
+
+    def config(out, **train):
+        c = chat_config(str(tmp_path / out), chat_files["tok"], saved, max_steps=4, gradient_accumulation_steps=4,
+                        **train)
+        c.data.streaming = streaming
+        return c
+
+    whole = gloo_world(1).run(train_losses, config("whole"))[0]
+    first = gloo_world(1).run(train_losses, config("stopped", save_steps=2), 2)[0]
+    rest = gloo_world(1).run(train_losses, config("stopped", resume=True))[0]
+    assert len(first) == 2 and len(rest) == 2 and whole[-1] < whole[0]
+    assert first + rest == whole

@@ -271,6 +271,9 @@ def _eval_problems(d: Any, t: Any) -> list[str]:
 
 def _format_problems(d: Any) -> list[str]:
     """messages rows need a chat template; the first row decides under format auto (local data only)."""
+    if d.train_on != "assistant" and d.format in ("text", "input_ids"):
+        return [f"data.train_on={d.train_on!r} applies to messages and prompt_completion rows; data.format "
+                f"{d.format} trains on {'every token' if d.format == 'text' else 'its labels'}: remove train_on"]
     fmt = d.format
     if fmt == "auto" and d.dataset != "builtin" and os.path.exists(d.dataset) and not d.streaming:
         from xorl.data.corpus import DataError

@@ -413,6 +413,10 @@ class Trainer:
             preemption.close()
             logger.close()
         self.checkpointer.wait()  # the last save is complete (and `latest`) when train returns
+        if self.rank == 0 and self.config.data.streaming:  # what the stream left out or cut, once read
+            summary = self.loader.counts.summary(self.config.data.seq_len)
+            if summary:
+                print(f"xorl: data: {summary}", flush=True)
         run_lock.release(train.output_dir)  # a process that trains again (tests, notebooks) takes it again
         return results
 
