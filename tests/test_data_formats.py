@@ -229,5 +229,9 @@ def test_data_and_eval_settings_are_checked_up_front(tmp_path):
     assert "applies to messages and prompt_completion rows" in problems("--data.format=text", "--data.train_on=all")
     assert "data.eval_dataset='missing.jsonl': no such file" in problems("--data.eval_dataset=missing.jsonl",
                                                                          "--train.eval_steps=2")
+    assert "zero-bubble schedules still run their backward actions" in problems(
+        "--data.eval_fraction=0.1", "--train.eval_steps=2", "--train.pipeline_parallel_size=2",
+        "--train.pipeline_parallel_schedule=ZBVZeroBubble", "--train.virtual_pipeline_stages=2",
+        "--train.gradient_accumulation_steps=2", "--model.tie_word_embeddings=false")
     assert problems(f"--data.dataset={path}", "--data.eval_fraction=0.5", "--train.eval_steps=2") == ""
     assert problems("--data.dataset=HuggingFaceH4/ultrachat_200k", "--data.split=train_sft") == ""  # a hub name

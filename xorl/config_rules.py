@@ -263,6 +263,13 @@ def _eval_problems(d: Any, t: Any) -> list[str]:
     if has_eval and t.eval_steps == 0:
         problems.append("eval data is set (data.eval_dataset / eval_fraction) but train.eval_steps is 0, so it would "
                         "never be evaluated; set train.eval_steps (or remove the eval data)")
+    schedule = PIPELINE_SCHEDULES.get(t.pipeline_parallel_schedule)
+    if t.eval_steps > 0 and t.pipeline_parallel_size > 1 and schedule is not None and schedule.split_backward:
+        problems.append(
+            f"train.eval_steps={t.eval_steps} with pipeline_parallel_schedule: {t.pipeline_parallel_schedule}: "
+            "validation runs the schedule's forward-only eval, and torch.distributed.pipelining's zero-bubble "
+            "schedules still run their backward actions there (it fails); use 1F1B, GPipe or Interleaved1F1B for "
+            "a run with validation, or eval_steps: 0")
     if d.eval_fraction > 0 and d.streaming:
         problems.append("data.eval_fraction with data.streaming: the held-out rows would need a full read of the "
                         "stream before the first step; use data.eval_dataset")

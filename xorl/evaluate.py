@@ -14,8 +14,10 @@ the data x context ranks (and the pipeline ranks: only the last stage has the lo
 count comes from the host labels, which every rank holds whole. So every layout gives the loss of
 one process up to summation order. The forward runs under torch.no_grad with every module in eval
 mode (the MoE routers then keep no load statistics for their bias update); pipelined models run
-the schedule's forward-only ``eval``. No parameter, gradient, optimizer state, data position or
-random-number state changes: the next training step is bitwise what it would have been.
+the schedule's forward-only ``eval`` (1F1B, GPipe, Interleaved1F1B; torch's zero-bubble schedules
+run their backward actions there too, so validation refuses them: xorl/config_rules.py). No
+parameter, gradient, optimizer state, data position or random-number state changes: the next
+training step is bitwise what it would have been.
 """
 
 from __future__ import annotations
