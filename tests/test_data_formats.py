@@ -235,3 +235,20 @@ def test_data_and_eval_settings_are_checked_up_front(tmp_path):
         "--train.gradient_accumulation_steps=2", "--model.tie_word_embeddings=false")
     assert problems(f"--data.dataset={path}", "--data.eval_fraction=0.5", "--train.eval_steps=2") == ""
     assert problems("--data.dataset=HuggingFaceH4/ultrachat_200k", "--data.split=train_sft") == ""  # a hub name
+
+
+def test_the_plot_draws_the_eval_curve_and_the_console_line_shows_it(tmp_path):
+    pytest.importorskip("matplotlib")
+    from xorl.cli.plot_metrics import main
+    from xorl.metrics import format_step_line
+
+    rows = [{"step": s, "time": s, "loss": 3.0 - 0.1 * s, "grad_norm": 1.0, "lr": 1e-3} for s in range(6)]
+    for row in rows[1::2]:
+        row.update(eval_loss=row["loss"] + 0.2, eval_ppl=2.718281828 ** (row["loss"] + 0.2))
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    main([str(tmp_path), "--out", str(tmp_path / "plot.png")])
+    assert (tmp_path / "plot.png").stat().st_size > 1000
+    line = format_step_line(1, 6, rows[1])
+    assert "loss 2.9000 eval_loss 3.1000 eval_ppl 22.2" in line, line
+    main([str(tmp_path), "--keys", "eval_loss", "--out", str(tmp_path / "eval.png")])  # the eval curve alone
+    assert (tmp_path / "eval.png").is_file()
