@@ -180,7 +180,8 @@ def test_datasets_save_to_disk_parquet_and_csv(tmp_path, chat_tokenizer):
     data.save_to_disk(str(tmp_path / "saved"))
     datasets.DatasetDict({"train": data, "test": data.select(range(2))}).save_to_disk(str(tmp_path / "dict"))
     data.to_parquet(str(tmp_path / "chat.parquet"))
-    for source, split in ((tmp_path / "saved", None), (tmp_path / "dict", "train"), (tmp_path / "chat.parquet", None)):
+    for source, split in ((tmp_path / "saved", None), (tmp_path / "dict", "train"), (tmp_path / "dict", None),
+                          (tmp_path / "chat.parquet", None)):
         ds = PackedDataset(DataConfig(dataset=str(source), tokenizer=chat_tokenizer, seq_len=64, split=split))
         assert ds.encoder.format == "messages" and len(ds) == len(reference)
         for a, b in zip(ds.sequences, reference.sequences):
@@ -189,6 +190,15 @@ def test_datasets_save_to_disk_parquet_and_csv(tmp_path, chat_tokenizer):
     assert test.counts.rows == 2
     with pytest.raises(DataError, match=r"data.split='dev': .* has the splits \['test', 'train'\]"):
         PackedDataset(DataConfig(dataset=str(tmp_path / "dict"), tokenizer=chat_tokenizer, seq_len=64, split="dev"))
+    with pytest.raises(DataError, match=r"data.split='train': .*saved' holds one dataset, not a DatasetDict"):
+        PackedDataset(DataConfig(dataset=str(tmp_path / "saved"), tokenizer=chat_tokenizer, seq_len=64, split="train"))
+    # an eval dataset's split defaults to 'validation'; a DatasetDict without one is named
+    evaluation = DataConfig(dataset=str(tmp_path / "saved"), tokenizer=chat_tokenizer, seq_len=64,
+                            eval_dataset=str(tmp_path / "dict"))
+    with pytest.raises(DataError, match=r"data.split='validation': .* has the splits \['test', 'train'\]"):
+        PackedDataset(evaluation, part="eval")
+    evaluation.eval_split = "test"
+    assert PackedDataset(evaluation, part="eval").counts.rows == 2
     (tmp_path / "pc.csv").write_text("prompt,completion\n1+1=,two\n2+2=,four\n")
     ds = PackedDataset(DataConfig(dataset=str(tmp_path / "pc.csv"), tokenizer=chat_tokenizer, seq_len=16))
     assert ds.encoder.format == "prompt_completion" and ds.counts.rows == 2

@@ -56,12 +56,13 @@ def dataset_files(folder: str) -> list[str]:
     return sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(suffixes))
 
 
-def read_rows(path: str, split: str | None = None) -> Iterator[tuple[object, str]]:
+def read_rows(path: str, split: str | None = None, default_split: str = "train") -> Iterator[tuple[object, str]]:
     """(row, where) of a local file or folder: .jsonl objects, .txt documents (strings), .parquet
     rows (ours: errors name the file and line or row); .json / .csv / .arrow files and save_to_disk
-    folders through ``datasets`` (xorl/data/hf_source.py). ``where`` is ``file:line`` / ``file: row n``."""
+    folders through ``datasets`` (xorl/data/hf_source.py; ``split``, else ``default_split``, picks a
+    DatasetDict's part). ``where`` is ``file:line`` / ``file: row n``."""
     if is_saved_dataset(path):
-        yield from saved_dataset_rows(path, split)
+        yield from saved_dataset_rows(path, split, default_split)
         return
     if os.path.isdir(path):
         files = dataset_files(path)

@@ -31,32 +31,36 @@ def _datasets():
     return datasets
 
 
-def _pick_split(loaded, name: str, split: str | None):
-    """A DatasetDict's split (default 'train'); a plain Dataset is the data whatever the split."""
+def _pick_split(loaded, name: str, split: str | None, default: str):
+    """A DatasetDict's split (``split``, else ``default``); a plain Dataset has none to pick."""
     datasets = _datasets()
     if isinstance(loaded, (datasets.DatasetDict, datasets.IterableDatasetDict)):
-        split = split or "train"
+        split = split or default
         if split not in loaded:
             raise DataError(f"data.split={split!r}: {name!r} has the splits {sorted(loaded)}; set data.split "
                             "(data.eval_split for data.eval_dataset) to one of them")
         return loaded[split]
+    if split is not None:
+        raise DataError(f"data.split={split!r}: {name!r} holds one dataset, not a DatasetDict of splits; remove "
+                        "data.split (data.eval_split for data.eval_dataset)")
     return loaded
 
 
-def load(source: str, split: str | None, streaming: bool = False):
+def load(source: str, split: str | None, streaming: bool = False, default: str = "train"):
     """The ``datasets`` Dataset (or IterableDataset when ``streaming``) of a save_to_disk folder, a
     local file ``datasets`` reads, or a hub name."""
     datasets = _datasets()
     try:
         if is_saved_dataset(source):
-            loaded = _pick_split(datasets.load_from_disk(source), source, split)
+            loaded = _pick_split(datasets.load_from_disk(source), source, split, default)
             return loaded.to_iterable_dataset() if streaming else loaded
         if os.path.isfile(source):
             builder = _BUILDERS.get(os.path.splitext(source)[1])
             if builder is None:
                 raise DataError(f"data.dataset: {source!r} is not a file type datasets reads ({sorted(_BUILDERS)})")
             return datasets.load_dataset(builder, data_files=source, split="train", streaming=streaming)
-        return _pick_split(datasets.load_dataset(source, split=split or "train", streaming=streaming), source, split)
+        split = split or default
+        return datasets.load_dataset(source, split=split, streaming=streaming)
     except DataError:
         raise
     except Exception as e:  # noqa: BLE001 - the library's error, on one line naming the source
@@ -69,13 +73,13 @@ def _rows(dataset, name: str) -> Iterator[tuple[dict, str]]:
         yield row, f"{name} row {i}"
 
 
-def saved_dataset_rows(path: str, split: str | None) -> Iterator[tuple[dict, str]]:
-    yield from _rows(load(path, split), f"{path}[{split or 'train'}]" if split else path)
+def saved_dataset_rows(path: str, split: str | None, default: str = "train") -> Iterator[tuple[dict, str]]:
+    yield from _rows(load(path, split, default=default), f"{path}[{split}]" if split else path)
 
 
 def file_rows(path: str) -> Iterator[tuple[dict, str]]:
     yield from _rows(load(path, None), path)
 
 
-def hub_rows(name: str, split: str | None) -> Iterator[tuple[dict, str]]:
-    yield from _rows(load(name, split), f"{name}[{split or 'train'}]")
+def hub_rows(name: str, split: str | None, default: str = "train") -> Iterator[tuple[dict, str]]:
+    yield from _rows(load(name, split, default=default), f"{name}[{split or default}]")

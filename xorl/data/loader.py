@@ -36,18 +36,19 @@ def _builtin_sequences(seed: int, seq_len: int, tokenizer: str, packing: bool) -
     return tuple(pack_documents((tok.encode(d) for d in docs), seq_len, tok.pad_id, packing=packing))
 
 
-def source_rows(dataset: str, split: str | None, seed: int) -> Iterator[tuple[object, str]]:
+def source_rows(dataset: str, split: str | None, seed: int,
+                default_split: str = "train") -> Iterator[tuple[object, str]]:
     """(row, where) of ``data.dataset`` (or ``data.eval_dataset``): the built-in corpus, a local file or
     folder (xorl/data/corpus.py), or a Hugging Face hub name (xorl/data/hf_source.py)."""
     if dataset == "builtin":
         for i, doc in enumerate(builtin_documents(seed=seed)):
             yield TextDocument(doc), f"builtin document {i}"
     elif os.path.exists(dataset):
-        yield from read_rows(dataset, split)
+        yield from read_rows(dataset, split, default_split)
     else:
         from xorl.data.hf_source import hub_rows
 
-        yield from hub_rows(dataset, split)
+        yield from hub_rows(dataset, split, default_split)
 
 
 def held_out(row, fraction: float, seed: int) -> bool:
@@ -90,8 +91,9 @@ class PackedDataset:
                 data_config.seed, data_config.seq_len, data_config.tokenizer, data_config.packing))
         else:
             own_eval = part == "eval" and data_config.eval_dataset is not None
-            split = (data_config.eval_split or "validation") if own_eval else data_config.split
-            rows = source_rows(source, split, data_config.seed)
+            split = data_config.eval_split if own_eval else data_config.split
+            # an eval dataset's own split defaults to 'validation' (hub datasets, DatasetDicts)
+            rows = source_rows(source, split, data_config.seed, "validation" if own_eval else "train")
             if fraction:
                 keep_eval = part == "eval"
                 rows = ((row, where) for row, where in rows if held_out(row, fraction, data_config.seed) == keep_eval)
