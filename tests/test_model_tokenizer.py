@@ -76,3 +76,40 @@ def test_export_carries_tokenizer_ids_and_generation_config(tmp_path):
 class _OneProcess:
     world_size, dp, ep = 1, 1, 1
     mesh_shape = (1, 1, 1, 1, 1, 1)
+
+
+@pytest.mark.slow
+def test_a_transformers_folder_trains_under_torchrun_and_its_export_loads_back_with_its_tokenizer(tmp_path):
+    """The user's path end to end: a folder written by transformers (weights + tokenizer), torchrun
+    FSDP 2 from the command line with data in JSONL, export_hf; transformers then loads the export
+    and its tokenizer, and gives the logits xorl's model gives on that folder, from trained weights."""
+    from tests.cli_runs import torchrun
+
+    folder = model_folder(tmp_path)
+    g = torch.Generator().manual_seed(3)
+    with open(tmp_path / "data.jsonl", "w") as f:
+        for _ in range(64):
+            words = [WORDS[int(i)] for i in torch.randint(0, 8, (int(torch.randint(5, 20, (1,), generator=g)),),
+                                                           generator=g)]
+            f.write(json.dumps({"text": " ".join(words)}) + "\n")
+    run = tmp_path / "run"
+    result = torchrun(2, "--model.model_path", str(folder), "--data.dataset", str(tmp_path / "data.jsonl"),
+                      "--data.seq_len=16", "--train.max_steps=3", "--train.warmup_steps=1", "--train.lr=1e-2",
+                      "--train.data_parallel_shard_size=2", f"--train.output_dir={run}", "--train.export_hf=true",
+                      cwd=tmp_path)
+    assert result.code == 0, result.text[-3000:]
+    assert f"tokenizer {folder}" in result.text  # the folder's own tokenizer, said in the start-up lines
+
+    export = run / "hf"
+    tok = transformers.AutoTokenizer.from_pretrained(export)
+    assert tok.eos_token == "<|eot|>"
+    ids = torch.tensor([tok("the cat sat on a mat")["input_ids"]])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32,
+                                                           attn_implementation="eager").eval()
+    ours = xorl.models.from_pretrained(str(export), dtype=torch.float32).eval()
+    start = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        got, ref, before = ours(ids), hf(ids).logits, start(ids).logits
+    got = got.logits if hasattr(got, "logits") else got
+    assert float((got - ref).norm() / ref.norm()) < 1e-5
+    assert float((ref - before).norm() / before.norm()) > 1e-3  # the export holds the trained weights

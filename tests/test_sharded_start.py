@@ -1,6 +1,6 @@
 """Sharded start: every layout starts from the weights of one process, each rank reading only its boxes.
 
-The reference is ``initial_state_dict`` (one process, the whole model) and, for a Hugging Face
+The reference is ``initial_state_dict`` below (one process, the whole model) and, for a Hugging Face
 folder, the tensors that were written into it. Both the seeded initialisation and the folder are
 checked on FSDP, HSDP, TP, PP, EP and their mixes, with an uneven FSDP split and merge_qkv.
 """
@@ -16,7 +16,8 @@ from xorl.distributed.shard_box import ShardBox
 from xorl.export import full_state_dict
 from xorl.models import seeded_init
 from xorl.models.hf_io import save_hf_weights
-from xorl.trainer import initial_state_dict
+from xorl.models.registry import build_model
+from xorl.trainer import initialise_part
 
 LAYOUTS = [  # (id, model type, train overrides) on 4 ranks
     ("fsdp4 uneven rows merge_qkv", "llama", dict(data_parallel_shard_size=4)),
@@ -31,6 +32,17 @@ LAYOUTS = [  # (id, model type, train overrides) on 4 ranks
     ("moe hsdp 2x2 x ep2", "qwen3_moe", dict(data_parallel_replicate_size=2, data_parallel_shard_size=2,
                                              expert_parallel_size=2)),
 ]
+
+
+def initial_state_dict(config) -> dict[str, torch.Tensor]:
+    """The full initial weights in one process (the trainer's own initialise_part on an unsharded
+    model): what every layout's sharded start must equal."""
+    with torch.device("meta"):
+        model = build_model(config.model)
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    initialise_part(model, config)
+    return {k: v.to(torch.float32) for k, v in model.state_dict().items()}
 
 
 def _config(output_dir: str, model_type: str, layout_id: str, model_path: str | None = None, **train):

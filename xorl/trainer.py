@@ -81,16 +81,6 @@ def initialise_part(part: nn.Module, config: Config) -> None:
         seeded_init_(part, config.train.seed, config.model.initializer_range)
 
 
-def initial_state_dict(config: Config) -> dict[str, torch.Tensor]:
-    """The full initial weights in one process: what every layout's sharded start equals (tests)."""
-    with torch.device("meta"):
-        model = build_model(config.model)
-    model.to_empty(device="cpu")
-    model.tie_weights()
-    initialise_part(model, config)
-    return {k: v.to(torch.float32) for k, v in model.state_dict().items()}
-
-
 def materialise(parts: list[nn.Module], config: Config, device: torch.device) -> None:
     """Allocate the (already sharded) meta parameters and fill each rank's own shards.
 

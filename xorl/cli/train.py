@@ -56,6 +56,10 @@ def main(argv: list[str] | None = None) -> None:
     path = DEFAULT_CONFIG
     if args and not args[0].startswith("--"):
         path = args.pop(0)
+    elif any(arg.startswith("--model.model_path") for arg in args):
+        # The built-in default is a demo run (its own model shape, 4 ranks): with a model folder and no
+        # config file, the folder defines the model and xorl.config's defaults the rest.
+        path = None
     rank = int(os.environ.get("RANK", "0"))
     try:
         config = load_config(path, args)
@@ -63,7 +67,10 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as e:
         _fail(str(e), CONFIG_ERROR_EXIT, rank)
     if rank == 0:
-        if not any(origin == path for origin in config.origins.values()):
+        if path is None:
+            print("xorl: no config file; the model from model.model_path, every other key xorl.config's default "
+                  "plus the command-line overrides", flush=True)
+        elif not any(origin == path for origin in config.origins.values()):
             print(f"xorl: {path} sets no field; training with the defaults of xorl.config "
                   "(a tiny dense model on the built-in corpus) plus the command-line overrides", flush=True)
         for note in plan.notes:
@@ -72,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     if check_only:
         if rank == 0:
-            print(f"xorl: {path} can start on {world_size} rank(s)", flush=True)
+            print(f"xorl: {path or 'the command-line config'} can start on {world_size} rank(s)", flush=True)
         return
 
     import torch.distributed as dist
