@@ -32,7 +32,7 @@ def _reference_loss(config, chats: list[list[dict]]) -> float:
     """Sum of float64 cross-entropies over the assistant tokens of each conversation (run alone, not
     packed; the mask from the ChatML rule written out here) / their number."""
     from xorl.models.registry import build_model
-    from xorl.trainer import initial_state_dict
+    from tests.test_sharded_start import initial_state_dict
 
     encode, special = reference_encoder()
     model = build_model(config.model)
@@ -79,7 +79,7 @@ def _gradients(config, rows: list[dict]) -> dict[str, torch.Tensor]:
     from xorl.data.loader import PackedDataset
     from xorl.data.packing import collate
     from xorl.models.registry import build_model
-    from xorl.trainer import initial_state_dict
+    from tests.test_sharded_start import initial_state_dict
 
     path = write_jsonl(config.train.output_dir + ".jsonl", rows)
     config.data.dataset = path
