@@ -31,8 +31,8 @@ def chat_files(tmp_path_factory):
 def _reference_loss(config, chats: list[list[dict]]) -> float:
     """Sum of float64 cross-entropies over the assistant tokens of each conversation (run alone, not
     packed; the mask from the ChatML rule written out here) / their number."""
-    from xorl.models.registry import build_model
     from tests.test_sharded_start import initial_state_dict
+    from xorl.models.registry import build_model
 
     encode, special = reference_encoder()
     model = build_model(config.model)
@@ -76,10 +76,10 @@ def test_chat_loss_is_the_float64_loss_over_exactly_the_assistant_tokens(gloo_wo
 
 def _gradients(config, rows: list[dict]) -> dict[str, torch.Tensor]:
     """One process's gradients of the token-weighted loss on one microbatch of ``rows`` (the trainer's maths)."""
+    from tests.test_sharded_start import initial_state_dict
     from xorl.data.loader import PackedDataset
     from xorl.data.packing import collate
     from xorl.models.registry import build_model
-    from tests.test_sharded_start import initial_state_dict
 
     path = write_jsonl(config.train.output_dir + ".jsonl", rows)
     config.data.dataset = path
