@@ -72,13 +72,21 @@ class ChatRenderer:
         out = self.hf(text, add_special_tokens=False, return_offsets_mapping=True)
         return list(out["input_ids"]), out["offset_mapping"]
 
+    def _empty_prompt(self) -> str:
+        """The generation prompt of an empty conversation (a reply that comes first); '' where the
+        template cannot render one."""
+        try:
+            return self._render([], add_generation_prompt=True)
+        except Exception:  # noqa: BLE001 - many templates index messages[0]
+            return ""
+
     def _incremental(self, messages, where) -> tuple[list[int], list[bool]]:
         full = self._render(messages)
         spans = []
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            start = self._render(messages[:i], add_generation_prompt=True) if i else ""
+            start = self._render(messages[:i], add_generation_prompt=True) if i else self._empty_prompt()
             end = self._render(messages[: i + 1])
             if not (full.startswith(end) and end.startswith(start)):
                 raise DataError(
