@@ -262,3 +262,12 @@ def test_the_plot_draws_the_eval_curve_and_the_console_line_shows_it(tmp_path):
     assert "loss 2.9000 eval_loss 3.1000 eval_ppl 22.2" in line, line
     main([str(tmp_path), "--keys", "eval_loss", "--out", str(tmp_path / "eval.png")])  # the eval curve alone
     assert (tmp_path / "eval.png").is_file()
+
+
+def test_resume_refuses_a_change_of_what_the_rows_train_on():
+    from xorl.resume import _kind
+
+    for key in ("format", "train_on", "split", "eval_fraction"):  # they change the packed training sequences
+        assert _kind(f"data.{key}") == "fixed", key
+    for key in ("eval_dataset", "eval_split"):  # validation only: the training order is unchanged
+        assert _kind(f"data.{key}") == "applied", key
