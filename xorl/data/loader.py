@@ -83,7 +83,8 @@ class PackedDataset:
         fraction = data_config.eval_fraction
         if part == "eval" and data_config.eval_dataset is not None:
             source, fraction = data_config.eval_dataset, 0.0
-        self.source = source
+        self.source = source if not fraction else (
+            f"{source} ({'the' if part == 'eval' else 'without the'} data.eval_fraction={fraction} held out)")
         builtin_text = data_config.format in ("auto", "text") and not fraction
         if source == "builtin" and builtin_text and part == "train":
             self.encoder.format = "text"
