@@ -102,11 +102,17 @@ FP8_LAYOUTS = [
 # The messages format (chat rows rendered with a chat template built in the test, loss on the assistant
 # tokens only: tests/chat_data.py): masked tokens change every layout's loss denominator the same way.
 SFT_LAYOUTS = [
-    ("messages fsdp2", 2, "llama", dict(data_parallel_shard_size=2)),
-    ("messages tp2+sp", 2, "llama", dict(data_parallel_shard_size=1, tensor_parallel_size=2, sequence_parallel=True)),
-    ("messages ring2", 2, "llama", dict(data_parallel_shard_size=1, ringattn_parallel_size=2)),
-    ("messages pp2", 2, "llama", dict(data_parallel_shard_size=1, pipeline_parallel_size=2)),
-    ("messages moe ep2", 2, "qwen3_moe", dict(data_parallel_shard_size=2, expert_parallel_size=2)),
+    ("messages fsdp2", 2, "llama", dict(data_parallel_shard_size=2), "messages"),
+    ("messages tp2+sp", 2, "llama", dict(data_parallel_shard_size=1, tensor_parallel_size=2, sequence_parallel=True),
+     "messages"),
+    ("messages ring2", 2, "llama", dict(data_parallel_shard_size=1, ringattn_parallel_size=2), "messages"),
+    ("messages pp2", 2, "llama", dict(data_parallel_shard_size=1, pipeline_parallel_size=2), "messages"),
+    ("messages moe ep2", 2, "qwen3_moe", dict(data_parallel_shard_size=2, expert_parallel_size=2), "messages"),
+    # the other supervised formats share the masking path; one layout each that splits the sequence
+    ("prompt_completion ring2", 2, "llama", dict(data_parallel_shard_size=1, ringattn_parallel_size=2),
+     "prompt_completion"),
+    ("input_ids with labels tp2+sp", 2, "llama", dict(data_parallel_shard_size=1, tensor_parallel_size=2,
+                                                      sequence_parallel=True), "input_ids"),
 ]
 
 PIPELINE_LAYOUTS = [layout for layout in LAYOUTS if layout[3].get("pipeline_parallel_size", 1) > 1]
@@ -152,20 +158,36 @@ def test_fp8_layout_matches_single_process(name, world_size, model_type, train, 
 
 
 @pytest.fixture(scope="module")
-def chat_data(tmp_path_factory) -> dict:
-    """data.* of the messages rows: a chat dataset and a tokenizer with a chat template, made here."""
-    from tests.chat_data import conversations, make_chat_tokenizer, write_jsonl
+def sft_data(tmp_path_factory) -> dict:
+    """data.* of the supervised rows, per format: chat / completion / pre-tokenised datasets and a
+    tokenizer with a chat template, made here (tests/chat_data.py)."""
+    import random
 
-    root = tmp_path_factory.mktemp("chat")
+    from tests.chat_data import conversations, make_chat_tokenizer, reference_encoder, write_jsonl
+
+    root = tmp_path_factory.mktemp("sft")
+    tokenizer = make_chat_tokenizer(root / "tok")
     chats = conversations(200, seed=11, turns=1) + conversations(100, seed=12, turns=2)
-    dataset = write_jsonl(root / "chat.jsonl", [{"messages": m} for m in chats])
-    return {"dataset": dataset, "tokenizer": make_chat_tokenizer(root / "tok"), "format": "messages", "seq_len": 64}
+    pairs = [(c[0]["content"], c[1]["content"]) for c in conversations(300, seed=13)]
+    encode, _ = reference_encoder()
+    rng = random.Random(14)
+    pretokenised = []
+    for prompt, completion in pairs:  # labels -100 on the prompt and on a random sprinkle of the rest
+        ids = encode(prompt) + encode(completion)
+        labels = [-100] * len(encode(prompt)) + [t if rng.random() > 0.2 else -100 for t in encode(completion)]
+        pretokenised.append({"input_ids": ids, "labels": labels})
+    files = {
+        "messages": write_jsonl(root / "chat.jsonl", [{"messages": m} for m in chats]),
+        "prompt_completion": write_jsonl(root / "pc.jsonl", [{"prompt": p, "completion": c} for p, c in pairs]),
+        "input_ids": write_jsonl(root / "ids.jsonl", pretokenised),
+    }
+    return {fmt: {"dataset": path, "tokenizer": tokenizer, "format": fmt, "seq_len": 64} for fmt, path in files.items()}
 
 
-@pytest.mark.parametrize("name,world_size,model_type,train", SFT_LAYOUTS, ids=[layout[0] for layout in SFT_LAYOUTS])
-def test_messages_layout_matches_single_process(name, world_size, model_type, train, gloo_world, references,
-                                                chat_data, tmp_path):
-    check_layout(world_size, model_type, train, gloo_world, references, tmp_path, data=chat_data)
+@pytest.mark.parametrize("name,world_size,model_type,train,fmt", SFT_LAYOUTS, ids=[layout[0] for layout in SFT_LAYOUTS])
+def test_supervised_format_layout_matches_single_process(name, world_size, model_type, train, fmt, gloo_world,
+                                                         references, sft_data, tmp_path):
+    check_layout(world_size, model_type, train, gloo_world, references, tmp_path, data=sft_data[fmt])
 
 
 def set_data(config, data: dict | None) -> None:
