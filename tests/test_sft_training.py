@@ -114,44 +114,56 @@ def test_changed_masked_tokens_leave_the_gradients_unchanged(tmp_path, train_on)
 
 # -- validation ----------------------------------------------------------------------------------------
 EVAL_LAYOUTS = [
-    ("fsdp2", 2, dict(data_parallel_shard_size=2, gradient_accumulation_steps=2)),
-    ("tp2", 2, dict(data_parallel_shard_size=1, tensor_parallel_size=2, sequence_parallel=True,
-                    gradient_accumulation_steps=4)),
-    ("ring2", 2, dict(data_parallel_shard_size=1, ringattn_parallel_size=2, gradient_accumulation_steps=4)),
-    ("pp2", 2, dict(data_parallel_shard_size=1, pipeline_parallel_size=2, gradient_accumulation_steps=4)),
+    ("fsdp2", 2, "llama", dict(data_parallel_shard_size=2, gradient_accumulation_steps=2)),
+    ("tp2", 2, "llama", dict(data_parallel_shard_size=1, tensor_parallel_size=2, sequence_parallel=True,
+                             gradient_accumulation_steps=4)),
+    ("ring2", 2, "llama", dict(data_parallel_shard_size=1, ringattn_parallel_size=2, gradient_accumulation_steps=4)),
+    ("pp2", 2, "llama", dict(data_parallel_shard_size=1, pipeline_parallel_size=2, gradient_accumulation_steps=4)),
+    ("moe ep2", 2, "qwen3_moe", dict(data_parallel_shard_size=2, expert_parallel_size=2,
+                                     gradient_accumulation_steps=2)),
 ]
 
 
 @pytest.fixture(scope="module")
 def eval_reference(gloo_world, chat_files):
-    config = chat_config(str(chat_files["root"] / "ref"), chat_files["tok"], chat_files["train"],
-                         eval_dataset=chat_files["eval"], eval_steps=2, max_steps=4, gradient_accumulation_steps=4)
-    return gloo_world(1).run(train_with_eval, config)[0]
+    """model type -> the one-process run (eval before training, after steps 2 and 4), computed once."""
+    cache = {}
+
+    def get(model: str) -> dict:
+        if model not in cache:
+            config = chat_config(str(chat_files["root"] / f"ref-{model}"), chat_files["tok"], chat_files["train"],
+                                 model=model, eval_dataset=chat_files["eval"], eval_steps=2, max_steps=4,
+                                 gradient_accumulation_steps=4)
+            cache[model] = gloo_world(1).run(train_with_eval, config)[0]
+        return cache[model]
+
+    return get
 
 
 def _eval_losses(result) -> list[float]:
     return [result["eval_before"]["eval_loss"]] + [r["eval_loss"] for r in result["rows"] if "eval_loss" in r]
 
 
-@pytest.mark.parametrize("name,world_size,train", EVAL_LAYOUTS, ids=[x[0] for x in EVAL_LAYOUTS])
-def test_eval_loss_is_the_same_on_every_layout(name, world_size, train, gloo_world, chat_files, eval_reference,
+@pytest.mark.parametrize("name,world_size,model,train", EVAL_LAYOUTS, ids=[x[0] for x in EVAL_LAYOUTS])
+def test_eval_loss_is_the_same_on_every_layout(name, world_size, model, train, gloo_world, chat_files, eval_reference,
                                                tmp_path):
-    config = chat_config(str(tmp_path / "out"), chat_files["tok"], chat_files["train"],
+    config = chat_config(str(tmp_path / "out"), chat_files["tok"], chat_files["train"], model=model,
                          eval_dataset=chat_files["eval"], eval_steps=2, max_steps=4, **train)
     got = gloo_world(world_size).run(train_with_eval, config, timeout_s=600)[0]
-    ref = _eval_losses(eval_reference)
+    reference = eval_reference(model)
+    ref = _eval_losses(reference)
     assert len(ref) == 3 and ref[-1] < ref[0]  # before training, after steps 2 and 4; it learns
     assert max_rel_diff(_eval_losses(got)[:1], ref[:1]) <= 1e-6, (_eval_losses(got), ref)  # the same weights
     assert max_rel_diff(_eval_losses(got), ref) <= 1e-6, (_eval_losses(got), ref)
-    assert max_rel_diff(got["losses"], eval_reference["losses"]) <= 1e-5
+    assert max_rel_diff(got["losses"], reference["losses"]) <= 1e-5
     row = next(r for r in got["rows"] if "eval_loss" in r)
     assert abs(row["eval_ppl"] - math.exp(row["eval_loss"])) <= 1e-12 * row["eval_ppl"]
 
 
 NO_STATE_CHANGE = [
     ("one process", 1, "llama", dict(gradient_accumulation_steps=4), {}),
-    ("pp2", 2, "llama", EVAL_LAYOUTS[3][2], {}),
-    ("pp2 interleaved", 2, "llama", dict(EVAL_LAYOUTS[3][2], pipeline_parallel_schedule="Interleaved1F1B",
+    ("pp2", 2, "llama", EVAL_LAYOUTS[3][3], {}),
+    ("pp2 interleaved", 2, "llama", dict(EVAL_LAYOUTS[3][3], pipeline_parallel_schedule="Interleaved1F1B",
                                           virtual_pipeline_stages=2), {}),
     # the routers' selection bias moves by the load the training forwards saw, not the eval's
     ("moe expert bias, one process", 1, "qwen3_moe", dict(gradient_accumulation_steps=4),
