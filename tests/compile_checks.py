@@ -81,8 +81,11 @@ def opcheck_parallel_ops() -> list[str]:
     q, k, v = (torch.randn(1, 8, h, 4, requires_grad=True) for h in (4, 2, 2))
     cu = torch.tensor([0, 8, 16])
     ops = torch.ops.xorl
-    torch.library.opcheck(ops.ring_attention.default, (q, k, v, cu, 8, name, True, None, torch.float32, None))
-    torch.library.opcheck(ops.ring_attention.default, (q, k, v, None, None, name, False, 0.5, torch.float32, None))
+    ring = ops.ring_attention.default  # q, k, v, sinks, cu, max_seqlen, group, causal, scale, dkv, backend, window
+    torch.library.opcheck(ring, (q, k, v, None, cu, 8, name, True, None, torch.float32, None, None))
+    torch.library.opcheck(ring, (q, k, v, None, None, None, name, False, 0.5, torch.float32, None, None))
+    sinks, narrow_v = torch.randn(4, requires_grad=True), torch.randn(1, 8, 2, 3, requires_grad=True)
+    torch.library.opcheck(ring, (q, k, narrow_v, sinks, cu, 8, name, True, None, torch.float32, None, 3))
     torch.library.opcheck(ops.ulysses_seq_to_head.default, ([q, k, v], name, 2))
     torch.library.opcheck(ops.ulysses_head_to_seq.default, ([torch.randn(1, 16, 2, 4, requires_grad=True)], name, 2))
     counts = torch.tensor([[1, 2], [3, 0]]) if dist.get_rank() == 0 else torch.tensor([[2, 2], [1, 1]])

@@ -11,8 +11,10 @@ import torch.distributed as dist
 from xorl.distributed.zigzag import prepare_context_parallel_batch, zigzag_shard
 
 
-def reference_attention(q, k, v, cu_seqlens=None, causal=True, scale=None):
-    """Float64 plain-torch attention on the FULL sequence: q [b, T, hq, d], k/v [b, T, hkv, d]."""
+def reference_attention(q, k, v, cu_seqlens=None, causal=True, scale=None, sinks=None, window=None):
+    """Float64 plain-torch attention on the FULL sequence: q [b, T, hq, d], k [b, T, hkv, d],
+    v [b, T, hkv, d_v]; ``sinks`` [hq]: an extra logit per head in every row's softmax (no value);
+    ``window``: a query at p sees keys p - window < k <= p of its document."""
     q, k, v = (t.double() for t in (q, k, v))
     b, T, hq, d = q.shape
     group = hq // k.shape[2]
@@ -24,9 +26,15 @@ def reference_attention(q, k, v, cu_seqlens=None, causal=True, scale=None):
     mask = doc[:, None] == doc[None, :]
     if causal:
         mask &= pos[None, :] <= pos[:, None]
+    if window is not None:
+        mask &= pos[:, None] - pos[None, :] < window
     scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
     scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
+    if sinks is None:
+        return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
+    sink = sinks.double().view(1, hq, 1, 1).expand(b, hq, T, 1)
+    probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+    return torch.einsum("bhqk,bkhd->bqhd", probs, v)
 
 
 def cp_groups(ring_size: int, ulysses_size: int):
@@ -111,12 +119,13 @@ DOC_LENS = [13, 30, 5]  # not divisible by 2P: padded per document
 FULL_DOCS = [0, 32, 48, 64]  # divisible by 16: for full (non-causal) attention, which padding would change
 
 
-def _case_tensors(seed, batch, total, hq, hkv, d=8):
+def _case_tensors(seed, batch, total, hq, hkv, d=8, d_v=None):
     g = torch.Generator().manual_seed(seed)
+    d_v = d if d_v is None else d_v
     q = torch.randn(batch, total, hq, d, generator=g)
     k = torch.randn(batch, total, hkv, d, generator=g)
-    v = torch.randn(batch, total, hkv, d, generator=g)
-    do = torch.randn(batch, total, hq, d, generator=g)
+    v = torch.randn(batch, total, hkv, d_v, generator=g)
+    do = torch.randn(batch, total, hq, d_v, generator=g)
     return q, k, v, do
 
 
@@ -124,10 +133,12 @@ def local_inputs(case, ring, ulysses=None, seed=0):
     """This rank's (q, k, v, dout) shards, the same shards of the float64 reference (out, dq, dk, dv),
     a mask of the real (non-pad) local tokens, and the global cu_seqlens / max_seqlen to pass.
 
-    ``case`` = (name, causal, batch, kind, layout, heads_q, heads_kv), kind "padded" (layout =
-    document lengths, padded by prepare_context_parallel_batch), "packed" (layout = boundaries) or
-    "batched" (layout = seq length)."""
-    _, causal, batch, kind, layout, hq, hkv = case
+    ``case`` = (name, causal, batch, kind, layout, heads_q, heads_kv[, options]), kind "padded"
+    (layout = document lengths, padded by prepare_context_parallel_batch), "packed" (layout =
+    boundaries) or "batched" (layout = seq length). ``options``: "d_v" (v's head dim), "window",
+    "sinks" (True: fresh random sinks, then inputs and refs carry them and their gradient 5th)."""
+    _, causal, batch, kind, layout, hq, hkv, *rest = case
+    options = rest[0] if rest else {}
     if kind == "padded":
         total = sum(layout)
         cu = torch.tensor([0, *torch.tensor(layout).cumsum(0).tolist()])
@@ -143,9 +154,13 @@ def local_inputs(case, ring, ulysses=None, seed=0):
         src = zigzag_shard(torch.arange(total)[None], 1, ring, cu, ulysses=ulysses)[0]
         real = torch.ones_like(src, dtype=torch.bool)
         cp_cu, cp_max = cu, None
-    q, k, v, do = _case_tensors(seed, batch, total, hq, hkv)
+    q, k, v, do = _case_tensors(seed, batch, total, hq, hkv, d_v=options.get("d_v"))
     qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
-    ref = reference_attention(qd, kd, vd, cu, causal)
+    sinks = sinks_d = None
+    if options.get("sinks"):
+        sinks = torch.randn(hq, generator=torch.Generator().manual_seed(seed + 7)) * 2
+        sinks_d = sinks.double().requires_grad_()
+    ref = reference_attention(qd, kd, vd, cu, causal, sinks=sinks_d, window=options.get("window"))
     ref.backward(do.double())
 
     g = torch.Generator().manual_seed(seed + 1000)
@@ -157,13 +172,30 @@ def local_inputs(case, ring, ulysses=None, seed=0):
 
     inputs = [local(q), local(k), local(v), local(do, fill=0.0)]
     refs = [t[:, src.clamp(min=0)] for t in (ref.detach(), qd.grad, kd.grad, vd.grad)]
+    if sinks is not None:
+        inputs.append(sinks)
+        refs.append(sinks_d.grad)
     return inputs, refs, real, cp_cu, cp_max
 
 
 def run_case(attn, case, ring, ulysses=None, seed=0):
-    """[(‖err‖², ‖ref‖²) for out, dq, dk, dv] of this rank's real tokens."""
-    (q, k, v, do), refs, real, cu, max_seqlen = local_inputs(case, ring, ulysses, seed)
+    """[(‖err‖², ‖ref‖²) for out, dq, dk, dv] of this rank's real tokens, and for a case with
+    sinks, of d sinks summed over every rank of the world (the sum the FSDP / DDP gradient
+    reduction over the CP ranks does for a replicated parameter; equal on every rank)."""
+    inputs, refs, real, cu, max_seqlen = local_inputs(case, ring, ulysses, seed)
+    q, k, v, do = inputs[:4]
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    out = attn(q, k, v, cu_seqlens=cu, max_seqlen=max_seqlen)
+    options = case[7] if len(case) > 7 else {}
+    kwargs = {"window": options["window"]} if "window" in options else {}
+    sinks = inputs[4].requires_grad_() if len(inputs) > 4 else None
+    if sinks is not None:
+        kwargs["sinks"] = sinks
+    out = attn(q, k, v, cu_seqlens=cu, max_seqlen=max_seqlen, **kwargs)
     out.backward(do)
-    return [sq_err(a[:, real], b[:, real]) for a, b in zip((out, q.grad, k.grad, v.grad), refs)]
+    errors = [sq_err(a[:, real], b[:, real]) for a, b in zip((out, q.grad, k.grad, v.grad), refs)]
+    if sinks is not None:
+        grad = sinks.grad.clone()
+        if dist.is_initialized():
+            dist.all_reduce(grad)
+        errors.append(sq_err(grad, refs[4]))
+    return errors

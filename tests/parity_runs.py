@@ -28,6 +28,14 @@ MODELS = {
     "glm4_moe": dict(model_type="glm4_moe", **_MOE, num_hidden_layers=4, first_k_dense_replace=1,
                      shared_expert_intermediate_size=32, router_n_group=2, router_topk_group=1,
                      routed_scaling_factor=2.0, attention_bias=True, partial_rotary_factor=0.5),
+    # Latent attention with q_lora_rank, q.k head 8 + 4 against a v head of 6, YaRN (original length
+    # below seq_len, mscale_all_dim on the softmax scale), interleaved RoPE, biased sigmoid group routing.
+    "deepseek_v3": dict(model_type="deepseek_v3", **_MOE, num_key_value_heads=4, first_k_dense_replace=1,
+                        q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+                        shared_expert_intermediate_size=32, router_n_group=2, router_topk_group=1,
+                        routed_scaling_factor=2.0, rope_scaling={
+                            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
+                            "mscale": 1.0, "mscale_all_dim": 1.0}),
 }
 
 

@@ -14,7 +14,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.cp_helpers import DOC_LENS, FULL_DOCS, SendCounter, cp_groups, rel_err, run_case, sq_err
+from tests.cp_helpers import (
+    DOC_LENS,
+    FULL_DOCS,
+    SendCounter,
+    cp_groups,
+    rel_err,
+    run_case,
+    sq_err,
+)
 from xorl.distributed.zigzag import prepare_context_parallel_batch
 from xorl.nn.ulysses_attention import ContextParallelAttention
 
@@ -46,6 +54,27 @@ def test_hybrid_two_by_two_matches_float64_reference(gloo_world):
     for _, p2p, a2a in results:
         assert p2p == 3  # ring of 2: one K+V hop forward; K+V and dK+dV hops backward
         assert a2a == 4  # two all-to-alls forward, two backward
+
+
+FEATURE_CASES = [
+    ("causal packed padded GQA, sinks, window 6, d_v 12", True, 1, "padded", DOC_LENS, 4, 2,
+     {"sinks": True, "window": 6, "d_v": 12}),
+    ("batched MQA, sinks, window 3 < chunk, d_v 4", True, 2, "batched", 64, 4, 1,
+     {"sinks": True, "window": 3, "d_v": 4}),
+]  # fmt: skip
+
+
+def _hybrid_feature_errors(seed):
+    ring, ulysses = cp_groups(2, 2)
+    return [run_case(ContextParallelAttention(ring, ulysses, causal=c[1]), c, ring, ulysses, seed)
+            for c in FEATURE_CASES]  # fmt: skip
+
+
+def test_hybrid_two_by_two_with_sinks_windows_and_narrow_v_matches_float64_reference(gloo_world):
+    results = gloo_world(4).run(_hybrid_feature_errors, 4)
+    for c, (name, *_) in enumerate(FEATURE_CASES):
+        errs = [rel_err([r[c][t] for r in results]) for t in range(5)]
+        assert max(errs) < TOL, f"ring 2 × ulysses 2, {name}: rel err out/dq/dk/dv/dsinks = {errs}"
 
 
 # ----------------------------------------------------------------------------------------------

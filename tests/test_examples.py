@@ -41,6 +41,7 @@ RECOMMENDED = {
     "Qwen3 dense": lambda c: c.model.model_type == "qwen3",
     "Mixtral": lambda c: c.model.model_type == "mixtral",
     "GLM-4.5": lambda c: c.model.model_type == "glm4_moe",
+    "DeepSeek-V3": lambda c: c.model.model_type == "deepseek_v3",
 }
 
 

@@ -11,6 +11,7 @@ config.json, weights=False)`` on the meta device has exactly transformers' param
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
 import torch
@@ -24,6 +25,12 @@ SMALL = dict(vocab_size=97, hidden_size=48, intermediate_size=40, num_hidden_lay
              num_key_value_heads=2, rms_norm_eps=1e-5, max_position_embeddings=256)
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+
+MLA = dict(num_key_value_heads=6, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10,
+           n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=16, n_shared_experts=2,
+           first_k_dense_replace=1)
+MLA_YARN = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 64,
+            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8}
 
 # name -> (transformers class name, config class name, config fields beyond SMALL)
 FAMILIES = {
@@ -48,6 +55,19 @@ FAMILIES = {
         first_k_dense_replace=1, n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
         attention_bias=True, head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
                                                            "partial_rotary_factor": 0.5})),
+    # MLA (q.k head 12 + 8, v head 10, so d_v != d_qk), YaRN with mscale_all_dim (the softmax scale's
+    # factor), interleaved RoPE pairs, 4 groups of 2 experts with the selection bias, a dense first layer.
+    "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(
+        MLA, q_lora_rank=20, n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+        rope_parameters=MLA_YARN)),
+    "deepseek_v3-no-q_lora": ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(
+        MLA, q_lora_rank=None, n_group=1, topk_group=1, norm_topk_prob=False, rope_interleave=False,
+        attention_bias=True)),
+    "deepseek_v2": ("DeepseekV2ForCausalLM", "DeepseekV2Config", dict(
+        MLA, q_lora_rank=20, topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=2.0,
+        rope_parameters=MLA_YARN)),
+    "deepseek_v2-lite-greedy": ("DeepseekV2ForCausalLM", "DeepseekV2Config", dict(
+        MLA, q_lora_rank=None, topk_method="greedy")),
 }
 
 
@@ -169,6 +189,27 @@ PUBLISHED = {
         first_k_dense_replace=1, routed_scaling_factor=1.0, norm_topk_prob=True, partial_rotary_factor=0.5,
         attention_bias=True, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=1000000.0,
         use_qk_norm=False, num_nextn_predict_layers=1, tie_word_embeddings=False), None),
+    # The hub file as released (v4 rope_scaling "type"; scoring_func / topk_method are informational
+    # there, transformers ignores them; no rope_interleave key: its default, true).
+    "DeepSeek-V3": ("DeepseekV3ForCausalLM", dict(
+        model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+        moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
+        n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4,
+        first_k_dense_replace=3, moe_layer_freq=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+        scoring_func="sigmoid", topk_method="noaux_tc", kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128,
+        qk_rope_head_dim=64, v_head_dim=128, max_position_embeddings=163840, rms_norm_eps=1e-6, rope_theta=10000,
+        rope_scaling={"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                      "original_max_position_embeddings": 4096, "type": "yarn"},
+        num_nextn_predict_layers=1, attention_bias=False, tie_word_embeddings=False), None),
+    "DeepSeek-V2-Lite": ("DeepseekV2ForCausalLM", dict(
+        model_type="deepseek_v2", vocab_size=102400, hidden_size=2048, intermediate_size=10944,
+        moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16,
+        n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6, n_group=1, topk_group=1, topk_method="greedy",
+        first_k_dense_replace=1, routed_scaling_factor=1.0, norm_topk_prob=False, kv_lora_rank=512, q_lora_rank=None,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, max_position_embeddings=163840,
+        rms_norm_eps=1e-6, rope_theta=10000, rope_scaling={
+            "beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
+            "original_max_position_embeddings": 4096, "type": "yarn"}, tie_word_embeddings=False), None),
 }
 
 
@@ -185,19 +226,24 @@ def test_published_config_has_transformers_parameter_count(name, tmp_path):
         assert count == published
 
 
-def test_glm_multi_token_prediction_layer_in_the_files_is_skipped(tmp_path):
-    """GLM-4.5 files hold their MTP layer after the last layer (num_nextn_predict_layers); transformers
-    does not build it, nor do we, and loading skips its tensors instead of calling them unexpected."""
+@pytest.mark.parametrize("name", ["glm4_moe", "deepseek_v3"])
+def test_multi_token_prediction_layer_in_the_files_is_skipped(name, tmp_path, caplog):
+    """GLM-4.5 and DeepSeek-V3 files hold their MTP layer after the last layer (num_nextn_predict_layers);
+    transformers does not build it, nor do we, and loading skips its tensors (saying so in one line)
+    instead of calling them unexpected."""
     from safetensors.torch import load_file, save_file
 
-    hf = hf_checkpoint("glm4_moe", tmp_path / "hf", seed=5)
+    hf = hf_checkpoint(name, tmp_path / "hf", seed=5)
     path = tmp_path / "hf" / "model.safetensors"
     tensors = load_file(path)
     extra = SMALL["num_hidden_layers"]  # the layer after the last
     tensors[f"model.layers.{extra}.eh_proj.weight"] = torch.randn(8, 8)
     tensors[f"model.layers.{extra}.mlp.experts.0.gate_proj.weight"] = torch.randn(8, 8)
     save_file(tensors, path, metadata={"format": "pt"})
-    ours = xorl.models.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
+    with caplog.at_level("WARNING", logger="xorl.models.hf_io"):
+        ours = xorl.models.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
+    skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(skipped) == 1 and f"model.layers.{extra}" in skipped[0], skipped
     input_ids = torch.randint(0, SMALL["vocab_size"], (1, 16), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         assert rel_err(ours(input_ids).logits, hf(input_ids=input_ids).logits) < TOL
@@ -241,3 +287,143 @@ def test_sharded_start_from_a_family_folder_reads_its_weights(name, gloo_world, 
     loaded = gloo_world(2).run(initial_weights, config)[0]
     assert loaded.keys() == one.keys()
     assert all(torch.equal(loaded[k], one[k]) for k in one), [k for k in one if not torch.equal(loaded[k], one[k])]
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(model_type="deepseek_v3", head_dim=64), "head_dim=64: deepseek_v3's q.k head dim is qk_nope_head_dim"),
+    (dict(model_type="deepseek_v3", num_key_value_heads=2), "num_key_value_heads=2 must equal num_attention_heads"),
+    (dict(model_type="deepseek_v3", merge_qkv=True), "merge_qkv=true: deepseek_v3's latent attention"),
+    (dict(model_type="deepseek_v3", qk_rope_head_dim=5), "qk_rope_head_dim=5 must be even"),
+    (dict(model_type="llama", num_experts=0),
+     "v_head_dim: latent attention fields, but model_type=.llama."),
+])
+def test_bad_latent_attention_config_is_refused_naming_the_field(fields, message):
+    from xorl.models.spec import ModelSpec
+
+    base = dict(model_type="deepseek_v3", vocab_size=97, hidden_size=48, intermediate_size=40, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=4, num_experts=4, num_experts_per_tok=2,
+                kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        ModelSpec.from_config(types.SimpleNamespace(**{**base, **fields}))
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(norm_topk_prob=True), "norm_topk_prob=True; DeepseekV2ForCausalLM always has False"),
+    (dict(topk_method="noaux_tc"), "topk_method='noaux_tc': DeepseekV2ForCausalLM routes with one of"),
+])
+def test_deepseek_v2_router_that_transformers_does_not_run_is_refused(change, message, tmp_path):
+    cls_name, fields, _ = PUBLISHED["DeepSeek-V2-Lite"]
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": [cls_name], "hidden_act": "silu", **fields,
+                                                      **change}))
+    with pytest.raises(ValueError, match=message):
+        xorl.models.from_pretrained(str(tmp_path), weights=False)
+
+
+def test_deepseek_v2_group_limited_routing_ranks_groups_by_their_best_score(tmp_path):
+    """V2's group_limited_greedy: softmax scores, a group ranked by its best expert (not V3's top-2 sum),
+    weights times routed_scaling_factor, not renormalised: the same experts and weights as transformers."""
+    hf = hf_checkpoint("deepseek_v2", tmp_path / "hf", seed=8)
+    ours = xorl.models.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
+    gate = ours.model.layers[1].mlp.gate
+    assert gate.group_score == "max" and gate.e_score_correction_bias is None
+    x = torch.randn(256, SMALL["hidden_size"], generator=torch.Generator().manual_seed(9))
+    routed = gate(x)
+    _, ref_weights, ref_ids = hf.model.layers[1].mlp.gate(x)
+    assert torch.equal(routed.expert_ids.sort(-1).values, ref_ids.sort(-1).values)
+    order_ours, order_ref = routed.expert_ids.argsort(-1), ref_ids.argsort(-1)
+    assert rel_err(routed.weights.gather(1, order_ours), ref_weights.gather(1, order_ref)) < TOL
+    # Some token's groups differ between "best score" and "top-2 sum" ranking, so the test can tell them apart.
+    gate.group_score = "top2_sum"
+    assert not torch.equal(gate(x).expert_ids.sort(-1).values, routed.expert_ids.sort(-1).values)
+
+
+def _fp8_blocks(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(e4m3 weight, scale_inv per block, their dequantised product) as DeepSeek's release stores them."""
+    rows, cols = (-(-n // block) for n in w.shape)
+    padded = torch.zeros(rows * block, cols * block)
+    padded[:w.shape[0], :w.shape[1]] = w
+    blocks = padded.view(rows, block, cols, block)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12) / 448.0
+    expanded = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)[:w.shape[0], :w.shape[1]]
+    q = (w / expanded).to(torch.float8_e4m3fn)
+    return q, scale, q.float() * expanded
+
+
+def test_fp8_block_quantised_release_folder_loads_dequantised(tmp_path):
+    """A folder as DeepSeek-V3 ships (per-expert projections, every projection float8 e4m3 with a
+    weight_scale_inv per block, quantization_config in config.json) loads dequantised box by box:
+    transformers' model holding the dequantised weights gives our logits; any box equals the slice."""
+    from safetensors.torch import load_file, save_file
+
+    from xorl.models.fp8_blocks import dequantize_box
+
+    block = 8  # 48 x 20, 16 x 48, ...: partial blocks at the edges
+    hf = hf_checkpoint("deepseek_v3", tmp_path / "hf", seed=11)
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        stacked = tensors.pop(name)  # transformers 5's fused experts -> the release's per-expert tensors
+        prefix = name.rsplit(".", 1)[0]
+        for j, w in enumerate(stacked):
+            if name.endswith("gate_up_proj"):
+                tensors[f"{prefix}.{j}.gate_proj.weight"], tensors[f"{prefix}.{j}.up_proj.weight"] = w.chunk(2)
+            else:
+                tensors[f"{prefix}.{j}.down_proj.weight"] = w
+    dequantised = {}
+    for name in [n for n in tensors if n.endswith("proj.weight") or n.endswith("proj_with_mqa.weight")]:
+        q, scale, dequantised[name] = _fp8_blocks(tensors[name], block)
+        tensors[name], tensors[name + "_scale_inv"] = q, scale
+    save_file(tensors, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [block, block]}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+
+    state = hf.state_dict()
+    for name, w in dequantised.items():
+        if ".experts." not in name:
+            state[name] = w
+    for key in [k for k in state if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        prefix = key.rsplit(".", 1)[0]
+        n = state[key].shape[0]
+        if key.endswith("gate_up_proj"):
+            state[key] = torch.stack([torch.cat([dequantised[f"{prefix}.{j}.gate_proj.weight"],
+                                                 dequantised[f"{prefix}.{j}.up_proj.weight"]]) for j in range(n)])
+        else:
+            state[key] = torch.stack([dequantised[f"{prefix}.{j}.down_proj.weight"] for j in range(n)])
+    hf.load_state_dict(state)
+    ours = xorl.models.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32, attn_implementation="sdpa")
+    input_ids = torch.randint(0, SMALL["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(12))
+    with torch.no_grad():
+        assert rel_err(ours(input_ids).logits, hf(input_ids=input_ids).logits) < TOL
+
+    name = "model.layers.1.self_attn.q_b_proj.weight"
+    q, scale = tensors[name], tensors[name + "_scale_inv"]
+    stored = {name: q, name + "_scale_inv": scale}
+    gen = torch.Generator().manual_seed(13)
+    for _ in range(20):
+        r0, c0 = (int(torch.randint(0, n, (), generator=gen)) for n in q.shape)
+        r1, c1 = (int(torch.randint(lo + 1, n + 1, (), generator=gen)) for lo, n in zip((r0, c0), q.shape))
+        box = dequantize_box(lambda k, i: stored[k][i], name, name + "_scale_inv", (slice(r0, r1), slice(c0, c1)),
+                             tuple(q.shape), (block, block))
+        assert torch.equal(box, dequantised[name][r0:r1, c0:c1])
+
+
+def test_mfu_flops_of_latent_attention_count_its_projection_weights():
+    """xorl/mfu.py: for MLA the 6 N term counts the low-rank projections the model holds (not a
+    192-wide q/k/v/o), and the scores term 6 (d_qk + d_v) per key and head."""
+    from xorl.config import ModelConfig
+    from xorl.mfu import flops_per_token
+    from xorl.models.registry import build_model
+
+    config = ModelConfig(model_type="deepseek_v3", vocab_size=97, hidden_size=48, intermediate_size=40,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, num_experts=8,
+                         num_experts_per_tok=2, moe_intermediate_size=16, q_lora_rank=20, kv_lora_rank=12,
+                         qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)
+    model = build_model(config)
+    attn = sum(p.numel() for n, p in model.named_parameters() if ".self_attn." in n and p.ndim == 2)
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    router = sum(p.numel() for n, p in model.named_parameters() if n.endswith("mlp.gate.weight"))
+    matmul = attn + router + experts * 2 / 8 + model.lm_head.weight.numel()
+    seq = 32
+    scores = 6 * 2 * 4 * (12 + 6) * seq / 2
+    assert flops_per_token(config, seq) == pytest.approx(6 * matmul + scores, rel=1e-12)

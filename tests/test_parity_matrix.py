@@ -72,6 +72,18 @@ LAYOUTS = [
      dict(data_parallel_shard_size=2, tensor_parallel_size=2, sequence_parallel=True, expert_parallel_size=4)),
     ("glm4.5 pp2 x ep2 x fsdp2, dense first layer", 4, "glm4_moe",
      dict(data_parallel_shard_size=2, pipeline_parallel_size=2, expert_parallel_size=2)),
+    ("deepseek_v3 ep2 x fsdp2 (latent attention, biased group routing)", 4, "deepseek_v3",
+     dict(data_parallel_shard_size=4, expert_parallel_size=2)),
+    ("deepseek_v3 tp2+sp (latent attention heads split, latents replicated)", 2, "deepseek_v3",
+     dict(data_parallel_shard_size=1, tensor_parallel_size=2, sequence_parallel=True)),
+    ("deepseek_v3 tp2 (no sp) x fsdp2", 4, "deepseek_v3",
+     dict(data_parallel_shard_size=2, tensor_parallel_size=2)),
+    ("deepseek_v3 ring2 x fsdp2 (zig-zag ring with d_v != d_qk, YaRN past original_max_position_embeddings)", 4,
+     "deepseek_v3", dict(data_parallel_shard_size=2, ringattn_parallel_size=2)),
+    ("deepseek_v3 pp2 x ep2 x fsdp2, dense first layer", 4, "deepseek_v3",
+     dict(data_parallel_shard_size=2, pipeline_parallel_size=2, expert_parallel_size=2)),
+    ("deepseek_v3 ring2 x ulysses2, ep2", 4, "deepseek_v3",
+     dict(data_parallel_shard_size=1, ringattn_parallel_size=2, ulysses_parallel_size=2, expert_parallel_size=2)),
 ]
 
 

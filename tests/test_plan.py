@@ -184,6 +184,13 @@ def test_unsupported_hf_model_type_is_refused(tmp_path, capsys):
     ("Glm4MoeForCausalLM", dict(n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=64,
                                 first_k_dense_replace=1, head_dim=32)),
     ("Qwen2ForCausalLM", {}),
+    # Latent attention: every head has its own key and value (num_key_value_heads = heads).
+    ("DeepseekV3ForCausalLM", dict(num_key_value_heads=8, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32,
+                                   qk_rope_head_dim=16, v_head_dim=24, n_routed_experts=8, n_group=2, topk_group=1,
+                                   num_experts_per_tok=2, moe_intermediate_size=64, first_k_dense_replace=1)),
+    ("DeepseekV2ForCausalLM", dict(num_key_value_heads=8, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=32,
+                                   qk_rope_head_dim=16, v_head_dim=24, n_routed_experts=8, num_experts_per_tok=2,
+                                   moe_intermediate_size=64, first_k_dense_replace=1)),
 ])
 def test_hf_folder_of_every_family_has_transformers_parameter_count(tmp_path, cls_name, fields):
     """The planner reads a family's config.json as xorl-train does, and counts its parameters exactly."""
@@ -194,7 +201,7 @@ def test_hf_folder_of_every_family_has_transformers_parameter_count(tmp_path, cl
     transformers = pytest.importorskip("transformers")
     config_cls = getattr(transformers, cls_name.replace("ForCausalLM", "Config"))
     hf = config_cls(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                    num_attention_heads=8, num_key_value_heads=4, **fields)
+                    num_attention_heads=8, **{"num_key_value_heads": 4, **fields})
     hf.save_pretrained(tmp_path)
     model = read_model_source(str(tmp_path)).config.model
     with torch.device("meta"):

@@ -101,3 +101,45 @@ def test_ulysses_uses_two_all_to_alls_with_the_analytic_bytes(gloo_world):
         assert fwd == [(qkv, qkv * leave), (o, o * leave)]  # Q, K, V in ONE all-to-all, then the output
         assert bwd == [(o, o * leave), (qkv, qkv * leave)]
         assert p2p == []
+
+
+# Sinks (each rank's inner attention takes its heads' slice), windows, head_dim_v != head_dim_qk.
+FEATURE_CASES = [
+    ("causal packed padded GQA, sinks, window 6, d_v 12", True, 1, "padded", DOC_LENS, 4, 2,
+     {"sinks": True, "window": 6, "d_v": 12}),
+    ("batched MQA (KV replicated), sinks, window 40, d_v 4", True, 2, "batched", 32, 4, 1,
+     {"sinks": True, "window": 40, "d_v": 4}),
+    ("full packed MHA, sinks, d_v 4", False, 1, "packed", FULL_DOCS, 4, 4, {"sinks": True, "d_v": 4}),
+]  # fmt: skip
+
+
+def _ulysses_feature_errors(seed):
+    group = dist.group.WORLD
+    return [run_case(UlyssesAttention(group, _inner(c[1])), c, None, group, seed) for c in FEATURE_CASES]
+
+
+def test_ulysses_with_sinks_windows_and_narrow_v_matches_float64_reference(gloo_world):
+    """U = 2: outputs and gradients of q, k, v and the sinks (summed over the ranks, as the
+    gradient reduction over the CP ranks does) against one float64 process."""
+    per_rank = gloo_world(2).run(_ulysses_feature_errors, 6)
+    for c, (name, *_) in enumerate(FEATURE_CASES):
+        assert len(per_rank[0][c]) == 5  # every case has sinks: their gradient is checked too
+        errs = [rel_err([r[c][t] for r in per_rank]) for t in range(5)]
+        assert max(errs) < TOL, f"U=2 {name}: rel err out/dq/dk/dv/dsinks = {errs}"
+
+
+def _ulysses_narrow_v_bytes():
+    group = dist.group.WORLD
+    case = FEATURE_CASES[0]
+    (q, k, v, do, sinks), *_, cu, max_seqlen = local_inputs(case, None, group, seed=5)
+    counter = SendCounter()
+    with counter.active():
+        UlyssesAttention(group)(q, k, v, cu_seqlens=cu, max_seqlen=max_seqlen, sinks=sinks, window=6)
+    return counter.all_to_all, tuple(q.shape), tuple(k.shape), tuple(v.shape)
+
+
+def test_ulysses_moves_v_with_its_own_width(gloo_world):
+    for a2a, (b, s, hq, d), (_, _, hkv, _), (*_, d_v) in gloo_world(2).run(_ulysses_narrow_v_bytes):
+        qkv = b * s * (hq * d + hkv * d + hkv * d_v) * 4
+        o = b * s * hq * d_v * 4
+        assert [total for total, _ in a2a] == [qkv, o]

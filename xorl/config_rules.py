@@ -65,16 +65,37 @@ def validate_config(config: Any, world_size: int) -> None:
 
 # -- model ---------------------------------------------------------------------------------
 def _attention_problems(m: Any) -> list[str]:
-    from xorl.nn.attention_backends import missing_package
+    from xorl.nn.attention_backends import FLASH_ATTN, attention_backend, missing_package
 
+    problems = []
     package = missing_package(m.attn_implementation)
     if package is not None:
         pip_name = package.replace("_", "-")
-        return [
+        problems.append(
             f"model.attn_implementation={m.attn_implementation!r} but the {pip_name} package is not installed; "
             f"use attn_implementation: xorl (our Triton kernels) or pip install {pip_name}"
-        ]
-    return []
+        )
+    # Sinks and sliding windows run on xorl's kernels and on sdpa (plain torch), not on the package.
+    features = _attention_features(m)
+    if features and attention_backend(m.attn_implementation).local == FLASH_ATTN:
+        problems.append(
+            f"model.attn_implementation={m.attn_implementation!r} with model_type={m.model_type!r}: the "
+            f"flash-attn package is not wired for its {' and '.join(features)}; use attn_implementation: "
+            "xorl (or sdpa)"
+        )
+    return problems
+
+
+def _attention_features(m: Any) -> list[str]:
+    """What the model's attention needs beyond plain causal softmax: sinks (a family trait), windows."""
+    from xorl.models.families import MODEL_TYPES, family
+
+    features = []
+    if m.model_type in MODEL_TYPES and getattr(family(m.model_type), "attention_sinks", False):
+        features.append("attention sinks")
+    if getattr(m, "sliding_window", None) is not None:
+        features.append("sliding windows")
+    return features
 
 
 def _model_problems(m: Any) -> list[str]:

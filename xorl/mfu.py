@@ -29,12 +29,20 @@ def flops_per_token(model_config, seq_len: int) -> float:
     m = model_config
     head_dim = m.head_dim or m.hidden_size // m.num_attention_heads
     attn = m.hidden_size * head_dim * (2 * m.num_attention_heads + 2 * m.num_key_value_heads)
+    head_dim_v = head_dim
+    if getattr(m, "kv_lora_rank", 0):  # latent attention (xorl/models/mla.py): low-rank q and kv projections
+        h, heads, q_rank = m.hidden_size, m.num_attention_heads, m.q_lora_rank
+        head_dim, head_dim_v = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
+        q = h * heads * head_dim if q_rank is None else h * q_rank + q_rank * heads * head_dim
+        attn = (q + h * (m.kv_lora_rank + m.qk_rope_head_dim)
+                + m.kv_lora_rank * heads * (m.qk_nope_head_dim + head_dim_v) + heads * head_dim_v * h)
     if m.num_experts:
         mlp = 3 * m.hidden_size * m.moe_intermediate_size * m.num_experts_per_tok + m.hidden_size * m.num_experts
     else:
         mlp = 3 * m.hidden_size * m.intermediate_size
     params = m.num_hidden_layers * (attn + mlp) + m.hidden_size * m.vocab_size  # lm_head; embedding is a lookup
-    attention_scores = 12 * m.num_hidden_layers * m.num_attention_heads * head_dim * seq_len / 2  # causal
+    # q.k and p.v: 2 (d_qk + d_v) FLOPs per key forward, 3x with the backward; half the keys (causal)
+    attention_scores = 6 * m.num_hidden_layers * m.num_attention_heads * (head_dim + head_dim_v) * seq_len / 2
     return 6 * params + attention_scores
 
 

@@ -2,7 +2,8 @@
 
 The split is the plug point for context parallelism: ``Attention`` computes q, k, v as
 [batch, seq, heads, head_dim] and calls ``self.core_attention(q, k, v, cu_seqlens=..., max_seqlen=...)``
-(causal, k/v may have fewer heads). ``LocalAttention`` is the single-device default;
+(causal, k/v may have fewer heads, v may have its own head dim), adding ``sinks=`` (the layer's
+parameter) and ``window=`` when the layer has them. ``LocalAttention`` is the single-device default;
 RingAttention / UlyssesAttention / ContextParallelAttention (xorl.nn) replace ``core_attention``
 with the same forward signature.
 """
@@ -50,10 +51,15 @@ def causal_attention_reference(
     v: torch.Tensor,
     softmax_scale: float,
     cu_seqlens: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Plain-torch causal attention (SDPA with a boolean mask); block-diagonal when cu_seqlens is given.
 
-    q [b, s, h, d], k/v [b, s, h_kv, d] with h % h_kv == 0 -> [b, s, h, d].
+    q [b, s, h, d], k [b, s, h_kv, d], v [b, s, h_kv, d_v] with h % h_kv == 0 -> [b, s, h, d_v].
+    ``window``: a query at position p (inside its document) sees keys p - window < k <= p.
+    ``sinks`` [h]: one more logit per head in every row's softmax denominator (gpt-oss); SDPA has
+    no such input, so with sinks the softmax is written out (same mask, O(s²) memory like SDPA's).
     """
     b, s, h, _ = q.shape
     h_kv = k.shape[2]
@@ -68,10 +74,17 @@ def causal_attention_reference(
         check_cu_seqlens(cu_seqlens, b, s)
         doc_ids = torch.searchsorted(cu_seqlens[1:].to(q.device), positions, right=True)
         mask = mask & (doc_ids[:, None] == doc_ids[None, :])
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=softmax_scale
-    )
-    return out.transpose(1, 2)
+    if window is not None:  # within one document index differences are position differences
+        mask = mask & (positions[:, None] - positions[None, :] < window)
+    qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if sinks is None:
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=softmax_scale)
+        return out.transpose(1, 2)
+    scores = torch.matmul(qh, kh.transpose(-1, -2)) * softmax_scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.to(scores.dtype).view(1, h, 1, 1).expand(b, h, s, 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs.to(vh.dtype), vh).transpose(1, 2)
 
 
 def _xorl_flash_attn():
@@ -113,6 +126,11 @@ class LocalAttention(nn.Module):
     tensors, plain torch (SDPA) on CPU; "sdpa": always plain torch; "xorl": always
     xorl_kernels.flash_attn (which itself runs its plain-torch reference on CPU); "flash_attn":
     the flash-attn pip package.
+
+    Per call, as for the context-parallel attentions that replace it: ``sinks`` [heads] (the
+    attention layer's parameter) and ``window`` (causal sliding window). v may be narrower or
+    wider than q/k (MLA). The flash-attn package takes neither sinks nor windows here (refused;
+    config_rules refuses the combination before start).
     """
 
     def __init__(self, softmax_scale: float | None = None, backend: str = "auto"):
@@ -129,19 +147,36 @@ class LocalAttention(nn.Module):
         v: torch.Tensor,
         cu_seqlens: torch.Tensor | None = None,
         max_seqlen: int | None = None,
+        sinks: torch.Tensor | None = None,
+        window: int | None = None,
     ) -> torch.Tensor:
         scale = self.softmax_scale if self.softmax_scale is not None else q.shape[-1] ** -0.5
+        if sinks is not None and tuple(sinks.shape) != (q.shape[2],):
+            raise ValueError(f"sinks must be [heads_q] = [{q.shape[2]}], got {tuple(sinks.shape)}")
+        if window is not None and window < 1:
+            raise ValueError(f"window={window}: a sliding window sees at least the query itself (>= 1)")
         if self.backend == "flash_attn":
+            if sinks is not None or window is not None:
+                raise ValueError(
+                    "attn_implementation='flash_attn' (the flash-attn package) is not wired for attention "
+                    "sinks or sliding windows; use attn_implementation: xorl (or sdpa)"
+                )
             return _flash_attn_package(q, k, v, scale, cu_seqlens, max_seqlen)
         if self.backend == "xorl" or (self.backend == "auto" and q.is_cuda):
             flash_attn = _xorl_flash_attn()
             if flash_attn is None and self.backend == "xorl":
                 raise RuntimeError("attn_implementation='xorl' but xorl_kernels.attention.op is not available")
             if flash_attn is not None:
+                extra = {}  # only when set: the call without them is today's, on any kernel version
+                if sinks is not None:
+                    extra["sinks"] = sinks
+                if window is not None:
+                    extra["window"] = int(window)
                 return flash_attn(
-                    q, k, v, causal=True, softmax_scale=scale, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen
+                    q, k, v, causal=True, softmax_scale=scale, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                    **extra,
                 )
-        return causal_attention_reference(q, k, v, scale, cu_seqlens)
+        return causal_attention_reference(q, k, v, scale, cu_seqlens, sinks, window)
 
     def extra_repr(self) -> str:
         return f"backend={self.backend}"
@@ -187,6 +222,12 @@ class Attention(nn.Module):
         # replaces this module and takes the ring-step kernel from the same table).
         backend = attention_backend(spec.attn_implementation).local
         self.core_attention: nn.Module = LocalAttention(softmax_scale=spec.head_dim**-0.5, backend=backend)
+        # ``sinks`` (a learned logit per query head, gpt-oss; HF name ``sinks``) and this layer's
+        # sliding ``window`` go to the core attention in every call; a family that has them sets
+        # them here. Under context parallelism each rank's sinks gradient covers its own query
+        # rows and the FSDP / DDP reduction over dp_cp sums them, like any replicated parameter.
+        self.sinks: nn.Parameter | None = None
+        self.window: int | None = None
 
     def forward(
         self,
@@ -214,5 +255,10 @@ class Attention(nn.Module):
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = self.core_attention(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+        extra = {}
+        if self.sinks is not None:
+            extra["sinks"] = self.sinks
+        if self.window is not None:
+            extra["window"] = self.window
+        out = self.core_attention(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, **extra)
         return self.o_proj(out.reshape(batch, seq, -1))

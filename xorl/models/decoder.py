@@ -32,6 +32,7 @@ from torch import nn
 
 from xorl.models.attention import Attention
 from xorl.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
+from xorl.models.mla import LatentAttention
 from xorl.models.spec import ModelSpec
 from xorl.nn.cross_entropy import cross_entropy_sum, linear_cross_entropy_sum
 from xorl.nn.moe import MoE, MoEAux
@@ -78,7 +79,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, mlp: nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
-        self.self_attn = Attention(spec)
+        self.self_attn = LatentAttention(spec) if spec.is_mla else Attention(spec)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         self.mlp = mlp
 
@@ -103,7 +104,10 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(spec.head_dim, spec.rope_theta, spec.rope_scaling, spec.rotary_dim,
+        # MLA rotates only its qk_rope_head_dim part, as its own head (transformers' DeepseekV3 sets
+        # head_dim = qk_rope_head_dim for the rotary tables), not a fraction of the q.k head.
+        rope_head_dim = spec.rotary_dim if spec.is_mla else spec.head_dim
+        self.rotary_emb = RotaryEmbedding(rope_head_dim, spec.rope_theta, spec.rope_scaling, spec.rotary_dim,
                                           spec.max_position_embeddings)
 
     def forward(self, input_ids, position_ids=None, cu_seqlens=None, max_seqlen=None, token_mask=None
@@ -178,6 +182,7 @@ class DecoderForCausalLM(nn.Module):
             n_group=spec.router_n_group,
             topk_group=spec.router_topk_group,
             routed_scaling_factor=spec.routed_scaling_factor,
+            group_score=spec.router_group_score,
             shared_expert_intermediate_size=spec.shared_expert_intermediate_size,
             shared_expert_gate=spec.family.shared_expert_gate,
             aux_loss_coef=spec.router_aux_loss_coef,

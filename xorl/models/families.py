@@ -2,8 +2,8 @@
 
 Adding a family: one file in xorl/models/ declaring ``FAMILY`` (a schema.Family: what its
 transformers class hard-codes, its config.json names and weight names) and ``MODEL`` (the
-nn.Module class; usually DecoderForCausalLM), plus its line here (and its name in schema.MOE or
-schema.DENSE). The family files are imported when first asked for.
+nn.Module class; usually DecoderForCausalLM), plus its line here (and its name in schema.MOE,
+schema.DENSE or schema.MLA). The family files are imported when first asked for.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ _FAMILY_MODULES = {
     "mixtral": "xorl.models.mixtral",
     "olmoe": "xorl.models.olmoe",
     "glm4_moe": "xorl.models.glm4_moe",
+    "deepseek_v3": "xorl.models.deepseek_v3",
+    "deepseek_v2": "xorl.models.deepseek_v2",
 }
 MODEL_TYPES = tuple(_FAMILY_MODULES)
 assert set(MODEL_TYPES) == set(ALL), "schema.ALL and the family table must list the same families"

@@ -12,6 +12,8 @@ Name / layout conversions (everything else keeps its name):
 - merge_gate_up: the dense MLP's ``mlp.gate_up_proj`` rows alternate gate and up units (row 2i
   gate i, row 2i + 1 up i; xorl/models/layers.py); HF files hold ``gate_proj`` / ``up_proj``.
 - tie_word_embeddings: ``lm_head.weight`` is not written (as in HF) and ignored when loading.
+- Block-quantised FP8 folders (DeepSeek-V3's release: ``X.weight`` float8 with ``X.weight_scale_inv``)
+  are read dequantised, box by box (xorl/models/fp8_blocks.py); the scales are not sources of their own.
 - A family's own spelling (``Family.weight_names``: Mixtral's ``block_sparse_moe.experts.{j}.w1``,
   GLM's ``mlp.shared_experts``) is applied last when writing and first when reading
   (``FileNames``); everything above works on the common names.
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -41,9 +44,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from xorl.distributed.shard_box import ShardBox, local_tensor, parameter_box
+from xorl.models import fp8_blocks
 from xorl.models.param_names import clean_name
 from xorl.models.registry import to_hf_config_dict
 from xorl.models.spec import ModelSpec
+
+logger = logging.getLogger(__name__)
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -285,10 +291,21 @@ class _SliceReader:
         self.key_of: dict[str, str] = {}  # common name -> the key in the file
         self.shapes: dict[str, tuple[int, ...]] = {}
         names = names or FileNames(None)
+        self.ignored_layers: set[str] = set()  # "model.layers.{i}" the files hold past the model's layers
+        # Block-quantised FP8 folders (xorl/models/fp8_blocks.py): weight common name -> its scales' key.
+        self.fp8_block = fp8_blocks.block_size(folder)
+        self.scale_key_of: dict[str, str] = {}
+        self.scale_file_of: dict[str, str] = {}
         for file in self.files:
             with safe_open(os.path.join(folder, file), framework="pt") as f:
                 for key in f.keys():
                     if names.ignored(key):
+                        self.ignored_layers.add(".".join(key.split(".")[:3]))
+                        continue
+                    if self.fp8_block is not None and key.endswith(fp8_blocks.SCALE_SUFFIX):
+                        weight = names.common_name(key.removesuffix(fp8_blocks.SCALE_SUFFIX))
+                        self.scale_key_of[weight] = key
+                        self.scale_file_of[key] = file  # not a source of its own: read with its weight
                         continue
                     name = names.common_name(key)
                     self.file_of[name] = file
@@ -302,12 +319,18 @@ class _SliceReader:
         return self.shapes[key]
 
     def __call__(self, key: str, index: tuple[slice, ...]) -> torch.Tensor:
-        file = self.file_of[key]
+        if key in self.scale_key_of:  # an FP8 block-quantised weight: the box dequantised
+            return fp8_blocks.dequantize_box(self._read, key, self.scale_key_of[key], index, self.shapes[key],
+                                             self.fp8_block)
+        return self._read(key, index)
+
+    def _read(self, key: str, index: tuple[slice, ...]) -> torch.Tensor:
+        file = self.file_of[key] if key in self.file_of else self.scale_file_of[key]
         if file != self._open:
             self.close()
             self._handle = self._stack.enter_context(safe_open(os.path.join(self.folder, file), framework="pt"))
             self._open = file
-        return self._handle.get_slice(self.key_of[key])[index]
+        return self._handle.get_slice(self.key_of.get(key, key))[index]
 
     def close(self) -> None:
         self._stack.close()
@@ -413,6 +436,10 @@ def load_hf_weights(model: nn.Module, folder: str) -> None:
         match.reader.close()
         raise ValueError(f"shape mismatches loading {folder!r}: {match.mismatches}")
     reader = match.reader
+    if reader.ignored_layers and (not dist.is_initialized() or dist.get_rank() == 0):
+        layers = sorted(reader.ignored_layers, key=lambda n: int(n.rsplit(".", 1)[1]))
+        logger.warning("%s: skipped %s (multi-token-prediction layers past num_hidden_layers=%d, which neither "
+                       "transformers nor xorl builds)", folder, ", ".join(layers), model.spec.num_hidden_layers)
     order = {file: i for i, file in enumerate(reader.files)}
     try:  # file by file, so each file is opened about once
         for name in sorted(match.targets, key=lambda n: order[reader.file_of[match.recipes[n].sources[0]]]):

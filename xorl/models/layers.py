@@ -8,6 +8,8 @@ arithmetic in plain torch on the CPU.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -94,6 +96,18 @@ def scaled_inv_freq(head_dim: int, rotary_dim: int, theta: float, rope_scaling: 
     with torch.device("cpu"):  # also when the model is built under torch.device("meta")
         inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, torch.device("cpu"))
     return inv_freq.float(), float(attention_scaling)
+
+
+def yarn_softmax_mscale(rope_scaling: dict | None) -> float:
+    """The factor on MLA's softmax scale: yarn_get_mscale(factor, mscale_all_dim)^2 when the RoPE is
+    scaled and names mscale_all_dim, else 1 (transformers' DeepseekV3 ``yarn_apply_mscale``; the cos /
+    sin side of YaRN, mscale / mscale_all_dim, comes with the tables from ROPE_INIT_FUNCTIONS)."""
+    mscale_all_dim = (rope_scaling or {}).get("mscale_all_dim") or 0
+    factor = (rope_scaling or {}).get("factor") or 1.0
+    if not mscale_all_dim or factor <= 1:
+        return 1.0
+    mscale = 0.1 * mscale_all_dim * math.log(factor) + 1.0
+    return mscale * mscale
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

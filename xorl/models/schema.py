@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 DENSE = ("llama", "qwen2", "qwen3", "mistral")
-MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe")
+MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3", "deepseek_v2")
+MLA = ("deepseek_v3", "deepseek_v2")  # of those, the ones with multi-head latent attention (xorl/models/mla.py)
 ALL = DENSE + MOE
 
 
@@ -63,22 +64,36 @@ FIELDS: tuple[Field, ...] = (
        doc="the fraction of each head's dims that RoPE rotates (GLM-4.5: 0.5)"),
     _f("max_position_embeddings", int, 2048),
     _f("tie_word_embeddings", bool, False),
-    _f("attention_bias", bool, False, families=("llama", "qwen3", "qwen3_moe", "olmoe", "glm4_moe", "qwen2_moe"),
-       doc="biases on q/k/v (and o where the family's HF class puts one there: Family.o_proj_bias)"),
+    _f("attention_bias", bool, False, families=("llama", "qwen3", "qwen3_moe", "olmoe", "glm4_moe", "qwen2_moe", *MLA),
+       doc="biases on q/k/v (and o where the family's HF class puts one there: Family.o_proj_bias); MLA: on "
+           "q_a_proj, kv_a_proj_with_mqa and o_proj"),
+    # Multi-head latent attention (DeepSeek-V2 / V3, Kimi-K2, Moonlight): xorl/models/mla.py.
+    _f("q_lora_rank", int | None, None, families=MLA,
+       doc="MLA: width of the query latent (q_a_proj -> q_a_layernorm -> q_b_proj); None: one q_proj"),
+    _f("kv_lora_rank", int, 0, families=MLA, doc="MLA: width of the key/value latent (kv_a_proj_with_mqa)"),
+    _f("qk_nope_head_dim", int, 0, families=MLA, doc="MLA: the per-head query/key dims without RoPE"),
+    _f("qk_rope_head_dim", int, 0, families=MLA,
+       doc="MLA: the query/key dims with RoPE (the key's are one head shared by all heads)"),
+    _f("v_head_dim", int, 0, families=MLA, doc="MLA: the value head dim (head_dim is qk_nope + qk_rope)"),
+    _f("rope_interleave", bool, True, families=("deepseek_v3",),
+       doc="MLA: RoPE rotates interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek's layout) rather than halves"),
     # MoE
     _f("num_experts", int, 0, families=MOE, doc="0 on dense models"),
     _f("num_experts_per_tok", int, 2, families=MOE),
-    _f("moe_intermediate_size", int, 64, families=("qwen3_moe", "qwen2_moe", "glm4_moe")),
-    _f("norm_topk_prob", bool, False, families=("qwen3_moe", "qwen2_moe", "olmoe", "glm4_moe"),
+    _f("moe_intermediate_size", int, 64, families=("qwen3_moe", "qwen2_moe", "glm4_moe", *MLA)),
+    _f("norm_topk_prob", bool, False, families=("qwen3_moe", "qwen2_moe", "olmoe", "glm4_moe", "deepseek_v3"),
        doc="renormalise the top-k router weights to sum to 1"),
     _f("router_scoring", Literal["softmax", "sigmoid"], "softmax", families=()),
     _f("router_expert_bias", bool, False, families=(),
        doc="DeepSeek-V3's auxiliary-loss-free balancing bias (gate.e_score_correction_bias)"),
-    _f("router_n_group", int, 1, families=("glm4_moe",), doc="expert groups of group-limited routing"),
-    _f("router_topk_group", int, 1, families=("glm4_moe",), doc="groups a token may route into"),
-    _f("routed_scaling_factor", float, 1.0, families=("glm4_moe",), doc="multiplies the routed experts' weights"),
+    _f("router_n_group", int, 1, families=("glm4_moe", *MLA), doc="expert groups of group-limited routing"),
+    _f("router_topk_group", int, 1, families=("glm4_moe", *MLA), doc="groups a token may route into"),
+    _f("router_group_score", Literal["top2_sum", "max"], "top2_sum", families=(),
+       doc="how group-limited routing ranks a group: the sum of its two best scores (DeepSeek-V3, GLM-4.5) "
+           "or its best score (DeepSeek-V2's group_limited_greedy)"),
+    _f("routed_scaling_factor", float, 1.0, families=("glm4_moe", *MLA), doc="multiplies the routed experts' weights"),
     _f("shared_expert_intermediate_size", int, 0, families=("qwen2_moe",), doc="0: no shared expert"),
-    _f("first_k_dense_replace", int, 0, families=("glm4_moe",), doc="the first k layers use a dense MLP"),
+    _f("first_k_dense_replace", int, 0, families=("glm4_moe", *MLA), doc="the first k layers use a dense MLP"),
     _f("decoder_sparse_step", int, 1, families=("qwen3_moe", "qwen2_moe")),
     _f("mlp_only_layers", list[int], [], families=("qwen3_moe", "qwen2_moe")),
     # Training knobs: config.json may hold them; an explicit YAML / CLI value wins.
@@ -198,19 +213,10 @@ def shape_problems(m: dict[str, Any], family: Family) -> list[str]:
     if heads % kv:
         problems.append(f"model.num_attention_heads={heads} must be a multiple of "
                         f"num_key_value_heads={kv} (grouped-query attention)")
-    head_dim = m["head_dim"]
-    if head_dim is None:
-        if m["hidden_size"] % heads:
-            problems.append(f"model.hidden_size={m['hidden_size']} is not divisible by num_attention_heads={heads}; "
-                            "set model.head_dim explicitly or change the sizes")
-        head_dim = m["hidden_size"] // heads
-    rotary = int(head_dim * m["partial_rotary_factor"])
-    if m["partial_rotary_factor"] == 1.0 and head_dim % 2:
-        problems.append(f"model: head_dim={head_dim} must be even for RoPE (model.head_dim, or hidden_size / "
-                        "num_attention_heads)")
-    elif not 0 < m["partial_rotary_factor"] <= 1 or rotary % 2:
-        problems.append(f"model.partial_rotary_factor={m['partial_rotary_factor']} must be in (0, 1] and rotate an "
-                        f"even number of dims of head_dim={head_dim} (rotates {rotary})")
+    if m["model_type"] in MLA:
+        problems += mla_problems(m)  # head_dim and the rotary dims are MLA's own
+    else:
+        problems += _head_problems(m)
     if not family.moe and m["num_experts"] > 0:
         problems.append(f"model.num_experts={m['num_experts']} but model_type={m['model_type']!r} is dense; set "
                         "num_experts: 0, or a mixture-of-experts model_type (qwen3_moe, mixtral, ...)")
@@ -234,6 +240,59 @@ def shape_problems(m: dict[str, Any], family: Family) -> list[str]:
                             "split into router_n_group equal groups, router_topk_group <= router_n_group, and the "
                             "chosen groups must hold num_experts_per_tok experts")
     return problems + rope_problems(m["rope_scaling"])
+
+
+def _head_problems(m: dict[str, Any]) -> list[str]:
+    """head_dim and partial rotary of plain (grouped-query) attention."""
+    problems, heads, head_dim = [], m["num_attention_heads"], m["head_dim"]
+    if any(m[n] != FIELD[n].default for n in _MLA_FIELDS):
+        problems.append(f"model.{', '.join(n for n in _MLA_FIELDS if m[n] != FIELD[n].default)}: latent attention "
+                        f"fields, but model_type={m['model_type']!r} has plain attention; use one of {MLA} or "
+                        "remove them")
+    if head_dim is None:
+        if m["hidden_size"] % heads:
+            problems.append(f"model.hidden_size={m['hidden_size']} is not divisible by num_attention_heads={heads}; "
+                            "set model.head_dim explicitly or change the sizes")
+        head_dim = m["hidden_size"] // heads
+    rotary = int(head_dim * m["partial_rotary_factor"])
+    if m["partial_rotary_factor"] == 1.0 and head_dim % 2:
+        problems.append(f"model: head_dim={head_dim} must be even for RoPE (model.head_dim, or hidden_size / "
+                        "num_attention_heads)")
+    elif not 0 < m["partial_rotary_factor"] <= 1 or rotary % 2:
+        problems.append(f"model.partial_rotary_factor={m['partial_rotary_factor']} must be in (0, 1] and rotate an "
+                        f"even number of dims of head_dim={head_dim} (rotates {rotary})")
+    return problems
+
+
+_MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+
+
+def mla_head_dim(m: dict[str, Any]) -> int:
+    """MLA's q.k head dim: the no-RoPE and the RoPE part of each head."""
+    return m["qk_nope_head_dim"] + m["qk_rope_head_dim"]
+
+
+def mla_problems(m: dict[str, Any]) -> list[str]:
+    """The latent-attention shape rules (DeepSeek-V2 / V3: xorl/models/mla.py)."""
+    problems = [f"model.{n}={m[n]} must be >= 1 for model_type={m['model_type']!r}"
+                for n in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim") if m[n] < 1]
+    if m["q_lora_rank"] is not None and m["q_lora_rank"] < 1:
+        problems.append(f"model.q_lora_rank={m['q_lora_rank']} must be >= 1, or null for one q_proj")
+    if m["qk_rope_head_dim"] % 2:
+        problems.append(f"model.qk_rope_head_dim={m['qk_rope_head_dim']} must be even for RoPE")
+    if m["head_dim"] is not None and m["head_dim"] != mla_head_dim(m):
+        problems.append(f"model.head_dim={m['head_dim']}: {m['model_type']}'s q.k head dim is qk_nope_head_dim + "
+                        f"qk_rope_head_dim = {mla_head_dim(m)}; set head_dim to that or null")
+    if m["num_key_value_heads"] != m["num_attention_heads"]:
+        problems.append(f"model.num_key_value_heads={m['num_key_value_heads']} must equal num_attention_heads="
+                        f"{m['num_attention_heads']}: latent attention gives every head its own key and value")
+    if m["partial_rotary_factor"] != 1.0:
+        problems.append(f"model.partial_rotary_factor={m['partial_rotary_factor']}: latent attention rotates "
+                        "qk_rope_head_dim dims of each head; set it to 1.0")
+    if m["merge_qkv"]:
+        problems.append(f"model.merge_qkv=true: {m['model_type']}'s latent attention has no q/k/v projections to "
+                        "merge (its keys and values come from one latent already); set merge_qkv: false")
+    return problems
 
 
 ROPE_TYPES = ("llama3", "linear", "yarn")
@@ -325,7 +384,7 @@ def hf_to_fields(raw: dict, family: Family, where: str) -> tuple[dict[str, Any],
 
 
 _MOE_ONLY = {f.name for f in FIELDS if f.families and set(f.families) <= set(MOE)} | {
-    "router_scoring", "router_expert_bias"}
+    "router_scoring", "router_expert_bias", "router_group_score"}
 
 
 def _plain(value: Any) -> Any:

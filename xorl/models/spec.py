@@ -11,7 +11,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from xorl.models.schema import FIELDS, Family, apply_family, field_values, hf_to_fields, shape_problems
+from xorl.models.schema import (
+    FIELDS,
+    MLA,
+    Family,
+    apply_family,
+    field_values,
+    hf_to_fields,
+    mla_head_dim,
+    shape_problems,
+)
 
 # merge_qkv's layout of ``self_attn.qkv_proj`` (rows grouped by KV head: xorl/models/attention.py),
 # recorded in checkpoints (trainer_state.json) so that one saved in another layout is never read as
@@ -49,7 +58,15 @@ class _SpecMethods:
         return False
 
     @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V2 / V3: xorl/models/mla.py)."""
+        return self.model_type in MLA
+
+    @property
     def rotary_dim(self) -> int:
+        """The dims of each head RoPE rotates (MLA: the qk_rope_head_dim part)."""
+        if self.is_mla:
+            return self.qk_rope_head_dim
         return int(self.head_dim * self.partial_rotary_factor)
 
     def is_moe_layer(self, layer_idx: int) -> bool:
@@ -90,7 +107,9 @@ class _SpecMethods:
         problems += shape_problems(values, fam)
         if problems:
             raise ValueError("; ".join(p.removeprefix("model.") for p in problems))
-        if values["head_dim"] is None:
+        if values["model_type"] in MLA:  # the q.k head dim (mla_problems checked a given one)
+            values["head_dim"] = mla_head_dim(values)
+        elif values["head_dim"] is None:
             values["head_dim"] = values["hidden_size"] // values["num_attention_heads"]
         values["mlp_only_layers"] = tuple(int(i) for i in values["mlp_only_layers"])
         values["rope_scaling"] = dict(values["rope_scaling"]) if values["rope_scaling"] else None

@@ -30,6 +30,13 @@ name                           local                                        ring
 
 (``sdpa``, ``eager``, ``flash_attention_2``: the names transformers uses, so a model folder's
 setting means the same here.) No torch import: the config rules read this table.
+
+Attention sinks, sliding windows and head_dim_v != head_dim_qk (per call: ``sinks=``, ``window=``):
+``xorl`` runs all three in its kernels, locally and in every ring step (the ring applies the
+sinks once after merging its steps); ``sdpa`` runs d_v natively and windows in its mask, and with
+sinks writes the softmax out in plain torch (SDPA has no sink input); the flash-attn package is
+not wired for sinks or windows (LocalAttention and RingAttention refuse them, config_rules
+refuses the combination before start).
 """
 
 from __future__ import annotations

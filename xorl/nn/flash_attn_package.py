@@ -79,6 +79,9 @@ class FlashAttnPackageStepKernel:
         return (False, None, 0) if k_rank < q_rank else (False, 1, None)
 
     # -- forward / backward --------------------------------------------------------------------
+    def has_work(self, q_rank: int, k_rank: int) -> bool:
+        return True  # no sliding window on this backend: every zig-zag step sees keys
+
     def forward(self, q, k, v, q_rank: int, k_rank: int):
         b, s, hq, d = q.shape
         qp, kp, vp = q.reshape(b * s, hq, d), k.reshape(b * s, *k.shape[2:]), v.reshape(b * s, *v.shape[2:])
@@ -98,11 +101,11 @@ class FlashAttnPackageStepKernel:
         )  # fmt: skip
         out, lse = (result[0], result[1]) if len(result) == 4 else (result[0], result[5])
         if q_half is not None:
-            full_out = out.new_zeros(b * s, hq, d)
+            full_out = out.new_zeros(b * s, hq, out.shape[-1])
             full_lse = lse.new_full((hq, b * s), float("-inf"))
             full_out[index], full_lse[:, index] = out, lse
             out, lse = full_out, full_lse
-        return out.view(b, s, hq, d), lse.view(hq, b, s).transpose(0, 1)
+        return out.view(b, s, hq, -1), lse.view(hq, b, s).transpose(0, 1)
 
     def backward(self, do, q, k, v, out, lse, delta, q_rank: int, k_rank: int, dq_acc, dk_acc, dv_acc):
         b, s, hq, d = q.shape

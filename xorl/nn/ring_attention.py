@@ -1,7 +1,8 @@
 """Zig-zag ring attention: a drop-in core attention whose K/V blocks travel around the ring group.
 
     attn = RingAttention(ring_group)
-    out = attn(q, k, v, cu_seqlens=None, max_seqlen=None)   # q [b, s_local, hq, d], k/v [b, s_local, hkv, d]
+    out = attn(q, k, v, cu_seqlens=None, max_seqlen=None, sinks=None, window=None)
+    # q [b, s_local, hq, d_qk], k [b, s_local, hkv, d_qk], v [b, s_local, hkv, d_v] -> [b, s_local, hq, d_v]
 
 Layout (xorl.distributed.zigzag): each document is cut into 2P chunks and ring rank r holds chunks
 r and 2P-1-r. ``cu_seqlens`` are the GLOBAL document boundaries of the unsharded packed sequence,
@@ -21,6 +22,17 @@ behind its block and arrives home after the last step, while dQ accumulates loca
 Nothing all-gathers K/V. Bytes each rank sends: forward (P-1)·|K+V|, backward (P-1)·|K+V| +
 (P-1)·|dK+dV| (the owner keeps its own contribution instead of shipping it around the ring).
 GQA rotates only the KV heads. No host synchronisation in either direction (given max_seqlen).
+
+MLA (d_v != d_qk): K and V travel in one flat buffer per hop, each with its own width.
+Sinks [hq] (gpt-oss): the steps run without them; the merged (out, lse) takes them once per row
+(``apply_sinks``), so the lse every backward step uses includes the sink, and dsinks is computed
+once from the final lse and delta (``sink_grad``) for this rank's query rows; the sum over the CP
+ranks is the usual reduction of a replicated parameter's gradient (FSDP over dp_shard_cp).
+Sliding window W: every step passes W with the true positions, so the kernel never reads a tile
+outside the band; a step whose key chunks lie wholly outside every local query's window (known
+from the zig-zag layout and the shortest document, when cu_seqlens is on the host or absent) is
+not launched at all. At S = 4096, W = 128, P = 4 the ring visits exactly the tiles of one
+monolithic windowed attention (tests/test_ring_tiles.py).
 """
 
 from __future__ import annotations
@@ -33,7 +45,7 @@ from xorl._torch_compat import resolve_process_group
 from xorl.distributed.p2p import RingExchange
 from xorl.nn.attention_backends import FLASH_ATTN, RING_STEP_KERNELS, XORL
 from xorl_kernels.checkpoint_saves import SELECTIVE_CHECKPOINT_SAVES
-from xorl_kernels.zigzag.layout import zigzag_positions
+from xorl_kernels.zigzag.layout import zigzag_positions, zigzag_step_in_window
 
 _KV_TAG, _DKV_TAG = 0, 1
 
@@ -42,7 +54,8 @@ class ZigzagStepKernel:
     """One ring step's attention on the xorl_kernels flash-attention pieces.
 
     ``q_rank`` / ``k_rank``: which ring rank's zig-zag chunks the q and k blocks are; the kernel
-    gets their true within-document positions, precomputed on the device for every rank.
+    gets their true within-document positions, precomputed on the device for every rank, and the
+    sliding ``window`` (None: none), which it applies to those positions.
     """
 
     def __init__(
@@ -54,17 +67,26 @@ class ZigzagStepKernel:
         max_local,
         positions,
         backend: str | None,
+        window: int | None = None,
     ):
         self.ring_size, self.causal, self.scale = ring_size, causal, softmax_scale
         self.cu_local, self.max_local, self.positions, self.backend = cu_local, max_local, positions, backend
+        self.window = window
+        self.active = None  # [q_rank][k_rank] -> bool, set by make_step_kernel when a window allows
 
     def _mask_kwargs(self, q_rank: int, k_rank: int) -> dict:
         kwargs = dict(causal=self.causal, softmax_scale=self.scale, backend=self.backend)
+        if self.window is not None:
+            kwargs.update(window=self.window)
         if self.cu_local is not None:
             kwargs.update(cu_seqlens=self.cu_local, max_seqlen=self.max_local)
         if self.positions is not None:
             kwargs.update(q_positions=self.positions[q_rank], k_positions=self.positions[k_rank])
         return kwargs
+
+    def has_work(self, q_rank: int, k_rank: int) -> bool:
+        """False when the step is known, from the layout alone, to see no key (its compute is skipped)."""
+        return self.active is None or self.active[q_rank][k_rank]
 
     def forward(self, q, k, v, q_rank: int, k_rank: int):
         from xorl_kernels.attention.op import flash_attn_forward
@@ -97,22 +119,50 @@ def _merge(out_acc, lse_acc, out, lse):
     return merge_attn_states(out_acc, lse_acc, out, lse)
 
 
-def ring_forward(q, k, v, kernel, exchange: RingExchange | None):
-    """(out in q.dtype, lse fp32) of zig-zag ring attention; no autograd."""
+class _PairBuffers:
+    """``slots`` flat buffers, each holding an ``a``-shaped then a ``b``-shaped tensor.
+
+    Why flat: one ring hop is one message, and K and V (or dK and dV) differ in width when
+    head_dim_v != head_dim_qk (MLA), so they cannot share a stacked [2, ...] buffer.
+    """
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor, slots: int, dtype: torch.dtype | None = None):
+        self.na = a.numel()
+        self.flat = torch.empty((slots, self.na + b.numel()), dtype=dtype or a.dtype, device=a.device)
+        self.shapes = (a.shape, b.shape)
+
+    def pair(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        row = self.flat[slot]
+        return row[: self.na].view(self.shapes[0]), row[self.na :].view(self.shapes[1])
+
+
+def ring_forward(q, k, v, kernel, exchange: RingExchange | None, sinks=None):
+    """(out in q.dtype, lse fp32) of zig-zag ring attention; no autograd.
+
+    ``sinks`` [heads_q]: every step runs without them; the merged (out, lse) takes them once per
+    row at the end, so the returned lse includes the sink (what the backward needs).
+    """
     size = exchange.size if exchange is not None else 1
     rank = exchange.rank if exchange is not None else 0
     if size > 1:
-        kv = torch.empty((2, 2, *k.shape), dtype=k.dtype, device=k.device)  # [buffer, k|v, ...]
-        kv[0, 0].copy_(k)
-        kv[0, 1].copy_(v)
+        kv = _PairBuffers(k, v, 2)
+        k0, v0 = kv.pair(0)
+        k0.copy_(k)
+        v0.copy_(v)
     out_acc = lse_acc = None
     for step in range(size):
-        k_cur, v_cur = (kv[step % 2, 0], kv[step % 2, 1]) if size > 1 else (k, v)
-        pending = exchange.start(kv[step % 2], kv[(step + 1) % 2], _KV_TAG) if step + 1 < size else None
-        out, lse = kernel.forward(q, k_cur, v_cur, rank, (rank - step) % size)
-        out_acc, lse_acc = _merge(out_acc, lse_acc, out, lse)
+        k_cur, v_cur = kv.pair(step % 2) if size > 1 else (k, v)
+        pending = exchange.start(kv.flat[step % 2], kv.flat[(step + 1) % 2], _KV_TAG) if step + 1 < size else None
+        k_rank = (rank - step) % size
+        if kernel.has_work(rank, k_rank):
+            out, lse = kernel.forward(q, k_cur, v_cur, rank, k_rank)
+            out_acc, lse_acc = _merge(out_acc, lse_acc, out, lse)
         if pending is not None:
             pending.wait()
+    if sinks is not None:
+        from xorl_kernels.attention.sinks import apply_sinks
+
+        out_acc, lse_acc = apply_sinks(out_acc, lse_acc, sinks)
     return out_acc.to(q.dtype), lse_acc
 
 
@@ -126,32 +176,43 @@ def ring_backward(
     kernel,
     exchange: RingExchange | None,
     dkv_comm_dtype: torch.dtype = torch.float32,
+    sinks=None,
 ):
-    """(dq, dk, dv) of zig-zag ring attention, in the dtypes of q, k, v."""
+    """(dq, dk, dv, dsinks) of zig-zag ring attention, in the dtypes of q, k, v, sinks.
+
+    ``out`` / ``lse`` are the final ones (lse including the sinks): every step's P = exp(S - lse)
+    is then already normalised over the sinks, and delta = rowsum(dO·O) is the final one.
+    ``dsinks`` (None without sinks) covers this rank's query rows only: the sinks are replicated
+    parameters, summed over the CP ranks with every other replicated gradient (FSDP over
+    dp_shard_cp, or the DDP all-reduce).
+    """
     from xorl_kernels.attention.op import flash_attn_bwd_preprocess
 
     size = exchange.size if exchange is not None else 1
     rank = exchange.rank if exchange is not None else 0
     delta = flash_attn_bwd_preprocess(out, dout).float()
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dkv_own = torch.zeros((2, *k.shape), dtype=torch.float32, device=k.device)  # this rank's block
+    dkv_own = _PairBuffers(k, v, 1, torch.float32)  # this rank's block
+    dkv_own.flat.zero_()
     if size > 1:
-        kv = torch.empty((2, 2, *k.shape), dtype=k.dtype, device=k.device)
-        kv[0, 0].copy_(k)
-        kv[0, 1].copy_(v)
-        dkv_work = torch.empty((2, 2, *k.shape), dtype=torch.float32, device=k.device)  # double buffer
-        dkv_recv = torch.empty((2, *k.shape), dtype=dkv_comm_dtype, device=k.device)
-        dkv_send = (
-            None if dkv_comm_dtype == torch.float32 else torch.empty_like(dkv_work, dtype=dkv_comm_dtype)
-        )
+        kv = _PairBuffers(k, v, 2)
+        k0, v0 = kv.pair(0)
+        k0.copy_(k)
+        v0.copy_(v)
+        dkv_work = _PairBuffers(k, v, 2, torch.float32)  # double buffer
+        dkv_recv = _PairBuffers(k, v, 1, dkv_comm_dtype).flat[0]
+        dkv_send = None if dkv_comm_dtype == torch.float32 else _PairBuffers(k, v, 2, dkv_comm_dtype).flat
     dkv_pending = None
     for step in range(size):
-        k_cur, v_cur = (kv[step % 2, 0], kv[step % 2, 1]) if size > 1 else (k, v)
-        kv_pending = exchange.start(kv[step % 2], kv[(step + 1) % 2], _KV_TAG) if step + 1 < size else None
-        target = dkv_own if step == 0 else dkv_work[step % 2].zero_()
-        kernel.backward(
-            dout, q, k_cur, v_cur, out, lse, delta, rank, (rank - step) % size, dq_acc, target[0], target[1]
-        )
+        k_cur, v_cur = kv.pair(step % 2) if size > 1 else (k, v)
+        kv_pending = exchange.start(kv.flat[step % 2], kv.flat[(step + 1) % 2], _KV_TAG) if step + 1 < size else None
+        if step == 0:
+            target, (dk_target, dv_target) = dkv_own.flat[0], dkv_own.pair(0)
+        else:
+            target, (dk_target, dv_target) = dkv_work.flat[step % 2].zero_(), dkv_work.pair(step % 2)
+        k_rank = (rank - step) % size
+        if kernel.has_work(rank, k_rank):
+            kernel.backward(dout, q, k_cur, v_cur, out, lse, delta, rank, k_rank, dq_acc, dk_target, dv_target)
         if step >= 1:
             # The accumulator of this block from the ranks before us arrives while we computed.
             if dkv_pending is not None:
@@ -163,8 +224,14 @@ def ring_backward(
             kv_pending.wait()
     if dkv_pending is not None:
         dkv_pending.wait()
-        dkv_own.add_(dkv_recv)  # our block's gradient from every other rank, back home
-    return dq_acc.to(q.dtype), dkv_own[0].to(k.dtype), dkv_own[1].to(v.dtype)
+        dkv_own.flat[0].add_(dkv_recv)  # our block's gradient from every other rank, back home
+    dk, dv = dkv_own.pair(0)
+    dsinks = None
+    if sinks is not None:
+        from xorl_kernels.attention.sinks import sink_grad
+
+        dsinks = sink_grad(lse, delta, sinks).to(sinks.dtype)
+    return dq_acc.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks
 
 
 # -- the xorl::ring_attention custom op ----------------------------------------------------------
@@ -174,11 +241,11 @@ def ring_backward(
 # group travels by name (custom ops take no Python objects).
 
 
-def _ring_call(q, cu_seqlens, max_seqlen, group_name, causal, softmax_scale, attn_backend):
+def _ring_call(q, cu_seqlens, max_seqlen, group_name, causal, softmax_scale, attn_backend, window):
     """(step kernel, exchange) of one call, rebuilt in the forward and in the backward op."""
     group = resolve_process_group(group_name) if group_name else None
     size = 1 if group is None else dist.get_world_size(group)
-    kernel = make_step_kernel(q, cu_seqlens, max_seqlen, size, causal, softmax_scale, attn_backend)
+    kernel = make_step_kernel(q, cu_seqlens, max_seqlen, size, causal, softmax_scale, attn_backend, window)
     return kernel, (RingExchange(group) if size > 1 else None)
 
 
@@ -187,60 +254,68 @@ SELECTIVE_CHECKPOINT_SAVES.join("xorl::ring_attention")  # its output is kept, n
 
 @torch.library.custom_op("xorl::ring_attention", mutates_args=())
 def _ring_attention_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None, max_seqlen: int | None,
-    group_name: str, causal: bool, softmax_scale: float | None, dkv_comm_dtype: torch.dtype,
-    attn_backend: str | None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
+    max_seqlen: int | None, group_name: str, causal: bool, softmax_scale: float | None,
+    dkv_comm_dtype: torch.dtype, attn_backend: str | None, window: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse [b, hq, s] fp32) of zig-zag ring attention over the group named ``group_name``."""
-    kernel, exchange = _ring_call(q, cu_seqlens, max_seqlen, group_name, causal, softmax_scale, attn_backend)
-    out, lse = ring_forward(q, k, v, kernel, exchange)
+    kernel, exchange = _ring_call(q, cu_seqlens, max_seqlen, group_name, causal, softmax_scale, attn_backend, window)
+    out, lse = ring_forward(q, k, v, kernel, exchange, sinks)
     # Contiguous, as the fake promises: the merged out may come back with permuted strides.
     return out.contiguous(), lse.contiguous()
 
 
 @_ring_attention_op.register_fake
-def _(q, k, v, cu_seqlens, max_seqlen, group_name, causal, softmax_scale, dkv_comm_dtype, attn_backend):
+def _(q, k, v, sinks, *args):
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return q.new_empty(q.shape), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=lse_dtype)
+    out_shape = (*q.shape[:-1], v.shape[-1])
+    return q.new_empty(out_shape), q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=lse_dtype)
 
 
 @torch.library.custom_op("xorl::ring_attention_backward", mutates_args=())
 def _ring_attention_backward_op(
-    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    cu_seqlens: torch.Tensor | None, max_seqlen: int | None, group_name: str, causal: bool,
-    softmax_scale: float | None, dkv_comm_dtype: torch.dtype, attn_backend: str | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    kernel, exchange = _ring_call(q, cu_seqlens, max_seqlen, group_name, causal, softmax_scale, attn_backend)
-    dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, kernel, exchange, dkv_comm_dtype)
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None,
+    out: torch.Tensor, lse: torch.Tensor, cu_seqlens: torch.Tensor | None, max_seqlen: int | None,
+    group_name: str, causal: bool, softmax_scale: float | None, dkv_comm_dtype: torch.dtype,
+    attn_backend: str | None, window: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dsinks); dsinks is an empty tensor when there are no sinks."""
+    kernel, exchange = _ring_call(q, cu_seqlens, max_seqlen, group_name, causal, softmax_scale, attn_backend, window)
+    dq, dk, dv, dsinks = ring_backward(
+        dout.contiguous(), q, k, v, out, lse, kernel, exchange, dkv_comm_dtype, sinks
+    )
     if dk.untyped_storage().data_ptr() == dv.untyped_storage().data_ptr():
         dv = dv.clone()  # fp32 dk and dv are halves of one buffer; an op's outputs must not alias
-    return dq, dk, dv
+    return dq, dk, dv, (q.new_empty(0) if dsinks is None else dsinks)
 
 
 @_ring_attention_backward_op.register_fake
-def _(dout, q, k, v, *args):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+def _(dout, q, k, v, sinks, *args):
+    dsinks = q.new_empty(0) if sinks is None else sinks.new_empty(sinks.shape)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens, *options = inputs
-    ctx.save_for_backward(q, k, v, *output, cu_seqlens)
+    q, k, v, sinks, cu_seqlens, *options = inputs
+    ctx.save_for_backward(q, k, v, sinks, *output, cu_seqlens)
     ctx.options = options
 
 
 def _backward(ctx, dout, _dlse):
-    q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
-    grads = torch.ops.xorl.ring_attention_backward(dout, q, k, v, out, lse, cu_seqlens, *ctx.options)
-    return (*grads, *([None] * 7))
+    q, k, v, sinks, out, lse, cu_seqlens = ctx.saved_tensors
+    dq, dk, dv, dsinks = torch.ops.xorl.ring_attention_backward(
+        dout, q, k, v, sinks, out, lse, cu_seqlens, *ctx.options
+    )
+    return dq, dk, dv, (None if sinks is None else dsinks), *([None] * 8)
 
 
 _ring_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _check_inputs(q, k, v, cu_seqlens) -> None:
-    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
+def _check_inputs(q, k, v, cu_seqlens, sinks=None, window=None, causal=True) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
         raise ValueError(
-            f"q must be [b, s, hq, d] and k, v [b, s, hkv, d]; got {tuple(q.shape)}, "
+            f"q must be [b, s, hq, d_qk], k [b, s, hkv, d_qk] and v [b, s, hkv, d_v]; got {tuple(q.shape)}, "
             f"{tuple(k.shape)}, {tuple(v.shape)}"
         )
     if q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1] or q.shape[2] % k.shape[2]:
@@ -251,6 +326,15 @@ def _check_inputs(q, k, v, cu_seqlens) -> None:
     if cu_seqlens is not None and q.shape[0] != 1:
         raise ValueError(
             f"with cu_seqlens the documents are packed in one row: batch must be 1, got {q.shape[0]}"
+        )
+    if sinks is not None and tuple(sinks.shape) != (q.shape[2],):
+        raise ValueError(
+            f"sinks must be [heads_q] = [{q.shape[2]}] (this rank's query heads), got {tuple(sinks.shape)}"
+        )
+    if window is not None and (not causal or window < 1):
+        raise ValueError(
+            f"window={window}: a sliding window is a causal mask of at least 1 key (the query itself); "
+            "use causal=True and window >= 1, or window=None"
         )
 
 
@@ -275,7 +359,33 @@ def _local_boundaries(cu_seqlens, ring_size: int, local_len: int, device):
     return torch.div(cu.to(device), ring_size, rounding_mode="floor").to(torch.int32)
 
 
-def make_step_kernel(q, cu_seqlens, max_seqlen, ring_size: int, causal: bool, softmax_scale, backend):
+def _active_steps(cu_seqlens, ring_size: int, local_len: int, window: int | None):
+    """[q_rank][k_rank] -> whether the step can see any key, from the layout alone; None: all can.
+
+    Known without a device read when there is no ``cu_seqlens`` (one document per row) or it is on
+    the host (the data loader builds it there); a GPU ``cu_seqlens`` is not read (the kernel then
+    visits zero tiles of a step outside the window instead).
+    """
+    if window is None or ring_size == 1:
+        return None
+    if cu_seqlens is None:
+        chunk = local_len // 2
+    elif cu_seqlens.device.type == "cpu":
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        lengths = lengths[lengths > 0]
+        if lengths.numel() == 0:
+            return None
+        chunk = int(lengths.min()) // (2 * ring_size)
+    else:
+        return None
+    return [
+        [zigzag_step_in_window(q_rank, k_rank, ring_size, chunk, window) for k_rank in range(ring_size)]
+        for q_rank in range(ring_size)
+    ]
+
+
+def make_step_kernel(q, cu_seqlens, max_seqlen, ring_size: int, causal: bool, softmax_scale, backend,
+                     window: int | None = None):  # fmt: skip
     """The per-step kernel for this call: boundaries and zig-zag positions of every ring rank."""
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     local_len = q.shape[1]
@@ -292,7 +402,9 @@ def make_step_kernel(q, cu_seqlens, max_seqlen, ring_size: int, causal: bool, so
 
         return FlashAttnPackageStepKernel(ring_size, causal, scale, cu_local, max_local, local_len)
     # "xorl": xorl_kernels picks its op backend (backend=None: its dispatch).
-    return ZigzagStepKernel(ring_size, causal, scale, cu_local, max_local, positions, None)
+    kernel = ZigzagStepKernel(ring_size, causal, scale, cu_local, max_local, positions, None, window)
+    kernel.active = _active_steps(cu_seqlens, ring_size, local_len, window)
+    return kernel
 
 
 class RingAttention(nn.Module):
@@ -301,6 +413,11 @@ class RingAttention(nn.Module):
     ``attn_backend`` (the names of xorl/nn/attention_backends.py): "xorl" (xorl_kernels.flash_attn,
     which picks Triton on GPU, its reference on CPU) or "flash_attn" (the flash-attn pip package,
     when it imports). ``causal=False`` gives full attention within each document.
+
+    Per call (they differ per layer, so they are forward arguments, not module state): ``sinks``
+    [heads_q] (gpt-oss: a learned logit per head in every row's softmax denominator; the layer
+    owns the parameter) and ``window`` (causal sliding window: a query at position p sees keys
+    p - window < k <= p of its document). v may be narrower or wider than q/k (MLA).
     """
 
     def __init__(
@@ -327,15 +444,21 @@ class RingAttention(nn.Module):
     def ring_size(self) -> int:
         return 1 if self.ring_group is None else dist.get_world_size(self.ring_group)
 
-    def forward(self, q, k, v, cu_seqlens=None, max_seqlen=None):
-        _check_inputs(q, k, v, cu_seqlens)
+    def forward(self, q, k, v, cu_seqlens=None, max_seqlen=None, sinks=None, window=None):
+        _check_inputs(q, k, v, cu_seqlens, sinks, window, self.causal)
+        if self.attn_backend == FLASH_ATTN and (sinks is not None or window is not None):
+            raise ValueError(
+                "attn_backend='flash_attn' (the flash-attn package) is not wired for attention sinks or "
+                "sliding windows; use attn_backend='xorl' (attn_implementation: xorl)"
+            )
         if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):
             cu_seqlens = torch.tensor(cu_seqlens)
         if max_seqlen is not None and not isinstance(max_seqlen, (int, torch.SymInt)):
             max_seqlen = int(max_seqlen)
         out, _ = torch.ops.xorl.ring_attention(
-            q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens, max_seqlen, self._group_name,
+            q.contiguous(), k.contiguous(), v.contiguous(), sinks, cu_seqlens, max_seqlen, self._group_name,
             self.causal, self.softmax_scale, self.dkv_comm_dtype, self.attn_backend,
+            None if window is None else int(window),
         )
         return out
 

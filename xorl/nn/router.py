@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 SCORINGS = ("softmax", "sigmoid")
+GROUP_SCORES = ("top2_sum", "max")
 
 
 @dataclass
@@ -97,6 +98,7 @@ class Router(nn.Module):
         n_group: int = 1,
         topk_group: int = 1,
         routed_scaling_factor: float = 1.0,
+        group_score: str = "top2_sum",
         balance_group: dist.ProcessGroup | None = None,
         device=None,
         dtype=None,
@@ -106,7 +108,10 @@ class Router(nn.Module):
         # Group-limited routing (DeepSeek-V3 / GLM-4.5): the experts form n_group groups, each token
         # picks its topk_group best groups (by the sum of each group's two best scores) and its
         # top_k experts among those. routed_scaling_factor multiplies the final weights.
-        self.n_group, self.topk_group = n_group, topk_group
+        # group_score "max": a group ranks by its best score alone (DeepSeek-V2's group_limited_greedy).
+        if group_score not in GROUP_SCORES:
+            raise ValueError(f"group_score must be one of {GROUP_SCORES}, got {group_score!r}")
+        self.n_group, self.topk_group, self.group_score = n_group, topk_group, group_score
         self.routed_scaling_factor = routed_scaling_factor
         self.hidden_size = hidden_size
         self.num_experts = num_experts
@@ -198,10 +203,14 @@ class Router(nn.Module):
         return RouterOutput(weights, expert_ids, logits, tokens_per_expert, load_balancing_loss, z_loss)
 
     def _limit_to_groups(self, selection: torch.Tensor) -> torch.Tensor:
-        """-inf on the experts outside each token's topk_group best groups (transformers' Glm4MoeTopkRouter)."""
+        """-inf on the experts outside each token's topk_group best groups (transformers' Glm4MoeTopkRouter,
+        DeepseekV3TopkRouter; DeepseekV2TopkRouter's group_limited_greedy with group_score "max")."""
         tokens = selection.shape[0]
         grouped = selection.view(tokens, self.n_group, self.num_experts // self.n_group)
-        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
+        if self.group_score == "max":
+            group_scores = grouped.max(dim=-1).values
+        else:
+            group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
         best = torch.topk(group_scores, self.topk_group, dim=-1).indices
         keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
         return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(tokens, self.num_experts)

@@ -1,7 +1,8 @@
 """Ulysses (all-to-all) sequence parallel attention, and Ulysses x ring (ContextParallelAttention).
 
     attn = UlyssesAttention(ulysses_group, inner=None)
-    out = attn(q, k, v, cu_seqlens=None, max_seqlen=None)   # q [b, s_local, hq, d], k/v [b, s_local, hkv, d]
+    out = attn(q, k, v, cu_seqlens=None, max_seqlen=None, sinks=None, window=None)
+    # q [b, s_local, hq, d_qk], k [b, s_local, hkv, d_qk], v [b, s_local, hkv, d_v]; sinks [hq]
     attn = ContextParallelAttention(ring_group, ulysses_group)   # Ulysses inside, zig-zag ring across
 
 Each of the U ranks holds a contiguous piece of the sequence with all heads. ONE all-to-all moves
@@ -15,8 +16,9 @@ Heads: hq must divide by U. KV heads are split when hkv divides by U; when U div
 are replicated so every rank gets the one KV head its hq/U query heads read (their gradients are
 summed back); any other combination is an error naming the sizes.
 
-Bytes each rank sends per forward: (U-1)/U · b·s·(hq + 2·U·hkv_local)·d elements in the first
-all-to-all, (U-1)/U · b·s·hq·d in the second.
+Bytes each rank sends per forward: (U-1)/U · b·s·(hq·d_qk + U·hkv_local·(d_qk + d_v)) elements in
+the first all-to-all, (U-1)/U · b·s·hq·d_v in the second (v keeps its own head dim, MLA). Sinks
+[hq] are sliced to the rank's hq/U heads; a sliding window passes through to the inner attention.
 """
 
 from __future__ import annotations
@@ -141,14 +143,21 @@ class UlyssesAttention(nn.Module):
         self.ulysses_size = 1 if ulysses_group is None else dist.get_world_size(ulysses_group)
         self._group_name = "" if ulysses_group is None else ulysses_group.group_name
 
-    def forward(self, q, k, v, cu_seqlens=None, max_seqlen=None):
+    def forward(self, q, k, v, cu_seqlens=None, max_seqlen=None, sinks=None, window=None):
+        """``sinks`` [hq] (every query head's, replicated); this rank's inner attention takes the
+        slice of its hq/U heads, so each rank's gradient lands on its own heads' entries.
+        ``window`` passes through (the inner attention sees the whole ring-local sequence)."""
         world = self.ulysses_size
+        # Only when set: an inner attention written before sinks and windows still works without them.
+        extra = {} if window is None else {"window": window}
         if world == 1:
-            return self.inner(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
-        if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or q.shape[:2] != k.shape[:2]:
+            if sinks is not None:
+                extra["sinks"] = sinks
+            return self.inner(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, **extra)
+        if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3] or q.shape[:2] != k.shape[:2]:
             raise ValueError(
-                f"q must be [b, s, hq, d] and k, v [b, s, hkv, d] with the same b, s; got {tuple(q.shape)}, "
-                f"{tuple(k.shape)}, {tuple(v.shape)}"
+                f"q must be [b, s, hq, d_qk], k [b, s, hkv, d_qk] and v [b, s, hkv, d_v] with the same b, s; "
+                f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
             )
         index = kv_head_index(q.shape[2], k.shape[2], world)
         if index is not None:
@@ -156,10 +165,17 @@ class UlyssesAttention(nn.Module):
             # to copy from host memory in every layer.
             repeats = world // k.shape[2]
             k, v = k.repeat_interleave(repeats, dim=2), v.repeat_interleave(repeats, dim=2)
+        if sinks is not None:
+            if tuple(sinks.shape) != (q.shape[2],):
+                raise ValueError(f"sinks must be [heads_q] = [{q.shape[2]}], got {tuple(sinks.shape)}")
+            local_heads = q.shape[2] // world
+            rank = dist.get_rank(self.ulysses_group)
+            extra["sinks"] = sinks[rank * local_heads : (rank + 1) * local_heads]  # the all-to-all's head order
+        # Q, K and V travel in one message even when v is narrower than q/k (each keeps its width).
         qh, kh, vh = torch.ops.xorl.ulysses_seq_to_head(
             [q.contiguous(), k.contiguous(), v.contiguous()], self._group_name, world
         )
-        out = self.inner(qh, kh, vh, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+        out = self.inner(qh, kh, vh, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, **extra)
         (out,) = torch.ops.xorl.ulysses_head_to_seq([out.contiguous()], self._group_name, world)
         return out
 
@@ -189,5 +205,6 @@ class ContextParallelAttention(nn.Module):
         self.ring = RingAttention(ring_group, **ring_options)
         self.ulysses = UlyssesAttention(ulysses_group, inner=self.ring)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens=None, max_seqlen=None):
-        return self.ulysses(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens=None, max_seqlen=None,
+                sinks=None, window=None):  # fmt: skip
+        return self.ulysses(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, sinks=sinks, window=window)

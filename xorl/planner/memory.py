@@ -103,6 +103,7 @@ VOCAB_PARAMS = ("model.embed_tokens.weight", "lm_head.weight")
 TP_SHARD_DIM = {
     **{f"self_attn.{x}_proj.{kind}": 0 for x in ("q", "k", "v", "qkv") for kind in ("weight", "bias")},
     "self_attn.o_proj.weight": 1,
+    "self_attn.q_b_proj.weight": 0, "self_attn.kv_b_proj.weight": 0,  # latent attention's per-head up-projections
     **{f"mlp.{x}_proj.{kind}": 0 for x in ("gate", "up", "gate_up") for kind in ("weight", "bias")},
     "mlp.down_proj.weight": 1,
 }

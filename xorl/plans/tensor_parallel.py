@@ -4,6 +4,9 @@
 
 On every present ``model.model.layers[i]`` (entries may be None under pipeline parallelism):
 
+* Latent attention (DeepSeek, xorl/models/mla.py): ``q_proj`` / ``q_b_proj`` and ``kv_b_proj`` ->
+  ColumnParallelLinear (whole heads), ``o_proj`` -> RowParallelLinear, the down-projections
+  ``q_a_proj`` / ``kv_a_proj_with_mqa`` and their norms replicated (``_parallelize_latent_attention``).
 * ``self_attn.{q,k,v}_proj`` -> ColumnParallelLinear (heads split over TP; the attention module
   reshapes with -1 heads, so it needs no head count of its own), sharing one
   gathered input; or, with merge_qkv, ``self_attn.qkv_proj`` -> one ColumnParallelLinear: its rows
@@ -54,6 +57,7 @@ from dataclasses import dataclass
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from xorl.models.mla import LatentAttention
 from xorl.nn.moe import MoE
 from xorl.nn.tensor_parallel import (
     ColumnParallelLinear,
@@ -119,8 +123,31 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = T
     return TensorParallelRecord(tp, bool(sequence_parallel), partial, moe_blocks > 0)
 
 
+def _parallelize_latent_attention(attn: LatentAttention, tp_mesh, tp: TPGroup, prefix: str, linear_kw: dict,
+                                  memo: dict, partial: TPPartialGrads) -> None:
+    """MLA (xorl/models/mla.py): the per-head up-projections (q_proj or q_b_proj, kv_b_proj) split by
+    heads, o_proj by rows; the low-rank down-projections (q_a_proj, kv_a_proj_with_mqa) and their
+    norms replicated. Under SP those run on this rank's sequence shard (partial gradients, like the
+    decoder norms); the column layers gather their latent input along the sequence, and the shared
+    RoPE key enters the head region through the module (``shard_heads_over_tp``)."""
+    heads = attn.kv_b_proj.out_features // (attn.qk_nope_head_dim + attn.v_head_dim)
+    if heads % tp.size:
+        raise ValueError(f"{prefix}: {heads} attention heads must be divisible by tensor_parallel_size={tp.size}")
+    for name in ("q_proj", "q_b_proj", "kv_b_proj"):
+        if getattr(attn, name) is not None:
+            setattr(attn, name, ColumnParallelLinear.from_linear(getattr(attn, name), tp_mesh, name=f"{prefix}.{name}",
+                                                                 **linear_kw))
+    attn.o_proj = RowParallelLinear.from_linear(attn.o_proj, tp_mesh, name=f"{prefix}.o_proj", **linear_kw)
+    for name in ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm"):
+        if getattr(attn, name) is not None:
+            replicate_on_tp(getattr(attn, name), tp_mesh, memo, partial if linear_kw["sequence_parallel"] else None)
+    attn.shard_heads_over_tp(tp, linear_kw["sequence_parallel"])
+
+
 def _parallelize_attention(attn: nn.Module, tp_mesh, tp: TPGroup, prefix: str, linear_kw: dict,
                            memo: dict, share: bool, partial: TPPartialGrads) -> None:
+    if isinstance(attn, LatentAttention):
+        return _parallelize_latent_attention(attn, tp_mesh, tp, prefix, linear_kw, memo, partial)
     head_dim = attn.head_dim
     merged = getattr(attn, "qkv_proj", None) is not None
     if merged:  # rows in KV-head groups of q_per_group + 2 heads

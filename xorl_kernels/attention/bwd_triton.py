@@ -21,8 +21,11 @@ lse = -inf (no visible key anywhere) are exponentiated against 0, so their P is 
 
 Results are written in the gradient buffers' dtype; ``ACCUMULATE`` adds into existing fp32
 buffers instead (ring attention keeps fp32 accumulators across steps). Visibility and block
-skipping are the forward's (see attention/fwd_triton.py): bounds, same document, and under causal
-k_pos <= q_pos with per-block position ranges.
+skipping are the forward's (see attention/fwd_triton.py and attention/bounds.py): bounds, same
+document, under causal k_pos <= q_pos and with a window k_pos > q_pos - W, with per-block
+position ranges. q·k head dims may run as two chunks and v has its own head dim
+(common.qk_chunks). Sinks change nothing here (lse includes them; attention/sinks.py gives their
+gradient).
 """
 
 from __future__ import annotations
@@ -32,88 +35,82 @@ import triton
 import triton.language as tl
 
 from xorl_kernels.attention import common
+from xorl_kernels.attention.bounds import query_range, query_tile_visible
+from xorl_kernels.attention.bwd_dq_triton import (
+    _flash_attn_bwd_dq_kernel,
+    bwd_configs,
+    load_row_stats,
+    restore_on_tuning,
+)
 from xorl_kernels.attention.common import (
-    INTERPRET,
     LOG2E,
-    POS_HIGH,
-    POS_LOW,
     block_head_dim,
     check_device,
     dot_precision,
-    end_of_pos_at_most,
-    first_pos_above,
     last_dim_contiguous,
     load_positions,
     load_tile,
+    qk_chunks,
     scan_block,
     seq_bucket,
     store_tile,
     upcast_16bit,
 )
-
-
-def _configs(block_a: str, block_b: str) -> list[triton.Config]:
-    """block_a: the block a program owns; block_b: the block it loops over."""
-    if INTERPRET:
-        return [triton.Config({block_a: 32, block_b: 16}, num_warps=4, num_stages=1)]
-    shapes = [(64, 64, 4, 2), (64, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 3), (128, 64, 4, 2)]
-    return [triton.Config({block_a: a, block_b: b}, num_warps=w, num_stages=s) for a, b, w, s in shapes]
-
-
-def _restore(names):
-    # With ACCUMULATE the kernels add into caller buffers: tuning runs must not add repeatedly.
-    return None if INTERPRET else names
-
-
-@triton.jit
-def _load_row_stats(LSE, DELTA, head, stride_lse_h, q_start, offs_m, m_valid):
-    """lse in the exp2 domain (with -inf rows mapped to 0) and delta for a query block."""
-    row = head.to(tl.int64) * stride_lse_h + q_start + offs_m
-    lse = tl.load(LSE + row, mask=m_valid, other=0.0) * 1.4426950408889634
-    lse = tl.where(lse == float("-inf"), 0.0, lse)
-    delta = tl.load(DELTA + row, mask=m_valid, other=0.0)
-    return lse, delta
+from xorl_kernels.attention.dkdv_splits import device_sms, dkdv_head_splits
 
 
 @triton.jit
 def _dkdv_block(
-    dk, dv, k, v, k_pos, n_valid, Q_base, DO_base, LSE, DELTA, QPOS, head, stride_lse_h,
-    q_start, start_m, q_len, stride_qt, stride_dot, sm_scale_log2, offs_m_base, offs_d,
-    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_POS: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    dk_a, dk_b, dv, k_a, k_b, v, k_pos, n_valid, Q_base, DO_base, LSE, DELTA, QPOS, head, stride_lse_h,
+    q_start, start_m, q_len, window, stride_qt, stride_dot, sm_scale_log2, offs_m_base, offs_a, offs_b, offs_v,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_POS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HEAD_A: tl.constexpr, BLOCK_A: tl.constexpr, HEAD_B: tl.constexpr, BLOCK_B: tl.constexpr,
+    HEAD_V: tl.constexpr, BLOCK_V: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     offs_m = start_m + offs_m_base
     m_valid = offs_m < q_len
-    q = load_tile(Q_base, offs_m, stride_qt, offs_d, m_valid, HEAD_DIM, BLOCK_D, UPCAST)
-    do = load_tile(DO_base, offs_m, stride_dot, offs_d, m_valid, HEAD_DIM, BLOCK_D, UPCAST)
-    lse, delta = _load_row_stats(LSE, DELTA, head, stride_lse_h, q_start, offs_m, m_valid)
-    qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * sm_scale_log2  # [BLOCK_N, BLOCK_M]
+    q_a = load_tile(Q_base, offs_m, stride_qt, offs_a, m_valid, HEAD_A, BLOCK_A, UPCAST)
+    do = load_tile(DO_base, offs_m, stride_dot, offs_v, m_valid, HEAD_V, BLOCK_V, UPCAST)
+    lse, delta = load_row_stats(LSE, DELTA, head, stride_lse_h, q_start, offs_m, m_valid)
+    qk_t = tl.dot(k_a, tl.trans(q_a), input_precision=DOT_PREC)  # [BLOCK_N, BLOCK_M]
+    q_b = q_a
+    if HEAD_B > 0:
+        q_b = load_tile(Q_base + BLOCK_A, offs_m, stride_qt, offs_b, m_valid, HEAD_B, BLOCK_B, UPCAST)
+        qk_t = tl.dot(k_b, tl.trans(q_b), qk_t, input_precision=DOT_PREC)
+    qk_t = qk_t * sm_scale_log2
     if MASKED:
         visible = n_valid[:, None] & m_valid[None, :]
         if IS_CAUSAL:
             q_pos = load_positions(QPOS, q_start, offs_m, m_valid, HAS_POS)
             visible = visible & (k_pos[:, None] <= q_pos[None, :])
+            if HAS_WINDOW:
+                visible = visible & (k_pos[:, None] > q_pos[None, :] - window)
         qk_t = tl.where(visible, qk_t, float("-inf"))
     p_t = tl.math.exp2(qk_t - lse[None, :])
     dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
     dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
-    ds_t = p_t * (dp_t - delta[None, :])
-    dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)
-    return dk, dv
+    ds_t = (p_t * (dp_t - delta[None, :])).to(q_a.dtype)
+    dk_a = tl.dot(ds_t, q_a, dk_a, input_precision=DOT_PREC)
+    if HEAD_B > 0:
+        dk_b = tl.dot(ds_t, q_b, dk_b, input_precision=DOT_PREC)
+    return dk_a, dk_b, dv
 
 
 @triton.autotune(
-    configs=_configs("BLOCK_N", "BLOCK_M"),
-    key=["seq_bucket", "HEAD_DIM", "IS_CAUSAL", "HAS_POS", "DOT_PREC", "ACCUMULATE", "splits"],
-    restore_value=_restore(["DK", "DV"]),
+    configs=bwd_configs("BLOCK_N", "BLOCK_M"),
+    key=["seq_bucket", "HEAD_A", "HEAD_B", "HEAD_V", "IS_CAUSAL", "HAS_POS", "HAS_WINDOW", "DOT_PREC",
+         "ACCUMULATE", "splits"],
+    restore_value=restore_on_tuning(["DK", "DV", "TILES"]),
 )
 @triton.jit
 def _flash_attn_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, QPOS, KPOS,
+    Q, K, V, DO, LSE, DELTA, DK, DV, CU_Q, CU_K, QPOS, KPOS, TILES,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dkt, stride_dkh, stride_dks, stride_dvt, stride_dvh, stride_dvs, stride_lse_h,
-    sm_scale, sm_scale_log2, heads_kv, group, splits, seq_bucket,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_POS: tl.constexpr,
+    sm_scale, sm_scale_log2, heads_kv, group, splits, window, seq_bucket,
+    HEAD_A: tl.constexpr, BLOCK_A: tl.constexpr, HEAD_B: tl.constexpr, BLOCK_B: tl.constexpr,
+    HEAD_V: tl.constexpr, BLOCK_V: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_POS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, COUNT_TILES: tl.constexpr,
     ACCUMULATE: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, SCAN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -133,34 +130,27 @@ def _flash_attn_bwd_dkdv_kernel(
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m_base = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_a = tl.arange(0, BLOCK_A)
+    offs_b = tl.arange(0, BLOCK_B)
+    offs_v = tl.arange(0, BLOCK_V)
     n_valid = offs_n < k_len
     K_base = K + k_start.to(tl.int64) * stride_kt + kv_head * stride_kh
     V_base = V + k_start.to(tl.int64) * stride_vt + kv_head * stride_vh
-    k = load_tile(K_base, offs_n, stride_kt, offs_d, n_valid, HEAD_DIM, BLOCK_D, UPCAST)
-    v = load_tile(V_base, offs_n, stride_vt, offs_d, n_valid, HEAD_DIM, BLOCK_D, UPCAST)
+    k_a = load_tile(K_base, offs_n, stride_kt, offs_a, n_valid, HEAD_A, BLOCK_A, UPCAST)
+    k_b = k_a
+    if HEAD_B > 0:
+        k_b = load_tile(K_base + BLOCK_A, offs_n, stride_kt, offs_b, n_valid, HEAD_B, BLOCK_B, UPCAST)
+    v = load_tile(V_base, offs_n, stride_vt, offs_v, n_valid, HEAD_V, BLOCK_V, UPCAST)
     k_pos = load_positions(KPOS, k_start, offs_n, n_valid, HAS_POS)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dk_a = tl.zeros([BLOCK_N, BLOCK_A], dtype=tl.float32)
+    dk_b = tl.zeros([BLOCK_N, BLOCK_B], dtype=tl.float32)  # stays 0 without a second chunk
+    dv = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
 
-    # Query rows [lo, mid) need the mask (rows before lo see none of this key block), rows
-    # [mid, full_hi) see all of it (mask-free), and the last partial row block is masked again.
-    if IS_CAUSAL:
-        if HAS_POS:
-            k_lo = tl.min(tl.where(n_valid, k_pos, POS_HIGH))
-            k_hi = tl.max(tl.where(n_valid, k_pos, POS_LOW))
-            lo = (first_pos_above(QPOS, q_start, q_len, k_lo - 1, SCAN) // BLOCK_M) * BLOCK_M
-            mid = tl.cdiv(end_of_pos_at_most(QPOS, q_start, q_len, k_hi - 1, SCAN), BLOCK_M) * BLOCK_M
-        else:
-            lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M
-            mid = tl.cdiv((pid_n + 1) * BLOCK_N, BLOCK_M) * BLOCK_M
-        mid = tl.minimum(tl.maximum(mid, lo), q_len)
-    else:
-        lo = 0
-        mid = 0
-    # Mask-free tiles also need every key of this block in bounds.
-    full_hi = tl.where((pid_n + 1) * BLOCK_N <= k_len, tl.maximum((q_len // BLOCK_M) * BLOCK_M, mid), mid)
-
+    lo, mid, full_hi, q_end, k_lo, k_hi = query_range(
+        QPOS, q_start, q_len, k_pos, n_valid, pid_n * BLOCK_N, k_len, window,
+        IS_CAUSAL, HAS_POS, HAS_WINDOW, SCAN, BLOCK_M, BLOCK_N,
+    )
+    tiles = q_len * 0
     heads_per_split = group // splits
     for g in range(split * heads_per_split, (split + 1) * heads_per_split):
         head = kv_head * group + g
@@ -168,215 +158,58 @@ def _flash_attn_bwd_dkdv_kernel(
         DO_base = DO + q_start.to(tl.int64) * stride_dot + head * stride_doh
         for start_m in range(lo, mid, BLOCK_M):
             if HAS_POS:
-                rows = start_m + offs_m_base
-                q_pos = load_positions(QPOS, q_start, rows, rows < q_len, True)
-                if tl.max(tl.where(rows < q_len, q_pos, POS_LOW)) >= k_lo:
-                    dk, dv = _dkdv_block(
-                        dk, dv, k, v, k_pos, n_valid, Q_base, DO_base, LSE, DELTA, QPOS, head, stride_lse_h,
-                        q_start, start_m, q_len, stride_qt, stride_dot, sm_scale_log2, offs_m_base, offs_d,
-                        True, IS_CAUSAL, HAS_POS, HEAD_DIM, BLOCK_D, DOT_PREC, UPCAST,
+                if query_tile_visible(QPOS, q_start, q_len, start_m + offs_m_base, k_lo, k_hi, window, HAS_WINDOW):
+                    dk_a, dk_b, dv = _dkdv_block(
+                        dk_a, dk_b, dv, k_a, k_b, v, k_pos, n_valid, Q_base, DO_base, LSE, DELTA, QPOS, head,
+                        stride_lse_h, q_start, start_m, q_len, window, stride_qt, stride_dot, sm_scale_log2,
+                        offs_m_base, offs_a, offs_b, offs_v, True, IS_CAUSAL, HAS_POS, HAS_WINDOW,
+                        HEAD_A, BLOCK_A, HEAD_B, BLOCK_B, HEAD_V, BLOCK_V, DOT_PREC, UPCAST,
                     )
+                    tiles += 1
             else:
-                dk, dv = _dkdv_block(
-                    dk, dv, k, v, k_pos, n_valid, Q_base, DO_base, LSE, DELTA, QPOS, head, stride_lse_h,
-                    q_start, start_m, q_len, stride_qt, stride_dot, sm_scale_log2, offs_m_base, offs_d,
-                    True, IS_CAUSAL, HAS_POS, HEAD_DIM, BLOCK_D, DOT_PREC, UPCAST,
+                dk_a, dk_b, dv = _dkdv_block(
+                    dk_a, dk_b, dv, k_a, k_b, v, k_pos, n_valid, Q_base, DO_base, LSE, DELTA, QPOS, head,
+                    stride_lse_h, q_start, start_m, q_len, window, stride_qt, stride_dot, sm_scale_log2,
+                    offs_m_base, offs_a, offs_b, offs_v, True, IS_CAUSAL, HAS_POS, HAS_WINDOW,
+                    HEAD_A, BLOCK_A, HEAD_B, BLOCK_B, HEAD_V, BLOCK_V, DOT_PREC, UPCAST,
                 )
+                tiles += 1
         for start_m in range(mid, full_hi, BLOCK_M):
-            dk, dv = _dkdv_block(
-                dk, dv, k, v, k_pos, n_valid, Q_base, DO_base, LSE, DELTA, QPOS, head, stride_lse_h,
-                q_start, start_m, q_len, stride_qt, stride_dot, sm_scale_log2, offs_m_base, offs_d,
-                False, IS_CAUSAL, HAS_POS, HEAD_DIM, BLOCK_D, DOT_PREC, UPCAST,
+            dk_a, dk_b, dv = _dkdv_block(
+                dk_a, dk_b, dv, k_a, k_b, v, k_pos, n_valid, Q_base, DO_base, LSE, DELTA, QPOS, head,
+                stride_lse_h, q_start, start_m, q_len, window, stride_qt, stride_dot, sm_scale_log2,
+                offs_m_base, offs_a, offs_b, offs_v, False, IS_CAUSAL, HAS_POS, HAS_WINDOW,
+                HEAD_A, BLOCK_A, HEAD_B, BLOCK_B, HEAD_V, BLOCK_V, DOT_PREC, UPCAST,
             )
-        for start_m in range(full_hi, q_len, BLOCK_M):
-            dk, dv = _dkdv_block(
-                dk, dv, k, v, k_pos, n_valid, Q_base, DO_base, LSE, DELTA, QPOS, head, stride_lse_h,
-                q_start, start_m, q_len, stride_qt, stride_dot, sm_scale_log2, offs_m_base, offs_d,
-                True, IS_CAUSAL, HAS_POS, HEAD_DIM, BLOCK_D, DOT_PREC, UPCAST,
-            )
+            tiles += 1
+        for start_m in range(full_hi, q_end, BLOCK_M):
+            if HAS_POS & HAS_WINDOW:
+                if query_tile_visible(QPOS, q_start, q_len, start_m + offs_m_base, k_lo, k_hi, window, HAS_WINDOW):
+                    dk_a, dk_b, dv = _dkdv_block(
+                        dk_a, dk_b, dv, k_a, k_b, v, k_pos, n_valid, Q_base, DO_base, LSE, DELTA, QPOS, head,
+                        stride_lse_h, q_start, start_m, q_len, window, stride_qt, stride_dot, sm_scale_log2,
+                        offs_m_base, offs_a, offs_b, offs_v, True, IS_CAUSAL, HAS_POS, HAS_WINDOW,
+                        HEAD_A, BLOCK_A, HEAD_B, BLOCK_B, HEAD_V, BLOCK_V, DOT_PREC, UPCAST,
+                    )
+                    tiles += 1
+            else:
+                dk_a, dk_b, dv = _dkdv_block(
+                    dk_a, dk_b, dv, k_a, k_b, v, k_pos, n_valid, Q_base, DO_base, LSE, DELTA, QPOS, head,
+                    stride_lse_h, q_start, start_m, q_len, window, stride_qt, stride_dot, sm_scale_log2,
+                    offs_m_base, offs_a, offs_b, offs_v, True, IS_CAUSAL, HAS_POS, HAS_WINDOW,
+                    HEAD_A, BLOCK_A, HEAD_B, BLOCK_B, HEAD_V, BLOCK_V, DOT_PREC, UPCAST,
+                )
+                tiles += 1
+    if COUNT_TILES:
+        tl.atomic_add(TILES + 1, tiles)
 
     DK_base = DK + split.to(tl.int64) * stride_dks + k_start.to(tl.int64) * stride_dkt + kv_head * stride_dkh
     DV_base = DV + split.to(tl.int64) * stride_dvs + k_start.to(tl.int64) * stride_dvt + kv_head * stride_dvh
-    store_tile(DK_base, dk * sm_scale, offs_n, stride_dkt, offs_d, n_valid, ACCUMULATE, HEAD_DIM, BLOCK_D)
-    store_tile(DV_base, dv, offs_n, stride_dvt, offs_d, n_valid, ACCUMULATE, HEAD_DIM, BLOCK_D)
-
-
-@triton.jit
-def _dq_block(
-    dq, q, do, lse, delta, q_pos, m_valid, K_base, V_base, KPOS, k_start, start_n, k_len,
-    stride_kt, stride_vt, sm_scale_log2, offs_n, offs_d,
-    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_POS: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-):
-    cols = start_n + offs_n
-    n_valid = cols < k_len
-    k = load_tile(K_base, cols, stride_kt, offs_d, n_valid, HEAD_DIM, BLOCK_D, UPCAST)
-    v = load_tile(V_base, cols, stride_vt, offs_d, n_valid, HEAD_DIM, BLOCK_D, UPCAST)
-    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale_log2
-    if MASKED:
-        visible = n_valid[None, :] & m_valid[:, None]
-        if IS_CAUSAL:
-            k_pos = load_positions(KPOS, k_start, cols, n_valid, HAS_POS)
-            visible = visible & (k_pos[None, :] <= q_pos[:, None])
-        qk = tl.where(visible, qk, float("-inf"))
-    p = tl.math.exp2(qk - lse[:, None])
-    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
-    ds = p * (dp - delta[:, None])
-    dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
-    return dq
-
-
-@triton.autotune(
-    configs=_configs("BLOCK_M", "BLOCK_N"),
-    key=["seq_bucket", "HEAD_DIM", "IS_CAUSAL", "HAS_POS", "DOT_PREC", "ACCUMULATE"],
-    restore_value=_restore(["DQ"]),
-)
-@triton.jit
-def _flash_attn_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K, QPOS, KPOS,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-    stride_dqt, stride_dqh, stride_lse_h,
-    sm_scale, sm_scale_log2, heads_q, group, seq_bucket,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_POS: tl.constexpr,
-    ACCUMULATE: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, SCAN: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    pid_dh = tl.program_id(0)
-    pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
-    doc = pid_dh // heads_q
-    head = pid_dh % heads_q
-    q_start = tl.load(CU_Q + doc)
-    q_len = tl.load(CU_Q + doc + 1) - q_start
-    if pid_m * BLOCK_M >= q_len:
-        return
-    k_start = tl.load(CU_K + doc)
-    k_len = tl.load(CU_K + doc + 1) - k_start
-    kv_head = head // group
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    m_valid = offs_m < q_len
-    Q_base = Q + q_start.to(tl.int64) * stride_qt + head * stride_qh
-    DO_base = DO + q_start.to(tl.int64) * stride_dot + head * stride_doh
-    K_base = K + k_start.to(tl.int64) * stride_kt + kv_head * stride_kh
-    V_base = V + k_start.to(tl.int64) * stride_vt + kv_head * stride_vh
-    q = load_tile(Q_base, offs_m, stride_qt, offs_d, m_valid, HEAD_DIM, BLOCK_D, UPCAST)
-    do = load_tile(DO_base, offs_m, stride_dot, offs_d, m_valid, HEAD_DIM, BLOCK_D, UPCAST)
-    lse, delta = _load_row_stats(LSE, DELTA, head, stride_lse_h, q_start, offs_m, m_valid)
-    q_pos = load_positions(QPOS, q_start, offs_m, m_valid, HAS_POS)
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-
-    # Loop bounds exactly as in the forward (see attention/fwd_triton.py).
-    if IS_CAUSAL:
-        if HAS_POS:
-            q_lo = tl.min(tl.where(m_valid, q_pos, POS_HIGH))
-            q_hi = tl.max(tl.where(m_valid, q_pos, POS_LOW))
-            full_end = (first_pos_above(KPOS, k_start, k_len, q_lo, SCAN) // BLOCK_N) * BLOCK_N
-            end = end_of_pos_at_most(KPOS, k_start, k_len, q_hi, SCAN)
-        else:
-            full_end = (tl.minimum(pid_m * BLOCK_M + 1, k_len) // BLOCK_N) * BLOCK_N
-            end = tl.minimum(k_len, tl.minimum(q_len, (pid_m + 1) * BLOCK_M))
-    else:
-        full_end = (k_len // BLOCK_N) * BLOCK_N
-        end = k_len
-    # Padded query rows (past q_len) produce garbage only in rows that are never stored.
-    for start_n in range(0, full_end, BLOCK_N):
-        dq = _dq_block(
-            dq, q, do, lse, delta, q_pos, m_valid, K_base, V_base, KPOS, k_start, start_n, k_len,
-            stride_kt, stride_vt, sm_scale_log2, offs_n, offs_d,
-            False, IS_CAUSAL, HAS_POS, HEAD_DIM, BLOCK_D, DOT_PREC, UPCAST,
-        )
-    for start_n in range(full_end, end, BLOCK_N):
-        if HAS_POS:
-            cols = start_n + offs_n
-            k_lo = tl.min(tl.where(cols < k_len, load_positions(KPOS, k_start, cols, cols < k_len, True), POS_HIGH))
-            if k_lo <= q_hi:
-                dq = _dq_block(
-                    dq, q, do, lse, delta, q_pos, m_valid, K_base, V_base, KPOS, k_start, start_n, k_len,
-                    stride_kt, stride_vt, sm_scale_log2, offs_n, offs_d,
-                    True, IS_CAUSAL, HAS_POS, HEAD_DIM, BLOCK_D, DOT_PREC, UPCAST,
-                )
-        else:
-            dq = _dq_block(
-                dq, q, do, lse, delta, q_pos, m_valid, K_base, V_base, KPOS, k_start, start_n, k_len,
-                stride_kt, stride_vt, sm_scale_log2, offs_n, offs_d,
-                True, IS_CAUSAL, HAS_POS, HEAD_DIM, BLOCK_D, DOT_PREC, UPCAST,
-            )
-
-    DQ_base = DQ + q_start.to(tl.int64) * stride_dqt + head * stride_dqh
-    store_tile(DQ_base, dq * sm_scale, offs_m, stride_dqt, offs_d, m_valid, ACCUMULATE, HEAD_DIM, BLOCK_D)
-
-
-@triton.jit
-def _flash_attn_bwd_preprocess_kernel(
-    O, DO, DELTA, total, seq, heads, stride_ot, stride_oh, stride_dot, stride_doh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
-):
-    """delta[b, h, s] = Σ_d O·dO in fp32 for token t = b·seq + s (one pass, no fp32 temporaries)."""
-    head = tl.program_id(1)
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_d = tl.arange(0, BLOCK_D)
-    valid = offs_t < total
-    o = load_tile(O + head * stride_oh, offs_t, stride_ot, offs_d, valid, HEAD_DIM, BLOCK_D, False)
-    do = load_tile(DO + head * stride_doh, offs_t, stride_dot, offs_d, valid, HEAD_DIM, BLOCK_D, False)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    t64 = offs_t.to(tl.int64)
-    row = (t64 // seq) * heads * seq + head * seq + t64 % seq
-    tl.store(DELTA + row, delta, mask=valid)
-
-
-def triton_bwd_preprocess(out: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
-    """delta fp32 in lse layout: [batch, heads, seq] for 4-D out, [heads, total] for 3-D out."""
-    check_device(out, do)
-    out, do = last_dim_contiguous(out), last_dim_contiguous(do)
-    batched = out.dim() == 4
-    batch, seq = (out.shape[0], out.shape[1]) if batched else (1, out.shape[0])
-    heads, head_dim = out.shape[-2], out.shape[-1]
-    o2, do2 = (t.reshape(batch * seq, heads, head_dim) for t in (out, do))
-    delta = common.alloc_output((batch, heads, seq), torch.float32, out.device)
-    if batch * seq and heads:
-        block_t = 16 if INTERPRET else 64
-        grid = (triton.cdiv(batch * seq, block_t), heads)
-        _flash_attn_bwd_preprocess_kernel[grid](
-            o2, do2, delta, batch * seq, seq, heads, o2.stride(0), o2.stride(1), do2.stride(0), do2.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=block_head_dim(head_dim), BLOCK_T=block_t,
-        )
-    return delta if batched else delta[0]
-
-
-# Programs the dK/dV grid should give the GPU at least: 4 per SM, so that the causal imbalance
-# between key blocks (the first sees every query row, the last a few) evens out over the SMs.
-_PROGRAMS_PER_SM = 4
-# The largest key block of the autotune configs: the program count below never overestimates.
-_LARGEST_BLOCK_N = 128
-_INTERPRETER_SMS = 132  # under the interpreter, plan as for an H100 (tests then cover the slices)
-
-
-def dkdv_head_splits(total_k: int, num_docs: int, heads_kv: int, group: int, sms: int) -> int:
-    """Slices of each GQA group the dK/dV kernel runs in parallel: the smallest divisor of ``group``
-    that gives at least _PROGRAMS_PER_SM programs per SM, else ``group`` (one query head each).
-
-    Programs are counted from the tokens (ceil(total_k / 128) key blocks per KV head, plus one per
-    document for its partial block), not from the padded grid: empty programs do no work. The fp32
-    scratch is splits x the size of dK and dV, and splits only exceeds 1 while the key blocks are too
-    few to fill the GPU, so it holds about _PROGRAMS_PER_SM * SMs * 128 rows (35 MB at head_dim 128
-    on an H100) per tensor whatever the sequence length; up to twice that where the divisors of
-    ``group`` are coarse.
-    """
-    if group <= 1:
-        return 1
-    programs = heads_kv * (triton.cdiv(total_k, _LARGEST_BLOCK_N) + num_docs)
-    for splits in range(1, group + 1):
-        if group % splits == 0 and programs * splits >= _PROGRAMS_PER_SM * sms:
-            return splits
-    return group
-
-
-def _device_sms(device: torch.device) -> int:
-    if INTERPRET:
-        return _INTERPRETER_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count  # cached by torch: no sync
+    store_tile(DK_base, dk_a * sm_scale, offs_n, stride_dkt, offs_a, n_valid, ACCUMULATE, HEAD_A, BLOCK_A)
+    if HEAD_B > 0:
+        store_tile(DK_base + BLOCK_A, dk_b * sm_scale, offs_n, stride_dkt, offs_b, n_valid, ACCUMULATE, HEAD_B,
+                   BLOCK_B)
+    store_tile(DV_base, dv, offs_n, stride_dvt, offs_v, n_valid, ACCUMULATE, HEAD_V, BLOCK_V)
 
 
 def _sum_partials(partials: torch.Tensor, accum: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -403,6 +236,7 @@ def triton_backward(
     dq_accum: torch.Tensor | None = None,
     dk_accum: torch.Tensor | None = None,
     dv_accum: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) on the packed form; given fp32 accumulators are added into and returned."""
     check_device(q, k, v, do)
@@ -425,12 +259,14 @@ def triton_backward(
     # only one of them has an accumulator, the other accumulates into a zeroed fp32 scratch.
     accumulate_kv = dk_accum is not None or dv_accum is not None
     dq = dq_accum if dq_accum is not None else common.alloc_output(q.shape, q.dtype, q.device)
+    tiles, counting = common.tile_counter(q.device)
     flags = dict(
-        HEAD_DIM=head_dim, BLOCK_D=block_head_dim(head_dim), IS_CAUSAL=bool(causal), HAS_POS=has_pos,
+        **qk_chunks(head_dim), HEAD_V=v.shape[-1], BLOCK_V=block_head_dim(v.shape[-1]), IS_CAUSAL=bool(causal),
+        HAS_POS=has_pos, HAS_WINDOW=window is not None, COUNT_TILES=counting,
         DOT_PREC=dot_precision(q.dtype), UPCAST=upcast_16bit(q.dtype), SCAN=scan_block(),
     )
     group = heads_q // heads_kv
-    splits = dkdv_head_splits(k.shape[0], num_docs, heads_kv, group, _device_sms(q.device))
+    splits = dkdv_head_splits(k.shape[0], num_docs, heads_kv, group, device_sms(q.device))
     if splits > 1:
         # fp32 partials, one per slice of query heads, summed below; the kernel writes every row.
         dk = common.alloc_output((splits, *k.shape), torch.float32, k.device)
@@ -449,11 +285,11 @@ def triton_backward(
         return (num_docs * heads_kv * splits, triton.cdiv(max_seqlen_k, meta["BLOCK_N"]))
 
     _flash_attn_bwd_dkdv_kernel[grid_kv](
-        q, k, v, do, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, q_pos, k_pos,
+        q, k, v, do, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, q_pos, k_pos, tiles,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         do.stride(0), do.stride(1), dk_t.stride(0), dk_t.stride(1), split_strides[0],
         dv_t.stride(0), dv_t.stride(1), split_strides[1], lse.stride(0),
-        softmax_scale, softmax_scale * LOG2E, heads_kv, group, splits, seq_bucket(max_seqlen_q),
+        softmax_scale, softmax_scale * LOG2E, heads_kv, group, splits, window or 0, seq_bucket(max_seqlen_q),
         ACCUMULATE=accumulate_kv and splits == 1, **flags,
     )
     if splits > 1:
@@ -466,10 +302,10 @@ def triton_backward(
         return (num_docs * heads_q, triton.cdiv(max_seqlen_q, meta["BLOCK_M"]))
 
     _flash_attn_bwd_dq_kernel[grid_q](
-        q, k, v, do, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, q_pos, k_pos,
+        q, k, v, do, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, q_pos, k_pos, tiles,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), lse.stride(0),
-        softmax_scale, softmax_scale * LOG2E, heads_q, heads_q // heads_kv, seq_bucket(max_seqlen_k),
+        softmax_scale, softmax_scale * LOG2E, heads_q, heads_q // heads_kv, window or 0, seq_bucket(max_seqlen_k),
         ACCUMULATE=dq_accum is not None, **flags,
     )
     return dq, dk, dv

@@ -36,6 +36,26 @@ def block_head_dim(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
+def qk_chunks(head_dim: int) -> dict[str, int]:
+    """How the q·k head dim is tiled: one padded power-of-two chunk, or two when that is narrower.
+
+    tl.arange needs power-of-two widths, so a 192-wide q·k (MLA) padded to one 256-wide tile
+    would spend a third of its q·k FLOPs and loads on zeros; instead it runs as a 128-wide and a
+    64-wide chunk (two dots summed, two dK/dQ accumulators), with no padding at all. 96 -> 64+32,
+    80 -> 64+16; 24 stays one 32-wide chunk (16+16 is no narrower). The value head dim is one
+    chunk padded to a power of two (block_head_dim): its only products are P·V and dO·Vᵀ, and the
+    MLA value dim (128) is already a power of two. Keys: HEAD_A / BLOCK_A (columns and width of
+    chunk A), HEAD_B / BLOCK_B (chunk B; HEAD_B = 0 means no second chunk, BLOCK_B then only
+    sizes an unused dummy).
+    """
+    full = block_head_dim(head_dim)
+    low = 1 << (head_dim.bit_length() - 1)  # largest power of two <= head_dim
+    rest = head_dim - low
+    if low >= 16 and rest > 0 and low + block_head_dim(rest) < full:
+        return dict(HEAD_A=low, BLOCK_A=low, HEAD_B=rest, BLOCK_B=block_head_dim(rest))
+    return dict(HEAD_A=head_dim, BLOCK_A=full, HEAD_B=0, BLOCK_B=16)
+
+
 def seq_bucket(max_seqlen: int) -> int:
     """Autotune key: configs are re-tuned per power-of-two bucket of the longest document, not per length."""
     return triton.next_power_of_2(max(int(max_seqlen), 16))
@@ -108,30 +128,41 @@ def load_positions(POS, doc_start, offs, valid, HAS_POS: tl.constexpr):
     return pos
 
 
-@triton.jit
-def first_pos_above(POS, start, length, threshold, SCAN: tl.constexpr):
-    """Smallest i in [0, length) with POS[start + i] > threshold, or length if there is none.
-
-    With it a block's loop bounds come from positions: every key before the first key with
-    k_pos > min(q_pos) is visible to every query row (mask-free tiles), whatever the positions.
-    """
-    result = length
-    for s in range(0, length, SCAN):
-        idx = s + tl.arange(0, SCAN)
-        pos = tl.load(POS + start + idx, mask=idx < length, other=POS_LOW)
-        result = tl.minimum(result, tl.min(tl.where(pos > threshold, idx, length)))
-    return result
+_NO_COUNTER: dict[torch.device, torch.Tensor] = {}
 
 
-@triton.jit
-def end_of_pos_at_most(POS, start, length, threshold, SCAN: tl.constexpr):
-    """1 + the largest i in [0, length) with POS[start + i] <= threshold, or 0 if there is none."""
-    result = length * 0
-    for s in range(0, length, SCAN):
-        idx = s + tl.arange(0, SCAN)
-        pos = tl.load(POS + start + idx, mask=idx < length, other=POS_HIGH)
-        result = tl.maximum(result, tl.max(tl.where(pos <= threshold, idx + 1, 0)))
-    return result
+def no_counter(device: torch.device) -> torch.Tensor:
+    """A stand-in for the tile counter when nothing is counted (never written), one per device."""
+    if device not in _NO_COUNTER:
+        _NO_COUNTER[device] = torch.zeros(3, dtype=torch.int32, device=device)
+    return _NO_COUNTER[device]
+
+
+# Tile audit: while ``count_tiles`` is active the kernels add the (query block, key block) tiles
+# they compute to TILE_COUNTER: [forward, dK/dV backward, dQ backward]. Off (the default) the
+# counting code is not compiled in (a constexpr flag).
+TILE_COUNTER: list[torch.Tensor] = []
+
+
+class count_tiles:  # noqa: N801 - used as a context manager, like torch.no_grad
+    """``with count_tiles(device) as tiles: ...`` then ``tiles.tolist()`` = [fwd, dkdv, dq] tiles."""
+
+    def __init__(self, device) -> None:
+        self.tiles = torch.zeros(3, dtype=torch.int32, device=device)
+
+    def __enter__(self) -> torch.Tensor:
+        TILE_COUNTER.append(self.tiles)
+        return self.tiles
+
+    def __exit__(self, *exc) -> None:
+        TILE_COUNTER.remove(self.tiles)
+
+
+def tile_counter(device: torch.device) -> tuple[torch.Tensor, bool]:
+    """(counter tensor, counting?) for a launch."""
+    if TILE_COUNTER:
+        return TILE_COUNTER[-1], True
+    return no_counter(device), False
 
 
 def scan_block() -> int:

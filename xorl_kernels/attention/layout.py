@@ -1,7 +1,8 @@
 """Flash attention's input normalisation: every call becomes one packed form, and results go back.
 
-Every backend works on ``Packed``: q [total_q, heads_q, head_dim], k/v [total_k, heads_kv,
-head_dim], int32 ``cu_seqlens_q`` / ``cu_seqlens_k`` and optional int32 positions. ``pack`` checks
+Every backend works on ``Packed``: q [total_q, heads_q, head_dim_qk], k [total_k, heads_kv,
+head_dim_qk], v [total_k, heads_kv, head_dim_v] (head_dim_v may differ, MLA), int32
+``cu_seqlens_q`` / ``cu_seqlens_k``, optional int32 positions, sinks and window. ``pack`` checks
 the public arguments (layouts in attention/op.py) and builds it; the ``*_to_public`` /
 ``*_to_packed`` helpers convert outputs, lse and gradients between the public layout and the
 packed one. Value checks that would read device memory run only for CPU tensors (a GPU check
@@ -22,9 +23,9 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 class Packed:
     """One call normalised to the packed form every backend works on (see attention/reference.py)."""
 
-    q: torch.Tensor  # [total_q, heads_q, head_dim]
-    k: torch.Tensor  # [total_k, heads_kv, head_dim]
-    v: torch.Tensor
+    q: torch.Tensor  # [total_q, heads_q, head_dim_qk]
+    k: torch.Tensor  # [total_k, heads_kv, head_dim_qk]
+    v: torch.Tensor  # [total_k, heads_kv, head_dim_v]
     cu_seqlens_q: torch.Tensor  # int32 [num_docs + 1]
     cu_seqlens_k: torch.Tensor
     max_seqlen_q: int | None
@@ -36,6 +37,8 @@ class Packed:
     layout: str  # "batched", "packed4d" or "packed3d": how to give results back
     batch: int
     seq_q: int
+    sinks: torch.Tensor | None = None  # [heads_q] float logits (see attention/sinks.py)
+    window: int | None = None  # causal sliding window W: k_pos > q_pos - W
 
 
 # -- input normalisation -------------------------------------------------------------------------
@@ -76,7 +79,7 @@ def _check_positions(name: str, pos, total: int, batch: int, per_row: int, devic
 
 def pack(
     q, k, v, causal, softmax_scale, cu_seqlens, max_seqlen, cu_seqlens_q, cu_seqlens_k,
-    max_seqlen_q, max_seqlen_k, q_positions, k_positions,
+    max_seqlen_q, max_seqlen_k, q_positions, k_positions, sinks=None, window=None,
 ) -> Packed:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -92,8 +95,10 @@ def pack(
             "q, k, v must all be [batch, seq, heads, head_dim] (or [total, heads, head_dim] with "
             f"cu_seqlens), got shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(
+            f"k and v must match in all but head_dim (which may differ), got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"q and k must share head_dim, got {q.shape[-1]} and {k.shape[-1]}")
     heads_q, heads_kv = q.shape[-2], k.shape[-2]
@@ -147,10 +152,47 @@ def pack(
     k_pos = _check_positions("k_positions", k_positions, kp.shape[0], batch, seq_k, device)
     if (q_pos is None) != (k_pos is None):
         raise ValueError("q_positions and k_positions must be given together")
+    window = _check_window(window, causal)
+    if window is not None:
+        _check_ascending("q_positions", q_pos, cu_q)
+        _check_ascending("k_positions", k_pos, cu_k)
     return Packed(
         qp, kp, vp, cu_q, cu_k, max_q, max_k, q_pos, k_pos, bool(causal), float(softmax_scale),
-        layout, batch, seq_q,
+        layout, batch, seq_q, _check_sinks(sinks, heads_q, device), window,
     )
+
+
+def _check_ascending(name: str, pos: torch.Tensor | None, cu: torch.Tensor) -> None:
+    """With a window the Triton kernels find their bounds by searching the positions, so positions
+    must not decrease inside a document (zig-zag shards and gathered sequences ascend). Checked
+    for CPU tensors only (a GPU check would sync the device every call)."""
+    if pos is None or pos.is_cuda or pos.numel() < 2:
+        return
+    drops = ((pos[1:] < pos[:-1]).nonzero().flatten() + 1).tolist()  # i with pos[i] < pos[i - 1]
+    if drops and not set(drops) <= set(cu.tolist()):
+        raise ValueError(f"with window, {name} must be non-decreasing inside each document")
+
+
+def _check_sinks(sinks, heads_q: int, device) -> torch.Tensor | None:
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point() or tuple(sinks.shape) != (heads_q,):
+        raise ValueError(f"sinks must be a float tensor [heads_q] = [{heads_q}], got {sinks!r}")
+    if sinks.device != device:
+        raise ValueError(f"sinks must be on q's device {device}, got {sinks.device}")
+    return sinks.contiguous()
+
+
+def _check_window(window, causal: bool) -> int | None:
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be an int >= 1 (the last W positions a query attends) or None, got {window!r}")
+    if not causal:
+        # A non-causal window has two conventions (transformers' bidirectional overlay is
+        # |q - k| <= W, inclusive); no model we train needs one, so it is refused rather than guessed.
+        raise ValueError("window (sliding-window attention) needs causal=True; non-causal windows are not supported")
+    return int(window)
 
 
 def out_to_public(out: torch.Tensor, p: Packed) -> torch.Tensor:

@@ -11,11 +11,13 @@ Lower level, no autograd (what ring attention calls once per step):
     delta = flash_attn_bwd_preprocess(out, do)     # rowsum(dO·O) fp32, once per backward
     dq, dk, dv = flash_attn_backward(do, q, k, v, out, lse, delta, ...,
                                      dq_accum=None, dk_accum=None, dv_accum=None)
+    dsinks = sink_grad(lse, delta, sinks)          # attention/sinks.py, with apply_sinks
 
 Layouts
 -------
 - Batched: q [batch, seq_q, heads_q, head_dim], k/v [batch, seq_k, heads_kv, head_dim];
-  lse / delta fp32 [batch, heads_q, seq_q].
+  lse / delta fp32 [batch, heads_q, seq_q]. v may have its own head dim (MLA: q·k 192, v 128);
+  out, dout and dv then have v's head dim (everything else below holds for either dim).
 - Packed documents (``cu_seqlens`` or ``cu_seqlens_q``/``cu_seqlens_k`` given): batch must be 1,
   q [1, total_q, heads_q, head_dim] (lse [1, heads_q, total_q]) or, flash-attn style,
   q [total_q, heads_q, head_dim] (lse [heads_q, total_q]). ``cu_seqlens*`` are int32/int64
@@ -39,11 +41,26 @@ their true positions computes both halves. In the batched layout positions may a
 and its gradients are finite (zero). Without ``causal`` positions are ignored (documents still
 separate tokens).
 
+Sliding window: ``window=W`` (causal only; non-causal raises) also needs ``k_pos > q_pos - W``:
+a query sees the last W positions of its document, itself included (transformers'
+``sliding_window_overlay``: ``kv_idx > q_idx - sliding_window``). With a window, positions must be
+non-decreasing inside each document (zig-zag shards are; the Triton kernels search them for their
+bounds; checked for CPU tensors).
+
+Sinks: ``sinks`` [heads_q] (float, learned logits in the units of the scaled scores) join every
+row's softmax denominator without a value (gpt-oss); the returned lse includes them, and a row
+that sees no key gets out = 0, lse = sink. Under autograd ``sinks`` gets its gradient;
+``flash_attn_backward(..., sinks=s)`` returns (dq, dk, dv, dsinks). Ring attention runs its steps
+without sinks and applies them once per row after the merge (attention/sinks.py).
+
 Cost: the Triton kernels derive each block's loop bounds from the positions, so keys visible to
-every row of a query block run mask-free and keys visible to none are never read. Any positions
-are correct; positions ascending inside each document (zig-zag shards are) make the masked part
+every row of a query block run mask-free and keys visible to none are never read. Without a
+window any positions are correct; positions ascending inside each document (zig-zag shards are) make the masked part
 just the diagonal, so the P² steps of a zig-zag ring visit exactly the tiles of one monolithic
-causal attention (when chunk lengths are multiples of the block sizes).
+causal attention (when chunk lengths are multiples of the block sizes). A window adds lower
+bounds from the positions the same way: tiles wholly before every row's window are never read,
+so a windowed attention costs about S·W, not S² (tests/test_attention_features.py audits the
+tile counts: common.count_tiles).
 
 Gradients through lse
 ---------------------
@@ -81,8 +98,19 @@ from xorl_kernels.attention.layout import (
     pack,
 )
 from xorl_kernels.attention.reference import reference_backward, reference_bwd_preprocess, reference_forward
+from xorl_kernels.attention.sinks import apply_sinks, sink_grad
 from xorl_kernels.checkpoint_saves import SELECTIVE_CHECKPOINT_SAVES
 from xorl_kernels.dispatch import REFERENCE, TRITON, pick_backend
+
+__all__ = [
+    "apply_sinks",
+    "flash_attn",
+    "flash_attn_backward",
+    "flash_attn_bwd_preprocess",
+    "flash_attn_forward",
+    "flash_attn_with_lse",
+    "sink_grad",
+]
 
 _AVAILABLE = (TRITON, REFERENCE)
 
@@ -110,11 +138,11 @@ def _forward_packed(p: Packed, backend: str | None) -> tuple[torch.Tensor, torch
         return triton_forward(
             p.q, p.k, p.v, p.cu_seqlens_q, p.cu_seqlens_k,
             _max_seqlen(p.max_seqlen_q, p.cu_seqlens_q), _max_seqlen(p.max_seqlen_k, p.cu_seqlens_k),
-            p.causal, p.softmax_scale, p.q_positions, p.k_positions,
+            p.causal, p.softmax_scale, p.q_positions, p.k_positions, sinks=p.sinks, window=p.window,
         )
     out, lse = reference_forward(
         p.q, p.k, p.v, p.cu_seqlens_q, p.cu_seqlens_k, p.causal, p.softmax_scale,
-        p.q_positions, p.k_positions,
+        p.q_positions, p.k_positions, sinks=p.sinks, window=p.window,
     )
     return out, lse if p.q.dtype == torch.float64 else lse.float()
 
@@ -127,11 +155,11 @@ def _backward_packed(p: Packed, do, lse, delta, dq_acc, dk_acc, dv_acc, backend)
         return triton_backward(
             do, p.q, p.k, p.v, lse, delta, p.cu_seqlens_q, p.cu_seqlens_k,
             _max_seqlen(p.max_seqlen_q, p.cu_seqlens_q), _max_seqlen(p.max_seqlen_k, p.cu_seqlens_k),
-            p.causal, p.softmax_scale, p.q_positions, p.k_positions, dq_acc, dk_acc, dv_acc,
+            p.causal, p.softmax_scale, p.q_positions, p.k_positions, dq_acc, dk_acc, dv_acc, window=p.window,
         )
     grads = reference_backward(
         do, p.q, p.k, p.v, lse, delta, p.cu_seqlens_q, p.cu_seqlens_k, p.causal, p.softmax_scale,
-        p.q_positions, p.k_positions,
+        p.q_positions, p.k_positions, window=p.window,
     )
     result = []
     for grad, acc, like in zip(grads, (dq_acc, dk_acc, dv_acc), (p.q, p.k, p.v)):
@@ -145,11 +173,11 @@ def _backward_packed(p: Packed, do, lse, delta, dq_acc, dk_acc, dv_acc, backend)
 def flash_attn_forward(
     q, k, v, causal=False, softmax_scale=None, cu_seqlens=None, max_seqlen=None, *,
     cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-    q_positions=None, k_positions=None, backend=None,
+    q_positions=None, k_positions=None, sinks=None, window=None, backend=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) without autograd; arguments and layouts as in the module docstring."""
     p = pack(q, k, v, causal, softmax_scale, cu_seqlens, max_seqlen, cu_seqlens_q, cu_seqlens_k,
-              max_seqlen_q, max_seqlen_k, q_positions, k_positions)
+              max_seqlen_q, max_seqlen_k, q_positions, k_positions, sinks=sinks, window=window)
     with torch.no_grad():
         out, lse = _forward_packed(p, backend)
     return out_to_public(out, p), lse_to_public(lse, p)
@@ -166,7 +194,7 @@ def flash_attn_bwd_preprocess(out: torch.Tensor, do: torch.Tensor, backend: str 
     if out.dim() not in (3, 4):
         raise ValueError(f"out must be [batch, seq, heads, head_dim] or [total, heads, head_dim], got {out.dim()}-D")
     if out.dtype != torch.float64 and do.dtype != torch.float64 and _use_triton(backend, out):
-        from xorl_kernels.attention.bwd_triton import triton_bwd_preprocess
+        from xorl_kernels.attention.preprocess_triton import triton_bwd_preprocess
 
         return triton_bwd_preprocess(out, do)
     return reference_bwd_preprocess(out, do)
@@ -175,17 +203,21 @@ def flash_attn_bwd_preprocess(out: torch.Tensor, do: torch.Tensor, backend: str 
 def flash_attn_backward(
     do, q, k, v, out, lse, delta, causal=False, softmax_scale=None, cu_seqlens=None, max_seqlen=None, *,
     cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-    q_positions=None, k_positions=None, dq_accum=None, dk_accum=None, dv_accum=None, backend=None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q_positions=None, k_positions=None, dq_accum=None, dk_accum=None, dv_accum=None,
+    sinks=None, window=None, backend=None,
+) -> tuple[torch.Tensor, ...]:
     """(dq, dk, dv) for one attention call given the (possibly global) lse and delta.
 
     ``out`` is only checked for shape (delta already carries what the backward needs from it).
-    Accumulators, when given, are added into and returned (see the module docstring).
+    Accumulators, when given, are added into and returned (see the module docstring). With
+    ``sinks`` the result is (dq, dk, dv, dsinks): lse already includes the sinks, so dq/dk/dv are
+    unchanged and dsinks = sink_grad(lse, delta, sinks) over this call's rows.
     """
     p = pack(q, k, v, causal, softmax_scale, cu_seqlens, max_seqlen, cu_seqlens_q, cu_seqlens_k,
-              max_seqlen_q, max_seqlen_k, q_positions, k_positions)
-    if do.shape != q.shape or (out is not None and out.shape != q.shape):
-        raise ValueError(f"do and out must have q's shape {tuple(q.shape)}, got {tuple(do.shape)}")
+              max_seqlen_q, max_seqlen_k, q_positions, k_positions, sinks=sinks, window=window)
+    out_shape = (*q.shape[:-1], v.shape[-1])
+    if tuple(do.shape) != out_shape or (out is not None and tuple(out.shape) != out_shape):
+        raise ValueError(f"do and out must have shape {out_shape} (q's, with v's head_dim), got {tuple(do.shape)}")
     lse_p = lse_to_packed("lse", lse, p)
     delta_p = lse_to_packed("delta", delta, p)
     do_p = out_to_packed(do, p)
@@ -196,10 +228,13 @@ def flash_attn_backward(
     )
     with torch.no_grad():
         dq, dk, dv = _backward_packed(p, do_p, lse_p, delta_p, *accs, backend)
-    return tuple(
-        acc if acc is not None else g.view(like.shape)
-        for g, acc, like in zip((dq, dk, dv), (dq_accum, dk_accum, dv_accum), (q, k, v))
-    )
+        grads = tuple(
+            acc if acc is not None else g.view(like.shape)
+            for g, acc, like in zip((dq, dk, dv), (dq_accum, dk_accum, dv_accum), (q, k, v))
+        )
+        if p.sinks is not None:
+            grads = (*grads, sink_grad(lse_p, delta_p, p.sinks))
+    return grads
 
 
 # -- autograd: the xorl::flash_attn custom op ----------------------------------------------------
@@ -223,22 +258,23 @@ SELECTIVE_CHECKPOINT_SAVES.join("xorl::flash_attn")  # its output is kept, not r
 def _flash_attn_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
-    q_positions: torch.Tensor | None, k_positions: torch.Tensor | None,
+    q_positions: torch.Tensor | None, k_positions: torch.Tensor | None, sinks: torch.Tensor | None,
     causal: bool, softmax_scale: float | None, max_seqlen_q: int | None, max_seqlen_k: int | None,
-    backend: str | None,
+    window: int | None, backend: str | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return flash_attn_forward(
         q, k, v, causal, softmax_scale, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, q_positions=q_positions,
-        k_positions=k_positions, backend=backend,
+        k_positions=k_positions, sinks=sinks, window=window, backend=backend,
     )
 
 
 @_flash_attn_op.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, q_positions, k_positions, causal, softmax_scale,
-      max_seqlen_q, max_seqlen_k, backend):
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, q_positions, k_positions, sinks, causal, softmax_scale,
+      max_seqlen_q, max_seqlen_k, window, backend):
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return q.new_empty(q.shape), q.new_empty(_lse_shape(q, cu_seqlens_q is not None), dtype=lse_dtype)
+    out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+    return out, q.new_empty(_lse_shape(q, cu_seqlens_q is not None), dtype=lse_dtype)
 
 
 @torch.library.custom_op("xorl::flash_attn_backward", mutates_args=())
@@ -246,36 +282,43 @@ def _flash_attn_backward_op(
     dout: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     out: torch.Tensor, lse: torch.Tensor,
     cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
-    q_positions: torch.Tensor | None, k_positions: torch.Tensor | None,
+    q_positions: torch.Tensor | None, k_positions: torch.Tensor | None, sinks: torch.Tensor | None,
     causal: bool, softmax_scale: float | None, max_seqlen_q: int | None, max_seqlen_k: int | None,
-    backend: str | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv); a loss through lse only changes delta (see "Gradients through lse")."""
+    window: int | None, backend: str | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dsinks); dsinks is empty without sinks (a custom op cannot return None).
+
+    A loss through lse only changes delta (see "Gradients through lse")."""
     delta = flash_attn_bwd_preprocess(out, dout, backend=backend)
     if dlse is not None:
         delta = delta - dlse.to(delta.dtype)
-    return flash_attn_backward(
+    grads = flash_attn_backward(
         dout, q, k, v, out, lse, delta, causal, softmax_scale, cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-        q_positions=q_positions, k_positions=k_positions, backend=backend,
+        q_positions=q_positions, k_positions=k_positions, sinks=sinks, window=window, backend=backend,
     )
+    return grads if sinks is not None else (*grads, q.new_empty(0))
 
 
 @_flash_attn_backward_op.register_fake
-def _(dout, dlse, q, k, v, *args):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+def _(dout, dlse, q, k, v, out, lse, cu_q, cu_k, q_pos, k_pos, sinks, *args):
+    dsinks = sinks.new_empty(sinks.shape) if sinks is not None else q.new_empty(0)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, q_pos, k_pos, *options = inputs
-    ctx.save_for_backward(q, k, v, *output, cu_q, cu_k, q_pos, k_pos)
+    q, k, v, cu_q, cu_k, q_pos, k_pos, sinks, *options = inputs
+    ctx.save_for_backward(q, k, v, *output, cu_q, cu_k, q_pos, k_pos, sinks)
     ctx.options = options
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, *masks = ctx.saved_tensors
-    grads = torch.ops.xorl.flash_attn_backward(dout.contiguous(), dlse, q, k, v, out, lse, *masks, *ctx.options)
-    return (*grads, *([None] * 9))
+    dq, dk, dv, dsinks = torch.ops.xorl.flash_attn_backward(
+        dout.contiguous(), dlse, q, k, v, out, lse, *masks, *ctx.options
+    )
+    has_sinks = masks[-1] is not None
+    return (dq, dk, dv, None, None, None, None, dsinks if has_sinks else None, *([None] * len(ctx.options)))
 
 
 _flash_attn_op.register_autograd(_backward, setup_context=_setup_context)
@@ -284,9 +327,9 @@ _flash_attn_op.register_autograd(_backward, setup_context=_setup_context)
 def flash_attn_with_lse(
     q, k, v, causal=False, softmax_scale=None, cu_seqlens=None, max_seqlen=None, *,
     cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-    q_positions=None, k_positions=None, backend=None,
+    q_positions=None, k_positions=None, sinks=None, window=None, backend=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse), differentiable w.r.t. q, k, v through both outputs. See the module docstring."""
+    """(out, lse), differentiable w.r.t. q, k, v (and sinks) through both outputs. See the module docstring."""
     if cu_seqlens is not None:
         if cu_seqlens_q is not None or cu_seqlens_k is not None:
             raise ValueError("pass either cu_seqlens (both sides) or cu_seqlens_q/cu_seqlens_k, not both")
@@ -297,8 +340,8 @@ def flash_attn_with_lse(
         max_seqlen_k = max_seqlen_k if max_seqlen_k is not None else max_seqlen
     scale = None if softmax_scale is None else float(softmax_scale)
     return torch.ops.xorl.flash_attn(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, q_positions, k_positions, bool(causal), scale,
-        _as_int(max_seqlen_q), _as_int(max_seqlen_k), backend,
+        q, k, v, cu_seqlens_q, cu_seqlens_k, q_positions, k_positions, sinks, bool(causal), scale,
+        _as_int(max_seqlen_q), _as_int(max_seqlen_k), _as_int(window), backend,
     )
 
 
@@ -310,12 +353,12 @@ def _as_int(value):
 def flash_attn(
     q, k, v, causal=False, softmax_scale=None, cu_seqlens=None, max_seqlen=None, *,
     cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-    q_positions=None, k_positions=None, backend=None,
+    q_positions=None, k_positions=None, sinks=None, window=None, backend=None,
 ) -> torch.Tensor:
-    """Attention output [batch, seq_q, heads_q, head_dim] (or packed); see the module docstring."""
+    """Attention output [batch, seq_q, heads_q, head_dim_v] (or packed); see the module docstring."""
     out, _ = flash_attn_with_lse(
         q, k, v, causal, softmax_scale, cu_seqlens, max_seqlen, cu_seqlens_q=cu_seqlens_q,
         cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-        q_positions=q_positions, k_positions=k_positions, backend=backend,
+        q_positions=q_positions, k_positions=k_positions, sinks=sinks, window=window, backend=backend,
     )
     return out

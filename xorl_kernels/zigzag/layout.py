@@ -133,6 +133,27 @@ def zigzag_positions(
     return torch.cat(pieces)
 
 
+def zigzag_chunks(rank: int, world: int) -> tuple[int, int]:
+    """The two chunks (of 2*world per document) that ``rank`` holds, in shard order."""
+    return rank, 2 * world - 1 - rank
+
+
+def zigzag_step_in_window(q_rank: int, k_rank: int, world: int, chunk: int, window: int) -> bool:
+    """Whether any query of ``q_rank`` sees any key of ``k_rank`` under a causal sliding window.
+
+    A query at position p sees keys p - window < k <= p of its document. Chunk a (query) and
+    chunk b (key), each ``chunk`` rows, are closest at p - k = (a - b - 1)·chunk + 1 when b < a,
+    and share keys with distance 0 when b == a. ``chunk`` is the SMALLEST chunk of any document
+    in the batch (a shorter document only brings its chunks closer), so False means no document
+    of this step has a visible key: the step may skip its compute.
+    """
+    for a in zigzag_chunks(q_rank, world):
+        for b in zigzag_chunks(k_rank, world):
+            if b == a or (b < a and (a - b - 1) * chunk + 1 <= window - 1):
+                return True
+    return False
+
+
 def scatter_seq_len(y: torch.Tensor, dim: int, rank: int | None, world: int) -> int:
     return y.shape[dim] if rank is None else y.shape[dim] * world
 

@@ -1,0 +1,488 @@
+"""flash_attn's model-family features against float64 plain torch: head_dim_v != head_dim_qk (MLA),
+attention sinks (gpt-oss) and causal sliding windows, alone and together, on packed documents,
+zig-zag positions and GQA, forward (out, lse) and gradients of q, k, v and the sinks.
+
+The oracle below is written here, independent of attention/reference.py and of the kernels: one
+dense [total_q, total_k] mask from document ids and positions, the sinks as one more column of the
+scores, softmax, matmul, differentiated by torch autograd in float64. A second oracle is
+transformers' own gpt-oss eager attention with a mask from transformers' masking_utils (which
+also pins the window convention). Triton runs compiled on a GPU and under TRITON_INTERPRET=1 on
+the CPU (tests/triton_helpers.py), so shapes stay small; kernel outputs are NaN-poisoned first.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from tests.triton_helpers import triton_device
+from xorl_kernels.attention import common
+from xorl_kernels.attention.bounds import sorted_count_at_most
+from xorl_kernels.attention.merge import merge_attn_states
+from xorl_kernels.attention.op import (
+    apply_sinks,
+    flash_attn,
+    flash_attn_backward,
+    flash_attn_bwd_preprocess,
+    flash_attn_forward,
+    flash_attn_with_lse,
+    sink_grad,
+)
+
+F64 = torch.float64
+BACKENDS = ["reference", "triton"]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    assert torch.isfinite(a).all(), "result has NaN/inf"
+    denom = b.norm()
+    return float((a - b).norm() / (denom if denom > 0 else 1.0))
+
+
+def oracle(q, k, v, doc_q, doc_k, pos_q, pos_k, causal, scale, window=None, sinks=None):
+    """Dense float64 attention on packed q [Tq, Hq, Dqk], v [Tk, Hkv, Dv] -> out [Tq, Hq, Dv], lse [Hq, Tq]."""
+    group = q.shape[1] // k.shape[1]
+    kk, vv = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, kk) * scale
+    allowed = doc_q[:, None] == doc_k[None, :]
+    if causal:
+        allowed &= pos_k[None, :] <= pos_q[:, None]
+    if window is not None:
+        allowed &= pos_k[None, :] > pos_q[:, None] - window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:  # one more column per row: the head's sink logit, no value behind it
+        scores = torch.cat([scores, sinks[:, None, None].expand(-1, q.shape[0], 1)], -1)
+        allowed = torch.cat([allowed, torch.ones_like(allowed[:, :1])], -1)
+    empty = ~allowed.any(-1)  # rows that see nothing (never with sinks)
+    lse_raw = torch.logsumexp(scores.masked_fill(empty[None, :, None], 0.0), -1)
+    lse = lse_raw.masked_fill(empty[None, :], float("-inf"))
+    probs = torch.exp(scores - lse_raw.masked_fill(empty[None, :], 0.0)[..., None])
+    if sinks is not None:
+        probs = probs[..., :-1]
+    return torch.einsum("hqk,khd->qhd", probs, vv), lse
+
+
+def token_meta(cu: torch.Tensor, positions: torch.Tensor | None):
+    lengths = (cu[1:] - cu[:-1]).tolist()
+    doc = torch.cat([torch.full((n,), d) for d, n in enumerate(lengths)])
+    pos = torch.cat([torch.arange(n) for n in lengths]) if positions is None else positions.long()
+    return doc, pos
+
+
+def finite_lse_loss(out, lse, w_out, w_lse):
+    lse_term = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)) * w_lse.to(lse.dtype)
+    return (out * w_out.to(out.dtype)).sum() + lse_term.sum()
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    def alloc(shape, dtype, device):
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    monkeypatch.setattr(common, "alloc_output", alloc)
+
+
+def make_inputs(seed, total_q, total_k, hq, hk, d_qk, d_v, sinks=True):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(total_q, hq, d_qk, generator=gen, dtype=F64)
+    k = torch.randn(total_k, hk, d_qk, generator=gen, dtype=F64)
+    v = torch.randn(total_k, hk, d_v, generator=gen, dtype=F64)
+    s = torch.randn(hq, generator=gen, dtype=F64) * 2 if sinks else None
+    return q, k, v, s
+
+
+def check_case(backend, dtype, q, k, v, sinks, cu_q, cu_k, causal, window=None, pos_q=None, pos_k=None,
+               tol=1e-5, seed=3):
+    """flash_attn_with_lse (packed 3-D) vs the oracle: out, lse, dq, dk, dv, dsinks."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    device = triton_device() if backend == "triton" else torch.device("cpu")
+    leaves = [t.to(device, dtype).requires_grad_() for t in (q, k, v)]
+    if sinks is not None:
+        leaves.append(sinks.to(device, torch.float32 if dtype != F64 else F64).requires_grad_())
+    dev = [None if t is None else t.to(device) for t in (cu_q, cu_k, pos_q, pos_k)]
+    kw = dict(cu_seqlens_q=dev[0], cu_seqlens_k=dev[1], q_positions=dev[2], k_positions=dev[3],
+              causal=causal, window=window, sinks=leaves[3] if sinks is not None else None, backend=backend)
+    out, lse = flash_attn_with_lse(*leaves[:3], **kw)
+    gen = torch.Generator().manual_seed(seed)
+    w_out, w_lse = torch.randn(out.shape, generator=gen, dtype=F64), torch.randn(lse.shape, generator=gen, dtype=F64)
+    grads = torch.autograd.grad(finite_lse_loss(out, lse, w_out.to(device), w_lse.to(device)), leaves)
+
+    ref_leaves = [t.detach().to(dtype).to(F64).requires_grad_() for t in (q, k, v)]
+    if sinks is not None:
+        ref_leaves.append(leaves[3].detach().cpu().to(F64).requires_grad_())
+    doc_q, p_q = token_meta(cu_q, pos_q)
+    doc_k, p_k = token_meta(cu_k, pos_k)
+    ref_out, ref_lse = oracle(*ref_leaves[:3], doc_q, doc_k, p_q, p_k, causal, scale, window,
+                              ref_leaves[3] if sinks is not None else None)
+    ref_grads = torch.autograd.grad(finite_lse_loss(ref_out, ref_lse, w_out, w_lse), ref_leaves)
+
+    assert out.shape == ref_out.shape
+    assert torch.equal(torch.isneginf(lse.cpu()), torch.isneginf(ref_lse)), "rows with no visible key differ"
+    finite = torch.isfinite(ref_lse)
+    assert rel_err(out, ref_out) < tol
+    assert rel_err(lse.cpu()[finite], ref_lse[finite]) < tol
+    for name, g, ref in zip(["q", "k", "v", "sinks"], grads, ref_grads):
+        assert rel_err(g, ref) < tol, f"d{name}: {rel_err(g, ref)}"
+    return out, lse
+
+
+def docs(*lengths):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+# -- every feature, each backend -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_head_dim_v_differs(poisoned, backend, causal):
+    """MLA-like 24 (q·k) / 16 (v), packed uneven documents, GQA 4/2; no sinks, no window."""
+    cu = docs(21, 7, 36)
+    q, k, v, _ = make_inputs(0, 64, 64, 4, 2, 24, 16, sinks=False)
+    check_case(backend, torch.float32, q, k, v, None, cu, cu, causal)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("d_qk, d_v", [(48, 32), (192, 128)])
+def test_head_dim_qk_in_two_chunks(poisoned, backend, d_qk, d_v):
+    """q·k head dims that the Triton kernels run as two power-of-two chunks (48 = 32 + 16; MLA's
+    192 = 128 + 64), with sinks, a window and zig-zag-like ascending positions split in two runs."""
+    assert common.qk_chunks(d_qk)["HEAD_B"] > 0
+    cu = docs(20, 13)
+    pos = torch.cat([torch.arange(20), torch.arange(13)]).int()
+    q, k, v, s = make_inputs(7, 33, 33, 2, 1, d_qk, d_v)
+    check_case(backend, torch.float32, q, k, v, s, cu, cu, True, window=6, pos_q=pos, pos_k=pos)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_sinks(poisoned, backend, causal):
+    """Sinks with packed documents, GQA, q·k 16 / v 32; an empty key document gives out 0, lse = sink."""
+    cu_q, cu_k = docs(19, 5, 24), docs(23, 0, 30)
+    q, k, v, s = make_inputs(1, 48, 53, 4, 1, 16, 32)
+    out, lse = check_case(backend, torch.float32, q, k, v, s, cu_q, cu_k, causal)
+    assert torch.all(out[19:24].cpu() == 0)
+    assert torch.allclose(lse[:, 19:24].cpu().double(), s.float().double()[:, None].expand(-1, 5))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("window", [5, 24, 40])
+def test_window(poisoned, backend, window):
+    """Window smaller than, equal to and larger than the longest document (24), with sinks, GQA and
+    d_qk 24 / d_v 16; documents of 24, 9 and 17 tokens."""
+    cu = docs(24, 9, 17)
+    q, k, v, s = make_inputs(2 + window, 50, 50, 4, 2, 24, 16)
+    check_case(backend, torch.float32, q, k, v, s, cu, cu, True, window=window)
+    check_case(backend, torch.float32, q, k, v, None, cu, cu, True, window=window)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("window", [3, 11])
+def test_window_zigzag_positions(poisoned, backend, window):
+    """A zig-zag shard (two runs of each document, true positions) against its full-sequence keys,
+    rows whose window lies wholly in the other run included; sinks and d_qk != d_v."""
+    lengths, world, rank = [48, 32], 2, 1
+    index, positions, cu_k = [], [], [0]
+    offset = 0
+    for length in lengths:
+        chunk = length // (2 * world)
+        for c in (rank, 2 * world - 1 - rank):
+            index.append(torch.arange(offset + c * chunk, offset + (c + 1) * chunk))
+            positions.append(torch.arange(c * chunk, (c + 1) * chunk))
+        offset += length
+        cu_k.append(offset)
+    pos_q = torch.cat(positions).int()
+    cu_q = docs(*[length // world for length in lengths])
+    pos_k = torch.cat([torch.arange(n) for n in lengths]).int()
+    q, k, v, s = make_inputs(5 + window, pos_q.numel(), sum(lengths), 2, 2, 16, 24)
+    check_case(backend, torch.float32, q, k, v, s, cu_q, torch.tensor(cu_k, dtype=torch.int32), True,
+               window=window, pos_q=pos_q, pos_k=pos_k)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_batched_layout_bf16(poisoned, backend):
+    """Batched [B, S, H, D] layout in bf16 with everything on: d 32/16, GQA, sinks, window 6."""
+    gen = torch.Generator().manual_seed(11)
+    q, k = (torch.randn(2, 40, h, 32, generator=gen) for h in (4, 2))
+    v = torch.randn(2, 40, 2, 16, generator=gen)
+    s = torch.randn(4, generator=gen)
+    device = triton_device() if backend == "triton" else torch.device("cpu")
+    args = [t.to(device, torch.bfloat16) for t in (q, k, v)]
+    out, lse = flash_attn_with_lse(*args, causal=True, window=6, sinks=s.to(device), backend=backend)
+    flat = [t.to(torch.bfloat16).double().reshape(80, *t.shape[2:]) for t in (q, k, v)]
+    cu = docs(40, 40)
+    doc, pos = token_meta(cu, None)
+    ref_out, ref_lse = oracle(*flat, doc, doc, pos, pos, True, 32 ** -0.5, 6, s.double())
+    assert rel_err(out.reshape(80, 4, 16), ref_out) < 1e-2
+    assert rel_err(lse.transpose(0, 1).reshape(4, 80), ref_lse) < 1e-2
+
+
+# -- the ring pieces: steps without sinks, merged, the sink applied once ---------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ring_decomposition_with_sinks_and_window(poisoned, backend):
+    """Keys split in two (as two ring steps), each step's forward without sinks, merge_attn_states,
+    then apply_sinks once; backward: every step with the final lse / delta, sink_grad once. Equals
+    the oracle over all keys, gradients of q, k, v and sinks included."""
+    device = triton_device() if backend == "triton" else torch.device("cpu")
+    total, cut, window = 40, 17, 9
+    q, k, v, s = make_inputs(21, total, total, 4, 2, 24, 16)
+    pos = torch.arange(total, dtype=torch.int32)
+    cu = docs(total)
+    qd, kd, vd, sd = (t.float().to(device) for t in (q, k, v, s))
+    parts = [(0, cut), (cut, total)]
+    mask = dict(causal=True, window=window, backend=backend, q_positions=pos.to(device))
+    merged = None
+    for a, b in parts:
+        step = flash_attn_forward(qd, kd[a:b], vd[a:b], cu_seqlens_q=cu.to(device),
+                                  cu_seqlens_k=docs(b - a).to(device), k_positions=pos[a:b].to(device), **mask)
+        merged = step if merged is None else merge_attn_states(*merged, *step)
+    out, lse = apply_sinks(*merged, sd)
+
+    gen = torch.Generator().manual_seed(4)
+    dout = torch.randn(out.shape, generator=gen, dtype=F64)
+    delta = flash_attn_bwd_preprocess(out, dout.float().to(device), backend=backend)
+    dq = torch.zeros(qd.shape, device=device)
+    dk, dv = torch.zeros(kd.shape, device=device), torch.zeros(vd.shape, device=device)
+    for a, b in parts:
+        flash_attn_backward(dout.float().to(device), qd, kd[a:b], vd[a:b], out, lse, delta,
+                            cu_seqlens_q=cu.to(device), cu_seqlens_k=docs(b - a).to(device),
+                            k_positions=pos[a:b].to(device), dq_accum=dq, dk_accum=dk[a:b], dv_accum=dv[a:b],
+                            **mask)
+    dsinks = sink_grad(lse, delta, sd)
+
+    leaves = [t.float().double().requires_grad_() for t in (q, k, v, s)]
+    doc, p = token_meta(cu, None)
+    ref_out, ref_lse = oracle(*leaves[:3], doc, doc, p, p, True, 24 ** -0.5, window, leaves[3])
+    ref_grads = torch.autograd.grad((ref_out * dout).sum(), leaves)
+    assert rel_err(out, ref_out) < 1e-5 and rel_err(lse, ref_lse) < 1e-5
+    for name, g, ref in zip(["q", "k", "v", "sinks"], (dq, dk, dv, dsinks), ref_grads):
+        assert rel_err(g, ref) < 1e-5, f"d{name}"
+    # The one-call low-level backward with sinks gives the same dsinks as its 4th result.
+    full = flash_attn_backward(dout.float().to(device), qd, kd, vd, out, lse, delta, cu_seqlens=cu.to(device),
+                               k_positions=pos.to(device), sinks=sd, **mask)
+    assert len(full) == 4 and rel_err(full[3], ref_grads[3]) < 1e-5
+
+
+def test_apply_sinks_on_empty_rows():
+    """lse = -inf (no key anywhere) plus a sink: out 0, lse = sink, finite gradients."""
+    out = torch.zeros(3, 2, 4, dtype=F64)
+    lse = torch.full((2, 3), float("-inf"), dtype=F64).requires_grad_()
+    s = torch.tensor([0.5, -1.0], dtype=F64, requires_grad=True)
+    new_out, new_lse = apply_sinks(out, lse, s)
+    assert torch.all(new_out == 0) and torch.equal(new_lse, s.detach()[:, None].expand(2, 3))
+    (gl, gs) = torch.autograd.grad(new_lse.sum(), (lse, s))
+    assert torch.isfinite(gl).all() and torch.equal(gs, torch.full((2,), 3.0, dtype=F64))
+
+
+# -- second oracle: transformers' gpt-oss eager attention ---------------------------------------
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_against_transformers_gpt_oss_eager(window):
+    """transformers' GptOss eager_attention_forward (sinks column, max-subtracted softmax) with the
+    mask built from transformers' masking_utils causal / sliding-window mask functions."""
+    pytest.importorskip("transformers")
+    from types import SimpleNamespace
+
+    from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    gen = torch.Generator().manual_seed(17)
+    b, s_len, hq, hk, d = 2, 13, 4, 2, 16
+    q, k, v = (torch.randn(b, h, s_len, d, generator=gen, dtype=F64) for h in (hq, hk, hk))
+    sinks = torch.randn(hq, generator=gen, dtype=F64)
+    fn = causal_mask_function if window is None else sliding_window_causal_mask_function(window)
+    idx = torch.arange(s_len)
+    allowed = fn(torch.tensor(0), torch.tensor(0), idx[:, None], idx[None, :]).expand(s_len, s_len)
+    additive = torch.zeros(s_len, s_len, dtype=F64).masked_fill(~allowed, float("-inf"))
+    module = SimpleNamespace(num_key_value_groups=hq // hk, sinks=sinks, training=False)
+    ref, _ = eager_attention_forward(module, q, k, v, additive[None, None], scaling=d ** -0.5)
+    ours = flash_attn(*(t.transpose(1, 2) for t in (q, k, v)), causal=True, window=window, sinks=sinks,
+                      backend="reference")
+    assert rel_err(ours, ref) < 1e-12
+
+
+# -- argument checks and defaults --------------------------------------------------------------
+
+
+def test_argument_errors():
+    q, k, v, s = make_inputs(0, 8, 8, 2, 1, 16, 8)
+    cu = docs(8)
+    with pytest.raises(ValueError, match="needs causal=True"):
+        flash_attn(q, k, v, cu_seqlens=cu, window=4)
+    with pytest.raises(ValueError, match="window must be an int >= 1"):
+        flash_attn(q, k, v, causal=True, cu_seqlens=cu, window=0)
+    with pytest.raises(ValueError, match="sinks must be a float tensor"):
+        flash_attn(q, k, v, causal=True, cu_seqlens=cu, sinks=torch.zeros(3, dtype=F64))
+    with pytest.raises(ValueError, match="k and v must match"):
+        flash_attn(q, k, v[:4], causal=True, cu_seqlens=cu)
+
+
+def test_fake_tensor_shapes_with_head_dim_v():
+    """The custom op's fake implementation gives v's head dim to out (torch.compile traces through it)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q, k = torch.empty(2, 8, 4, 24), torch.empty(2, 8, 2, 24)
+        v = torch.empty(2, 8, 2, 16)
+        out, lse = flash_attn_with_lse(q, k, v, causal=True, window=3, sinks=torch.empty(4))
+    assert tuple(out.shape) == (2, 8, 4, 16) and tuple(lse.shape) == (2, 4, 8)
+
+
+# -- tile audit: a windowed attention costs about S·W, not S² ------------------------------------
+
+
+def band_tiles(q_pos, k_pos, window, block_q, block_k) -> int:
+    """(query block, key block) tiles holding at least one visible pair p - W < k <= p (exact, dense)."""
+    allowed = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)
+    nq, nk = -(-q_pos.numel() // block_q), -(-k_pos.numel() // block_k)
+    padded = torch.zeros(nq * block_q, nk * block_k, dtype=torch.bool)
+    padded[: q_pos.numel(), : k_pos.numel()] = allowed
+    return int(padded.view(nq, block_q, nk, block_k).any(3).any(1).sum())
+
+
+def _one_config(monkeypatch, kernel, **blocks):
+    """Run an autotuned kernel with exactly one block shape (the audit states its block size)."""
+    import triton
+
+    monkeypatch.setattr(kernel, "configs", [triton.Config(blocks, num_warps=4, num_stages=1)])
+
+
+@pytest.mark.parametrize("seq, block_m, block_n", [(4096, 128, 64), (1024, 32, 16)])
+def test_window_tile_audit(monkeypatch, seq, block_m, block_n):
+    """W = 128, causal, one document: the kernels' own tile counters (common.count_tiles,
+    incremented inside the kernels per computed tile) against the tiles that meet the window band.
+    S = 4096 at 128x64 blocks (the GPU's forward shape), and S = 1024 at the interpreter's 32x16
+    (S = 4096 at 32x16 passed the same bounds once but takes 2 minutes under the interpreter).
+    Forward and dQ: BLOCK_M x BLOCK_N = block_m x block_n; the dK/dV kernel owns block_m keys and
+    loops over block_n query rows. Measured: every count equals the band exactly (ratio 1.00;
+    bound 1.1): S = 4096 at 128x64, 126 tiles (a full causal attention: 1056); S = 1024 at 32x16,
+    300 tiles (causal: 1056)."""
+    from xorl_kernels.attention import bwd_triton, fwd_triton
+
+    device = triton_device()
+    window, heads = 128, 1
+    _one_config(monkeypatch, fwd_triton._flash_attn_fwd_kernel, BLOCK_M=block_m, BLOCK_N=block_n)
+    _one_config(monkeypatch, bwd_triton._flash_attn_bwd_dq_kernel, BLOCK_M=block_m, BLOCK_N=block_n)
+    _one_config(monkeypatch, bwd_triton._flash_attn_bwd_dkdv_kernel, BLOCK_N=block_m, BLOCK_M=block_n)
+    gen = torch.Generator().manual_seed(9)
+    q, k, v, do = (torch.randn(1, seq, heads, 16, generator=gen).to(device) for _ in range(4))
+    with common.count_tiles(device) as tiles:
+        out, lse = flash_attn_forward(q, k, v, causal=True, window=window, backend="triton")
+        delta = flash_attn_bwd_preprocess(out, do, backend="triton")
+        flash_attn_backward(do, q, k, v, out, lse, delta, causal=True, window=window, backend="triton")
+    fwd, dkdv, dq = tiles.tolist()
+    pos = torch.arange(seq)
+    band = heads * band_tiles(pos, pos, window, block_m, block_n)
+    band_kv = heads * band_tiles(pos, pos, window, block_n, block_m)  # dK/dV tiles: block_n query rows
+    assert band <= fwd <= 1.1 * band, (fwd, band)
+    assert band <= dq <= 1.1 * band, (dq, band)
+    assert band_kv <= dkdv <= 1.1 * band_kv, (dkdv, band_kv)
+    print(f"S={seq} W={window} blocks {block_m}x{block_n}: fwd {fwd} dq {dq} dkdv {dkdv} tiles; band {band} "
+          f"(dkdv {band_kv}); full causal {heads * band_tiles(pos, pos, seq, block_m, block_n)}")
+
+
+def test_window_tile_audit_zigzag_positions():
+    """The bounds come from positions: a zig-zag shard (rank 1 of 4: chunks 1 and 6 of one document
+    of 1024) against every key of the document, W = 40, also visits only band tiles."""
+    device = triton_device()
+    seq, world, rank, window = 1024, 4, 1, 40
+    chunk = seq // (2 * world)
+    q_pos = torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in (rank, 2 * world - 1 - rank)])
+    k_pos = torch.arange(seq)
+    gen = torch.Generator().manual_seed(10)
+    q = torch.randn(q_pos.numel(), 1, 16, generator=gen)
+    k, v = (torch.randn(seq, 1, 16, generator=gen) for _ in range(2))
+    cu_q, cu_k = docs(q_pos.numel()), docs(seq)
+    args = [t.to(device) for t in (q, k, v)]
+    kw = dict(causal=True, window=window, cu_seqlens_q=cu_q.to(device), cu_seqlens_k=cu_k.to(device),
+              q_positions=q_pos.int().to(device), k_positions=k_pos.int().to(device), backend="triton")
+    with common.count_tiles(device) as tiles:
+        out, lse = flash_attn_forward(*args, **kw)
+    band = band_tiles(q_pos, k_pos, window, 32, 16) if device.type == "cpu" else None
+    if band is not None:  # the interpreter's one 32x16 config; on a GPU the tuned shape is not known here
+        assert band <= int(tiles[0]) <= 1.1 * band, (int(tiles[0]), band)
+    ref_out, _ = oracle(q.double(), k.double(), v.double(), torch.zeros(q_pos.numel()), torch.zeros(seq), q_pos,
+                        k_pos, True, 0.25, window)
+    assert rel_err(out, ref_out) < 1e-5
+
+
+# -- compiled and autotuned on a GPU (skipped on CPU) ---------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("d_qk, d_v, hq, hk, window, with_sinks", [
+    (192, 128, 8, 8, None, False),  # DeepSeek-V3 MLA (q·k in two chunks)
+    (64, 64, 8, 1, 128, True),  # gpt-oss sliding layer: GQA, W = 128, sinks
+    (128, 128, 8, 2, 700, False),  # a window longer than one document, shorter than another
+])
+def test_gpu_features(poisoned, dtype, d_qk, d_v, hq, hk, window, with_sinks):
+    """Packed uneven documents (1024, 384, 640), causal, gradients of q, k, v (and sinks)."""
+    cu = docs(1024, 384, 640)
+    q, k, v, s = make_inputs(13, 2048, 2048, hq, hk, d_qk, d_v, sinks=with_sinks)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    check_case("triton", dtype, q, k, v, s, cu, cu, True, window=window, tol=tol)
+
+
+def test_window_needs_ascending_positions():
+    """Windows find their bounds by searching positions: a drop inside a document is refused (CPU
+    check); a drop at a document boundary is fine."""
+    q, k, v, _ = make_inputs(0, 8, 8, 2, 1, 16, 16, sinks=False)
+    cu = docs(4, 4)
+    good = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3], dtype=torch.int32)
+    flash_attn(q, k, v, causal=True, cu_seqlens=cu, window=2, q_positions=good, k_positions=good)
+    bad = torch.tensor([0, 2, 1, 3, 0, 1, 2, 3], dtype=torch.int32)
+    with pytest.raises(ValueError, match="non-decreasing inside each document"):
+        flash_attn(q, k, v, causal=True, cu_seqlens=cu, window=2, q_positions=good, k_positions=bad)
+    flash_attn(q, k, v, causal=True, cu_seqlens=cu, q_positions=good, k_positions=bad)  # no window: any positions
+
+
+@triton.jit
+def _search_kernel(POS, THR, OUT, start, length, SCAN: tl.constexpr):
+    i = tl.program_id(0)
+    tl.store(OUT + i, sorted_count_at_most(POS, start, length, tl.load(THR + i), SCAN))
+
+
+def test_sorted_count_at_most_matches_searchsorted():
+    """The windowed kernels' bound search (bounds.sorted_count_at_most, a SCAN-ary search) against
+    torch.searchsorted on non-decreasing positions with repeats, thresholds below, inside and above
+    the range, lengths from 0 to several SCAN-fold narrowings, at an offset into the tensor."""
+    device = triton_device()
+    gen = torch.Generator().manual_seed(23)
+    for length in (0, 1, 5, 64, 65, 700, 5000):
+        pos = torch.randint(0, 4, (length + 7,), generator=gen).cumsum(0).int()  # repeats: steps of 0
+        pos = torch.cat([torch.tensor([99999], dtype=torch.int32), pos])  # start = 1: the offset is honoured
+        seg = pos[1 : 1 + length]
+        thr = torch.randint(-3, int(seg[-1]) + 4 if length else 3, (40,), generator=gen).int()
+        thr = torch.cat([thr, seg[:3], torch.tensor([-(2**30), 2**30], dtype=torch.int32)])
+        out = torch.full(thr.shape, -1, dtype=torch.int32)
+        pos_d, thr_d, out_d = (t.to(device) for t in (pos, thr, out))
+        for scan in (16, 64):
+            _search_kernel[(thr.numel(),)](pos_d, thr_d, out_d, 1, length, SCAN=scan)
+            expected = torch.searchsorted(seg.long(), thr.long(), right=True)
+            assert torch.equal(out_d.cpu().long(), expected), (length, scan)
+
+
+def test_compile_fullgraph_with_sinks_window_and_head_dim_v():
+    """torch.compile (aot_eager, fullgraph) traces the custom op with the new arguments and gives the
+    eager gradients, sinks included (the fake and the backward's fake carry d_v and dsinks)."""
+    gen = torch.Generator().manual_seed(31)
+    q, k = torch.randn(2, 16, 4, 24, generator=gen), torch.randn(2, 16, 2, 24, generator=gen)
+    v, s = torch.randn(2, 16, 2, 16, generator=gen), torch.randn(4, generator=gen)
+    leaves = [t.requires_grad_() for t in (q, k, v, s)]
+
+    def loss(q, k, v, s):
+        return flash_attn(q, k, v, causal=True, window=5, sinks=s).square().sum()
+
+    eager = torch.autograd.grad(loss(*leaves), leaves)
+    compiled = torch.autograd.grad(torch.compile(loss, backend="aot_eager", fullgraph=True)(*leaves), leaves)
+    for a, b in zip(eager, compiled):
+        assert rel_err(b, a) < 1e-6
