@@ -45,6 +45,12 @@ def test_the_moe_reference_block_does_break_the_graph():
 
 
 def test_kernel_custom_ops_pass_opcheck():
+    # The ops register when their modules are imported: import them here, so the test does not depend
+    # on which test file ran before it in this process (alone it failed on a missing op).
+    import xorl_kernels.attention.op  # noqa: F401
+    import xorl_kernels.grouped_gemm.op  # noqa: F401
+    import xorl_kernels.moe_permute.op  # noqa: F401
+
     ops = torch.ops.xorl
     gen = torch.Generator().manual_seed(0)
 
@@ -52,13 +58,20 @@ def test_kernel_custom_ops_pass_opcheck():
         return torch.randn(*shape, generator=gen).requires_grad_()
 
     q, k, v = rand(2, 8, 4, 16), rand(2, 8, 2, 16), rand(2, 8, 2, 16)
-    torch.library.opcheck(ops.flash_attn.default, (q, k, v, None, None, None, None, True, None, None, None, None))
+    # (q, k, v, cu_q, cu_k, q_pos, k_pos, sinks, causal, scale, max_q, max_k, window, backend)
+    torch.library.opcheck(ops.flash_attn.default, (q, k, v, None, None, None, None, None, True, None, None, None,
+                                                   None, None))
     cu = torch.tensor([0, 5, 16], dtype=torch.int32)
     qp, kp, vp = rand(1, 16, 4, 16), rand(1, 16, 2, 16), rand(1, 16, 2, 16)
     pos = torch.cat([torch.arange(5), torch.arange(11)])
-    torch.library.opcheck(ops.flash_attn.default, (qp, kp, vp, cu, cu, pos, pos, True, 0.3, 11, 11, None))
-    torch.library.opcheck(ops.flash_attn.default, (qp[0], kp[0], vp[0], cu, cu, None, None, False, None, None, None,
-                                                   "reference"))
+    torch.library.opcheck(ops.flash_attn.default, (qp, kp, vp, cu, cu, pos, pos, None, True, 0.3, 11, 11, None,
+                                                   None))
+    torch.library.opcheck(ops.flash_attn.default, (qp[0], kp[0], vp[0], cu, cu, None, None, None, False, None, None,
+                                                   None, None, "reference"))
+    # Sinks, a sliding window and a narrower v (gpt-oss / MLA): the op's schema and fake agree too.
+    sinks, vn = rand(4), rand(1, 16, 2, 8)
+    torch.library.opcheck(ops.flash_attn.default, (qp, kp, vn, cu, cu, pos, pos, sinks, True, None, 11, 11, 3,
+                                                   None))
     sizes = torch.tensor([3, 0, 4])
     torch.library.opcheck(ops.grouped_gemm.default, (rand(7, 5), rand(3, 5, 6), sizes, None))
     x, ids = rand(7, 6), torch.rand(7, 5, generator=gen).argsort(1)[:, :2]

@@ -81,9 +81,16 @@ class TrainConfig(ParallelFields):
     """The parallel fields (see xorl/distributed/parallel_config.py) come first, then optimisation."""
 
     lr: float = 1e-3  # peak learning rate (AdamW), reached after warmup_steps
-    min_lr_ratio: float = 0.1  # the cosine decay ends at min_lr_ratio x lr at max_steps
+    # After the warmup: cosine or linear decay to min_lr_ratio x lr at max_steps, constant (no decay), or
+    # wsd (warmup-stable-decay: constant, then a 1-sqrt decay over the last decay_fraction of the steps).
+    lr_schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
+    min_lr_ratio: float = 0.1  # the decay (cosine, linear, wsd) ends at min_lr_ratio x lr at max_steps
+    decay_fraction: float = 0.2  # lr_schedule wsd: the fraction of max_steps, at the end, that decays
     warmup_steps: int = 10  # linear warmup steps (at most max_steps: a longer warmup is cut to max_steps)
-    max_steps: int = 100  # optimizer steps of the whole run (the schedule's length)
+    max_steps: int = 100  # optimizer steps of the whole run (the schedule's length); see num_epochs
+    # Instead of max_steps: passes over the data (may be fractional). The data is packed and counted
+    # before start-up, and max_steps = ceil(num_epochs x packed sequences / global batch); not for streaming.
+    num_epochs: float | None = None
     weight_decay: float = 0.1  # AdamW decoupled weight decay (not on norms and biases)
     adam_betas: tuple[float, float] = (0.9, 0.95)  # AdamW (beta1, beta2)
     adam_eps: float = 1e-8  # AdamW epsilon
@@ -118,6 +125,20 @@ class TrainConfig(ParallelFields):
     # Evaluate the eval data (data.eval_dataset / eval_fraction) every eval_steps steps and at the end (0: never)
     eval_steps: int = 0
     eval_batches: int = 0  # global batches per evaluation (0: the whole eval set)
+    # Weights & Biases (pip install -e .[logging]): rank 0 logs every step's metrics to this project;
+    # its files go to output_dir/wandb. null: no W&B.
+    wandb_project: str | None = None
+    wandb_run_name: str | None = None  # the W&B run's name (null: output_dir's folder name)
+    # offline: write the W&B run to output_dir/wandb only (`wandb sync` uploads it later); null: the
+    # WANDB_MODE environment variable decides (online when unset).
+    wandb_mode: Literal["online", "offline"] | None = None
+    tensorboard: bool = False  # rank 0 writes every step's metrics to output_dir/tensorboard (the logging extra)
+    # [start, end]: torch.profiler records steps start..end (1-based, as on the console) on every rank and
+    # writes a Chrome trace per rank to output_dir/profile/rank{r}/; []: no profiling.
+    profile_steps: list[int] = field(default_factory=list)
+    # A CUDA memory snapshot (allocations since training started, with stacks) after this step (1-based), per
+    # rank in output_dir/memory_snapshot/ (open it at pytorch.org/memory_viz); GPU-only; null: none.
+    memory_snapshot_step: int | None = None
     export_hf: bool = False  # write output_dir/hf (a Hugging Face folder) at the end
     # Every collective fails after this long (a stalled or dead rank ends the job, not hangs it).
     collective_timeout_s: float = 600.0

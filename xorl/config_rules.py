@@ -44,6 +44,7 @@ def validate_config(config: Any, world_size: int) -> None:
     problems += _export_problems(config.model, config.train)
     problems += _compile_problems(config.train, config.model)
     problems += _fp8_problems(config.train, config.model)
+    problems += _training_loop_problems(config.train, config.data)
     if not problems:
         from xorl.model_path import model_path_conflicts
 
@@ -587,6 +588,50 @@ def _fp8_problems(t: Any, m: Any) -> list[str]:
             "and a Triton kernel that are not registered as torch custom ops, so a compiled block would break "
             "its graph (and fullgraph is on); set compile: false, or fp8: none"
         )
+    return problems
+
+
+# -- schedule, length, logs, profiling ------------------------------------------------------
+def _training_loop_problems(t: Any, d: Any) -> list[str]:
+    """lr_schedule and its knobs, num_epochs, the W&B / TensorBoard sinks and the profiler.
+
+    A knob the chosen schedule does not use is refused when it differs from its default (never
+    silently ignored); the default itself passes, so the run folder's config.yaml loads back."""
+    from xorl.log_sinks import missing_logging_packages
+
+    problems, default = [], type(t)()  # TrainConfig's defaults (xorl.config imports this module)
+    if t.lr_schedule == "constant" and t.min_lr_ratio != default.min_lr_ratio:
+        problems.append(f"train.min_lr_ratio={t.min_lr_ratio} has no effect with lr_schedule: constant (no decay); "
+                        "remove it, or choose lr_schedule: cosine, linear or wsd")
+    if not (math.isfinite(t.decay_fraction) and 0 < t.decay_fraction <= 1):
+        problems.append(f"train.decay_fraction={t.decay_fraction} must be in (0, 1] (the fraction of max_steps, "
+                        "at the end, that lr_schedule: wsd decays over)")
+    elif t.lr_schedule != "wsd" and t.decay_fraction != default.decay_fraction:
+        problems.append(f"train.decay_fraction={t.decay_fraction} applies to lr_schedule: wsd, not "
+                        f"{t.lr_schedule}; set lr_schedule: wsd or remove decay_fraction")
+    if t.num_epochs is not None:
+        if not (math.isfinite(t.num_epochs) and t.num_epochs > 0):
+            problems.append(f"train.num_epochs={t.num_epochs} must be a number > 0 (passes over the data)")
+        if d.streaming:
+            problems.append("train.num_epochs needs the data's length, and data.streaming reads the files as "
+                            "training goes without counting them first; set train.max_steps instead, or "
+                            "data.streaming: false")
+    for name in ("wandb_run_name", "wandb_mode"):
+        if getattr(t, name) is not None and t.wandb_project is None:
+            problems.append(f"train.{name}={getattr(t, name)!r} has no effect without train.wandb_project; set "
+                            f"wandb_project (the W&B project to log to) or remove {name}")
+    problems += missing_logging_packages(t)
+    steps = t.profile_steps
+    if steps and (len(steps) != 2 or not 1 <= steps[0] <= steps[1]):
+        problems.append(f"train.profile_steps={steps} must be [start, end] with 1 <= start <= end (1-based steps, "
+                        "as on the console), or [] for no profiling")
+    elif steps and t.num_epochs is None and steps[1] > t.max_steps:
+        problems.append(f"train.profile_steps={steps} ends after train.max_steps={t.max_steps}; end at "
+                        f"{t.max_steps} or earlier")
+    snapshot = t.memory_snapshot_step
+    if snapshot is not None and (snapshot < 1 or (t.num_epochs is None and snapshot > t.max_steps)):
+        problems.append(f"train.memory_snapshot_step={snapshot} must be a step from 1 to train.max_steps"
+                        f"{'' if t.num_epochs is not None else f'={t.max_steps}'} (1-based, as on the console)")
     return problems
 
 

@@ -1,9 +1,10 @@
-"""Run logging: a progress bar on terminals, plain lines elsewhere, a JSONL metrics file,
-TensorBoard when installed.
+"""Run logging: a progress bar on terminals, plain lines elsewhere, a JSONL metrics file, and the
+sinks the config asks for (TensorBoard, Weights & Biases: xorl/log_sinks.py).
 
 metrics.jsonl holds each step once across resumes: a run resumed at step N first drops the rows
 of steps >= N (logged after the checkpoint by the run that stopped), and ``time`` is training
-time accumulated over every start (the checkpoint carries it).
+time accumulated over every start (the checkpoint carries it). Every row goes to every sink with
+all its keys, so a metric added by any caller (eval loss, ...) reaches TensorBoard and W&B too.
 """
 
 from __future__ import annotations
@@ -26,12 +27,12 @@ class MetricsLogger:
     """
 
     def __init__(self, output_dir: str, total_steps: int, start_step: int = 0, enabled: bool = True,
-                 time_offset: float = 0.0):
+                 time_offset: float = 0.0, sinks: list | None = None):
         self.enabled = enabled
         self.path = os.path.join(output_dir, METRICS_NAME)
         self.total_steps = total_steps
         self._file = None
-        self._tb = None
+        self._sinks = list(sinks or [])  # each has log(step, metrics) and close() (xorl/log_sinks.py)
         self._bar = None
         self._t_start = time.time() - time_offset
         if not enabled:
@@ -41,13 +42,6 @@ class MetricsLogger:
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
         self._bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True,
                          disable=None)  # None: off when stderr is not a terminal (CI logs)
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-
-            # purge_step drops events the stopped run logged after the checkpoint.
-            self._tb = SummaryWriter(os.path.join(output_dir, "tensorboard"), purge_step=start_step or None)
-        except Exception:  # noqa: BLE001 - TensorBoard is optional
-            self._tb = None
 
     @property
     def plain_lines(self) -> bool:
@@ -55,24 +49,23 @@ class MetricsLogger:
         return self._bar is None or self._bar.disable
 
     def log(self, step: int, metrics: dict[str, float], elapsed_s: float | None = None, show: bool = True) -> None:
-        """One row of metrics.jsonl (and TensorBoard) for ``step``; a console line too when ``show``."""
+        """One row of metrics.jsonl (and of each sink) for ``step``; a console line too when ``show``."""
         if not self.enabled:
             return
         elapsed = time.time() - self._t_start if elapsed_s is None else elapsed_s
         row = {"step": step, "time": round(elapsed, 3), **metrics}
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
-        if self._tb is not None:
-            for key, value in metrics.items():
-                self._tb.add_scalar(key, value, step)
+        for sink in self._sinks:
+            sink.log(step, metrics)
         if not show:
             return
         if self.plain_lines:
             print(format_step_line(step, self.total_steps, row), flush=True)
         else:
             self._bar.update(step + 1 - self._bar.n)
-            self._bar.set_postfix(loss=f"{metrics.get('loss', float('nan')):.4f}",
-                                  lr=f"{metrics.get('lr', 0.0):.2e}")
+            # The bar's postfix: the console line's figures, in its format (tokens/s, MFU and memory too).
+            self._bar.set_postfix_str(format_step_line(step, self.total_steps, row).split(" ", 2)[2])
 
     def note(self, text: str) -> None:
         """A line for the user (a checkpoint saved), beside the bar or among the plain lines."""
@@ -88,18 +81,26 @@ class MetricsLogger:
             self._file.close()
         if self._bar is not None:
             self._bar.close()
-        if self._tb is not None:
-            self._tb.close()
+        for sink in self._sinks:
+            sink.close()
+        self._sinks = []
+
+
+# The console line's keys, in order, with their format; a key the row lacks is left out, a null one
+# (MFU where the device's peak is unknown) shows as n/a. Other keys are in metrics.jsonl and the sinks.
+CONSOLE_KEYS = (("loss", ".4f"), ("eval_loss", ".4f"), ("eval_ppl", ".3g"), ("grad_norm", ".3f"), ("lr", ".2e"),
+                ("router_loss", ".4f"), ("epoch", "d"), ("data_seen", ".3f"), ("tokens_per_s", ".0f"), ("mfu", ".1%"),
+                ("peak_memory_gib", ".2f"))
 
 
 def format_step_line(step: int, total_steps: int, row: dict) -> str:
-    """``step 10/150 loss 2.3456 grad_norm 0.812 lr 1.00e-03 tokens/s 1234 time 12.3s`` (steps 1-based)."""
+    """``step 10/150 loss 2.3456 grad_norm 0.812 lr 1.00e-03 epoch 1 data_seen 0.270 tokens/s 1234 mfu 41.2%
+    peak_memory_gib 61.20 time 12.3s`` (steps 1-based)."""
     parts = [f"step {step + 1}/{total_steps}"]
-    for key, fmt in (("loss", ".4f"), ("eval_loss", ".4f"), ("eval_ppl", ".3g"), ("grad_norm", ".3f"), ("lr", ".2e"),
-                     ("router_loss", ".4f"),
-                     ("tokens_per_s", ".0f"), ("mfu", ".1%"), ("peak_memory_gib", ".1f")):
+    for key, fmt in CONSOLE_KEYS:
         if key in row:
-            parts.append(f"{key.replace('_per_s', '/s')} {row[key]:{fmt}}")
+            value = "n/a" if row[key] is None else f"{row[key]:{fmt}}"
+            parts.append(f"{key.replace('_per_s', '/s')} {value}")
     parts.append(f"time {row['time']:.1f}s")
     return " ".join(parts)
 

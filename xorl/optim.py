@@ -1,4 +1,8 @@
-"""AdamW with linear warmup then cosine decay to ``min_lr_ratio × lr``."""
+"""AdamW and its learning-rate schedule: linear warmup, then cosine, linear, constant or WSD.
+
+The schedule is a function of the optimizer step alone (``lr_factor``), run by torch's LambdaLR, so a
+resumed run only sets the step (``set_schedule_step``) and every layout follows the same curve.
+"""
 
 from __future__ import annotations
 
@@ -7,17 +11,48 @@ import math
 import torch
 from torch.distributed.tensor import DTensor
 
+LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
 
-def lr_factor(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
-    """Multiplier of the peak lr at optimizer step ``step`` (0-based). A warmup longer than the run is
-    cut to ``max_steps`` (the last step reaches the peak; prepare_run says so), so a smoke run with a
-    small ``--train.max_steps`` needs no ``--train.warmup_steps`` as well."""
+
+def lr_factor(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float, schedule: str = "cosine",
+              decay_fraction: float = 0.2) -> float:
+    """Multiplier of the peak lr at optimizer step ``step`` (0-based).
+
+    Warmup: ``(step + 1) / warmup_steps`` for the first warmup_steps steps. A warmup longer than the
+    run is cut to ``max_steps`` (the last step reaches the peak; prepare_run says so), so a smoke run
+    with a small ``--train.max_steps`` needs no ``--train.warmup_steps`` as well. Then, with
+    ``progress`` going from 0 at the first step after warmup (or of the decay, for wsd) towards 1 at
+    ``max_steps`` (the step after the last, as torch's and Megatron's schedules count):
+
+    - cosine: ``min + (1 - min) * (1 + cos(pi * progress)) / 2``;
+    - linear: ``min + (1 - min) * (1 - progress)``;
+    - constant: 1 (no decay; min_lr_ratio is not used);
+    - wsd (warmup-stable-decay): 1 until the last ``round(decay_fraction * max_steps)`` steps (at least
+      one, never into the warmup), then ``min + (1 - min) * (1 - sqrt(progress))`` over them: the
+      "1-sqrt" cooldown, which Hägele et al. 2024 (arXiv:2405.18392) found to match cosine at the
+      same length better than a linear one.
+    """
     warmup_steps = min(warmup_steps, max_steps)
     if warmup_steps > 0 and step < warmup_steps:
         return (step + 1) / warmup_steps
-    decay_steps = max(1, max_steps - warmup_steps)
-    progress = min(1.0, (step - warmup_steps) / decay_steps)
-    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    if schedule == "constant":
+        return 1.0
+    decay_start = warmup_steps
+    if schedule == "wsd":
+        decay_steps = max(1, round(decay_fraction * max_steps))
+        decay_start = max(warmup_steps, max_steps - decay_steps)
+        if step < decay_start:
+            return 1.0
+    progress = min(1.0, (step - decay_start) / max(1, max_steps - decay_start))
+    if schedule == "cosine":
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    elif schedule == "linear":
+        shape = 1.0 - progress
+    elif schedule == "wsd":
+        shape = 1.0 - math.sqrt(progress)
+    else:
+        raise ValueError(f"unknown lr schedule {schedule!r}; one of {LR_SCHEDULES}")
+    return min_lr_ratio + (1.0 - min_lr_ratio) * shape
 
 
 def _mesh_key(p: torch.Tensor):
@@ -64,7 +99,8 @@ def build_optimizer(params, train_config) -> tuple[torch.optim.Optimizer, torch.
     )
     tc = train_config
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, tc.warmup_steps, tc.max_steps, tc.min_lr_ratio)
+        optimizer, lambda step: lr_factor(step, tc.warmup_steps, tc.max_steps, tc.min_lr_ratio, tc.lr_schedule,
+                                          tc.decay_fraction)
     )
     return optimizer, scheduler
 

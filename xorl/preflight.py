@@ -13,7 +13,8 @@ all ranks reach the same verdict. Problems are collected and raised together as 
   checkpoint starts from step 0 and says so; a finished run says there is nothing to train.
 
 No torch import for the rules: a bad config is refused in a second, before torch loads (only a
-valid config with a model_path loads torch, to build the model on the meta device).
+valid config with a model_path loads torch, to build the model on the meta device; with num_epochs,
+to pack the data and count it, xorl/epochs.py; with memory_snapshot_step, to see whether there is a GPU).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from xorl import run_dir, run_lock
 from xorl.config_error import ConfigError
 from xorl.config_rules import validate_config
 from xorl.distributed.parallel_config import ParallelConfig
+from xorl.epochs import load_counted_dataset, resolve_num_epochs
 from xorl.resume import check_resume
 
 
@@ -46,6 +48,8 @@ class RunPlan:
     finished: bool = False  # the checkpoint is at max_steps: nothing to train
     discard_later: bool = False  # rank 0 moves the checkpoints after ``resume`` aside (train.discard_later)
     notes: list[str] = field(default_factory=list)  # what the user should know; rank 0 prints them
+    # train.num_epochs: the packed data, counted here to derive max_steps; the trainer trains on it (read once).
+    dataset: Any = None
 
 
 def prepare_run(config: Any, world_size: int) -> RunPlan:
@@ -62,13 +66,24 @@ def prepare_run(config: Any, world_size: int) -> RunPlan:
     busy = run_lock.holder(config.train.output_dir) if os.environ.get("RANK", "0") == "0" else None
     if busy:
         raise ConfigError(problems + [busy])
+    if config.train.num_epochs is not None and not problems:
+        try:
+            plan.dataset = load_counted_dataset(config)  # max_steps from the data's length (xorl/epochs.py)
+        except ConfigError as e:
+            problems += e.problems
+    try:
+        problems += _plan_run_dir(config, world_size, plan)  # derives max_steps when it resumes
+    except ConfigError as e:  # e.g. sizes that do not fit world_size, already listed above
+        problems += [p for p in e.problems if p not in problems]
+    if plan.dataset is not None and plan.resume is None and not problems:
+        problems += _resolve_epochs(config, world_size, plan)
     if config.train.warmup_steps > config.train.max_steps:  # xorl/optim.py's lr_factor cuts it
         plan.notes.append(f"train.warmup_steps={config.train.warmup_steps} is more than train.max_steps="
                           f"{config.train.max_steps}: warming up over {config.train.max_steps} steps")
-    try:
-        problems += _plan_run_dir(config, world_size, plan)
-    except ConfigError as e:  # e.g. sizes that do not fit world_size, already listed above
-        problems += [p for p in e.problems if p not in problems]
+    if config.train.memory_snapshot_step is not None and not problems:
+        from xorl.profiling import memory_snapshot_problems
+
+        problems += memory_snapshot_problems(config.train)
     if not problems:  # the weights' headers, once the model section itself is valid
         from xorl.model_path import model_path_weight_problems
 
@@ -144,6 +159,10 @@ def _plan_run_dir(config: Any, world_size: int, plan: RunPlan) -> list[str]:
         return e.problems
     except (KeyError, TypeError, ValueError) as e:
         return [f"checkpoint {checkpoint}: {run_dir.TRAINER_STATE_NAME} lacks or garbles {e}"]
+    if plan.dataset is not None:  # the steps the epochs still need, at this run's global batch
+        problems += _resolve_epochs(config, world_size, plan, step, consumed)
+        if problems:
+            return problems
     problems, notes, plan.apply_config_hparams = check_resume(config, stored, checkpoint, step)
     problems += layout_problems(config.model, state, checkpoint)
     plan.notes += notes
@@ -161,9 +180,17 @@ def _plan_run_dir(config: Any, world_size: int, plan: RunPlan) -> list[str]:
         plan.finished = True
         plan.notes.append(
             f"the run is finished: {checkpoint} is at step {step} and train.max_steps={t.max_steps}; nothing to "
-            "train. To train further, raise --train.max_steps (with --train.resume_hparams=config, since it "
-            "changes the schedule)"
+            f"train. To train further, raise --train.{'max_steps' if t.num_epochs is None else 'num_epochs'} "
+            "(with --train.resume_hparams=config, since it changes the schedule)"
         )
+    return []
+
+
+def _resolve_epochs(config: Any, world_size: int, plan: RunPlan, step: int = 0, consumed: int = 0) -> list[str]:
+    try:
+        plan.notes.append(resolve_num_epochs(config, plan.dataset, global_batch(config, world_size), step, consumed))
+    except ConfigError as e:
+        return e.problems
     return []
 
 

@@ -3,11 +3,12 @@
 Each checkpoint stores the config it was trained with (run_config.yaml). On resume every field is
 compared with the new config, in three kinds:
 
-- HPARAM_FIELDS (lr, min_lr_ratio, warmup_steps, max_steps, weight_decay, adam_betas, adam_eps):
-  the optimizer and schedule state carry or depend on them. A change is refused, listing each
-  field old -> new, unless ``train.resume_hparams`` says which wins: ``checkpoint`` keeps the
-  checkpoint's values (the config's are replaced before anything is built), ``config`` applies
-  the new ones to the loaded param groups and schedule (``apply_config_hparams``).
+- HPARAM_FIELDS (lr, lr_schedule, min_lr_ratio, decay_fraction, warmup_steps, max_steps, num_epochs,
+  weight_decay, adam_betas, adam_eps): the optimizer and schedule state carry or depend on them.
+  A change is refused, listing each field old -> new, unless ``train.resume_hparams`` says which
+  wins: ``checkpoint`` keeps the checkpoint's values (the config's are replaced before anything is
+  built), ``config`` applies the new ones to the loaded param groups and schedule
+  (``apply_config_hparams``).
 - Fields that cannot change: the model's architecture (the weights have its shapes and meaning)
   and the data order (dataset, text_key, tokenizer, seq_len, packing, data.seed, streaming, format,
   train_on, split, eval_fraction), because the data position is counted in packed sequences of
@@ -21,7 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
-HPARAM_FIELDS = ("lr", "min_lr_ratio", "warmup_steps", "max_steps", "weight_decay", "adam_betas", "adam_eps")
+HPARAM_FIELDS = ("lr", "lr_schedule", "min_lr_ratio", "decay_fraction", "warmup_steps", "max_steps", "num_epochs",
+                 "weight_decay", "adam_betas", "adam_eps")
 # Model fields a checkpoint does not depend on: kernels, where initial weights came from, loss knobs.
 FREE_MODEL_FIELDS = ("attn_implementation", "model_path", "initializer_range", "router_aux_loss_coef",
                      "router_z_loss_coef", "fused_loss")

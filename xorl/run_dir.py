@@ -3,7 +3,9 @@
     output_dir/
         config.yaml          the resolved config of the latest start (what this run trains with)
         metrics.jsonl        one row per logged step, each step once across resumes
-        tensorboard/, hf/    optional
+        tensorboard/, wandb/ train.tensorboard, train.wandb_project (xorl/log_sinks.py)
+        profile/, memory_snapshot/   train.profile_steps, train.memory_snapshot_step (xorl/profiling.py)
+        hf/                  train.export_hf
         checkpoints/latest, checkpoints/step_N/   (xorl/checkpoint.py)
             run_config.yaml      the config the checkpoint was trained with (checked on resume)
             trainer_state.json   step, sequences consumed, training time, global batch
@@ -35,10 +37,13 @@ TRAINER_STATE_NAME = "trainer_state.json"
 MANIFEST_NAME = "manifest.json"
 LOCK_NAME = ".lock"  # xorl/run_lock.py
 DISCARDED_DIR = "discarded"  # checkpoints moved aside by train.discard_later
+TENSORBOARD_DIR, WANDB_DIR = "tensorboard", "wandb"
+PROFILE_DIR, MEMORY_SNAPSHOT_DIR = "profile", "memory_snapshot"
 # Everything xorl may write into an output_dir; overwrite_output_dir removes only these.
 # What xorl writes into output_dir (export: hf, written as hf.partial, the previous one moved aside).
-XORL_ENTRIES = frozenset({CONFIG_NAME, METRICS_NAME, PLOT_NAME, CHECKPOINTS_DIR, "tensorboard", "hf", "hf.partial",
-                          "hf.old", "startup.json", "export.json"})
+XORL_ENTRIES = frozenset({CONFIG_NAME, METRICS_NAME, PLOT_NAME, CHECKPOINTS_DIR, TENSORBOARD_DIR, WANDB_DIR,
+                          PROFILE_DIR, MEMORY_SNAPSHOT_DIR, "hf", "hf.partial", "hf.old", "startup.json",
+                          "export.json"})
 
 
 def checkpoint_root(output_dir: str) -> str:

@@ -31,11 +31,13 @@ from xorl.data.tokenizer import build_tokenizer
 from xorl.distributed.init import init_distributed, world_size_from_env
 from xorl.distributed.parallel_config import ParallelConfig
 from xorl.distributed.parallel_state import init_parallel_state
+from xorl.epochs import epoch_metrics
 from xorl.evaluate import Evaluator
 from xorl.export import DEFAULT_MAX_SHARD_BYTES, export_checkpoint
 from xorl.grad_clip import clip_grad_norm_
+from xorl.log_sinks import open_sinks
 from xorl.loss import count_label_tokens, token_loss_sum
-from xorl.memory_report import current_host_bytes, report_startup, reset_peak_host_bytes
+from xorl.memory_report import current_host_bytes, peak_host_bytes, report_startup, reset_peak_host_bytes
 from xorl.metrics import MetricsLogger, startup_summary
 from xorl.mfu import mfu
 from xorl.models.registry import build_model
@@ -45,6 +47,7 @@ from xorl.optim import build_optimizer, set_schedule_step
 from xorl.parallelize import build_parallel_plan
 from xorl.preemption import PreemptionGuard
 from xorl.preflight import RunPlan, prepare_run
+from xorl.profiling import StepProfiler
 from xorl.resume import apply_config_hparams
 from xorl.watchdog import Heartbeat
 
@@ -129,7 +132,9 @@ class Trainer:
                                          config.train.gradient_accumulation_steps, self.state.dp_rank,
                                          self.state.dp_size, vocab_size=config.model.vocab_size)
         else:
-            dataset = PackedDataset(config.data, vocab_size=config.model.vocab_size)
+            dataset = self.plan.dataset  # packed by prepare_run when it counted the data (train.num_epochs)
+            if dataset is None:
+                dataset = PackedDataset(config.data, vocab_size=config.model.vocab_size)
             self.tokenizer = dataset.tokenizer
             self.loader = MicrobatchLoader(
                 dataset, config.data.micro_batch_size, config.train.gradient_accumulation_steps,
@@ -352,14 +357,17 @@ class Trainer:
         train = self.config.train
         run_lock.hold(train.output_dir, self.device)  # again: an earlier train() of this Trainer gave it back
         last = train.max_steps if stop_at is None else min(stop_at, train.max_steps)
+        sinks = open_sinks(train, self.config.to_dict(), self.step) if self.rank == 0 else []
         logger = MetricsLogger(train.output_dir, train.max_steps, self.step, enabled=self.rank == 0,
-                               time_offset=self.elapsed_offset_s)
+                               time_offset=self.elapsed_offset_s, sinks=sinks)
         heartbeat = Heartbeat(train.heartbeat_s, train.collective_timeout_s, enabled=self.rank == 0)
         preemption = PreemptionGuard(train.preempt_signals, train.preempt_grace_s, self.device)
+        profiler = StepProfiler(train, self.rank, self.device, self.step)  # train.profile_steps, memory_snapshot_step
         results = []
         self._clock = time.perf_counter()
         try:
             while self.step < last:
+                profiler.before_step(self.step + 1)  # outside the step's time
                 t0 = time.perf_counter()
                 with heartbeat.busy(f"step {self.step + 1}"):
                     try:
@@ -367,16 +375,13 @@ class Trainer:
                     except NonFiniteLossError as e:  # the weights, the data or divergence: say which
                         raise NonFiniteLossError(explain_nonfinite(self, e, initialise_part)) from None
                 dt = time.perf_counter() - t0
+                profiler.after_step(self.step)
                 results.append(result)
                 # metrics.jsonl gets every step; the console a line every log_steps (and the last).
                 show = self.step % max(train.log_steps, 1) == 0 or self.step == train.max_steps
                 # result.tokens counts label tokens of the global batch (the whole world's work).
                 metrics = {"loss": result.loss, "grad_norm": result.grad_norm, "lr": result.lr,
-                           "tokens_per_s": result.tokens / dt, **self._memory_metrics()}
-                utilisation = mfu(result.tokens / dt, self.config.model, self.config.data.seq_len,
-                                  dist.get_world_size(), self.device)
-                if utilisation is not None:
-                    metrics["mfu"] = utilisation
+                           **self._epoch_metrics(), **self._throughput_metrics(result.tokens / dt)}
                 if result.aux_loss is not None:
                     metrics["router_loss"] = result.aux_loss
                 if self.evaluator is not None and self.evaluator.due(self.step):
@@ -399,6 +404,7 @@ class Trainer:
                                 f"xorl: saving checkpoint {path} (in the background)")
         finally:
             self.elapsed_offset_s, self._clock = self.elapsed_s(), None
+            profiler.close(self.step)
             heartbeat.close()
             preemption.close()
             logger.close()
@@ -410,10 +416,22 @@ class Trainer:
         run_lock.release(train.output_dir)  # a process that trains again (tests, notebooks) takes it again
         return results
 
-    def _memory_metrics(self) -> dict[str, float]:
-        if self.device.type != "cuda":
-            return {}
-        return {"peak_memory_gib": torch.cuda.max_memory_allocated(self.device) / 2**30}
+    def _throughput_metrics(self, tokens_per_s: float) -> dict[str, float | None]:
+        """tokens/s (trained tokens of the global batch), MFU (None where the device's peak FLOP/s is not
+        known: CPU, unless XORL_PEAK_TFLOPS), and this rank's peak memory since start (rank 0 logs its own: no
+        collective for it): the CUDA caching allocator's on a GPU, the process's peak resident memory on CPU
+        (where the tensors live)."""
+        peak = (torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else peak_host_bytes())
+        return {"tokens_per_s": tokens_per_s,
+                "mfu": mfu(tokens_per_s, self.config.model, self.config.data.seq_len, dist.get_world_size(),
+                           self.device),
+                "peak_memory_gib": peak / 2**30}
+
+    def _epoch_metrics(self) -> dict[str, float]:
+        """The pass over the data and how much of it was seen (a stream's length is unknown: its pass only)."""
+        if self.config.data.streaming:
+            return {"epoch": self.loader.state()["epoch"] + 1}
+        return epoch_metrics(self.loader.first_sequence(self.step), len(self.loader.dataset))
 
 
 def run_training(config: Config, plan: RunPlan | None = None) -> list[StepResult]:
