@@ -1,12 +1,14 @@
 """Fused linear cross-entropy vs the unfused path (logits, then xorl.nn.cross_entropy): peak memory
 and time of one forward + backward of the loss.
 
-- CPU (also what tests/test_fused_linear_ce.py holds): the peak resident memory of a fresh process
-  (``ru_maxrss``, the kernel's high-water mark; tracemalloc does not see torch's allocations) minus
-  its resident memory just before the loss, with the inputs (hidden [T, H], lm_head weight [V, H],
-  labels) already allocated. So the figure covers everything the loss allocates: the logits (or
-  the fused kernel's chunk buffers) and the gradients d_hidden and d_weight. Each path runs in its
-  own process, since a high-water mark only grows.
+- CPU (also what tests/test_fused_linear_ce.py holds): the peak bytes the loss's forward + backward
+  allocates above what was held when it began, read from torch's CPU allocator through its profiler
+  (xorl/planner/measure.py ``profiled_peak``, the instrument the planner's calibration uses). The
+  inputs (hidden [T, H], lm_head weight [V, H], labels) exist before; the figure covers everything
+  the loss allocates: the logits (or the fused kernel's chunk buffers and temporaries) and the
+  gradients d_hidden and d_weight. Only torch's own allocations count, so the figure does not move
+  with what the process ran before (thread pools, imported libraries), as a resident-memory
+  high-water mark did (issue 22: 1/4.9 inside the full xdist suite against 1/15-1/40 alone).
 - GPU: ``torch.cuda.max_memory_allocated`` above the inputs, and the median time (CUDA events).
 
 ``python -m bench.bench_fused_ce --measure fused|unfused TOKENS VOCAB HIDDEN [--dtype float32]``
@@ -17,10 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import resource
-import subprocess
-import sys
 
 import torch
 
@@ -50,36 +48,27 @@ def loss_fn(path: str):
     raise ValueError(f"path must be fused or unfused, got {path!r}")
 
 
-def _resident_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def measure_cpu(path: str, tokens: int, vocab: int, hidden: int, dtype: torch.dtype = torch.float32) -> dict:
+    """Peak bytes one loss forward + backward allocates above its inputs, from the CPU allocator.
 
+    CPU tensors always take the op's plain-torch reference (xorl_kernels.dispatch), whatever
+    TRITON_INTERPRET says, so this measures the CPU path's buffers, never the interpreter's."""
+    from xorl.planner.measure import profiled_peak
 
-def measure_here(path: str, tokens: int, vocab: int, hidden: int, dtype: torch.dtype) -> dict:
-    """In this (fresh) process: peak resident bytes of one loss forward + backward above the inputs."""
     fn = loss_fn(path)
-    fn(*_inputs(64, 32, 8, dtype, "cpu")).backward()  # imports and first-call set-up are not the loss's
     h, w, labels = _inputs(tokens, vocab, hidden, dtype, "cpu")
-    before = _resident_bytes()
-    loss = fn(h, w, labels)
-    loss.backward()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    out = {}
+
+    def step():
+        loss = fn(h, w, labels)
+        loss.backward()  # d_hidden and d_weight are allocated inside the step and counted in its peak
+        out["loss"] = loss.item()
+        h.grad = w.grad = None  # so each step starts from the inputs alone
+
+    peak = profiled_peak(step)
     grads = (h.numel() + w.numel()) * h.element_size()
-    return {"path": path, "peak_above_inputs": peak - before, "grad_bytes": grads, "loss": loss.item()}
-
-
-def measure_cpu(path: str, tokens: int, vocab: int, hidden: int, dtype: str = "float32") -> dict:
-    """``measure_here`` in a fresh process (one thread)."""
-    # The plain-torch path, whatever the calling process set (a test's TRITON_INTERPRET or forced
-    # backend would measure the Triton interpreter's buffers instead).
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "XORL_FORCE_REFERENCE")}
-    env["OMP_NUM_THREADS"] = "1"
-    out = subprocess.run(
-        [sys.executable, "-m", "bench.bench_fused_ce", "--measure", path, str(tokens), str(vocab), str(hidden),
-         "--dtype", dtype],
-        check=True, capture_output=True, text=True, env=env,
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return {"path": path, "peak_above_inputs": peak, "grad_bytes": grads, "loss": out["loss"],
+            "shape": [tokens, vocab, hidden], "dtype": str(dtype).removeprefix("torch.")}
 
 
 def _gpu_case(ctx: BenchContext, path: str, shape, dtype) -> tuple[float, int]:
@@ -104,7 +93,7 @@ def run(ctx: BenchContext) -> list[Result]:
         shape = QUICK_SHAPE
         fused, unfused = (measure_cpu(p, *shape) for p in ("fused", "unfused"))
         return [Result(
-            name=f"fused linear CE peak memory T{shape[0]} V{shape[1]} H{shape[2]} fp32 (cpu rss)",
+            name=f"fused linear CE peak memory T{shape[0]} V{shape[1]} H{shape[2]} fp32 (cpu allocator)",
             value=fused["peak_above_inputs"] / 2**20, unit="MiB", anchor="unfused logits + cross_entropy_sum",
             anchor_value=unfused["peak_above_inputs"] / 2**20, higher_is_better=False,
             params={"tokens": shape[0], "vocab": shape[1], "hidden": shape[2]},
@@ -127,4 +116,4 @@ if __name__ == "__main__":
     parser.add_argument("--dtype", default="float32")
     args = parser.parse_args()
     path, *dims = args.measure
-    print(json.dumps(measure_here(path, *map(int, dims), getattr(torch, args.dtype))))
+    print(json.dumps(measure_cpu(path, *map(int, dims), getattr(torch, args.dtype))))

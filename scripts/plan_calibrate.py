@@ -15,7 +15,8 @@ FLOPs) give grouped_gemm.by_tokens_per_expert; peaks.hbm_gbps over --hbm-gbps gi
 Entries it has no rows for keep their value and source.
 
 --cpu-activations trains one step of a small Llama and a small MoE at FSDP 2, TP 2 + SP and
-ring 2, with none / selective / full recompute, on two gloo ranks, and compares the peak the
+ring 2, with none / selective / full recompute (the fused loss; `none` also with the unfused
+loss), on two gloo ranks, and compares the peak the
 allocator saw above the step's start (xorl/planner/measure.py: torch's profiler's running total of
 CPU allocations) with the planner's modelled peak moment (Memory.step_peak, less the GPU kernel
 workspace a CPU run does not allocate).
@@ -148,25 +149,26 @@ def refit(bench_path: str, peak_tflops: float, hbm_gbps: float, base_path: str |
 # A small Llama and a small MoE, 2 gloo ranks: (model, layout) x recompute policies.
 CPU_MODEL = {"model_type": "llama", "vocab_size": 512, "hidden_size": 256, "intermediate_size": 704,
              "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 8,
-             "max_position_embeddings": 4096,
-             # The activation model was held to the allocator on the unfused loss; the fused linear
-             # cross-entropy (model.fused_loss, default on since the kernels merge) allocates
-             # differently (its d_weight in the forward) and its planner term is not yet measured.
-             "fused_loss": False}
+             "max_position_embeddings": 4096}
 CPU_MOE = {**CPU_MODEL, "model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2,
            "moe_intermediate_size": 128, "norm_topk_prob": True}
 CPU_LAYOUTS = {"fsdp2": {"data_parallel_shard_size": 2},
                "tp2+sp": {"tensor_parallel_size": 2, "sequence_parallel": True},
                "ring2": {"ringattn_parallel_size": 2}}
-CPU_RUNS = [(model, layout, mode) for model in ("llama", "moe") for layout in CPU_LAYOUTS
-            for mode in ("none", "selective", "full")]
+# (model, layout, recompute, fused_loss): every policy with the fused loss (the default), and `none`
+# once more with the unfused loss, whose logits the trainer's loop holds through the backward.
+CPU_RUNS = [(model, layout, mode, fused) for model in ("llama", "moe") for layout in CPU_LAYOUTS
+            for mode, fused in (("none", True), ("selective", True), ("full", True), ("none", False))]
 
 
-def cpu_config(model: str, layout: str, mode: str, output_dir: str):
+def cpu_config(model: str, layout: str, mode: str, output_dir: str, fused_loss: bool = True):
+    """``fused_loss``: model.fused_loss (default on: the chunked linear cross-entropy); False holds the
+    planner's unfused loss term (logits, log-softmax and their gradients) to the allocator."""
     from xorl.config import Config
 
+    model_fields = {**(CPU_MODEL if model == "llama" else CPU_MOE), "fused_loss": fused_loss}
     return Config.from_dict({
-        "model": CPU_MODEL if model == "llama" else CPU_MOE, "data": {"seq_len": 512, "micro_batch_size": 2},
+        "model": model_fields, "data": {"seq_len": 512, "micro_batch_size": 2},
         "train": {"data_parallel_mode": "fsdp2", "activation_checkpointing": mode, "gradient_accumulation_steps": 1,
                   "max_steps": 3, "warmup_steps": 1, "save_steps": 0, "output_dir": output_dir,
                   **CPU_LAYOUTS[layout]},
@@ -187,17 +189,17 @@ def cpu_activations(world, runs, output_root: str) -> list[dict]:
     from xorl.planner.measure import step_transient_peak
 
     rows = []
-    for model, layout, mode in runs:
-        config = cpu_config(model, layout, mode, os.path.join(output_root, f"{model}-{layout}-{mode}"))
+    for model, layout, mode, fused in runs:
+        name = f"{model} {layout} {mode}" + ("" if fused else " unfused-loss")
+        config = cpu_config(model, layout, mode, os.path.join(output_root, name.replace(" ", "-")), fused_loss=fused)
         try:
             config.validate(2)
         except ConfigError as e:  # a combination xorl-train refuses (e.g. selective with the MoE under TP)
-            rows.append({"run": f"{model} {layout} {mode}", "refused": str(e)})
+            rows.append({"run": name, "refused": str(e)})
             continue
         measured = max(world.run(step_transient_peak, config))
         predicted = predicted_transient(config)
-        rows.append({"run": f"{model} {layout} {mode}", "measured": measured, "predicted": predicted,
-                     "error": predicted / measured - 1})
+        rows.append({"run": name, "measured": measured, "predicted": predicted, "error": predicted / measured - 1})
     return rows
 
 
@@ -229,9 +231,9 @@ def main() -> int:
             rows = cpu_activations(world, CPU_RUNS, root)
         for r in rows:
             if "refused" in r:
-                print(f"{r['run']:<24} refused by xorl-train: {r['refused'][:100]}")
+                print(f"{r['run']:<36} refused by xorl-train: {r['refused'][:100]}")
                 continue
-            print(f"{r['run']:<24} measured {r['measured'] / 1e6:8.2f} MB  predicted {r['predicted'] / 1e6:8.2f} MB"
+            print(f"{r['run']:<36} measured {r['measured'] / 1e6:8.2f} MB  predicted {r['predicted'] / 1e6:8.2f} MB"
                   f"  {r['error']:+6.1%}")
         if args.out:
             with open(args.out, "w") as f:

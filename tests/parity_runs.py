@@ -16,8 +16,18 @@ _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm
             router_aux_loss_coef=0.01)
 # Each family's tiny model: what is new in it is on (RoPE scaling with original_max_position_embeddings
 # below data.seq_len, partial rotary, biases, a dense first layer, group-limited sigmoid routing).
+# LoRA rows: B drawn too (peft's init_lora_weights=false, a test option) so that step 1 already runs
+# the adapter forward and backward through both A and B; with B = 0 step 1 would be the base model
+# and A's gradient zero. Dropout 0: dropout masks cannot match across layouts.
+_LORA = dict(rank=4, alpha=8, dropout=0.0, init_lora_weights=False)
 MODELS = {
     "llama": {},
+    "llama-lora": dict(lora=dict(_LORA, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                        "up_proj", "down_proj"])),
+    "qwen3_moe-lora": dict(model_type="qwen3_moe", **_MOE, lora=dict(_LORA, target_modules=["q_proj", "k_proj",
+                                                                                            "v_proj", "o_proj"])),
+    "qwen3_moe-lora-experts": dict(model_type="qwen3_moe", **_MOE,
+                                   lora=dict(_LORA, target_modules=["q_proj", "v_proj", "experts"])),
     "qwen3_moe": dict(model_type="qwen3_moe", **_MOE),
     "llama3.1-rope": dict(model_type="llama", rope_scaling={
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -136,17 +136,9 @@ def test_the_walk_finds_a_cycle_and_the_real_edges():
                    (graph[n] for n in graph if n.startswith("xorl_kernels")) for m in e)
 
 
-# The one cycle left, with why: config.load_config (and config_rules) apply ``model.model_path``
-# through xorl/model_path.py, which reads config.json into ModelConfig's fields (its type hints and
-# coerce, from config.py). Both sides are being rewritten by the model-families work (issue 20:
-# ModelConfig derived from xorl/models/schema.py), which is where this edge goes away; until then
-# it is listed here, and the test fails if it changes or disappears, so the entry cannot go stale.
-KNOWN_CYCLES = [["xorl.config", "xorl.model_path", "xorl.config"]]
-
-
 def test_no_import_cycles_in_xorl_or_xorl_kernels():
     cycles = find_cycles(import_graph())
-    assert cycles == KNOWN_CYCLES, "import cycles:\n" + "\n".join("  " + " -> ".join(c) for c in cycles)
+    assert cycles == [], "import cycles:\n" + "\n".join("  " + " -> ".join(c) for c in cycles)
 
 
 @pytest.mark.parametrize("package", PACKAGES)

@@ -58,6 +58,21 @@ LAYOUTS = [
                                                          ulysses_parallel_size=4, expert_parallel_size=4)),
     ("3d pp2 x tp2 x fsdp2", 8, "llama", dict(data_parallel_shard_size=2, pipeline_parallel_size=2,
                                               tensor_parallel_size=2, sequence_parallel=True)),
+    # LoRA (model.lora; tests/parity_runs.MODELS): adapters on every projection (on the MoE: attention,
+    # or attention and per-expert adapters through the grouped GEMM), the base frozen; TP splits the
+    # adapters to match the base (xorl/nn/tensor_parallel.py).
+    ("lora fsdp2", 2, "llama-lora", dict(data_parallel_shard_size=2)),
+    ("lora tp2+sp", 2, "llama-lora", dict(data_parallel_shard_size=1, tensor_parallel_size=2, sequence_parallel=True)),
+    ("lora tp2 (no sp)", 2, "llama-lora", dict(data_parallel_shard_size=1, tensor_parallel_size=2)),
+    ("lora ring2", 2, "llama-lora", dict(data_parallel_shard_size=1, ringattn_parallel_size=2)),
+    ("lora ulysses2", 2, "llama-lora", dict(data_parallel_shard_size=1, ulysses_parallel_size=2)),
+    ("lora hsdp", 4, "llama-lora", dict(data_parallel_replicate_size=2, data_parallel_shard_size=2)),
+    ("lora pp2", 2, "llama-lora", dict(data_parallel_shard_size=1, pipeline_parallel_size=2)),
+    ("lora moe ep2 x fsdp2", 2, "qwen3_moe-lora", dict(data_parallel_shard_size=2, expert_parallel_size=2)),
+    ("lora moe experts ep2 x fsdp2", 2, "qwen3_moe-lora-experts", dict(data_parallel_shard_size=2,
+                                                                       expert_parallel_size=2)),
+    ("lora moe experts tp2+sp, ep2 over tp", 2, "qwen3_moe-lora-experts",
+     dict(data_parallel_shard_size=1, tensor_parallel_size=2, sequence_parallel=True, expert_parallel_size=2)),
     # The families of issue 20, each on a layout that exercises what is new in it (tests/parity_runs.MODELS).
     ("llama3.1 rope-scaled ring2 x fsdp2, past original_max_position_embeddings", 4, "llama3.1-rope",
      dict(data_parallel_shard_size=2, ringattn_parallel_size=2)),

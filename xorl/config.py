@@ -20,14 +20,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import types
 from dataclasses import dataclass, field
-from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+from typing import Any, Literal
 
 import yaml
 
 from xorl.config_error import ConfigError, did_you_mean
 from xorl.config_rules import validate_config
+from xorl.config_types import accepts_str as _accepts_str
+from xorl.config_types import coerce
+from xorl.config_types import type_hints as _type_hints
+from xorl.config_types import type_name as _type_name
 from xorl.distributed.parallel_config import ParallelFields
 from xorl.models.schema import model_config_class
 
@@ -450,94 +453,3 @@ def unknown_key_hint(section: str, key: str) -> str:
     return f"{guess}; `xorl-train --help` lists every key with its default"
 
 
-_HINTS_CACHE: dict[type, dict[str, Any]] = {}
-
-
-def _type_hints(cls: type) -> dict[str, Any]:
-    if cls not in _HINTS_CACHE:
-        names = {f.name for f in dataclasses.fields(cls)}
-        _HINTS_CACHE[cls] = {k: v for k, v in get_type_hints(cls).items() if k in names}
-    return _HINTS_CACHE[cls]
-
-
-def _accepts_str(tp: Any) -> bool:
-    return tp is str or (_is_union(tp) and str in get_args(tp))
-
-
-def _is_union(tp: Any) -> bool:
-    return get_origin(tp) in (Union, types.UnionType)
-
-
-def _type_name(tp: Any) -> str:
-    if get_origin(tp) is Literal:
-        return "one of " + ", ".join(repr(a) for a in get_args(tp))
-    if _is_union(tp):
-        return " or ".join("null" if a is type(None) else _type_name(a) for a in get_args(tp))
-    if get_origin(tp) in (list, tuple):
-        return str(tp).replace("typing.", "")
-    return getattr(tp, "__name__", str(tp))
-
-
-def coerce(value: Any, tp: Any, name: str) -> Any:
-    """``value`` as type ``tp`` (int, float, bool, str, Literal, X | None, list[X], tuple[X, ...])."""
-    origin = get_origin(tp)
-    wrong = ConfigError(f"{name}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
-    if origin is Literal:
-        choices = get_args(tp)
-        if value in choices and type(value) is type(choices[0]):
-            return value
-        raise ConfigError(
-            f"{name}={value!r} is not one of {list(choices)}"
-            + did_you_mean(str(value), [str(c) for c in choices])
-        )
-    if _is_union(tp):
-        args = get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return coerce(value, arg, name)
-            except ConfigError:
-                continue
-        raise wrong
-    if origin is list:
-        if not isinstance(value, (list, tuple)):
-            raise wrong
-        (item_tp,) = get_args(tp)
-        return [coerce(v, item_tp, f"{name}[{i}]") for i, v in enumerate(value)]
-    if origin is tuple:
-        item_tps = get_args(tp)
-        if not isinstance(value, (list, tuple)) or len(value) != len(item_tps):
-            raise ConfigError(
-                f"{name}: expected a list of {len(item_tps)} values ({_type_name(tp)}), got {value!r}"
-            )
-        return tuple(coerce(v, t, f"{name}[{i}]") for i, (v, t) in enumerate(zip(value, item_tps)))
-    if tp is dict:
-        if isinstance(value, dict):
-            return dict(value)
-        raise wrong
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise wrong
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise wrong
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            # YAML 1.1 reads "3e-4" (no dot) as a string; it is plainly a float.
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise wrong
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(f"{name}: expected a string, got {value!r} ({type(value).__name__}); quote it")
-    raise TypeError(f"{name}: unsupported field type {tp!r}")  # a bug in the dataclass, not in the input

@@ -143,23 +143,60 @@ class _MetadataOnce(FileSystemReader):
         return self._metadata
 
 
-class CheckpointTensors:
-    """Whole tensors of a DCP checkpoint, read one at a time; the last one is kept for its next pieces."""
+def lora_merges(metadata: Metadata, model_config: Any) -> dict[str, tuple[str, str, float]]:
+    """checkpoint key of a LoRA-adapted base weight -> (its lora_A key, lora_B key, scaling); {} without LoRA.
 
-    def __init__(self, path: str):
+    Why the export merges (W + scaling * B A, peft's ``merge_and_unload``): the HF folder is then the
+    fine-tuned model that transformers loads with no peft installed; the adapter alone is in the run
+    folder (output_dir/adapter, xorl/lora_io.py) for peft users."""
+    lora = getattr(model_config, "lora", None)
+    if not lora:
+        return {}
+    from xorl.nn.lora import lora_spec
+
+    merges = {}
+    for key in metadata.state_dict_metadata:
+        if key.endswith(".lora_A"):
+            module = key.removesuffix(".lora_A")
+            parent, _, leaf = module.rpartition(".")
+            if leaf in ("lora_gate_up_proj", "lora_down_proj"):  # experts.lora_X adapts experts.X [E, in, out]
+                base, spec = f"{parent}.{leaf.removeprefix('lora_')}", lora_spec(lora, "experts")
+            else:
+                base, spec = module + ".weight", lora_spec(lora, leaf)
+            merges[base] = (key, module + ".lora_B", spec.scaling)
+    return merges
+
+
+class CheckpointTensors:
+    """Whole tensors of a DCP checkpoint, read one at a time; the last one is kept for its next pieces.
+
+    With a LoRA ``model_config`` the adapted base weights are returned with their adapter merged in
+    (``lora_merges``)."""
+
+    def __init__(self, path: str, model_config: Any = None):
         self.reader = _MetadataOnce(path)
         self.metadata = self.reader.read_metadata()
+        self.merges = lora_merges(self.metadata, model_config) if model_config is not None else {}
         self._key: str | None = None
         self._tensor: torch.Tensor | None = None
+
+    def _load(self, key: str) -> torch.Tensor:
+        md = self.metadata.state_dict_metadata[key]
+        tensor = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        with warnings.catch_warnings():  # "no process group: loading in one process" is the intent
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({key: tensor}, storage_reader=self.reader, no_dist=True)
+        return tensor
 
     def get(self, key: str) -> torch.Tensor:
         if key != self._key:
             self._key, self._tensor = None, None  # freed before the next one is allocated
-            md = self.metadata.state_dict_metadata[key]
-            tensor = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-            with warnings.catch_warnings():  # "no process group: loading in one process" is the intent
-                warnings.simplefilter("ignore", UserWarning)
-                dcp.load({key: tensor}, storage_reader=self.reader, no_dist=True)
+            tensor = self._load(key)
+            if key in self.merges:
+                from xorl.nn.lora import merged_weight
+
+                a_key, b_key, scaling = self.merges[key]
+                tensor = merged_weight(tensor, self._load(a_key), self._load(b_key), scaling)
             self._key, self._tensor = key, tensor
         return self._tensor
 
@@ -213,7 +250,7 @@ def export_checkpoint(checkpoint: str, folder: str, model_config: Any, *,
     """
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     started = time.perf_counter()
-    source = CheckpointTensors(checkpoint)
+    source = CheckpointTensors(checkpoint, model_config)
     files = split_into_files(plan_hf_tensors(source.metadata, model_config, dtype), max_shard_bytes)
     names = file_names(len(files))
     if host_before is None:

@@ -28,7 +28,7 @@ import os
 from typing import Any
 
 from xorl.config_error import ConfigError
-from xorl.models.schema import LOCAL_FIELDS, TRAINING_KNOBS, hf_to_fields
+from xorl.models.schema import FIELD, LOCAL_FIELDS, TRAINING_KNOBS, hf_to_fields
 
 HF_CONFIG_NAME = "config.json"
 __all__ = ["LOCAL_FIELDS", "TRAINING_KNOBS", "apply_model_path", "hf_model_fields", "model_path_conflicts"]
@@ -51,7 +51,7 @@ def read_hf_config(folder: str) -> dict[str, Any]:
 
 def hf_model_fields(folder: str) -> tuple[dict[str, Any], list[str]]:
     """(ModelConfig field -> value that ``folder``'s config.json defines, problems found in it)."""
-    from xorl.config import ModelConfig, _type_hints, coerce
+    from xorl.config_types import coerce
     from xorl.models.families import MODEL_TYPES, family
 
     raw = read_hf_config(folder)
@@ -60,13 +60,12 @@ def hf_model_fields(folder: str) -> tuple[dict[str, Any], list[str]]:
     if model_type not in MODEL_TYPES:
         return {}, [f"{path}: model_type={model_type!r} is not one of {list(MODEL_TYPES)}"]
     found, problems = hf_to_fields(raw, family(model_type), path)
-    hints = _type_hints(ModelConfig)
     values: dict[str, Any] = {}
     for name, value in found.items():
         if name in LOCAL_FIELDS:
             continue
         try:
-            values[name] = value if value is None else coerce(value, hints[name], f"{path}: {name}")
+            values[name] = value if value is None else coerce(value, FIELD[name].type, f"{path}: {name}")
         except ConfigError as e:
             problems += e.problems
     return values, problems

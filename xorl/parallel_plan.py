@@ -163,6 +163,11 @@ class ParallelPlan:
         return sums
 
     @property
+    def stages_group(self):
+        """The ranks holding the other pipeline stages of this rank's model (whole-model dicts merge over it)."""
+        return self.state.pp_group
+
+    @property
     def grad_norm_group(self):
         """The ranks whose parameters make one model (the norm spans every pipeline stage)."""
         return self.state.pp_group

@@ -36,12 +36,14 @@ from xorl.evaluate import Evaluator
 from xorl.export import DEFAULT_MAX_SHARD_BYTES, export_checkpoint
 from xorl.grad_clip import clip_grad_norm_
 from xorl.log_sinks import open_sinks
+from xorl.lora_io import ADAPTER_DIR, save_adapter
 from xorl.loss import count_label_tokens, token_loss_sum
 from xorl.memory_report import current_host_bytes, peak_host_bytes, report_startup, reset_peak_host_bytes
 from xorl.metrics import MetricsLogger, startup_summary
 from xorl.mfu import mfu
 from xorl.models.registry import build_model
 from xorl.models.spec import EXPERTS_LAYOUT, QKV_LAYOUT
+from xorl.nn.lora import cast_frozen_, frozen_dtype
 from xorl.nonfinite import explain_nonfinite
 from xorl.optim import build_optimizer, set_schedule_step
 from xorl.parallelize import build_parallel_plan
@@ -78,6 +80,10 @@ def initialise_part(part: nn.Module, config: Config) -> None:
         for buffer in part.buffers():  # state the files do not hold starts at zero
             local_tensor(buffer).zero_()
         load_hf_weights(part, config.model.model_path)
+        if config.model.lora:  # the adapters are not in the base model's folder: peft's initialisation
+            from xorl.models.seeded_init import seeded_init_
+
+            seeded_init_(part, config.train.seed, config.model.initializer_range, adapters_only=True)
     else:
         from xorl.models.seeded_init import seeded_init_
 
@@ -113,6 +119,8 @@ class Trainer:
         # Build on the meta device, split for PP, then TP -> CP -> EP -> AC -> FSDP2, then allocate.
         with torch.device("meta"):
             model = build_model(config.model, fp8=config.train.fp8)
+        if frozen_dtype(config, self.device.type) is not None:  # LoRA's frozen base in bf16 (xorl/nn/lora.py)
+            cast_frozen_(model, frozen_dtype(config, self.device.type))
         self.num_parameters = sum(p.numel() for p in model.parameters())
         # What the plans did (xorl/parallel_plan.py): the step asks it what to shard and reduce.
         self.parallel = build_parallel_plan(model, self.state, config)
@@ -212,6 +220,9 @@ class Trainer:
             state["experts_layout"] = EXPERTS_LAYOUT
         files = {run_dir.RUN_CONFIG_NAME: self.config.to_yaml(), run_dir.TRAINER_STATE_NAME: json.dumps(state),
                  MODEL_CONFIG: json.dumps(dataclasses.asdict(self.config.model), indent=2)}
+        if self.config.model.lora:  # the adapter alone, in peft's format: output_dir/adapter (this step's)
+            save_adapter(self.parts, self.config.model, os.path.join(self.config.train.output_dir, ADAPTER_DIR),
+                         self.parallel.stages_group)
         return self.checkpointer.save(self.step, self.parts, self.optimizers, extra, files, blocking=blocking)
 
     def export_hf(self, folder: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:

@@ -18,6 +18,7 @@ from xorl.models.layers import RMSNorm, apply_rotary
 from xorl.models.spec import ModelSpec
 from xorl.nn.attention_backends import attention_backend
 from xorl.nn.linear import Linear
+from xorl.nn.lora import lora_spec
 
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seq_len: int) -> None:
@@ -204,10 +205,13 @@ class Attention(nn.Module):
             self.qkv_proj = Linear(spec.hidden_size, q_size + 2 * kv_size, bias=bias, fp8=spec.fp8)
             self.q_per_group = spec.num_attention_heads // spec.num_key_value_heads
         else:
-            self.q_proj = Linear(spec.hidden_size, q_size, bias=bias, fp8=spec.fp8)
-            self.k_proj = Linear(spec.hidden_size, kv_size, bias=bias, fp8=spec.fp8)
-            self.v_proj = Linear(spec.hidden_size, kv_size, bias=bias, fp8=spec.fp8)
-        self.o_proj = Linear(q_size, spec.hidden_size, bias=spec.o_proj_bias, fp8=spec.fp8)
+            self.q_proj = Linear(spec.hidden_size, q_size, bias=bias, fp8=spec.fp8, lora=lora_spec(spec.lora, "q_proj"))
+            self.k_proj = Linear(spec.hidden_size, kv_size, bias=bias, fp8=spec.fp8,
+                                 lora=lora_spec(spec.lora, "k_proj"))
+            self.v_proj = Linear(spec.hidden_size, kv_size, bias=bias, fp8=spec.fp8,
+                                 lora=lora_spec(spec.lora, "v_proj"))
+        self.o_proj = Linear(q_size, spec.hidden_size, bias=spec.o_proj_bias, fp8=spec.fp8,
+                             lora=lora_spec(spec.lora, "o_proj"))
         # "head": RMSNorm over head_dim of each head (Qwen3); "width": over the whole q / k
         # projection, all heads at once (OLMoE), so it needs every head of the token.
         self.qk_norm = spec.qk_norm

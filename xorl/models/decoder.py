@@ -35,6 +35,7 @@ from xorl.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
 from xorl.models.mla import LatentAttention
 from xorl.models.spec import ModelSpec
 from xorl.nn.cross_entropy import cross_entropy_sum, linear_cross_entropy_sum
+from xorl.nn.lora import check_targets_built, freeze_base, lora_spec
 from xorl.nn.moe import MoE, MoEAux
 
 IGNORE_INDEX = -100
@@ -164,12 +165,15 @@ class DecoderForCausalLM(nn.Module):
         self.model = DecoderModel(spec, layers)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.tie_weights()
+        if spec.lora:  # LoRA fine-tuning: only the adapters the projections were built with train
+            freeze_base(self)
+            check_targets_built(self, spec.lora)
 
     def build_mlp(self, spec: ModelSpec, layer_idx: int) -> nn.Module:
         """A dense SwiGLU MLP, or on an MoE layer (``spec.is_moe_layer``) the family's MoE block."""
         if not spec.is_moe_layer(layer_idx):
             return SwiGLUMLP(spec.hidden_size, spec.intermediate_size, bias=spec.mlp_bias,
-                             merge_gate_up=spec.merge_gate_up, fp8=spec.fp8)
+                             merge_gate_up=spec.merge_gate_up, fp8=spec.fp8, lora=spec.lora)
         return MoE(
             spec.hidden_size,
             spec.num_experts,
@@ -188,6 +192,7 @@ class DecoderForCausalLM(nn.Module):
             aux_loss_coef=spec.router_aux_loss_coef,
             z_loss_coef=spec.router_z_loss_coef,
             fp8=spec.fp8,
+            lora=lora_spec(spec.lora, "experts"),
         )
 
     def tie_weights(self) -> None:

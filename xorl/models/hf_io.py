@@ -338,8 +338,12 @@ class _SliceReader:
 
 
 def _load_targets(model: nn.Module) -> dict[str, tuple[str, torch.Tensor]]:
-    """clean name -> (name in ``model``, parameter or persistent buffer)."""
-    return {clean_name(raw): (raw, tensor) for raw, tensor in model.state_dict(keep_vars=True).items()}
+    """clean name -> (name in ``model``, parameter or persistent buffer). LoRA adapters are not in a
+    base model's folder: they start from their own initialisation (xorl/nn/lora.py)."""
+    from xorl.nn.lora import is_adapter_name
+
+    return {clean_name(raw): (raw, tensor) for raw, tensor in model.state_dict(keep_vars=True).items()
+            if not is_adapter_name(raw)}
 
 
 def _absent_prefixes(model: nn.Module) -> tuple[str, ...]:
@@ -474,7 +478,11 @@ def hf_pieces(name: str, shape: tuple[int, ...], spec: ModelSpec) -> list[tuple[
 
 
 def _common_pieces(name: str, shape: tuple[int, ...], spec: ModelSpec) -> list[tuple[str, Callable]]:
-    if spec.tie_word_embeddings and name == "lm_head.weight":
+    from xorl.nn.lora import is_adapter_name
+
+    # A LoRA adapter is not part of the base model's folder (xorl/lora_io.py writes it in peft's
+    # format; an export merges it into the base weight, xorl/export.py).
+    if (spec.tie_word_embeddings and name == "lm_head.weight") or is_adapter_name(name):
         return []
     qkv = _QKV.match(name)
     expert = _STACKED_EXPERT.match(name)

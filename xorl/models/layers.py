@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from xorl.nn.linear import Linear
+from xorl.nn.lora import lora_spec
 from xorl_kernels.activation.op import swiglu
 from xorl_kernels.rmsnorm.op import rms_norm
 from xorl_kernels.rope.op import apply_rotary as _rope
@@ -131,15 +132,16 @@ class SwiGLUMLP(nn.Module):
     both. HF files keep gate_proj / up_proj (xorl/models/hf_io.py converts)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, merge_gate_up: bool = False,
-                 fp8: str = "none"):
+                 fp8: str = "none", lora: dict | None = None):
         super().__init__()
         self.merge_gate_up = merge_gate_up
         if merge_gate_up:
             self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias, fp8=fp8)
         else:
-            self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias, fp8=fp8)
-            self.up_proj = Linear(hidden_size, intermediate_size, bias=bias, fp8=fp8)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, fp8=fp8)
+            self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias, fp8=fp8,
+                                    lora=lora_spec(lora, "gate_proj"))
+            self.up_proj = Linear(hidden_size, intermediate_size, bias=bias, fp8=fp8, lora=lora_spec(lora, "up_proj"))
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, fp8=fp8, lora=lora_spec(lora, "down_proj"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.merge_gate_up:  # [..., units (this rank's under TP), 2]: gate, up

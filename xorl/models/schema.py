@@ -115,6 +115,9 @@ FIELDS: tuple[Field, ...] = (
     _f("model_path", str | None, None, "local", (), doc="a local HF folder: config.json + *.safetensors"),
     _f("attn_implementation", Literal["xorl", "flash_attn", "sdpa"], "xorl", "local", (),
        doc="xorl (our kernels), flash_attn (the package), or torch sdpa"),
+    _f("lora", dict | None, None, "local", (),
+       doc="LoRA adapters {rank, alpha, dropout, target_modules[, init_lora_weights]} (xorl/nn/lora.py): the "
+           "base model frozen, the adapters trained and saved in peft's format; null: full fine-tuning"),
     _f("fused_loss", bool, True, "local", (),
        doc="the training loss straight from the last hidden states, chunk by chunk over tokens, never holding "
            "the [tokens, vocab] logits (xorl_kernels/fused_linear_ce); false: logits, then the loss"),

@@ -6,6 +6,9 @@ swapped in later and ``forward`` is never replaced. With ``fp8="none"`` it is ex
 Parameters, names and state dicts are nn.Linear's (fp32 master weights, unchanged checkpoints);
 the FP8 copies exist only inside the GEMMs (xorl_kernels/fp8/linear.py). The tensor-parallel plan
 carries the recipe into ColumnParallelLinear / RowParallelLinear (``from_linear``).
+
+``lora=LoRASpec``: the layer is built with a LoRA adapter (``lora_A``, ``lora_B``; xorl/nn/lora.py),
+its base weight and bias frozen; the TP plan carries the adapter into the TP linears as well.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from xorl.nn.lora import adapter_bounds, lora_delta, make_adapters
 
 FP8_RECIPES = ("none", "tensorwise", "rowwise", "blockwise")
 
@@ -25,16 +30,38 @@ def check_fp8(fp8: str) -> str:
 
 class Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
-                 fp8: str = "none"):
+                 fp8: str = "none", lora=None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.fp8 = check_fp8(fp8)
+        self.lora = lora  # xorl.nn.lora.LoRASpec or None
+        if lora is not None:
+            make_adapters(self, lora, (lora.rank, in_features), (out_features, lora.rank), self.weight.device,
+                          self.weight.dtype)
+            self.reset_lora_parameters()
+            for param in (self.weight, self.bias):
+                if param is not None:
+                    param.requires_grad_(False)
+
+    @torch.no_grad()
+    def reset_lora_parameters(self) -> None:
+        """peft's initialisation of the adapter (xorl.nn.lora.adapter_bounds)."""
+        if self.lora_A.device.type == "meta":
+            return
+        for name, bound in adapter_bounds(self.lora, self.in_features).items():
+            param = getattr(self, name)
+            param.zero_() if bound is None else param.uniform_(-bound, bound)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8 == "none":
-            return F.linear(x, self.weight, self.bias)
-        from xorl_kernels.fp8.linear import fp8_linear
+            y = F.linear(x, self.weight, self.bias)
+        else:
+            from xorl_kernels.fp8.linear import fp8_linear
 
-        return fp8_linear(x, self.weight, self.bias, self.fp8)
+            y = fp8_linear(x, self.weight, self.bias, self.fp8)
+        if self.lora is None:
+            return y
+        return y + lora_delta(self, x, self.lora_A, self.lora_B)
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + ("" if self.fp8 == "none" else f", fp8={self.fp8}")
+        return (super().extra_repr() + ("" if self.fp8 == "none" else f", fp8={self.fp8}")
+                + ("" if self.lora is None else f", lora_rank={self.lora.rank}"))

@@ -293,6 +293,7 @@ class MoE(nn.Module):
         device=None,
         dtype=None,
         fp8: str = "none",
+        lora=None,
     ):
         super().__init__()
         check_router_args(num_experts, top_k, scoring)
@@ -329,7 +330,8 @@ class MoE(nn.Module):
             dtype=dtype,
         )
         self.experts = GroupedExperts(
-            self.num_local_experts, hidden_size, moe_intermediate_size, device=device, dtype=dtype, fp8=fp8
+            self.num_local_experts, hidden_size, moe_intermediate_size, device=device, dtype=dtype, fp8=fp8,
+            lora=lora,
         )
         if shared_expert_intermediate_size > 0:
             self.shared_expert = SharedExpertMLP(hidden_size, shared_expert_intermediate_size, device, dtype)

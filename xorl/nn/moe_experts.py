@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from xorl.nn.lora import ExpertsLoRA
 from xorl_kernels.activation.op import swiglu
 from xorl_kernels.grouped_gemm.op import grouped_gemm
 
@@ -35,22 +36,28 @@ def _local(weight: torch.Tensor) -> torch.Tensor:
     return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
-def swiglu_experts(x_sorted, gate_up_proj, down_proj, tokens_per_expert, fp8: bool = False):
+def swiglu_experts(x_sorted, gate_up_proj, down_proj, tokens_per_expert, fp8: bool = False, adapters=None):
     """down(silu(x @ gate) * (x @ up)) per expert over rows sorted by expert: one grouped GEMM for
-    gate and up together ([N, 2I]), SwiGLU on its halves, one for down. ``fp8``: blockwise FP8 GEMMs."""
+    gate and up together ([N, 2I]), SwiGLU on its halves, one for down. ``fp8``: blockwise FP8 GEMMs.
+    ``adapters``: (gate_up, down) callables adding each projection's LoRA delta (xorl/nn/lora.py)."""
     if fp8:
         from xorl_kernels.fp8.grouped import fp8_grouped_gemm as gemm
     else:
         gemm = grouped_gemm
-    gate, up = gemm(x_sorted, gate_up_proj, tokens_per_expert).chunk(2, dim=-1)
-    return gemm(swiglu(gate, up), down_proj, tokens_per_expert)
+    gate_up = gemm(x_sorted, gate_up_proj, tokens_per_expert)
+    if adapters is not None:
+        gate_up = gate_up + adapters[0](x_sorted)
+    gate, up = gate_up.chunk(2, dim=-1)
+    hidden = swiglu(gate, up)
+    out = gemm(hidden, down_proj, tokens_per_expert)
+    return out if adapters is None else out + adapters[1](hidden)
 
 
 class GroupedExperts(nn.Module):
     """``num_experts`` SwiGLU experts evaluated with ``xorl_kernels.grouped_gemm.op``."""
 
     def __init__(self, num_experts: int, hidden_size: int, moe_intermediate_size: int, device=None, dtype=None,
-                 fp8: str = "none"):
+                 fp8: str = "none", lora=None):
         super().__init__()
         if fp8 not in _EXPERT_FP8:
             raise ValueError(f"GroupedExperts: fp8={fp8!r}; use one of {tuple(_EXPERT_FP8)}")
@@ -64,6 +71,16 @@ class GroupedExperts(nn.Module):
         self.down_proj = nn.Parameter(
             torch.empty(num_experts, moe_intermediate_size, hidden_size, device=device, dtype=dtype)
         )
+        # LoRA on the experts (xorl.nn.lora.LoRASpec): per-expert adapters of both stacked weights,
+        # inside this module so FSDP2's unit over the experts holds them too; the base is frozen.
+        if lora is not None:
+            self.lora_gate_up_proj = ExpertsLoRA(lora, num_experts, hidden_size, 2 * moe_intermediate_size,
+                                                 device, dtype)
+            self.lora_down_proj = ExpertsLoRA(lora, num_experts, moe_intermediate_size, hidden_size, device, dtype)
+            self.gate_up_proj.requires_grad_(False)
+            self.down_proj.requires_grad_(False)
+        else:
+            self.lora_gate_up_proj = self.lora_down_proj = None
         self.init_weights()
 
     @torch.no_grad()
@@ -85,16 +102,18 @@ class GroupedExperts(nn.Module):
             raise ValueError(f"{self.num_experts} experts do not split over an EP size of {size}")
         local_n = self.num_experts // size
         first = rank * local_n
-        shards = {}
-        for name in ("gate_up_proj", "down_proj"):
-            full = getattr(self, name)
+        # The base weights and, under LoRA, the adapters ([E, ...] all): each rank keeps its experts.
+        slots = [(self, "gate_up_proj"), (self, "down_proj")]
+        slots += [(m, n) for m in (self.lora_gate_up_proj, self.lora_down_proj) if m is not None
+                  for n in ("lora_A", "lora_B")]
+        for owner, name in slots:
+            full = getattr(owner, name)
             if isinstance(full, DTensor):
                 raise RuntimeError(f"experts.{name} is already a DTensor; distribute_over runs once")
             # A copy of this rank's rows, so the full tensor is freed.
             local = full.detach()[first:first + local_n].clone()
-            shards[name] = nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False),
-                                        requires_grad=full.requires_grad)
-        self.gate_up_proj, self.down_proj = shards["gate_up_proj"], shards["down_proj"]
+            setattr(owner, name, nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False),
+                                              requires_grad=full.requires_grad))
         self.num_experts = local_n
 
     def forward(self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
@@ -104,8 +123,12 @@ class GroupedExperts(nn.Module):
                 f"tokens_per_expert must be [{self.num_experts}] (one count per local expert), "
                 f"got {tuple(tokens_per_expert.shape)}"
             )
+        adapters = None
+        if self.lora_gate_up_proj is not None:
+            adapters = (lambda x: self.lora_gate_up_proj(x, tokens_per_expert, _local),
+                        lambda h: self.lora_down_proj(h, tokens_per_expert, _local))
         return swiglu_experts(x_sorted, _local(self.gate_up_proj), _local(self.down_proj), tokens_per_expert,
-                              fp8=_EXPERT_FP8[self.fp8])
+                              fp8=_EXPERT_FP8[self.fp8], adapters=adapters)
 
     def extra_repr(self) -> str:
         return (

@@ -20,6 +20,27 @@ summed over the TP ranks in backward (each rank sees only its own tokens).
 ``SharedInputColumnGroup`` lets several column layers that read the same input (q/k/v, gate/up)
 gather it once: the first member called computes every member's output in one fused call.
 
+LoRA adapters (``lora=LoRASpec``, xorl/nn/lora.py), split to match the base, so each rank computes
+exactly its part of one process's ``scaling * x A^T B^T`` and only rank-wide (r-column) tensors travel:
+
+* column (W [out, in] split by output rows): B [out, r] split by rows the same way (``Shard(0)``),
+  A [r, in] replicated. Every rank forms the same ``x A^T`` [s, r] (under SP: from its sequence
+  shard, all-gathered along the sequence, whose backward reduce-scatters the summed gradient;
+  without SP: the replicated input, whose backward all-reduces), then its own output columns
+  ``(x A^T) B_r^T``: the rows of B it holds are the output columns its base shard computes, so the
+  sum ``x W_r^T + s (x A^T) B_r^T`` is one process's output, column block r. Under SP each rank's A
+  gradient covers its own tokens: A is listed as a partial gradient (summed over TP per step).
+* row (W split by input columns, partial outputs summed over TP): A [r, in] split by columns the
+  same way (``Shard(1)``), B [out, r] replicated. ``x A^T = sum_r x_r A_r^T`` is a sum over input
+  column blocks, exactly as the base's ``x W^T`` is, so the rank-r partials are summed over TP
+  (all-reduce; under SP reduce-scatter to the sequence shard, r columns instead of out) and B is
+  applied once after the sum. By linearity this equals summing the partial ``x_r A_r^T B^T`` the
+  way the base's partials are summed, only cheaper. Under SP B's gradient covers this rank's tokens
+  (a partial gradient).
+Dropout on the adapter's input: column layers under SP and row layers drop their own elements; a
+column layer without SP would drop the replicated input differently on each rank, so the config
+refuses LoRA dropout with TP > 1 and sequence_parallel off (xorl/config_rules.py).
+
 Replicated parameters (``replicate_on_tp``): the parameters TP does not shard (norms, embeddings,
 lm_head, q/k norms) become ``Replicate()`` DTensors on the TP mesh, because FSDP2 then shards
 every parameter on the dp mesh into one 2-D (dp, tp) layout and clip-grad / foreach optimizers
@@ -43,13 +64,16 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from xorl.nn.linear import check_fp8
+from xorl.nn.lora import adapter_bounds, adapter_input, make_adapters
 from xorl.nn.tp_comm import (
     DEFAULT_OVERLAP_MIN_NUMEL,
     ColumnParallelMatmul,
     RowParallelMatmul,
     TPGroup,
     TPMatmulConfig,
+    copy_to_region,
     gather_from_shards,
+    gather_summing_grads,
     split_to_shard,
     sum_partials,
     sum_partials_to_shard,
@@ -89,8 +113,12 @@ class _TPLinearBase(nn.Module):
     weight_placement: Shard
     bias_placement: Shard | Replicate
 
+    # Placements of the LoRA adapters (see the module docstring).
+    lora_placements: dict
+
     def __init__(self, in_features: int, out_features: int, bias: bool, tp_mesh, sequence_parallel: bool,
-                 overlap: bool, overlap_min_numel: int, device, dtype, fp8: str = "none", name: str | None = None):
+                 overlap: bool, overlap_min_numel: int, device, dtype, fp8: str = "none", name: str | None = None,
+                 lora=None, adapter_dtype=None):
         super().__init__()
         self.tp_mesh = tp_mesh
         self.tp = TPGroup.from_mesh(tp_mesh)
@@ -104,6 +132,15 @@ class _TPLinearBase(nn.Module):
             self.bias = _dtensor_param(local_b, tp_mesh, self.bias_placement)
         else:
             self.register_parameter("bias", None)
+        self.lora = lora  # xorl.nn.lora.LoRASpec or None
+        if lora is not None:
+            shapes = self._lora_local_shapes(lora.rank)
+            # adapter_dtype: the adapters keep fp32 master weights when the frozen base is stored in bf16.
+            make_adapters(self, lora, shapes["lora_A"], shapes["lora_B"], device, adapter_dtype or dtype,
+                          wrap=lambda n, t: DTensor.from_local(t, tp_mesh, [self.lora_placements[n]], run_check=False))
+            for param in (self.weight, self.bias):  # the base is frozen under LoRA
+                if param is not None:
+                    param.requires_grad_(False)
         if local_w.device.type != "meta":
             self.reset_parameters()
 
@@ -113,6 +150,44 @@ class _TPLinearBase(nn.Module):
 
     def _local_bias_shape(self) -> tuple[int]:
         raise NotImplementedError
+
+    def _lora_local_shapes(self, rank: int) -> dict[str, tuple[int, int]]:
+        full = {"lora_A": (rank, self.in_features), "lora_B": (self.out_features, rank)}
+        shapes = {}
+        for name, shape in full.items():
+            placement = self.lora_placements[name]
+            shape = list(shape)
+            if isinstance(placement, Shard):
+                shape[placement.dim] //= self.tp.size
+            shapes[name] = tuple(shape)
+        return shapes
+
+    def lora_partial_grads(self) -> list[str]:
+        """The adapter parameters whose per-rank gradient is a partial sum over TP (see the module
+        docstring): under sequence parallel, the replicated one (each rank sees its own tokens)."""
+        if self.lora is None or not self.sequence_parallel:
+            return []
+        return [n for n, p in self.lora_placements.items() if isinstance(p, Replicate)]
+
+    @torch.no_grad()
+    def load_full_lora_(self, full: dict[str, torch.Tensor]) -> None:
+        """Copy this rank's shard of the full adapter tensors {"lora_A": [r, in], "lora_B": [out, r]}."""
+        for name, tensor in full.items():
+            placement = self.lora_placements[name]
+            if isinstance(placement, Shard):
+                tensor = tensor.chunk(self.tp.size, placement.dim)[self.tp.rank]
+            getattr(self, name).to_local().copy_(tensor)
+
+    @torch.no_grad()
+    def reset_lora_parameters(self) -> None:
+        """peft's initialisation of the full adapter (xorl.nn.lora.adapter_bounds), then this rank's shard."""
+        full = {}
+        for name, bound in adapter_bounds(self.lora, self.in_features).items():
+            local = getattr(self, name).to_local()
+            shape = (self.lora.rank, self.in_features) if name == "lora_A" else (self.out_features, self.lora.rank)
+            tensor = torch.zeros(shape, device=local.device, dtype=local.dtype)
+            full[name] = tensor if bound is None else tensor.uniform_(-bound, bound)
+        self.load_full_lora_(full)
 
     @property
     def name(self) -> str:
@@ -140,6 +215,8 @@ class _TPLinearBase(nn.Module):
                                                            dtype=local_w.dtype)
         _linear_init_(full_w, full_b)
         self.load_full_(full_w, full_b)
+        if self.lora is not None:
+            self.reset_lora_parameters()
 
     @torch.no_grad()
     def init_weights(self, std: float) -> None:
@@ -185,11 +262,18 @@ class _TPLinearBase(nn.Module):
         device = linear.weight.device
         # An xorl.nn.Linear's FP8 recipe (fixed when the model was built) carries over to the TP layer.
         kwargs.setdefault("fp8", getattr(linear, "fp8", "none"))
+        kwargs.setdefault("lora", getattr(linear, "lora", None))  # and its LoRA adapter, split to match
+        if kwargs["lora"] is not None:
+            kwargs.setdefault("adapter_dtype", linear.lora_A.dtype)
         layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, tp_mesh=tp_mesh,
                     device="meta" if device.type == "meta" else device, dtype=linear.weight.dtype, **kwargs)
         if device.type != "meta":
             layer.load_full_(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
+            if layer.lora is not None:
+                layer.load_full_lora_({n: getattr(linear, n).detach() for n in ("lora_A", "lora_B")})
         layer.weight.requires_grad_(linear.weight.requires_grad)
+        if linear.bias is not None:  # a frozen bias (a LoRA run's base) stays frozen
+            layer.bias.requires_grad_(linear.bias.requires_grad)
         return layer
 
     def extra_repr(self) -> str:
@@ -207,15 +291,16 @@ class ColumnParallelLinear(_TPLinearBase):
 
     weight_placement = Shard(0)
     bias_placement = Shard(0)
+    lora_placements = {"lora_A": Replicate(), "lora_B": Shard(0)}
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, tp_mesh=None,
                  sequence_parallel: bool = False, overlap: bool = True, gather_output: bool = False, *,
                  overlap_min_numel: int = DEFAULT_OVERLAP_MIN_NUMEL, device=None, dtype=None, fp8: str = "none",
-                 name: str | None = None):
+                 name: str | None = None, lora=None, adapter_dtype=None):
         tp = TPGroup.from_mesh(tp_mesh)
         _check_divisible(out_features, tp, "out_features", "ColumnParallelLinear")
         super().__init__(in_features, out_features, bias, tp_mesh, sequence_parallel, overlap,
-                         overlap_min_numel, device, dtype, fp8, name)
+                         overlap_min_numel, device, dtype, fp8, name, lora, adapter_dtype)
         self.gather_output = bool(gather_output)
         self.shared_group: SharedInputColumnGroup | None = None
 
@@ -242,9 +327,17 @@ class ColumnParallelLinear(_TPLinearBase):
             y = self.shared_group.output_for(self, x)
         else:
             (y,) = ColumnParallelMatmul.apply(self.config, x, *self.local_params())
+        if self.lora is not None:
+            y = y + self._lora_delta(x)
         if self.gather_output:
             y = gather_from_shards(y, self.tp, -1)
         return y
+
+    def _lora_delta(self, x: torch.Tensor) -> torch.Tensor:
+        """scaling * (x A^T) B_r^T: this rank's output columns of the adapter (module docstring)."""
+        xa = F.linear(adapter_input(self, x), self.lora_A.to_local())
+        xa = gather_summing_grads(xa, self.tp, -2) if self.sequence_parallel else copy_to_region(xa, self.tp)
+        return F.linear(xa, self.lora_B.to_local()) * self.lora.scaling
 
     def extra_repr(self) -> str:
         return super().extra_repr() + (", gather_output=True" if self.gather_output else "")
@@ -259,15 +352,16 @@ class RowParallelLinear(_TPLinearBase):
 
     weight_placement = Shard(1)
     bias_placement = Replicate()
+    lora_placements = {"lora_A": Shard(1), "lora_B": Replicate()}
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, tp_mesh=None,
                  input_is_parallel: bool = True, sequence_parallel: bool = False, overlap: bool = True, *,
                  overlap_min_numel: int = DEFAULT_OVERLAP_MIN_NUMEL, device=None, dtype=None, fp8: str = "none",
-                 name: str | None = None):
+                 name: str | None = None, lora=None, adapter_dtype=None):
         tp = TPGroup.from_mesh(tp_mesh)
         _check_divisible(in_features, tp, "in_features", "RowParallelLinear")
         super().__init__(in_features, out_features, bias, tp_mesh, sequence_parallel, overlap,
-                         overlap_min_numel, device, dtype, fp8, name)
+                         overlap_min_numel, device, dtype, fp8, name, lora, adapter_dtype)
         self.input_is_parallel = bool(input_is_parallel)
 
     def _local_weight_shape(self):
@@ -289,7 +383,13 @@ class RowParallelLinear(_TPLinearBase):
             )
         weight = self.weight.to_local()
         bias = None if self.bias is None else self.bias.to_local()
-        return RowParallelMatmul.apply(self.config, x, weight, bias)
+        y = RowParallelMatmul.apply(self.config, x, weight, bias)
+        if self.lora is None:
+            return y
+        # sum_r x_r A_r^T over TP (to the sequence shard under SP), then B once (module docstring).
+        xa = F.linear(adapter_input(self, x), self.lora_A.to_local())
+        xa = sum_partials_to_shard(xa, self.tp, -2) if self.sequence_parallel else sum_partials(xa, self.tp)
+        return y + F.linear(xa, self.lora_B.to_local()) * self.lora.scaling
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ("" if self.input_is_parallel else ", input_is_parallel=False")

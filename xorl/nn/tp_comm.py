@@ -394,6 +394,46 @@ class _SumPartialsToShard(torch.autograd.Function):
         return _all_gather_dim(grad, ctx.tp, ctx.dim), None, None
 
 
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp: TPGroup):
+        ctx.tp = tp
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.tp.group)
+        return grad, None
+
+
+class _GatherSummingGrads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp: TPGroup, dim: int):
+        ctx.tp, ctx.dim = tp, dim % x.dim()
+        return _all_gather_dim(x, tp, ctx.dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        d, tp = ctx.dim, ctx.tp
+        stacked = grad.unflatten(d, (tp.size, grad.shape[d] // tp.size)).movedim(d, 0).contiguous()
+        out = grad.new_empty(stacked.shape[1:])
+        _reduce_scatter_single(out, stacked.flatten(0, 1), group=tp.group)
+        return out, None, None
+
+
+def copy_to_region(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """x replicated, entering code that differs per rank (a rank's output columns): identity forward;
+    backward all-reduces the gradient, the sum of every rank's partial (Megatron's copy_to_region)."""
+    return x if tp.size == 1 else _CopyToRegion.apply(x, tp)
+
+
+def gather_summing_grads(x: torch.Tensor, tp: TPGroup, dim: int) -> torch.Tensor:
+    """Per-rank chunks -> the full tensor along ``dim``, used afterwards differently by each rank
+    (a rank's output columns): backward reduce-scatters, each rank's chunk of the summed gradient."""
+    return x if tp.size == 1 else _GatherSummingGrads.apply(x, tp, dim)
+
+
 def sum_partials(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     """Partial sums on every rank -> their sum on every rank; backward passes the gradient through."""
     return x if tp.size == 1 else _SumPartials.apply(x, tp)

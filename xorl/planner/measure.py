@@ -9,7 +9,8 @@ exactly the peak the step adds above the bytes held when it began (parameters, o
 gradients, gathered parameters, communication buffers and temporaries. On CUDA the same quantity
 is torch.cuda.max_memory_allocated() - memory_allocated() at the step's start.
 
-``step_transient_peak(config)`` runs where the process group is set up (a rank of
+``profiled_peak(step)`` is that reading for any callable (bench/bench_fused_ce.py measures the
+loss alone with it). ``step_transient_peak(config)`` runs where the process group is set up (a rank of
 xorl/testing/multirank.py's GlooWorld, or one process): a Trainer, one step (AdamW's state is
 created), then the measured step. Module-level so it travels to the ranks by pickle.
 """
@@ -21,7 +22,7 @@ import os
 import tempfile
 
 
-def _profiled_peak(step) -> int:
+def profiled_peak(step) -> int:
     """Profile two steps and read the second: blocks allocated before profiling began (whose frees the
     profiler cannot size) are freed in the first, so the second's running total is exact."""
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -60,7 +61,7 @@ def step_transient_peak(config) -> int:
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - start
     else:
-        peak = _profiled_peak(trainer.train_step)
+        peak = profiled_peak(trainer.train_step)
     for part in trainer.parts:  # MoE blocks keep their aux loss, graph included: a cycle through FSDP
         for module in part.modules():
             if getattr(module, "last_aux_loss", None) is not None:

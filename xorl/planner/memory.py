@@ -15,6 +15,10 @@ device under torch's fake process group):
                   holds min(c, n - r*c) rows, c = ceil(n / group): rank 0 holds the most;
              PP   the layers of the stages this pipeline rank runs (xorl/plans/pipeline_parallel.py), the
                   embedding on stage 0, final norm and lm_head on the last stage.
+  LoRA       (model.lora) the adapters are parameters like any other (split by TP to match their
+             base: B of a column layer on dim 0, A of a row layer on dim 1); grads and optimizer count
+             only them, the frozen base holds weights alone, in the compute dtype (bf16 under
+             fsdp2 + dtype bfloat16 on GPU: the trainer stores it so, xorl/nn/lora.py cast_frozen_).
   grads      FSDP2's sharded gradient: the sharded parameter's shape in the master dtype
              (reduce_dtype fp32); ddp / none: full fp32 gradients of the local (TP/EP) parameters.
   optimizer  AdamW's exp_avg and exp_avg_sq: two fp32 tensors shaped like each local parameter
@@ -28,18 +32,24 @@ torch.cuda.max_memory_allocated on one GPU). t = micro_batch_size x seq_len / cp
 microbatch; a = 2 bytes (bf16 compute: fsdp2 with dtype bfloat16) or 4; s = tp under sequence
 parallel, else 1; h hidden, hq / hkv query / KV width (heads x head_dim), I intermediate size.
 
-  activations, bytes per token of one decoder layer with no recompute:
-    2 norms        2 x ((4 + 2a) h + 4) / s   RMSNorm keeps its fp32 input, its normalised output
-                                              and 1/rms; the next linear keeps the norm output
-    attention      (a (hq + 2hkv) + a hq + 4 heads [+ (4 + a)(hq + hkv) q/k norm]) / tp
+  activations, bytes per token of one decoder layer with no recompute, as xorl_kernels' fused
+  ops save them (rms_norm / add_rms_norm, rope, swiglu custom ops; counted on a real layer with
+  torch's saved_tensors_hooks, equal to the byte):
+    2 norms        (4 a h + 8) / s            the layer input (rms_norm keeps its input), the residual
+                                              sum (add_rms_norm keeps it), both norms' outputs (the
+                                              next linears keep them) and two 1/rms
+    attention      (a (hq + 2hkv) + a hq + 4 heads [+ a (hq + hkv) + 4 (heads + kv heads) q/k norm]) / tp
                                               q, k (after RoPE), v for the attention backward; its
-                                              output and log-sum-exp. RoPE keeps nothing per layer:
-                                              its products save only cos / sin, shared by all layers
-    dense MLP      4 a I / tp                 gate, silu(gate), up, and their product
-    MoE MLP        (8E + 2 a k h + 4 a k I_moe + 4 a I_shared + 8k) / tp [+ a h gathered under TP without SP]
-                                              fp32 router logits and probabilities, the k routed
-                                              copies of the token and the expert outputs, the
-                                              experts' SwiGLU intermediates (balanced routing)
+                                              output and log-sum-exp; q/k norm keeps the projections
+                                              and 1/rms per head. RoPE keeps only cos / sin, shared
+                                              by all layers (2 a head_dim per token)
+    dense MLP      3 a I / tp                 gate and up (SwiGLU's inputs), their product (down_proj's)
+    MoE MLP        (8E + 24k + 12 + 2 a k h + 3 a k I_moe + 3 a I_shared [+ a h + a]) / tp
+                   [+ a h gathered under TP without SP]
+                                              fp32 router logits and probabilities, the top-k ids and
+                                              weights, the k routed copies of the token and the expert
+                                              outputs, the experts' gate_up and SwiGLU outputs
+                                              (balanced routing); a shared expert's, and its gate's
   backward working set (every policy): the gradients one layer's backward holds beyond what it
     frees, 2 a h / s + 2 a I / tp (MoE: 2 a h / s + a k h + 2 a (k I_moe + I_shared)), see
     backward_bytes_per_token; with recompute also that layer's recomputed activations (selective:
@@ -55,10 +65,14 @@ parallel, else 1; h hidden, hq / hkv query / KV width (heads x head_dim), I inte
   layers (torch's warm-up count); ZBV min(m, p) (as 1F1B, per the zero-bubble-V paper).
   Loss (last stage, one microbatch), vocab = V / tp when TP splits the vocabulary (lm_head is
   vocabulary-parallel, xorl/nn/cross_entropy.py): t x vocab x (a + 12): the logits, the fp32
-  log-softmax kept for backward and two fp32 gradient temporaries; with model.fused_loss (the
-  chunked linear cross-entropy) one chunk's [chunk, vocab] x (a + 8) and the fp32 gradient of the
-  hidden states 4 t h; without PP and with m > 1 the trainer's loop
-  also still holds the previous microbatch's logits (a t vocab) while the next forward runs.
+  log-softmax kept for backward and two fp32 gradient temporaries; without PP the trainer's loop
+  holds the logits (a t vocab) in the model's output through the backward, and with m > 1 also
+  while the next microbatch's forward runs. With model.fused_loss (xorl_kernels/fused_linear_ce,
+  default on) no logits: one chunk's [chunk, vocab] x a (chunk = default_chunk_size there,
+  min(t, max(128, next_pow2(ceil(t / ceil(vocab / h)))))), d_hidden a t h and d_weight
+  a vocab h, both made in the forward; d_weight is lm_head's gradient, already in the FSDP root
+  group's buffers below where FSDP holds them. (The CPU reference adds one fp32 [chunk, vocab]
+  temporary the Triton kernels do not allocate.)
 
   other: FSDP2's unsharded blocks in flight: the largest decoder layer (TP/EP-local size) x (2 p_u
   + g_u + 4 [fp32 reduce-scatter input, with bf16 gradients] + 4 [the previous layer's reduce-
@@ -69,7 +83,8 @@ parallel, else 1; h hidden, hq / hkv query / KV width (heads x head_dim), I inte
   gradients: x (p_u + 4); fsdp_reshard_after_forward: never keeps every layer's gathered weights
   to its backward: the stage x p_u plus one layer's gradient buffers. Communication buffers: TP 2
   a t h, Ulysses 2 a t (hq + 2 hkv) / tp, ring 2 a t 2hkv / tp + 4 t hq / tp (fp32 merge), EP 2 a
-  t k h, PP 2 a t h per microbatch in flight, ddp 128 MiB buckets; 256 MiB of kernel workspace.
+  t k h / tp (under TP the MoE block runs on t / tp tokens), PP 2 a t h per microbatch in flight,
+  ddp 128 MiB buckets; 256 MiB of kernel workspace.
   The optimizer step's foreach temporaries (4 bytes per local parameter) come when activations are
   freed.
 
@@ -79,7 +94,9 @@ parallel, else 1; h hidden, hq / hkv query / KV width (heads x head_dim), I inte
   step (gradients and the optimizer's temporaries), plus what is held throughout (workspace,
   communication buffers). Buckets: activations at the peak; other, the buffers at the peak or
   what the peak holds beyond activations and gradients, whichever is larger. Held to the CPU
-  allocator by tests/test_plan_activations.py (none / selective within 7 %; full 10-19 % below).
+  allocator by tests/test_plan_activations.py; the whole grid in bench/results/plan-cpu-activations.json.
+  The CPU references of the element-wise ops allocate fp32 temporaries the Triton kernels do not
+  (SwiGLU's backward two [t, I] more, where a layer's backward peaks), which this GPU model leaves out.
   Reserved (what torch.cuda.max_memory_reserved reports): the total plus ALLOCATOR_OVERHEAD of the
   activations and other buffers.
 """
@@ -92,6 +109,7 @@ import math
 from dataclasses import dataclass
 
 from xorl.distributed.parallel_config import PIPELINE_SCHEDULES, ParallelConfig
+from xorl.nn.lora import is_adapter_name
 from xorl.plans.pipeline_parallel import layer_ranges, num_stages, stage_indices
 
 # Zero-bubble schedules: the stage stays gathered (xorl/plans/pipeline_parallel.py).
@@ -106,8 +124,15 @@ TP_SHARD_DIM = {
     "self_attn.q_b_proj.weight": 0, "self_attn.kv_b_proj.weight": 0,  # latent attention's per-head up-projections
     **{f"mlp.{x}_proj.{kind}": 0 for x in ("gate", "up", "gate_up") for kind in ("weight", "bias")},
     "mlp.down_proj.weight": 1,
+    # LoRA adapters split to match their base (xorl/nn/tensor_parallel.py): B with a column base, A with a row base.
+    **{f"self_attn.{x}_proj.lora_B": 0 for x in ("q", "k", "v")},
+    **{f"mlp.{x}_proj.lora_B": 0 for x in ("gate", "up")},
+    "self_attn.o_proj.lora_A": 1,
+    "mlp.down_proj.lora_A": 1,
 }
-EXPERT_PARAMS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+EXPERT_PARAMS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj",
+                 # LoRA's per-expert adapters, [E, ...] and split like the experts (xorl/nn/lora.py)
+                 *(f"mlp.experts.lora_{w}.lora_{x}" for w in ("gate_up_proj", "down_proj") for x in "AB"))
 PRECISIONS = {"fp32-master": (4, 4, 8), "fp16": (2, 2, 4)}  # bytes per parameter: weights, grads, optimizer
 WORKSPACE_BYTES = 256 * 2**20
 # ASSUMPTION until scripts/plan_calibrate.py measures max_memory_reserved against max_memory_allocated
@@ -115,7 +140,6 @@ WORKSPACE_BYTES = 256 * 2**20
 # allocated of the memory that is freed and re-allocated during the step (parameters, gradients and
 # optimizer state are allocated once and pack without waste).
 ALLOCATOR_OVERHEAD = 0.08
-FUSED_LOSS_CHUNK = 4096  # tokens per chunk of the fused loss when the config does not say
 DDP_BUCKET_BYTES = 2 * 64 * 2**20
 
 
@@ -175,8 +199,10 @@ def _shapes(model_fields: tuple) -> ModelShapes:
 
 
 def model_shapes(model_config) -> ModelShapes:
-    def hashable(v):  # lru_cache keys: lists as tuples, dicts (rope_scaling) as tagged item tuples
-        return tuple(v) if isinstance(v, list) else ("__dict__", tuple(sorted(v.items()))) if isinstance(v, dict) else v
+    def hashable(v):  # lru_cache keys: lists as tuples, dicts (rope_scaling, lora) as tagged item tuples
+        if isinstance(v, dict):
+            return ("__dict__", tuple(sorted((k, hashable(x)) for k, x in v.items())))
+        return tuple(v) if isinstance(v, list) else v
 
     return _shapes(tuple(sorted((k, hashable(v)) for k, v in dataclasses.asdict(model_config).items())))
 
@@ -210,6 +236,7 @@ class RankParams:
     """Parameter counts of one pipeline rank at one sharding index."""
 
     local: int  # elements held (sharded)
+    trainable: int  # of those, the ones with gradients and optimizer state (LoRA: the adapters alone)
     layers: tuple[int, ...]  # the decoder layers it runs
     stage_layers: tuple[int, ...]  # layers per stage it runs
     largest_layer_unsharded: int  # TP/EP-local elements of its largest layer (what FSDP all-gathers)
@@ -230,18 +257,25 @@ def rank_params(shapes: ModelShapes, p: ParallelConfig, schedule: str, virtual: 
     else:
         stages, has_first, has_last = [range(len(shapes.layers))], True, True
     layers = [i for stage in stages for i in stage]
-    per_kind = [(sum(local_numel(n, s, p, fsdp, shard_rank) for n, s in kind), kind_numel(kind, p))
-                for kind in shapes.kinds]
-    local = unsharded = largest = 0
+    lora = any(is_adapter_name(n) for kind in shapes.kinds for n, _ in kind)
+
+    def trains(name: str) -> bool:  # under LoRA only the adapters (the base is frozen: xorl/nn/lora.py)
+        return not lora or is_adapter_name(name)
+
+    per_kind = [(sum(local_numel(n, s, p, fsdp, shard_rank) for n, s in kind), kind_numel(kind, p),
+                 sum(local_numel(n, s, p, fsdp, shard_rank) for n, s in kind if trains(n))) for kind in shapes.kinds]
+    local = unsharded = largest = trainable = 0
     for i in layers:
-        held, full = per_kind[shapes.layer_kind[i]]
+        held, full, train = per_kind[shapes.layer_kind[i]]
         local += held
         unsharded += full
+        trainable += train
         largest = max(largest, full)
     root = [*(shapes.first if has_first else ()), *(shapes.last if has_last else ())]
     root_local = sum(local_numel(n, s, p, fsdp, shard_rank) for n, s in root)
     root_full = sum(local_numel(n, s, p, False, 0) for n, s in root)  # TP-local: vocab-parallel when TP divides V
-    return RankParams(local + root_local, tuple(layers), tuple(len(s) for s in stages), largest, root_full,
+    trainable += sum(local_numel(n, s, p, fsdp, shard_rank) for n, s in root if trains(n))
+    return RankParams(local + root_local, trainable, tuple(layers), tuple(len(s) for s in stages), largest, root_full,
                       unsharded + root_full, has_first, has_last)
 
 
@@ -309,13 +343,22 @@ def fused_loss(model_config) -> bool:
     return bool(getattr(model_config, "fused_loss", False))
 
 
-def loss_bytes(spec, model_config, a: int, t: int, tp: int, prev_logits: bool) -> float:
-    """The loss's peak on the last stage (see the module docstring)."""
-    vocab = spec.vocab_size / vocab_split(spec.vocab_size, tp)
+def loss_bytes(spec, model_config, a: int, t: int, tp: int, loop: bool, m: int, head_grad_counted: bool
+               ) -> tuple[float, float]:
+    """The loss's buffers on the last stage (see the module docstring): (at the loss, held through the
+    layers' backward). ``loop``: the trainer's own microbatch loop (no PP), whose model output keeps
+    the unfused logits until the next microbatch's forward has returned. ``head_grad_counted``: the
+    lm_head's gradient is already in the FSDP root group's buffers."""
+    vocab = spec.vocab_size // vocab_split(spec.vocab_size, tp)
+    h = spec.hidden_size
     if fused_loss(model_config):
-        chunk = min(t, getattr(model_config, "fused_loss_chunk_tokens", None) or FUSED_LOSS_CHUNK)
-        return chunk * vocab * (a + 8) + 4 * t * spec.hidden_size
-    return t * vocab * (a + 12) + (a * t * vocab if prev_logits else 0)
+        from xorl_kernels.fused_linear_ce.op import default_chunk_size
+
+        # The kernel's own chunking; under sequence parallelism it sees the gathered t tokens.
+        chunk = default_chunk_size(t, vocab, h)
+        return chunk * vocab * a + a * t * h + (0 if head_grad_counted else a * vocab * h), 0
+    logits = a * t * vocab if loop else 0
+    return t * vocab * (a + 12) + (logits if m > 1 else 0), logits
 
 
 def checkpointing(train) -> tuple[str, int]:
@@ -360,22 +403,34 @@ def backward_bytes_per_token(spec, moe_layer: bool, a: int, tp: int, sp: bool) -
 
 
 def activation_bytes_per_token(spec, moe_layer: bool, a: int, tp: int, sp: bool) -> float:
-    """One decoder layer, no recompute (the docstring's table)."""
+    """One decoder layer, no recompute (the docstring's table): the tensors its backward keeps, as the
+    fused ops of xorl_kernels save them (counted on a real layer by saved_tensors_hooks: exact)."""
     h, d, heads = spec.hidden_size, spec.head_dim, spec.num_attention_heads
-    hq, hkv = heads * d, spec.num_key_value_heads * d
+    kv_heads = spec.num_key_value_heads
+    hq, hkv = heads * d, kv_heads * d
     s = tp if sp else 1
-    norms = 2 * ((4 + 2 * a) * h + 4) / s
-    attn = a * (hq + 2 * hkv) + a * hq + 4 * heads
-    if spec.qk_norm != "none":
-        attn += (4 + a) * (hq + hkv)
+    # rms_norm keeps its input and 1/rms; add_rms_norm its sum (the new residual) and 1/rms; the
+    # next linear keeps each norm's output.
+    norms = (4 * a * h + 8) / s
+    attn = a * (hq + 2 * hkv) + a * hq + 4 * heads  # q, k after RoPE, v; the output and log-sum-exp
+    if spec.qk_norm == "head":  # the q / k projections (the norms' inputs) and 1/rms per head
+        attn += a * (hq + hkv) + 4 * (heads + kv_heads)
+    elif spec.qk_norm == "width":
+        attn += a * (hq + hkv) + 8
     if moe_layer:
-        k = spec.num_experts_per_tok
+        k, shared = spec.num_experts_per_tok, spec.shared_expert_intermediate_size
         # Under TP the block runs on this rank's token shard (xorl/plans/tensor_parallel.py); without
-        # sequence parallelism it then gathers its output over TP (a h).
-        mlp = (8 * spec.num_experts + 2 * a * k * h + 4 * a * k * spec.moe_intermediate_size
-               + 4 * a * spec.shared_expert_intermediate_size + 8 * k) / tp + (a * h if tp > 1 and not sp else 0)
+        # sequence parallelism it then gathers its output over TP (a h). Router: fp32 logits and
+        # probabilities (8E), the top-k ids twice (int64) and weights with their normalisation
+        # (24k + 12); experts: the k routed copies, their gate_up and SwiGLU outputs, and the expert
+        # outputs the combine weighs (2akh + 3akI); a shared expert's gate_up and SwiGLU outputs (3aI),
+        # and with its sigmoid gate the expert's output and the gate (a h + a).
+        routed = 8 * spec.num_experts + 24 * k + 12 + 2 * a * k * h + 3 * a * k * spec.moe_intermediate_size
+        if shared:
+            routed += 3 * a * shared + (a * h + a if spec.family.shared_expert_gate else 0)
+        mlp = routed / tp + (a * h if tp > 1 and not sp else 0)
     else:
-        mlp = 4 * a * spec.intermediate_size / tp
+        mlp = 3 * a * spec.intermediate_size / tp  # SwiGLU keeps gate and up, down_proj its product
     return norms + attn / tp + mlp
 
 
@@ -387,8 +442,13 @@ def estimate(config, p: ParallelConfig, shapes: ModelShapes, pp_rank: int, preci
     fsdp = train.data_parallel_mode == "fsdp2"
     schedule, v = train.pipeline_parallel_schedule, train.virtual_pipeline_stages
     rp = rank_params(shapes, p, schedule, v, pp_rank, fsdp)
-    params, grads, optimizer = state_bytes(rp.local, precision)
     a = 2 if fsdp and train.dtype == "bfloat16" else 4
+    # LoRA: the frozen base in the compute dtype (cast_frozen_, xorl/nn/lora.py); its gradients and
+    # optimizer state are the adapters' alone.
+    frozen = rp.local - rp.trainable
+    params = state_bytes(rp.trainable, precision)[0] + (frozen * a if frozen and precision == "fp32-master"
+                                                        else state_bytes(frozen, precision)[0])
+    _, grads, optimizer = state_bytes(rp.trainable, precision)
     t = data.micro_batch_size * data.seq_len // p.cp
     m = train.gradient_accumulation_steps
     sp = train.sequence_parallel and p.tp > 1
@@ -412,29 +472,32 @@ def estimate(config, p: ParallelConfig, shapes: ModelShapes, pp_rank: int, preci
     held = t * inflight * (kept + 2 * a * spec.head_dim)  # kept through the forward, into the backward
     work = t * (working + max(backward_bytes_per_token(spec, shapes.is_moe_kind(k), a, p.tp, sp)
                               for k in range(len(shapes.kinds))))
-    loss = loss_bytes(spec, config.model, a, t, p.tp, p.pp == 1 and m > 1) if rp.has_last else 0
     fixed = WORKSPACE_BYTES + _comm_buffers(spec, p, a, t, inflight)  # held throughout
     gathered = grad_buffers = 0  # FSDP2: gathered parameters; one layer's gradient buffers in backward
+    head_grad_counted = False  # whether those hold lm_head's gradient (the fused loss makes it in its forward)
     if fsdp:
         grad_copy = 4 if a != 4 else 0
         grad_buffers = rp.largest_layer_unsharded * (a + grad_copy + 4)
         if p.pp > 1 and schedule in SPLIT_BACKWARD_SCHEDULES:
-            gathered, grad_buffers = rp.stage_unsharded * (a + 4), 0
+            gathered, grad_buffers, head_grad_counted = rp.stage_unsharded * (a + 4), 0, True
         elif not reshards_after_forward(train, p.pp):
             gathered = rp.stage_unsharded * a
         else:
             gathered = rp.largest_layer_unsharded * 2 * a + rp.root_unsharded * (a + a)
+            head_grad_counted = True
     elif p.dp_cp > 1:
         fixed += DDP_BUCKET_BYTES
+    loss, logits_held = (loss_bytes(spec, config.model, a, t, p.tp, p.pp == 1, m, head_grad_counted)
+                         if rp.has_last else (0, 0))
     # The peak is one moment, the largest of three (gradients are created in the backward,
     # set_to_none after the optimizer step): the loss's backward (every kept activation and the
     # loss's buffers), the first layer's backward (its recompute and gradient buffers instead of
     # the loss's) and the end of the step (every gradient and the optimizer's foreach temporaries,
     # 4 bytes per local parameter, once the activations are freed).
     at_loss = held + loss + gathered
-    at_layer = held + work + gathered + grad_buffers
-    at_end = grads + 4 * rp.local
-    activations = held + (loss if at_loss >= at_layer else work)
+    at_layer = held + logits_held + work + gathered + grad_buffers
+    at_end = grads + 4 * rp.trainable
+    activations = held + (loss if at_loss >= at_layer else logits_held + work)
     peak = max(at_loss, at_layer, at_end) + fixed
     # Buckets: grads are the exact gradient bytes (held at the end); other is what the peak holds
     # beyond them and the activations, at least the buffers held throughout. Where the peak comes
@@ -462,8 +525,8 @@ def _comm_buffers(spec, p: ParallelConfig, a: int, t: int, inflight: float) -> f
         out += 2 * a * t * (hq + 2 * hkv) / p.tp
     if p.ring > 1:
         out += 2 * a * t * 2 * hkv / p.tp + 4 * t * hq / p.tp
-    if p.ep > 1:
-        out += 2 * a * t * spec.num_experts_per_tok * h
+    if p.ep > 1:  # the routed copies sent and received; under TP the block runs on t / tp tokens
+        out += 2 * a * t * spec.num_experts_per_tok * h / p.tp
     if p.pp > 1:
         out += 2 * a * t * h * inflight
     return out

@@ -292,7 +292,7 @@ def step_time(config, p: ParallelConfig, shapes: ModelShapes, hw: Hardware) -> S
         if p.pp > 1:  # one activation each way per stage boundary
             exposed += 2 * len(rp.stage_layers) * c.collective(a * t * spec.hidden_size, 2, p.world_size // p.pp,
                                                                "send")
-        per_step += 28 * rp.local / c.hbm  # the optimizer step: read and write params, grads, moments
+        per_step += 28 * rp.trainable / c.hbm  # the optimizer step: read and write params, grads, moments
         per_rank.append((compute, exposed, per_step))
     compute_mb, exposed_mb, per_step = max(per_rank, key=lambda x: x[0] + x[1] + x[2] / m)
     bubble = 0.0

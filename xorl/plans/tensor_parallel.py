@@ -113,7 +113,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = T
         prefix = f"model.layers.{i}"
         _parallelize_attention(layer.self_attn, tp_mesh, tp, f"{prefix}.self_attn", linear_kw, memo,
                                share_gathered_inputs, partial)
-        if not _parallelize_dense_mlp(layer.mlp, tp_mesh, tp, f"{prefix}.mlp", linear_kw, share_gathered_inputs):
+        if not _parallelize_dense_mlp(layer.mlp, tp_mesh, tp, f"{prefix}.mlp", linear_kw, share_gathered_inputs,
+                                      partial):
             _moe_on_token_shards(layer, tp, sequence_parallel, partial)
             moe_blocks += 1
         for norm in ("input_layernorm", "post_attention_layernorm"):
@@ -165,6 +166,7 @@ def _parallelize_attention(attn: nn.Module, tp_mesh, tp: TPGroup, prefix: str, l
         setattr(attn, name, ColumnParallelLinear.from_linear(getattr(attn, name), tp_mesh, name=f"{prefix}.{name}",
                                                              **linear_kw))
     attn.o_proj = RowParallelLinear.from_linear(attn.o_proj, tp_mesh, name=f"{prefix}.o_proj", **linear_kw)
+    _list_lora_partial_grads(attn, (*names, "o_proj"), partial)
     if share and not merged:
         SharedInputColumnGroup([getattr(attn, n) for n in names], name=f"{prefix}.qkv_proj")
     for norm in ("q_norm", "k_norm"):  # per-head norms: each rank sees only its own heads
@@ -173,8 +175,15 @@ def _parallelize_attention(attn: nn.Module, tp_mesh, tp: TPGroup, prefix: str, l
             replicate_on_tp(module, tp_mesh, memo, partial)
 
 
+def _list_lora_partial_grads(owner: nn.Module, names, partial: TPPartialGrads) -> None:
+    """LoRA adapters whose gradient is a per-rank partial sum (xorl/nn/tensor_parallel.py, LoRA)."""
+    for name in names:
+        layer = getattr(owner, name)
+        partial.slots += [(layer, leaf) for leaf in layer.lora_partial_grads()]
+
+
 def _parallelize_dense_mlp(mlp: nn.Module, tp_mesh, tp: TPGroup, prefix: str, linear_kw: dict,
-                           share: bool) -> bool:
+                           share: bool, partial: TPPartialGrads) -> bool:
     """gate/up column, down row; False when ``mlp`` is not a plain SwiGLU MLP (e.g. a MoE block)."""
     # isinstance: the models' projections are xorl.nn.Linear (nn.Linear carrying the FP8 recipe).
     merged = isinstance(getattr(mlp, "gate_up_proj", None), nn.Linear)
@@ -190,6 +199,7 @@ def _parallelize_dense_mlp(mlp: nn.Module, tp_mesh, tp: TPGroup, prefix: str, li
         setattr(mlp, name, ColumnParallelLinear.from_linear(getattr(mlp, name), tp_mesh, name=f"{prefix}.{name}",
                                                             **linear_kw))
     mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, tp_mesh, name=f"{prefix}.down_proj", **linear_kw)
+    _list_lora_partial_grads(mlp, (*columns, "down_proj"), partial)
     if share and not merged:
         SharedInputColumnGroup([mlp.gate_proj, mlp.up_proj], name=f"{prefix}.gate_up_proj")
     return True

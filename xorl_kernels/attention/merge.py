@@ -5,7 +5,9 @@
 With lse = log Σ exp(scores) over each key set, attention over the union of the key sets is
     lse = log(exp(lse_a) + exp(lse_b)),
     out = exp(lse_a - lse) · out_a + exp(lse_b - lse) · out_b.
-Ring attention folds each step's (out, lse) into a running pair with this.
+Ring attention folds each step's (out, lse) into a running pair with this. Attention sinks are
+not a key set: steps run without them and ``apply_sinks`` (attention/sinks.py) adds them once per
+row after the last merge.
 
 Layouts follow ``flash_attn_with_lse``: out [batch, seq, heads, d] with lse [batch, heads, seq],
 or out [total, heads, d] with lse [heads, total]. Computed in fp32 (fp64 for fp64 inputs) with the
