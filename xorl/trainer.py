@@ -24,7 +24,7 @@ from torch import nn
 
 from xorl import run_dir, run_lock
 from xorl.checkpoint import MODEL_CONFIG, Checkpointer, latest_checkpoint, load_checkpoint
-from xorl.config import Config
+from xorl.config import Config, compute_dtype
 from xorl.data.loader import MicrobatchLoader, PackedDataset, data_report
 from xorl.data.stream import StreamedLoader
 from xorl.data.tokenizer import build_tokenizer
@@ -119,8 +119,9 @@ class Trainer:
         # Build on the meta device, split for PP, then TP -> CP -> EP -> AC -> FSDP2, then allocate.
         with torch.device("meta"):
             model = build_model(config.model, fp8=config.train.fp8)
-        if frozen_dtype(config, self.device.type) is not None:  # LoRA's frozen base in bf16 (xorl/nn/lora.py)
-            cast_frozen_(model, frozen_dtype(config, self.device.type))
+        frozen = frozen_dtype(config.model.lora, compute_dtype(config.train, self.device.type))
+        if frozen is not None:  # LoRA's frozen base in bf16 (xorl/nn/lora.py)
+            cast_frozen_(model, frozen)
         self.num_parameters = sum(p.numel() for p in model.parameters())
         # What the plans did (xorl/parallel_plan.py): the step asks it what to shard and reduce.
         self.parallel = build_parallel_plan(model, self.state, config)
