@@ -46,6 +46,12 @@ MODELS = {
                         routed_scaling_factor=2.0, rope_scaling={
                             "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
                             "mscale": 1.0, "mscale_all_dim": 1.0}),
+    # Windows (8) shorter than the sequence (32) on the even layers, sinks, q/k/v/o, router and expert
+    # biases, a swiglu_limit the tiny model's gates cross, YaRN past original_max_position_embeddings.
+    "gpt_oss": dict(model_type="gpt_oss", **{**_MOE, "moe_intermediate_size": 64}, sliding_window=8,
+                    layer_types=["sliding_attention", "full_attention"] * 2, attention_bias=True, swiglu_limit=0.1,
+                    rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                  "truncate": False, "original_max_position_embeddings": 8}),
 }
 
 

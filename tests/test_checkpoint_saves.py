@@ -12,7 +12,8 @@ from xorl_kernels.checkpoint_saves import SELECTIVE_CHECKPOINT_SAVES, OpRegistry
 
 def test_the_attention_expert_and_collective_ops_are_saved():
     names = set(SELECTIVE_CHECKPOINT_SAVES.names())
-    assert names == {f"xorl::{n}" for n in ("flash_attn", "grouped_gemm", "ring_attention", "ulysses_seq_to_head",
+    assert names == {f"xorl::{n}" for n in ("flash_attn", "grouped_gemm", "grouped_gemm_bias", "ring_attention",
+                                             "ulysses_seq_to_head",
                                              "ulysses_head_to_seq", "ep_all_to_all", "ep_exchange_counts")}
     ops = SELECTIVE_CHECKPOINT_SAVES.ops()
     assert torch.ops.xorl.ring_attention.default in ops and torch.ops.xorl.grouped_gemm.default in ops

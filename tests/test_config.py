@@ -452,12 +452,12 @@ def test_every_type_error_is_reported_not_just_the_first(tmp_path):
 
 
 def test_files_the_run_needs_are_checked_up_front(tmp_path):
-    (tmp_path / "data.csv").write_text("text\nhello\n")
+    (tmp_path / "data.bin").write_text("text\nhello\n")  # (.csv is read through Hugging Face datasets)
     (tmp_path / "not_a_folder").write_text("")
     (tmp_path / "empty_dir").mkdir()
-    message = _problems([f"--data.dataset={tmp_path / 'data.csv'}",
+    message = _problems([f"--data.dataset={tmp_path / 'data.bin'}",
                          f"--train.output_dir={tmp_path / 'not_a_folder'}"], 1)
-    assert "data.csv': unknown file type; xorl reads .jsonl/.txt/.parquet" in message
+    assert "data.bin': unknown file type; xorl reads .jsonl/.txt/.parquet" in message
     assert "not_a_folder' is a file, not a folder" in message
     message = _problems([f"--data.dataset={tmp_path / 'empty_dir'}",
                          f"--train.output_dir={tmp_path / 'not_a_folder' / 'run'}"], 1)

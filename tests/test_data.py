@@ -2,11 +2,11 @@
 
 import json
 import random
-from types import SimpleNamespace
 
 import pytest
 import torch
 
+from xorl.config import DataConfig
 from xorl.data.corpus import DataError, builtin_documents, read_documents
 from xorl.data.loader import MicrobatchLoader, PackedDataset
 from xorl.data.packing import IGNORE_INDEX, collate, pack_documents
@@ -47,8 +47,7 @@ def test_collate_builds_global_cu_seqlens():
 
 
 def test_loader_splits_the_same_global_batch_across_dp_ranks():
-    cfg = SimpleNamespace(tokenizer="byte", dataset="builtin", seed=3, seq_len=48, packing=True,
-                          text_key="text")
+    cfg = DataConfig(tokenizer="byte", dataset="builtin", seed=3, seq_len=48, packing=True, text_key="text")
     ds = PackedDataset(cfg)
     single = MicrobatchLoader(ds, micro_batch_size=1, gradient_accumulation_steps=4, dp_rank=0, dp_size=1)
     for step in (0, 5):
@@ -66,7 +65,9 @@ def test_local_dataset_readers(tmp_path):
     assert list(read_documents(str(tmp_path / "b.txt"))) == ["first doc\nline two", "second doc"]
     with pytest.raises(DataError, match=r"a.jsonl:1: no key 'text' .*data.text_key"):
         list(read_documents(str(tmp_path / "a.jsonl"), "text"))
-    with pytest.raises(DataError, match="jsonl"):
+    with pytest.raises(DataError, match="jsonl"):  # .csv is read through datasets: an unknown type
+        list(read_documents(str(tmp_path / "c.bin")))
+    with pytest.raises(DataError, match="c.csv' does not exist"):
         list(read_documents(str(tmp_path / "c.csv")))
 
 
@@ -86,8 +87,8 @@ def test_data_errors_name_the_file_and_the_true_line(tmp_path, name, content, ex
 def test_resuming_with_another_global_batch_sees_every_sequence_once():
     """2 data-parallel ranks for 3 steps, then 4 ranks from the consumed position: sequences 0..35
     of the global order, each exactly once (the reference is the dataset's own epoch order)."""
-    cfg = SimpleNamespace(tokenizer="byte", dataset="builtin", seed=5, seq_len=32, packing=True,
-                          text_key="text", micro_batch_size=1)
+    cfg = DataConfig(tokenizer="byte", dataset="builtin", seed=5, seq_len=32, packing=True, text_key="text",
+                     micro_batch_size=1)
     ds = PackedDataset(cfg, vocab_size=272)
     seen = []
 

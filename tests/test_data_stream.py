@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 import random
-import types
 
 import pytest
 import torch
 
+from xorl.config import DataConfig
 from xorl.data.packing import pack_documents
 from xorl.data.stream import StreamedLoader
 from xorl.data.tokenizer import ByteTokenizer
@@ -29,7 +29,7 @@ def _write_corpus(path, n_docs: int, seed: int, long_every: int = 7) -> list[str
 
 
 def _data(path, seq_len=128, packing=True):
-    return types.SimpleNamespace(dataset=str(path), text_key="text", seed=0, seq_len=seq_len, packing=packing)
+    return DataConfig(dataset=str(path), text_key="text", seed=0, seq_len=seq_len, packing=packing)
 
 
 @pytest.mark.parametrize("packing", [True, False])
@@ -117,3 +117,49 @@ def test_streamed_training_matches_one_process_and_resumes_on_fewer_ranks(gloo_w
     resumed = config("stopped", gradient_accumulation_steps=4, resume=True)
     rest = gloo_world(1).run(train_losses, resumed)[0]
     assert len(rest) == 3 and max_rel_diff(first + rest, one) <= 1e-5
+
+
+@pytest.mark.parametrize("source", ["jsonl", "parquet (datasets)", "save_to_disk (datasets)"])
+def test_streamed_chat_rows_pack_as_in_memory_and_resume_exactly(tmp_path, source):
+    """messages rows streamed (xorl's JSONL reader, or a datasets IterableDataset) give the in-memory
+    packer's sequences in file order, masks included; a loader restored from the JSON state after step 2
+    continues with the uninterrupted sequences (a document carried over a boundary included)."""
+    datasets = pytest.importorskip("datasets")
+    from tests.chat_data import conversations, make_chat_tokenizer, write_jsonl
+    from xorl.data.loader import PackedDataset
+    from xorl.data.tokenizer import build_tokenizer
+
+    tok_path = make_chat_tokenizer(tmp_path / "tok")
+    rows = [{"messages": m} for m in conversations(60, seed=6, turns=2)]
+    path = write_jsonl(tmp_path / "chat.jsonl", rows)
+    if source.startswith("parquet"):
+        path = str(tmp_path / "chat.parquet")
+        datasets.Dataset.from_list(rows).to_parquet(path)
+    elif source.startswith("save_to_disk"):
+        path = str(tmp_path / "saved")
+        datasets.Dataset.from_list(rows).save_to_disk(path)
+    data = DataConfig(dataset=path, tokenizer=tok_path, seq_len=96, streaming=True)
+    ref = PackedDataset(DataConfig(dataset=str(tmp_path / "chat.jsonl"), tokenizer=tok_path, seq_len=96)).sequences
+    tok = build_tokenizer(tok_path)
+
+    def loader():
+        return StreamedLoader(data, tok, micro_batch_size=1, gradient_accumulation_steps=2, dp_rank=0, dp_size=1)
+
+    one = loader()
+    assert one.encoder.format == "messages" and one.through_datasets == (source != "jsonl")
+    got = [mb for step in range(5) for mb in one.microbatches(step)]
+    for i, mb in enumerate(got):
+        assert torch.equal(mb["input_ids"][0], ref[i].input_ids), i
+        assert torch.equal(mb["labels"][0], ref[i].labels), i
+    assert any((mb["labels"][0] == -100).sum() > (mb["input_ids"][0] == tok.pad_id).sum() for mb in got)  # masked
+    stopped = loader()
+    for step in range(2):
+        stopped.microbatches(step)
+    state = json.loads(json.dumps(stopped.state()))
+    assert state["carry"] and state["carry_labels"]  # a conversation waits for the next sequence, masks with it
+    resumed = loader()
+    resumed.resume_at(2, 4, state)
+    rest = [mb for step in range(2, 5) for mb in resumed.microbatches(step)]
+    for i, mb in enumerate(rest):
+        assert torch.equal(mb["input_ids"][0], got[4 + i]["input_ids"][0]), i
+        assert torch.equal(mb["labels"][0], got[4 + i]["labels"][0]), i

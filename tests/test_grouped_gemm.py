@@ -101,6 +101,56 @@ def test_forward_and_gradients_match_float64_loop(case, dtype, backend):
             assert torch.equal(dw[g], torch.zeros_like(dw[g])), f"group {g} has no rows: dw must be exactly 0"
 
 
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_per_group_bias_forward_and_gradients_match_float64_loop(case, dtype, backend):
+    """gpt-oss experts: y[rows of g] = x_g @ w[g] + bias[g]; db[g] = the sum of dy's rows of g."""
+    sizes, k, n = CASES[case]
+    x_cpu, w_cpu, dy_cpu = _inputs(sizes, k, n, dtype, seed=10 + case)
+    bias_cpu = torch.randn(len(sizes), n, generator=torch.Generator().manual_seed(20 + case)).to(dtype)
+    group_sizes = torch.tensor(sizes, dtype=torch.int32 if case % 2 else torch.int64)
+    if backend == "triton":
+        x, w, bias, dy, group_sizes = to_triton(x_cpu, w_cpu, bias_cpu, dy_cpu, group_sizes)
+    else:
+        x, w, bias, dy = x_cpu.clone(), w_cpu.clone(), bias_cpu.clone(), dy_cpu
+    for t in (x, w, bias):
+        t.requires_grad_(True)
+
+    y = grouped_gemm(x, w, group_sizes, bias, backend=backend)
+    dx, dw, db = torch.autograd.grad(y, (x, w, bias), dy)
+    y_ref, dx_ref, dw_ref = _float64_loop(x_cpu, w_cpu, sizes, dy_cpu)
+    group_of_row = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    y_ref = y_ref + bias_cpu.double()[group_of_row]
+    db_ref = torch.zeros(len(sizes), n, dtype=torch.float64).index_add_(0, group_of_row, dy_cpu.double())
+
+    assert y.dtype == dtype and db.dtype == dtype and db.shape == bias.shape
+    tol = TOLERANCE[dtype]
+    for out, ref in ((y, y_ref), (dx, dx_ref), (dw, dw_ref), (db, db_ref)):
+        assert _rel_err(out, ref) < tol
+    for g, rows in enumerate(sizes):
+        if rows == 0:
+            assert torch.equal(db[g], torch.zeros_like(db[g])), f"group {g} has no rows: db must be exactly 0"
+
+
+def test_bias_kernels_write_every_element_of_poisoned_outputs():
+    from xorl_kernels.grouped_gemm.triton_kernels import grouped_bias_grad
+
+    sizes, k, n = [3, 0, 40, 7], 24, 70
+    x, w, dy = _inputs(sizes, k, n, torch.float32, seed=5)
+    bias = torch.randn(len(sizes), n, generator=torch.Generator().manual_seed(6))
+    group_sizes = torch.tensor(sizes)
+    y_ref, _, _ = _float64_loop(x, w, sizes, dy)
+    group_of_row = torch.repeat_interleave(torch.arange(len(sizes)), group_sizes)
+    x, w, bias, dy, group_sizes = to_triton(x, w, bias, dy, group_sizes)
+    y = grouped_gemm_forward(x, w, group_sizes, out=torch.full((x.shape[0], n), float("nan"), device=x.device),
+                             bias=bias)
+    db = grouped_bias_grad(dy, group_sizes, torch.float32, out=torch.full_like(bias, float("nan")))
+    assert _rel_err(y, y_ref + bias.cpu().double()[group_of_row]) < 1e-5
+    db_ref = torch.zeros(len(sizes), n, dtype=torch.float64).index_add_(0, group_of_row, dy.cpu().double())
+    assert _rel_err(db, db_ref) < 1e-5 and torch.equal(db[1].cpu(), torch.zeros(n))
+
+
 def test_kernels_write_every_element_of_poisoned_outputs():
     """NaN-filled outputs: any row, column or zero-row group the kernels skip stays NaN and fails."""
     sizes = [3, 0, 40, 1, 0, 17]
@@ -271,8 +321,9 @@ def compile_for_sm90() -> dict:
         EVEN_K=True,
         INPUT_PRECISION="tf32",
         DOT_IN_FP32=False,
+        HAS_BIAS=False,
     )
-    fwd_pointers = ("a_ptr", "b_ptr", "c_ptr")
+    fwd_pointers = ("a_ptr", "b_ptr", "c_ptr", "bias_ptr")
     aligned = ["a_ptr", "b_ptr", "c_ptr", "sizes_ptr", "N", "K", "stride_am", "stride_bg", "stride_cm"]
     for name, unit_b in (("forward", "stride_bn"), ("dgrad", "stride_bk")):
         other_b = "stride_bk" if unit_b == "stride_bn" else "stride_bn"
@@ -284,6 +335,9 @@ def compile_for_sm90() -> dict:
             fwd_constexprs,
             cfg,
         )
+    out["forward_bias"] = build(kernels._grouped_gemm_fwd_kernel, fwd_pointers,
+                                ("stride_ak", "stride_bn", "stride_cn", "stride_bias_n"),
+                                aligned + ["stride_bk", "stride_bias_g"], {**fwd_constexprs, "HAS_BIAS": True}, cfg)
     cfg = kernels.weight_grad_config(m, n, k, groups, torch.bfloat16)
     wgrad_constexprs = dict(
         BLOCK_M=cfg.block_m,

@@ -235,6 +235,7 @@ def _plan_probe_main() -> None:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from xorl.config import compute_dtype
     from xorl.distributed.parallel_config import ParallelConfig
     from xorl.distributed.parallel_state import init_parallel_state
     from xorl.models.registry import build_model
@@ -252,8 +253,9 @@ def _plan_probe_main() -> None:
                 state = init_parallel_state(ParallelConfig.from_config(config, 4), device_type="cpu")
                 with torch.device("meta"):
                     model = build_model(config.model)
-                if frozen_dtype(config, "cuda") is not None:  # as the trainer does on a GPU
-                    cast_frozen_(model, frozen_dtype(config, "cuda"))
+                frozen = frozen_dtype(config.model.lora, compute_dtype(config.train, "cuda"))
+                if frozen is not None:  # as the trainer does on a GPU
+                    cast_frozen_(model, frozen)
                 stages = split_into_stages(model, state, config).stages if state.pp_size > 1 else [model]
                 parts = [parallelize_model(stage, state, config).module for stage in stages]
                 params = [p for part in parts for p in part.parameters()]

@@ -68,6 +68,13 @@ FAMILIES = {
         rope_parameters=MLA_YARN)),
     "deepseek_v2-lite-greedy": ("DeepseekV2ForCausalLM", "DeepseekV2Config", dict(
         MLA, q_lora_rank=None, topk_method="greedy")),
+    # A window (5) shorter than the sequence (24), random sinks and biases (randomize_), a swiglu_limit
+    # low enough that the clamps cut, a non-default alpha, YaRN past its original length (32).
+    "gpt_oss": ("GptOssForCausalLM", "GptOssConfig", dict(
+        num_local_experts=5, num_experts_per_tok=2, head_dim=16, sliding_window=5, swiglu_limit=0.8,
+        swiglu_alpha=1.3, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"rope_type": "yarn", "rope_theta": 1.5e5, "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 32})),
 }
 
 
@@ -210,6 +217,25 @@ PUBLISHED = {
         rms_norm_eps=1e-6, rope_theta=10000, rope_scaling={
             "beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
             "original_max_position_embeddings": 4096, "type": "yarn"}, tie_word_embeddings=False), None),
+    # The released config.json (MXFP4 experts: quantization_config), model card: 116.83B / 20.91B parameters.
+    "gpt-oss-120b": ("GptOssForCausalLM", dict(
+        model_type="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=36,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=128, num_experts_per_tok=4,
+        experts_per_token=4, attention_bias=True, sliding_window=128, swiglu_limit=7.0, initial_context_length=4096,
+        layer_types=["sliding_attention", "full_attention"] * 18, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        rope_theta=150000, rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                         "truncate": False, "original_max_position_embeddings": 4096},
+        router_aux_loss_coef=0.9, tie_word_embeddings=False, quantization_config={
+            "quant_method": "mxfp4", "modules_to_not_convert": [
+                "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}),
+        116_829_156_672),
+    "gpt-oss-20b": ("GptOssForCausalLM", dict(
+        model_type="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4,
+        attention_bias=True, sliding_window=128, swiglu_limit=7.0, max_position_embeddings=131072,
+        rms_norm_eps=1e-5, rope_theta=150000, rope_scaling={
+            "rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+            "original_max_position_embeddings": 4096}, tie_word_embeddings=False), 20_914_757_184),
 }
 
 

@@ -99,6 +99,14 @@ LAYOUTS = [
      dict(data_parallel_shard_size=2, pipeline_parallel_size=2, expert_parallel_size=2)),
     ("deepseek_v3 ring2 x ulysses2, ep2", 4, "deepseek_v3",
      dict(data_parallel_shard_size=1, ringattn_parallel_size=2, ulysses_parallel_size=2, expert_parallel_size=2)),
+    ("gpt_oss ep2 (sinks, windows, router / expert biases, clamped SwiGLU)", 2, "gpt_oss",
+     dict(data_parallel_shard_size=2, expert_parallel_size=2)),
+    ("gpt_oss ring2 with a window (8) smaller than a ring shard (16)", 2, "gpt_oss",
+     dict(data_parallel_shard_size=1, ringattn_parallel_size=2)),
+    ("gpt_oss ulysses2 (each rank its heads' sinks)", 2, "gpt_oss",
+     dict(data_parallel_shard_size=1, ulysses_parallel_size=2)),
+    ("gpt_oss tp2+sp, ep2 over tp (sinks split with the heads)", 2, "gpt_oss",
+     dict(data_parallel_shard_size=1, tensor_parallel_size=2, sequence_parallel=True, expert_parallel_size=2)),
 ]
 
 
@@ -126,6 +134,22 @@ FP8_LAYOUTS = [
                                                   fp8="blockwise"), FP8_TOLERANCE),
 ]
 
+# The messages format (chat rows rendered with a chat template built in the test, loss on the assistant
+# tokens only: tests/chat_data.py): masked tokens change every layout's loss denominator the same way.
+SFT_LAYOUTS = [
+    ("messages fsdp2", 2, "llama", dict(data_parallel_shard_size=2), "messages"),
+    ("messages tp2+sp", 2, "llama", dict(data_parallel_shard_size=1, tensor_parallel_size=2, sequence_parallel=True),
+     "messages"),
+    ("messages ring2", 2, "llama", dict(data_parallel_shard_size=1, ringattn_parallel_size=2), "messages"),
+    ("messages pp2", 2, "llama", dict(data_parallel_shard_size=1, pipeline_parallel_size=2), "messages"),
+    ("messages moe ep2", 2, "qwen3_moe", dict(data_parallel_shard_size=2, expert_parallel_size=2), "messages"),
+    # the other supervised formats share the masking path; one layout each that splits the sequence
+    ("prompt_completion ring2", 2, "llama", dict(data_parallel_shard_size=1, ringattn_parallel_size=2),
+     "prompt_completion"),
+    ("input_ids with labels tp2+sp", 2, "llama", dict(data_parallel_shard_size=1, tensor_parallel_size=2,
+                                                      sequence_parallel=True), "input_ids"),
+]
+
 PIPELINE_LAYOUTS = [layout for layout in LAYOUTS if layout[3].get("pipeline_parallel_size", 1) > 1]
 OTHER_LAYOUTS = [layout for layout in LAYOUTS if layout not in PIPELINE_LAYOUTS]
 
@@ -143,12 +167,14 @@ def single_process_references(gloo_world, tmp_path_factory):
     """model type -> the single-process run of the global batch, computed once when first asked."""
     cache = {}
 
-    def get(model_type: str, fp8: str = "none") -> dict:
-        if (model_type, fp8) not in cache:
+    def get(model_type: str, fp8: str = "none", data: dict | None = None) -> dict:
+        key = (model_type, fp8, tuple(sorted((data or {}).items())))
+        if key not in cache:
             out = str(tmp_path_factory.mktemp(f"ref-{model_type}-{fp8}"))
             config = tiny_config(out, model_type, gradient_accumulation_steps=GLOBAL_MICROBATCHES, fp8=fp8)
-            cache[model_type, fp8] = gloo_world(1).run(train_and_report, config)[0]
-        return cache[model_type, fp8]
+            set_data(config, data)
+            cache[key] = gloo_world(1).run(train_and_report, config)[0]
+        return cache[key]
 
     return get
 
@@ -166,13 +192,53 @@ def test_fp8_layout_matches_single_process(name, world_size, model_type, train, 
     check_layout(world_size, model_type, train, gloo_world, references, tmp_path, tolerance)
 
 
+@pytest.fixture(scope="module")
+def sft_data(tmp_path_factory) -> dict:
+    """data.* of the supervised rows, per format: chat / completion / pre-tokenised datasets and a
+    tokenizer with a chat template, made here (tests/chat_data.py)."""
+    import random
+
+    from tests.chat_data import conversations, make_chat_tokenizer, reference_encoder, write_jsonl
+
+    root = tmp_path_factory.mktemp("sft")
+    tokenizer = make_chat_tokenizer(root / "tok")
+    chats = conversations(200, seed=11, turns=1) + conversations(100, seed=12, turns=2)
+    pairs = [(c[0]["content"], c[1]["content"]) for c in conversations(300, seed=13)]
+    encode, _ = reference_encoder()
+    rng = random.Random(14)
+    pretokenised = []
+    for prompt, completion in pairs:  # labels -100 on the prompt and on a random sprinkle of the rest
+        ids = encode(prompt) + encode(completion)
+        labels = [-100] * len(encode(prompt)) + [t if rng.random() > 0.2 else -100 for t in encode(completion)]
+        pretokenised.append({"input_ids": ids, "labels": labels})
+    files = {
+        "messages": write_jsonl(root / "chat.jsonl", [{"messages": m} for m in chats]),
+        "prompt_completion": write_jsonl(root / "pc.jsonl", [{"prompt": p, "completion": c} for p, c in pairs]),
+        "input_ids": write_jsonl(root / "ids.jsonl", pretokenised),
+    }
+    return {fmt: {"dataset": path, "tokenizer": tokenizer, "format": fmt, "seq_len": 64} for fmt, path in files.items()}
+
+
+@pytest.mark.parametrize("name,world_size,model_type,train,fmt", SFT_LAYOUTS, ids=[layout[0] for layout in SFT_LAYOUTS])
+def test_supervised_format_layout_matches_single_process(name, world_size, model_type, train, fmt, gloo_world,
+                                                         references, sft_data, tmp_path):
+    check_layout(world_size, model_type, train, gloo_world, references, tmp_path, data=sft_data[fmt])
+
+
+def set_data(config, data: dict | None) -> None:
+    for key, value in (data or {}).items():
+        setattr(config.data, key, value)
+
+
 def check_layout(world_size: int, model_type: str, train: dict, gloo_world, references, tmp_path,
-                 tol: dict = FP32_TOLERANCE) -> None:
+                 tol: dict = FP32_TOLERANCE, data: dict | None = None) -> None:
     """The layout's 10 steps against one process's (see the module docstring); ``tol``: the bounds
-    after step 1 (looser for the FP8 rows)."""
-    ref = references(model_type, train.get("fp8", "none"))
+    after step 1 (looser for the FP8 rows); ``data``: data.* settings of the row (both runs)."""
+    ref = references(model_type, train.get("fp8", "none"), data) if data else references(model_type,
+                                                                                          train.get("fp8", "none"))
     train = dict(train, gradient_accumulation_steps=GLOBAL_MICROBATCHES // _dp(train))
     config = tiny_config(str(tmp_path), model_type, **train)
+    set_data(config, data)
     # A generous timeout: 8 ranks share 2 cores on CI, and a slow run is not a hang.
     got = gloo_world(world_size).run(train_and_report, config, timeout_s=900)[0]
     assert len(got["losses"]) == len(ref["losses"]) == 10

@@ -174,9 +174,9 @@ def test_bad_input_is_one_clean_message(capsys, argv, message):
 
 
 def test_unsupported_hf_model_type_is_refused(tmp_path, capsys):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_oss", "hidden_size": 64}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba", "hidden_size": 64}))
     assert main([str(tmp_path), "--gpus", "8"]) == 2
-    assert "model_type='gpt_oss'" in capsys.readouterr().err
+    assert "model_type='mamba'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("cls_name, fields", [
@@ -191,6 +191,7 @@ def test_unsupported_hf_model_type_is_refused(tmp_path, capsys):
     ("DeepseekV2ForCausalLM", dict(num_key_value_heads=8, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=32,
                                    qk_rope_head_dim=16, v_head_dim=24, n_routed_experts=8, num_experts_per_tok=2,
                                    moe_intermediate_size=64, first_k_dense_replace=1)),
+    ("GptOssForCausalLM", dict(num_local_experts=8, num_experts_per_tok=2, head_dim=16, sliding_window=128)),
 ])
 def test_hf_folder_of_every_family_has_transformers_parameter_count(tmp_path, cls_name, fields):
     """The planner reads a family's config.json as xorl-train does, and counts its parameters exactly."""

@@ -53,7 +53,15 @@ ModelConfig = model_config_class()
 
 @dataclass
 class DataConfig:
-    dataset: str = "builtin"  # the built-in corpus, or a local .jsonl / .txt / .parquet path
+    # the built-in corpus; a local .jsonl / .txt / .parquet / .json / .csv / .arrow file or folder; a folder
+    # saved with datasets' save_to_disk; or a Hugging Face hub dataset name (needs a network)
+    dataset: str = "builtin"
+    # auto (from the first row) | text | messages (chat, rendered with the tokenizer's chat template) |
+    # prompt_completion ('prompt' + 'completion') | input_ids (pre-tokenised, optional 'labels', -100 = masked)
+    format: Literal["auto", "text", "messages", "prompt_completion", "input_ids"] = "auto"
+    # which tokens of messages / prompt_completion rows train: assistant (the replies / the completion) | all
+    train_on: Literal["assistant", "all"] = "assistant"
+    split: str | None = None  # the split of a hub dataset or a save_to_disk DatasetDict (null: 'train')
     text_key: str = "text"  # the JSONL / parquet field holding each document's text
     tokenizer: str = "byte"  # byte-level, or a local HF tokenizer.json path
     seq_len: int = 128  # tokens per packed sequence
@@ -64,6 +72,11 @@ class DataConfig:
     streaming: bool = False
     seed: int = 0  # the order the packed sequences are shuffled in (and the built-in corpus)
     num_workers: int = 0  # data loader worker processes (0: read in the training process)
+    # Validation data (evaluated every train.eval_steps): another source, of the same kinds as dataset...
+    eval_dataset: str | None = None
+    eval_split: str | None = None  # its split (hub / DatasetDict; null: 'validation')
+    # ... or this fraction of the rows of dataset, held out of training (chosen by a hash of each row)
+    eval_fraction: float = 0.0
 
 
 @dataclass
@@ -112,6 +125,9 @@ class TrainConfig(ParallelFields):
     # A fresh run into a non-empty output_dir is refused unless this empties it first.
     overwrite_output_dir: bool = False
     log_steps: int = 1  # a console line every log_steps steps (metrics.jsonl gets every step)
+    # Evaluate the eval data (data.eval_dataset / eval_fraction) every eval_steps steps and at the end (0: never)
+    eval_steps: int = 0
+    eval_batches: int = 0  # global batches per evaluation (0: the whole eval set)
     # Weights & Biases (pip install -e .[logging]): rank 0 logs every step's metrics to this project;
     # its files go to output_dir/wandb. null: no W&B.
     wandb_project: str | None = None

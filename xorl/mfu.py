@@ -42,8 +42,21 @@ def flops_per_token(model_config, seq_len: int) -> float:
         mlp = 3 * m.hidden_size * m.intermediate_size
     params = m.num_hidden_layers * (attn + mlp) + m.hidden_size * m.vocab_size  # lm_head; embedding is a lookup
     # q.k and p.v: 2 (d_qk + d_v) FLOPs per key forward, 3x with the backward; half the keys (causal)
-    attention_scores = 6 * m.num_hidden_layers * m.num_attention_heads * (head_dim + head_dim_v) * seq_len / 2
+    attention_scores = 6 * m.num_attention_heads * (head_dim + head_dim_v) * keys_per_query(m, seq_len)
     return 6 * params + attention_scores
+
+
+def keys_per_query(m, seq_len: int) -> float:
+    """Keys a query attends, summed over the layers: seq_len / 2 under full causal attention; a
+    sliding window W (gpt-oss's sliding_attention layers) sees min(p + 1, W) keys at position p,
+    W - W^2 / (2 seq_len) on average."""
+    window = getattr(m, "sliding_window", None)
+    if window is None:
+        return m.num_hidden_layers * seq_len / 2
+    types = list(getattr(m, "layer_types", None) or ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                                      for i in range(m.num_hidden_layers)])
+    w = min(window, seq_len)
+    return sum(w - w * w / (2 * seq_len) if t == "sliding_attention" else seq_len / 2 for t in types)
 
 
 def mfu(tokens_per_s: float, model_config, seq_len: int, world_size: int, device: torch.device) -> float | None:

@@ -127,9 +127,12 @@ class ParallelPlan:
         return build_schedule(self.pipeline.stage_ids, self.modules, self.state, self.config, device, example,
                               hidden_shape=hidden_shape, loss_fn=loss_fn)
 
-    def start_pipeline_step(self, side_inputs: list[dict], aux_scale: float, device: torch.device) -> None:
-        """The side inputs the stages read for this step's microbatches (plans/pipeline_parallel.py)."""
-        self.pipeline.inputs.start_step(side_inputs, aux_scale=aux_scale, device=device)
+    def start_pipeline_step(self, microbatches: list[dict], aux_scale: float, device: torch.device) -> None:
+        """The side inputs the stages read for this step's microbatches (plans/pipeline_parallel.py): the
+        model's forward arguments but the input ids, which the schedule passes to the first stage."""
+        side = [{k: mb.get(k) for k in ("position_ids", "cu_seqlens", "max_seqlen", "token_mask", "labels")}
+                for mb in microbatches]
+        self.pipeline.inputs.start_step(side, aux_scale=aux_scale, device=device)
 
     @property
     def stage_router_loss_sum(self) -> torch.Tensor:

@@ -10,8 +10,9 @@ compared with the new config, in three kinds:
   built), ``config`` applies the new ones to the loaded param groups and schedule
   (``apply_config_hparams``).
 - Fields that cannot change: the model's architecture (the weights have its shapes and meaning)
-  and the data order (dataset, text_key, tokenizer, seq_len, packing, data.seed, streaming), because the
-  data position is counted in packed sequences of that order. Refused with the reason.
+  and the data order (dataset, text_key, tokenizer, seq_len, packing, data.seed, streaming, format,
+  train_on, split, eval_fraction), because the data position is counted in packed sequences of
+  that order. Refused with the reason.
 - Everything else (the parallel layout, micro batch, accumulation, clipping, logging, ...):
   the new value applies, and a note lists it. The data continues at the first sequence the
   checkpoint had not consumed, whatever the new global batch (xorl/data/loader.py).
@@ -26,7 +27,9 @@ HPARAM_FIELDS = ("lr", "lr_schedule", "min_lr_ratio", "decay_fraction", "warmup_
 # Model fields a checkpoint does not depend on: kernels, where initial weights came from, loss knobs.
 FREE_MODEL_FIELDS = ("attn_implementation", "model_path", "initializer_range", "router_aux_loss_coef",
                      "router_z_loss_coef", "fused_loss")
-DATA_ORDER_FIELDS = ("dataset", "text_key", "tokenizer", "seq_len", "packing", "seed", "streaming")
+# (format, train_on, split and eval_fraction decide which rows train and how they pack: the order too)
+DATA_ORDER_FIELDS = ("dataset", "text_key", "tokenizer", "seq_len", "packing", "seed", "streaming", "format",
+                     "train_on", "split", "eval_fraction")
 # How to resume, not what: never compared.
 NOT_COMPARED = ("train.resume", "train.resume_hparams", "train.overwrite_output_dir", "train.output_dir",
                 "train.discard_later")

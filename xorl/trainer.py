@@ -24,14 +24,15 @@ from torch import nn
 
 from xorl import run_dir, run_lock
 from xorl.checkpoint import MODEL_CONFIG, Checkpointer, latest_checkpoint, load_checkpoint
-from xorl.config import Config
-from xorl.data.loader import MicrobatchLoader, PackedDataset
+from xorl.config import Config, compute_dtype
+from xorl.data.loader import MicrobatchLoader, PackedDataset, data_report
 from xorl.data.stream import StreamedLoader
 from xorl.data.tokenizer import build_tokenizer
 from xorl.distributed.init import init_distributed, world_size_from_env
 from xorl.distributed.parallel_config import ParallelConfig
 from xorl.distributed.parallel_state import init_parallel_state
 from xorl.epochs import epoch_metrics
+from xorl.evaluate import Evaluator
 from xorl.export import DEFAULT_MAX_SHARD_BYTES, export_checkpoint
 from xorl.grad_clip import clip_grad_norm_
 from xorl.log_sinks import open_sinks
@@ -118,8 +119,9 @@ class Trainer:
         # Build on the meta device, split for PP, then TP -> CP -> EP -> AC -> FSDP2, then allocate.
         with torch.device("meta"):
             model = build_model(config.model, fp8=config.train.fp8)
-        if frozen_dtype(config, self.device.type) is not None:  # LoRA's frozen base in bf16 (xorl/nn/lora.py)
-            cast_frozen_(model, frozen_dtype(config, self.device.type))
+        frozen = frozen_dtype(config.model.lora, compute_dtype(config.train, self.device.type))
+        if frozen is not None:  # LoRA's frozen base in bf16 (xorl/nn/lora.py)
+            cast_frozen_(model, frozen)
         self.num_parameters = sum(p.numel() for p in model.parameters())
         # What the plans did (xorl/parallel_plan.py): the step asks it what to shard and reduce.
         self.parallel = build_parallel_plan(model, self.state, config)
@@ -137,7 +139,7 @@ class Trainer:
             self.tokenizer = build_tokenizer(config.data.tokenizer)
             self.loader = StreamedLoader(config.data, self.tokenizer, config.data.micro_batch_size,
                                          config.train.gradient_accumulation_steps, self.state.dp_rank,
-                                         self.state.dp_size)
+                                         self.state.dp_size, vocab_size=config.model.vocab_size)
         else:
             dataset = self.plan.dataset  # packed by prepare_run when it counted the data (train.num_epochs)
             if dataset is None:
@@ -147,6 +149,8 @@ class Trainer:
                 dataset, config.data.micro_batch_size, config.train.gradient_accumulation_steps,
                 dp_rank=self.state.dp_rank, dp_size=self.state.dp_size,
             )
+        # Validation (xorl/evaluate.py): the eval set, evaluated every train.eval_steps.
+        self.evaluator = Evaluator(config, self.state, self.tokenizer.pad_id) if config.train.eval_steps else None
         self.step = 0
         self.elapsed_offset_s = 0.0  # training time before this start (metrics' ``time`` is cumulative)
         self._clock: float | None = None
@@ -156,6 +160,7 @@ class Trainer:
             data_sequences = None if config.data.streaming else len(self.loader.dataset)
             print(startup_summary(config, self.parallel_config, self.num_parameters, self.step, self.device.type,
                                   data_sequences), flush=True)
+            print("\n".join(data_report(self.loader) + (self.evaluator.report() if self.evaluator else [])), flush=True)
         # startup.json: each rank's peak host (and device) memory with the weights in place, before step 1.
         self.startup = report_startup(config.train.output_dir, self.device, time.perf_counter() - started,
                                       self.num_parameters,
@@ -267,6 +272,18 @@ class Trainer:
         return {k: v.pin_memory().to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
                 for k, v in mb.items()}
 
+    def shard_microbatches(self, raw: list[dict]) -> list[dict]:
+        """This rank's shares of a step's host microbatches; under pipelining with padded rows, the
+        schedule of their row length becomes ``self.schedule``."""
+        plan = self.parallel
+        bucket = plan.row_bucket(raw)
+        host_mbs = [plan.shard_batch(mb, self.tokenizer.pad_id, bucket) for mb in raw]
+        if bucket is not None:  # padded rows under pipelining: the schedule of this step's row length
+            if bucket not in self._schedules:
+                self._schedules[bucket] = self._build_schedule(bucket)
+            self.schedule = self._schedules[bucket]
+        return host_mbs
+
     def train_step(self) -> StepResult:
         """One optimizer step. The host reads the device once, after the optimizer step is queued.
 
@@ -276,13 +293,7 @@ class Trainer:
         checks that the loss and norm are finite.
         """
         plan = self.parallel
-        raw = self.loader.microbatches(self.step)
-        bucket = plan.row_bucket(raw)
-        host_mbs = [plan.shard_batch(mb, self.tokenizer.pad_id, bucket) for mb in raw]
-        if bucket is not None:  # padded rows under pipelining: the schedule of this step's row length
-            if bucket not in self._schedules:
-                self._schedules[bucket] = self._build_schedule(bucket)
-            self.schedule = self._schedules[bucket]
+        host_mbs = self.shard_microbatches(self.loader.microbatches(self.step))
         n_tok = count_label_tokens(host_mbs, plan.token_count_group, self.device)
         microbatches = [self._to_device(mb) for mb in host_mbs]
         if self.schedule is not None:
@@ -337,9 +348,7 @@ class Trainer:
         """One schedule step over the microbatches; returns this rank's (loss sum, router-loss sum)."""
         plan = self.parallel
         ga = len(microbatches)
-        side = [{"position_ids": mb["position_ids"], "cu_seqlens": mb["cu_seqlens"], "labels": mb["labels"],
-                 "max_seqlen": mb["max_seqlen"], "token_mask": mb.get("token_mask")} for mb in microbatches]
-        plan.start_pipeline_step(side, aux_scale=1.0 / (ga * plan.balance_groups), device=self.device)
+        plan.start_pipeline_step(microbatches, aux_scale=1.0 / (ga * plan.balance_groups), device=self.device)
         self._step_tokens = n_tok.clamp(min=1).to(torch.float32)
         # Looped / V schedules: the first and the last stage may both be on this rank.
         args = (torch.cat([mb["input_ids"] for mb in microbatches]),) if plan.holds_first_stage else ()
@@ -386,6 +395,10 @@ class Trainer:
                            **self._epoch_metrics(), **self._throughput_metrics(result.tokens / dt)}
                 if result.aux_loss is not None:
                     metrics["router_loss"] = result.aux_loss
+                if self.evaluator is not None and self.evaluator.due(self.step):
+                    with heartbeat.busy(f"evaluating after step {self.step}"):
+                        metrics.update(self.evaluator.run(self))
+                    show = True
                 logger.log(result.step, metrics, elapsed_s=self.elapsed_s(), show=show)
                 stop = preemption.should_stop()  # every rank stops after the same step (xorl/preemption.py)
                 if stop and self.step < last:
@@ -407,6 +420,10 @@ class Trainer:
             preemption.close()
             logger.close()
         self.checkpointer.wait()  # the last save is complete (and `latest`) when train returns
+        if self.rank == 0 and self.config.data.streaming:  # what the stream left out or cut, once read
+            summary = self.loader.counts.summary(self.config.data.seq_len)
+            if summary:
+                print(f"xorl: data: {summary}", flush=True)
         run_lock.release(train.output_dir)  # a process that trains again (tests, notebooks) takes it again
         return results
 

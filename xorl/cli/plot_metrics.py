@@ -1,8 +1,10 @@
 """`xorl-plot-metrics RUN_DIR [--out loss.png] [--keys loss grad_norm]`: plot a run's metrics to PNG.
 
 RUN_DIR is a run folder (its metrics.jsonl is read) or a metrics.jsonl file. The x axis counts
-steps from 1, as the console does. The default PNG is RUN_DIR/metrics.png, which xorl counts as
-its own file (overwrite_output_dir removes it with the rest of the run).
+steps from 1, as the console does. A run with validation (train.eval_steps) also has eval_loss on
+its eval steps, drawn as points on the loss panel (and plotted alone with --keys eval_loss). The
+default PNG is RUN_DIR/metrics.png, which xorl counts as its own file (overwrite_output_dir removes
+it with the rest of the run).
 """
 
 from __future__ import annotations
@@ -50,7 +52,11 @@ def main(argv: list[str] | None = None) -> None:
     for ax, key in zip(axes[:, 0], keys):
         # steps from 1, as the console counts; a null (MFU where the peak FLOP/s is unknown) is not a point
         pts = [(r["step"] + 1, r[key]) for r in rows if r.get(key) is not None]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts])
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=key)
+        evals = [(r["step"] + 1, r["eval_loss"]) for r in rows if "eval_loss" in r] if key == "loss" else []
+        if evals:  # the validation curve beside the training loss, on the steps it was measured
+            ax.plot([p[0] for p in evals], [p[1] for p in evals], "o-", label="eval_loss")
+            ax.legend()
         ax.set_ylabel(key)
         ax.grid(alpha=0.3)
     axes[-1, 0].set_xlabel("step")

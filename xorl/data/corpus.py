@@ -12,6 +12,11 @@ import os
 import random
 from collections.abc import Iterator
 
+from xorl.data.errors import DataError
+from xorl.data.hf_source import file_rows, is_saved_dataset, saved_dataset_rows
+
+__all__ = ["DataError", "is_saved_dataset", "read_documents", "read_rows", "text_of"]
+
 _NAMES = ["Ada", "Alan", "Grace", "Edsger", "Barbara", "Donald", "Frances", "John", "Leslie", "Radia"]
 _OBJECTS = ["kernel", "tensor", "gradient", "pipeline", "expert", "ring", "mesh", "shard", "token", "layer"]
 _VERBS = ["reads", "writes", "splits", "merges", "sends", "checks", "trains", "packs", "moves", "sorts"]
@@ -36,36 +41,68 @@ def builtin_documents(num_documents: int = 4000, seed: int = 0) -> list[str]:
     return docs
 
 
+# Read by xorl itself (errors name the file and line); the others through Hugging Face `datasets`.
 READABLE_SUFFIXES = (".jsonl", ".txt", ".parquet")
+DATASETS_SUFFIXES = (".json", ".csv", ".arrow")
 
 
-class DataError(ValueError):
-    """A dataset file that cannot be read as documents; the message names the file and the line."""
+class TextDocument(str):
+    """A document that is text by nature (a .txt document, the built-in corpus), not a JSON row."""
 
 
 def dataset_files(folder: str) -> list[str]:
     """The readable files of a dataset folder, in name order."""
-    return sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(READABLE_SUFFIXES))
+    suffixes = READABLE_SUFFIXES + DATASETS_SUFFIXES
+    return sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(suffixes))
 
 
-def read_documents(path: str, text_key: str = "text") -> Iterator[str]:
-    """Documents from a local file or folder: .jsonl (one JSON object a line, ``text_key``),
-    .txt (documents separated by blank lines), .parquet (column ``text_key``).
-
-    Every problem is a DataError naming the file and its 1-based line (row for parquet)."""
+def read_rows(path: str, split: str | None = None, default_split: str = "train") -> Iterator[tuple[object, str]]:
+    """(row, where) of a local file or folder: .jsonl objects, .txt documents (strings), .parquet
+    rows (ours: errors name the file and line or row); .json / .csv / .arrow files and save_to_disk
+    folders through ``datasets`` (xorl/data/hf_source.py; ``split``, else ``default_split``, picks a
+    DatasetDict's part). ``where`` is ``file:line`` / ``file: row n``."""
+    if is_saved_dataset(path):
+        yield from saved_dataset_rows(path, split, default_split)
+        return
     if os.path.isdir(path):
         files = dataset_files(path)
         if not files:
-            raise DataError(f"data.dataset: no {'/'.join(READABLE_SUFFIXES)} files in {path!r}")
+            raise DataError(f"data.dataset: no {'/'.join(READABLE_SUFFIXES + DATASETS_SUFFIXES)} files in {path!r}")
         for file in files:
-            yield from read_documents(file, text_key)
+            yield from read_rows(file)
+        return
+    if path.endswith(DATASETS_SUFFIXES) and os.path.isfile(path):
+        yield from file_rows(path)
         return
     reader = _reader_for(path)
-    if reader is None:
-        raise DataError(f"data.dataset: {path!r} is not {', '.join(READABLE_SUFFIXES)} (or 'builtin')")
+    if reader is None and not path.endswith(DATASETS_SUFFIXES):
+        raise DataError(f"data.dataset: {path!r} is not {', '.join(READABLE_SUFFIXES + DATASETS_SUFFIXES)} "
+                        "(or 'builtin')")
     if not os.path.isfile(path):
         raise DataError(f"data.dataset: {path!r} does not exist")
-    yield from reader(path, text_key)
+    yield from reader(path)
+
+
+def read_documents(path: str, text_key: str = "text") -> Iterator[str]:
+    """The text documents of a local file or folder: .jsonl (one JSON object a line, ``text_key``),
+    .txt (documents separated by blank lines), .parquet (column ``text_key``), and what read_rows reads.
+
+    Every problem is a DataError naming the file and its 1-based line (row for parquet)."""
+    if path.endswith(".parquet") and os.path.isfile(path):
+        _parquet_columns(path, [text_key])  # a missing column is one error for the file, not one per row
+    for row, where in read_rows(path):
+        yield text_of(row, text_key, where)
+
+
+def text_of(row, text_key: str, where) -> str:
+    """A text row's document: a .txt document, or the row's ``text_key`` string."""
+    if isinstance(row, TextDocument):
+        return str(row)
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: expected a JSON object with key {text_key!r}, got a {_json_kind(row)}")
+    if text_key not in row:
+        raise DataError(f"{where}: no key {text_key!r} (keys: {sorted(row)}); set data.text_key")
+    return _text(row[text_key], f"{where}: {text_key!r}")
 
 
 def _reader_for(path: str):
@@ -88,7 +125,7 @@ def _lines(path: str) -> Iterator[tuple[int, str]]:
                 ) from None
 
 
-def _read_jsonl(path: str, text_key: str) -> Iterator[str]:
+def _read_jsonl(path: str) -> Iterator[tuple[object, str]]:
     for line_no, line in _lines(path):
         if not line.strip():
             continue
@@ -96,28 +133,25 @@ def _read_jsonl(path: str, text_key: str) -> Iterator[str]:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{line_no}: not valid JSON: {e.msg} (column {e.colno})") from None
-        if not isinstance(row, dict):
-            raise DataError(
-                f"{path}:{line_no}: expected a JSON object with key {text_key!r}, got a {_json_kind(row)}"
-            )
-        if text_key not in row:
-            raise DataError(f"{path}:{line_no}: no key {text_key!r} (keys: {sorted(row)}); set data.text_key")
-        yield _text(row[text_key], f"{path}:{line_no}: {text_key!r}")
+        yield row, f"{path}:{line_no}"
 
 
-def _read_text(path: str, text_key: str) -> Iterator[str]:
+def _read_text(path: str) -> Iterator[tuple[str, str]]:
     doc: list[str] = []
-    for _, line in _lines(path):
+    first = 0
+    for line_no, line in _lines(path):
         if line.strip():
+            first = first or line_no
             doc.append(line.rstrip("\n"))
         elif doc:
-            yield "\n".join(doc)
-            doc = []
+            yield TextDocument("\n".join(doc)), f"{path}:{first}"
+            doc, first = [], 0
     if doc:
-        yield "\n".join(doc)
+        yield TextDocument("\n".join(doc)), f"{path}:{first}"
 
 
-def _read_parquet(path: str, text_key: str) -> Iterator[str]:
+def _parquet_columns(path: str, needed: list[str]) -> list[str]:
+    """The file's columns; a DataError (one line) when it cannot be read or lacks one of ``needed``."""
     try:
         import pyarrow.parquet as pq
     except ImportError as err:
@@ -125,14 +159,33 @@ def _read_parquet(path: str, text_key: str) -> Iterator[str]:
     try:
         # The schema first: pyarrow's own error for a missing column appends the whole schema.
         columns = pq.read_schema(path).names
-        table = pq.read_table(path, columns=[text_key]) if text_key in columns else None
     except (OSError, KeyError, ValueError) as e:  # pyarrow's errors derive from these
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise DataError(f"{path}: cannot read column {text_key!r}: {first_line}") from None
-    if table is None:
-        raise DataError(f"{path}: no column {text_key!r} (columns: {columns}); set data.text_key")
-    for row, value in enumerate(table.column(text_key).to_pylist()):
-        yield _text(value, f"{path}: row {row} {text_key!r}")
+        raise DataError(f"{path}: cannot read column {needed[0]!r}: {_first_line(e)}") from None
+    missing = [c for c in needed if c not in columns]
+    if missing:
+        raise DataError(f"{path}: no column {missing[0]!r} (columns: {columns}); set data.text_key")
+    return columns
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def _read_parquet(path: str) -> Iterator[tuple[dict, str]]:
+    import pyarrow.parquet as pq
+
+    try:
+        parquet = pq.ParquetFile(path)
+    except (OSError, KeyError, ValueError) as e:
+        raise DataError(f"{path}: cannot read it: {_first_line(e)}") from None
+    row = 0
+    try:
+        for batch in parquet.iter_batches(batch_size=1024):  # bounded memory for large files
+            for record in batch.to_pylist():
+                yield record, f"{path}: row {row}"
+                row += 1
+    except (OSError, KeyError, ValueError) as e:
+        raise DataError(f"{path}: cannot read row {row}: {_first_line(e)}") from None
 
 
 def _text(value, where: str) -> str:

@@ -13,10 +13,16 @@ consumed, so every sequence is seen once. ``resume_at(step, consumed_sequences)`
 from __future__ import annotations
 
 import functools
+import hashlib
+import itertools
+import json
+import os
 import random
+from collections.abc import Iterator
 
-from xorl.data.corpus import DataError, builtin_documents, read_documents
-from xorl.data.packing import PackedSequence, collate, pack_documents
+from xorl.data.corpus import DataError, TextDocument, builtin_documents, read_rows
+from xorl.data.formats import RowEncoder
+from xorl.data.packing import DataCounts, PackedSequence, collate, pack_documents
 from xorl.data.tokenizer import build_tokenizer
 
 
@@ -30,26 +36,93 @@ def _builtin_sequences(seed: int, seq_len: int, tokenizer: str, packing: bool) -
     return tuple(pack_documents((tok.encode(d) for d in docs), seq_len, tok.pad_id, packing=packing))
 
 
+def source_rows(dataset: str, split: str | None, seed: int,
+                default_split: str = "train") -> Iterator[tuple[object, str]]:
+    """(row, where) of ``data.dataset`` (or ``data.eval_dataset``): the built-in corpus, a local file or
+    folder (xorl/data/corpus.py), or a Hugging Face hub name (xorl/data/hf_source.py)."""
+    if dataset == "builtin":
+        for i, doc in enumerate(builtin_documents(seed=seed)):
+            yield TextDocument(doc), f"builtin document {i}"
+    elif os.path.exists(dataset):
+        yield from read_rows(dataset, split, default_split)
+    else:
+        from xorl.data.hf_source import hub_rows
+
+        yield from hub_rows(dataset, split, default_split)
+
+
+def held_out(row, fraction: float, seed: int) -> bool:
+    """Whether ``data.eval_fraction`` holds this row out of training, for evaluation.
+
+    Decided by a hash of the row's content (and the seed), not its position: the same rows are held
+    out on every layout, in every epoch and after any resume, and a row repeated in the data is
+    held out with its copies (the eval set never holds a row also trained on)."""
+    if fraction <= 0:
+        return False
+    text = row if isinstance(row, str) else json.dumps(row, sort_keys=True, default=str)
+    digest = hashlib.blake2b(f"{seed}\x00{text}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") < fraction * 2**64
+
+
 class PackedDataset:
-    def __init__(self, data_config, vocab_size: int | None = None):
+    """The packed sequences of the training data (``part='train'``) or of the eval set (``'eval'``:
+    ``data.eval_dataset``, or the rows ``data.eval_fraction`` holds out; in file order)."""
+
+    def __init__(self, data_config, vocab_size: int | None = None, part: str = "train"):
         self.tokenizer = build_tokenizer(data_config.tokenizer)
         if vocab_size is not None and self.tokenizer.vocab_size > vocab_size:
             raise ValueError(
                 f"tokenizer has {self.tokenizer.vocab_size} tokens but model.vocab_size is {vocab_size}: "
                 f"set --model.vocab_size={self.tokenizer.vocab_size} or more"
             )
-        if data_config.dataset == "builtin":
+        self.counts = DataCounts()
+        self.encoder = RowEncoder(data_config, self.tokenizer, self.counts, vocab_size)
+        self.seq_len = data_config.seq_len
+        self.part = part
+        source = data_config.dataset
+        fraction = data_config.eval_fraction
+        if part == "eval" and data_config.eval_dataset is not None:
+            source, fraction = data_config.eval_dataset, 0.0
+        self.source = source if not fraction else (
+            f"{source} ({'the' if part == 'eval' else 'without the'} data.eval_fraction={fraction} held out)")
+        builtin_text = data_config.format in ("auto", "text") and not fraction
+        if source == "builtin" and builtin_text and part == "train":
+            self.encoder.format = "text"
             self.sequences: list[PackedSequence] = list(_builtin_sequences(
                 data_config.seed, data_config.seq_len, data_config.tokenizer, data_config.packing))
         else:
-            docs = read_documents(data_config.dataset, data_config.text_key)
-            self.sequences = pack_documents(
-                (self.tokenizer.encode(d) for d in docs), data_config.seq_len, self.tokenizer.pad_id,
-                packing=data_config.packing,
-            )
+            own_eval = part == "eval" and data_config.eval_dataset is not None
+            split = data_config.eval_split if own_eval else data_config.split
+            # an eval dataset's own split defaults to 'validation' (hub datasets, DatasetDicts)
+            rows = source_rows(source, split, data_config.seed, "validation" if own_eval else "train")
+            if fraction:
+                keep_eval = part == "eval"
+                rows = ((row, where) for row, where in rows if held_out(row, fraction, data_config.seed) == keep_eval)
+            first = next(rows, None)
+            if first is None:
+                raise DataError(f"data.{'eval_' if source is not data_config.dataset else ''}dataset {source!r} "
+                                f"{'holds no row' if not fraction else f'leaves no row for {part}'}"
+                                + ("; raise data.eval_fraction" if fraction and part == "eval" else ""))
+            self.encoder.resolve(*first)
+            docs = (self.encoder.encode(row, where) for row, where in itertools.chain([first], rows))
+            self.sequences = pack_documents((d for d in docs if d is not None), data_config.seq_len,
+                                            self.tokenizer.pad_id, packing=data_config.packing,
+                                            whole_documents=self.encoder.supervised, counts=self.counts)
         if not self.sequences:
-            raise DataError(f"data.dataset {data_config.dataset!r} produced no tokens")
+            raise DataError(f"data.{'eval_' if part == 'eval' else ''}dataset {source!r} produced no tokens"
+                            + ("" if not self.counts.untrained_rows else
+                               f" that train ({self.counts.untrained_rows} rows train on no token)"))
         self.seed = data_config.seed
+
+    def report(self) -> list[str]:
+        """The log lines about this data: its format, and what was left out or cut (when anything was)."""
+        name = "eval data" if self.part == "eval" else "data"
+        lines = [f"xorl: {name}: {self.source}, format {self.encoder.describe()}, {len(self)} sequences"
+                 + (f" from {self.counts.rows} rows" if self.counts.rows else "")]
+        summary = self.counts.summary(self.seq_len)
+        if summary:
+            lines.append(f"xorl: {name}: {summary}")
+        return lines
 
     def __len__(self) -> int:
         return len(self.sequences)
@@ -58,6 +131,14 @@ class PackedDataset:
         idx = list(range(len(self.sequences)))
         random.Random(self.seed * 1_000_003 + epoch).shuffle(idx)
         return idx
+
+
+def data_report(loader) -> list[str]:
+    """The log lines about the training data: its format and what was left out or cut."""
+    dataset = getattr(loader, "dataset", None)
+    if isinstance(dataset, PackedDataset):
+        return dataset.report()
+    return [f"xorl: data: {loader.dataset}, streamed, format {loader.encoder.describe()}"]
 
 
 class MicrobatchLoader:

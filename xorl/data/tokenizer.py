@@ -29,6 +29,8 @@ class ByteTokenizer:
     def decode(self, ids) -> str:
         return bytes(i for i in ids if i < self.num_bytes).decode("utf-8", errors="replace")
 
+    hf = None  # no transformers tokenizer: no chat template
+
 
 class HFTokenizer:
     """A local Hugging Face tokenizer: a folder (AutoTokenizer, local files only) or a bare
@@ -70,6 +72,11 @@ class HFTokenizer:
         if pad is None:
             pad = config_ids.get("pad_token_id")
         self.pad_id = self.eos_id if pad is None else int(pad)
+
+    @property
+    def hf(self):
+        """The transformers tokenizer (chat template, offsets), or None for a bare tokenizer.json."""
+        return self._hf
 
     def _special(self, names: list[str]) -> int | None:
         for name in names:

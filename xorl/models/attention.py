@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from xorl.models.layers import RMSNorm, apply_rotary
 from xorl.models.spec import ModelSpec
@@ -194,7 +195,7 @@ class Attention(nn.Module):
     rank exactly its q, k and v heads, whatever the TP size (a checkpoint resumes on any TP), and
     each rank runs one GEMM for all three. HF files keep q_proj / k_proj / v_proj (hf_io converts)."""
 
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, layer_idx: int = 0):
         super().__init__()
         self.head_dim = spec.head_dim
         self.merge_qkv = spec.merge_qkv
@@ -230,8 +231,10 @@ class Attention(nn.Module):
         # sliding ``window`` go to the core attention in every call; a family that has them sets
         # them here. Under context parallelism each rank's sinks gradient covers its own query
         # rows and the FSDP / DDP reduction over dp_cp sums them, like any replicated parameter.
-        self.sinks: nn.Parameter | None = None
-        self.window: int | None = None
+        # gpt-oss (family trait attention_sinks; its layer_types say which layers slide).
+        self.sinks: nn.Parameter | None = (nn.Parameter(torch.empty(spec.num_attention_heads))
+                                           if spec.family.attention_sinks else None)
+        self.window: int | None = spec.attention_window(layer_idx)
 
     def forward(
         self,
@@ -260,8 +263,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         extra = {}
-        if self.sinks is not None:
-            extra["sinks"] = self.sinks
+        if self.sinks is not None:  # under tensor parallelism a DTensor over the heads: this rank's heads
+            extra["sinks"] = self.sinks.to_local() if isinstance(self.sinks, DTensor) else self.sinks
         if self.window is not None:
             extra["window"] = self.window
         out = self.core_attention(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, **extra)

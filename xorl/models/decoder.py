@@ -77,10 +77,10 @@ def positions_from_cu_seqlens(cu_seqlens: torch.Tensor, seq_len: int) -> torch.T
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, mlp: nn.Module):
+    def __init__(self, spec: ModelSpec, mlp: nn.Module, layer_idx: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
-        self.self_attn = LatentAttention(spec) if spec.is_mla else Attention(spec)
+        self.self_attn = LatentAttention(spec) if spec.is_mla else Attention(spec, layer_idx)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         self.mlp = mlp
 
@@ -161,7 +161,7 @@ class DecoderForCausalLM(nn.Module):
         # train.fp8 is a compute choice of this build, so it joins the spec here, not the model config.
         self.spec = dataclasses.replace(ModelSpec.from_config(config), fp8=fp8)
         spec = self.spec
-        layers = [DecoderLayer(spec, self.build_mlp(spec, i)) for i in range(spec.num_hidden_layers)]
+        layers = [DecoderLayer(spec, self.build_mlp(spec, i), i) for i in range(spec.num_hidden_layers)]
         self.model = DecoderModel(spec, layers)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.tie_weights()
@@ -193,6 +193,10 @@ class DecoderForCausalLM(nn.Module):
             z_loss_coef=spec.router_z_loss_coef,
             fp8=spec.fp8,
             lora=lora_spec(spec.lora, "experts"),
+            router_bias=spec.family.router_bias,
+            expert_biases=spec.family.expert_biases,
+            swiglu_alpha=spec.swiglu_alpha,
+            swiglu_limit=spec.swiglu_limit if spec.family.clamped_swiglu else None,
         )
 
     def tie_weights(self) -> None:

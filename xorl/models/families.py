@@ -22,6 +22,7 @@ _FAMILY_MODULES = {
     "mixtral": "xorl.models.mixtral",
     "olmoe": "xorl.models.olmoe",
     "glm4_moe": "xorl.models.glm4_moe",
+    "gpt_oss": "xorl.models.gpt_oss",
     "deepseek_v3": "xorl.models.deepseek_v3",
     "deepseek_v2": "xorl.models.deepseek_v2",
 }

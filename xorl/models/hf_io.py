@@ -12,6 +12,10 @@ Name / layout conversions (everything else keeps its name):
 - merge_gate_up: the dense MLP's ``mlp.gate_up_proj`` rows alternate gate and up units (row 2i
   gate i, row 2i + 1 up i; xorl/models/layers.py); HF files hold ``gate_proj`` / ``up_proj``.
 - tie_word_embeddings: ``lm_head.weight`` is not written (as in HF) and ignored when loading.
+- gpt-oss (``Family.experts_interleaved``): HF files hold the experts stacked [E, in, out] with gate
+  and up columns interleaved, with per-expert biases, in bf16 or MXFP4 blocks and scales
+  (xorl/models/mxfp4.py reads them box by box, dequantising only the boxes a rank holds); export
+  writes the dense interleaved layout.
 - Block-quantised FP8 folders (DeepSeek-V3's release: ``X.weight`` float8 with ``X.weight_scale_inv``)
   are read dequantised, box by box (xorl/models/fp8_blocks.py); the scales are not sources of their own.
 - A family's own spelling (``Family.weight_names``: Mixtral's ``block_sparse_moe.experts.{j}.w1``,
@@ -231,8 +235,14 @@ def _per_expert(prefix: str, proj: str, sources: set[str], count: int = 0) -> li
 def _plan(targets: list[str], sources: set[str], tied: bool, spec: ModelSpec | None = None) -> dict[str, _Recipe]:
     """One recipe per target name, decided from the names alone (before reading any data); ``spec``
     gives merge_qkv's head grouping."""
+    from xorl.models import mxfp4
+
+    interleaved = spec is not None and spec.family.experts_interleaved
     recipes: dict[str, _Recipe] = {}
     for name in targets:
+        if interleaved and (gpt_oss := mxfp4.EXPERT_TENSOR.match(name)):
+            recipes[name] = mxfp4.ExpertRecipe(gpt_oss["prefix"], gpt_oss["proj"], bool(gpt_oss["bias"]), sources)
+            continue
         qkv = _QKV.match(name)
         expert = _STACKED_EXPERT.match(name)
         gate_up = _GATE_UP.match(name)
@@ -484,6 +494,13 @@ def _common_pieces(name: str, shape: tuple[int, ...], spec: ModelSpec) -> list[t
     # format; an export merges it into the base weight, xorl/export.py).
     if (spec.tie_word_embeddings and name == "lm_head.weight") or is_adapter_name(name):
         return []
+    if spec.family.experts_interleaved:
+        from xorl.models.mxfp4 import EXPERT_TENSOR, interleave_gate_up
+
+        if (gpt_oss := EXPERT_TENSOR.match(name)) and gpt_oss["proj"] == "gate_up_proj":
+            return [(name, interleave_gate_up)]
+        if gpt_oss:
+            return [(name, lambda t: t)]
     qkv = _QKV.match(name)
     expert = _STACKED_EXPERT.match(name)
     gate_up = _GATE_UP.match(name)

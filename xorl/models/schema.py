@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 DENSE = ("llama", "qwen2", "qwen3", "mistral")
-MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3", "deepseek_v2")
+MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3", "deepseek_v2", "gpt_oss")
 MLA = ("deepseek_v3", "deepseek_v2")  # of those, the ones with multi-head latent attention (xorl/models/mla.py)
 ALL = DENSE + MOE
 
@@ -64,7 +64,8 @@ FIELDS: tuple[Field, ...] = (
        doc="the fraction of each head's dims that RoPE rotates (GLM-4.5: 0.5)"),
     _f("max_position_embeddings", int, 2048, doc="the longest sequence the model is built for (data.seq_len <= this)"),
     _f("tie_word_embeddings", bool, False, doc="the lm_head shares the embedding weight"),
-    _f("attention_bias", bool, False, families=("llama", "qwen3", "qwen3_moe", "olmoe", "glm4_moe", "qwen2_moe", *MLA),
+    _f("attention_bias", bool, False, families=("llama", "qwen3", "qwen3_moe", "olmoe", "glm4_moe", "qwen2_moe", *MLA,
+                                                "gpt_oss"),
        doc="biases on q/k/v (and o where the family's HF class puts one there: Family.o_proj_bias); MLA: on "
            "q_a_proj, kv_a_proj_with_mqa and o_proj"),
     # Multi-head latent attention (DeepSeek-V2 / V3, Kimi-K2, Moonlight): xorl/models/mla.py.
@@ -77,6 +78,11 @@ FIELDS: tuple[Field, ...] = (
     _f("v_head_dim", int, 0, families=MLA, doc="MLA: the value head dim (head_dim is qk_nope + qk_rope)"),
     _f("rope_interleave", bool, True, families=("deepseek_v3",),
        doc="MLA: RoPE rotates interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek's layout) rather than halves"),
+    _f("sliding_window", int | None, None, families=("gpt_oss",),
+       doc="the window W of the layers layer_types marks sliding_attention: a query at p attends keys p-W < k <= p"),
+    _f("layer_types", list[str], [], families=("gpt_oss",),
+       doc="per layer 'sliding_attention' or 'full_attention'; [] on gpt_oss: transformers' default "
+           "(even layers sliding, odd full)"),
     # MoE
     _f("num_experts", int, 0, families=MOE, doc="0 on dense models"),
     _f("num_experts_per_tok", int, 2, families=MOE, doc="experts each token is routed to (top-k)"),
@@ -99,6 +105,9 @@ FIELDS: tuple[Field, ...] = (
     _f("decoder_sparse_step", int, 1, families=("qwen3_moe", "qwen2_moe"), doc="every n-th block is MoE"),
     _f("mlp_only_layers", list[int], [], families=("qwen3_moe", "qwen2_moe"),
        doc="blocks (0-based) with a dense MLP instead of experts"),
+    _f("swiglu_alpha", float, 1.702, families=("gpt_oss",), doc="gpt-oss experts: glu = gate * sigmoid(alpha * gate)"),
+    _f("swiglu_limit", float, 7.0, families=("gpt_oss",),
+       doc="gpt-oss experts: gate clamped above at the limit, up to [-limit, limit]"),
     # Training knobs: config.json may hold them; an explicit YAML / CLI value wins.
     _f("router_aux_loss_coef", float, 0.001, "knob", families=MOE, doc="weight of the load-balancing loss"),
     _f("router_z_loss_coef", float, 0.0, "knob", families=(), doc="weight of the router z-loss (0: off)"),
@@ -151,6 +160,15 @@ class Family:
     derived: tuple[str, ...] = ()  # fields read_hf computes from others (not exported under their name)
     # field -> the field whose value it always takes (Mixtral's / OLMoE's experts are intermediate_size wide)
     same_as: dict[str, str] = field(default_factory=dict)
+    # gpt-oss's traits: a learned per-head logit joining every softmax row (``self_attn.sinks``), a
+    # bias on the router logits, per-expert biases and the clamped SwiGLU (swiglu_alpha / _limit),
+    # and HF files holding stacked [E, in, out] experts with gate / up columns interleaved (bf16 or
+    # MXFP4 blocks and scales; xorl/models/mxfp4.py).
+    attention_sinks: bool = False
+    router_bias: bool = False
+    expert_biases: bool = False
+    clamped_swiglu: bool = False
+    experts_interleaved: bool = False
 
     def carries(self, name: str) -> bool:
         return self.model_type in FIELD[name].families
@@ -224,6 +242,18 @@ def shape_problems(m: dict[str, Any], family: Family) -> list[str]:
         problems += mla_problems(m)  # head_dim and the rotary dims are MLA's own
     else:
         problems += _head_problems(m)
+    for name in ("sliding_window", "layer_types", "swiglu_alpha", "swiglu_limit"):
+        if not family.carries(name) and _plain(m[name]) != _plain(FIELD[name].default):
+            problems.append(f"model.{name}={m[name]!r}: only model_type gpt_oss reads it; remove it")
+    if m["sliding_window"] is not None and m["sliding_window"] < 1:
+        problems.append(f"model.sliding_window={m['sliding_window']} must be >= 1 (or null)")
+    kinds = ("sliding_attention", "full_attention")
+    if m["layer_types"] and (len(m["layer_types"]) != m["num_hidden_layers"]
+                             or any(t not in kinds for t in m["layer_types"])):
+        problems.append(f"model.layer_types must list one of {kinds} for each of the num_hidden_layers="
+                        f"{m['num_hidden_layers']} layers, got {list(m['layer_types'])}")
+    elif "sliding_attention" in m["layer_types"] and m["sliding_window"] is None:
+        problems.append("model.layer_types has sliding_attention layers but model.sliding_window is null; set it")
     if not family.moe and m["num_experts"] > 0:
         problems.append(f"model.num_experts={m['num_experts']} but model_type={m['model_type']!r} is dense; set "
                         "num_experts: 0, or a mixture-of-experts model_type (qwen3_moe, mixtral, ...)")
@@ -377,7 +407,8 @@ def hf_to_fields(raw: dict, family: Family, where: str) -> tuple[dict[str, Any],
     if raw.get("use_sliding_window"):
         problems.append(f"{where}: use_sliding_window=true: sliding-window attention is not supported yet; "
                         "set it to false")
-    elif "use_sliding_window" not in raw and raw.get("sliding_window") is not None:
+    elif ("use_sliding_window" not in raw and raw.get("sliding_window") is not None
+          and not family.carries("sliding_window")):
         problems.append(f"{where}: sliding_window={raw['sliding_window']}: sliding-window attention is not "
                         "supported yet (it lands with the sliding-window issue); set sliding_window to null")
     for name, value in family.fixed.items():

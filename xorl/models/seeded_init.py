@@ -79,7 +79,7 @@ def init_rule(model: nn.Module, raw_name: str, is_buffer: bool) -> str | float:
     if leaf in ADAPTER_NAMES:
         bound = adapter_bounds(owner.lora, owner.in_features)[leaf]
         return "zeros" if bound is None else bound
-    if is_buffer or leaf == "bias":
+    if is_buffer or leaf == "bias" or leaf.endswith("_bias"):  # gpt-oss experts: gate_up_proj_bias, down_proj_bias
         return "zeros"
     if isinstance(owner, RMSNorm):
         return "ones"

@@ -69,6 +69,15 @@ class _SpecMethods:
             return self.qk_rope_head_dim
         return int(self.head_dim * self.partial_rotary_factor)
 
+    def attention_window(self, layer_idx: int) -> int | None:
+        """The sliding window W of layer ``layer_idx`` (a query at p attends keys p-W < k <= p), or None
+        for full causal attention. gpt-oss: layer_types, by default transformers' (even layers sliding)."""
+        if self.sliding_window is None:
+            return None
+        types = self.layer_types or tuple("sliding_attention" if i % 2 == 0 else "full_attention"
+                                          for i in range(self.num_hidden_layers))
+        return self.sliding_window if types[layer_idx] == "sliding_attention" else None
+
     def is_moe_layer(self, layer_idx: int) -> bool:
         """transformers' rule: Qwen-MoE's mlp_only_layers / decoder_sparse_step, GLM's first_k_dense_replace."""
         return (
@@ -112,6 +121,7 @@ class _SpecMethods:
         elif values["head_dim"] is None:
             values["head_dim"] = values["hidden_size"] // values["num_attention_heads"]
         values["mlp_only_layers"] = tuple(int(i) for i in values["mlp_only_layers"])
+        values["layer_types"] = tuple(str(t) for t in values["layer_types"])
         values["rope_scaling"] = dict(values["rope_scaling"]) if values["rope_scaling"] else None
         return cls(**values)
 

@@ -93,11 +93,10 @@ def freeze_base(model: nn.Module) -> None:
         param.requires_grad_(is_adapter_name(name))
 
 
-def frozen_dtype(config, device_type: str) -> torch.dtype | None:
-    """The dtype a LoRA run stores its frozen base in (None: as built, fp32): the compute dtype."""
-    from xorl.config import compute_dtype
-
-    if config.model.lora and compute_dtype(config.train, device_type) == "bfloat16":
+def frozen_dtype(lora, compute_dtype: str) -> torch.dtype | None:
+    """The dtype a LoRA run (``lora``: model.lora) stores its frozen base in (None: as built, fp32): the
+    run's compute dtype (xorl.config.compute_dtype, passed in: this module does not import the config)."""
+    if lora and compute_dtype == "bfloat16":
         return torch.bfloat16
     return None
 

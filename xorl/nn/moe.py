@@ -264,6 +264,9 @@ class MoE(nn.Module):
         aux_loss_coef, z_loss_coef: weights of the two losses in ``MoEAux.loss``.
         ep_group: expert-parallel process group (None: all experts local).
         balance_group: the group whose tokens the load-balancing statistics cover (``Router``).
+        router_bias: a learned bias on the router logits (gpt-oss).
+        expert_biases, swiglu_alpha, swiglu_limit: gpt-oss experts (per-expert biases, clamped
+            SwiGLU when swiglu_limit is set; ``GroupedExperts``).
         returns_aux: False for a drop-in replacement of a ``transformers`` block, whose caller
             expects the output alone (``from_block``); the auxiliary losses are then not returned.
     """
@@ -294,6 +297,10 @@ class MoE(nn.Module):
         dtype=None,
         fp8: str = "none",
         lora=None,
+        router_bias: bool = False,
+        expert_biases: bool = False,
+        swiglu_alpha: float = 1.702,
+        swiglu_limit: float | None = None,
     ):
         super().__init__()
         check_router_args(num_experts, top_k, scoring)
@@ -328,10 +335,12 @@ class MoE(nn.Module):
             balance_group=balance_group,
             device=device,
             dtype=dtype,
+            bias=router_bias,
         )
         self.experts = GroupedExperts(
             self.num_local_experts, hidden_size, moe_intermediate_size, device=device, dtype=dtype, fp8=fp8,
             lora=lora,
+            bias=expert_biases, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
         )
         if shared_expert_intermediate_size > 0:
             self.shared_expert = SharedExpertMLP(hidden_size, shared_expert_intermediate_size, device, dtype)
@@ -449,7 +458,7 @@ class MoE(nn.Module):
         if gate is not None and up is not None and f"{prefix}experts.gate_up_proj" not in state_dict:
             state_dict[f"{prefix}experts.gate_up_proj"] = torch.cat([state_dict.pop(f"{prefix}experts.gate_proj"),
                                                                    state_dict.pop(f"{prefix}experts.up_proj")], dim=2)
-        for name in _EXPERT_PARAMS:
+        for name in self.experts.param_names:
             key = f"{prefix}experts.{name}"
             value = state_dict.get(key)
             if value is None or isinstance(value, DTensor) or value.shape[0] != self.num_experts:

@@ -9,6 +9,10 @@ halves; three launches become two. ``gate_up_proj`` is transformers 5's in-memor
 parallelism the module holds only this rank's ``E / ep_size`` experts (the stacked dim 0 is the
 local expert index).
 
+gpt-oss variant (``bias=True``, ``swiglu_limit`` set): per-expert biases ``gate_up_proj_bias``
+[E, 2I] (gate units, then up) and ``down_proj_bias`` [E, hidden], added by the grouped GEMM, and the
+clamped SwiGLU ``(up.clamp(-l, l) + 1) * g * sigmoid(alpha * g)``, ``g = gate.clamp(max=l)``.
+
 Why a module of its own: FSDP2 (``fully_shard`` over the ep_fsdp mesh) gathers parameters in the
 pre-forward hook of the module it wraps, so the expert weights must be used inside this module's
 forward and nowhere else.
@@ -21,7 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from xorl.nn.lora import ExpertsLoRA
-from xorl_kernels.activation.op import swiglu
+from xorl_kernels.activation.op import clamped_swiglu, swiglu
 from xorl_kernels.grouped_gemm.op import grouped_gemm
 
 # train.fp8 -> whether the experts' grouped GEMM runs in FP8: only blockwise has an FP8 grouped
@@ -36,31 +40,44 @@ def _local(weight: torch.Tensor) -> torch.Tensor:
     return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
-def swiglu_experts(x_sorted, gate_up_proj, down_proj, tokens_per_expert, fp8: bool = False, adapters=None):
+def swiglu_experts(x_sorted, gate_up_proj, down_proj, tokens_per_expert, fp8: bool = False, adapters=None,
+                   gate_up_bias=None, down_bias=None, swiglu_alpha: float = 1.702, swiglu_limit: float | None = None):
     """down(silu(x @ gate) * (x @ up)) per expert over rows sorted by expert: one grouped GEMM for
     gate and up together ([N, 2I]), SwiGLU on its halves, one for down. ``fp8``: blockwise FP8 GEMMs.
-    ``adapters``: (gate_up, down) callables adding each projection's LoRA delta (xorl/nn/lora.py)."""
+    ``adapters``: (gate_up, down) callables adding each projection's LoRA delta (xorl/nn/lora.py).
+    gpt-oss: per-expert biases on both GEMMs and, with ``swiglu_limit``, the clamped SwiGLU."""
     if fp8:
         from xorl_kernels.fp8.grouped import fp8_grouped_gemm as gemm
     else:
         gemm = grouped_gemm
-    gate_up = gemm(x_sorted, gate_up_proj, tokens_per_expert)
+    if gate_up_bias is None:
+        gate_up = gemm(x_sorted, gate_up_proj, tokens_per_expert)
+    else:
+        gate_up = grouped_gemm(x_sorted, gate_up_proj, tokens_per_expert, gate_up_bias)
     if adapters is not None:
         gate_up = gate_up + adapters[0](x_sorted)
     gate, up = gate_up.chunk(2, dim=-1)
-    hidden = swiglu(gate, up)
-    out = gemm(hidden, down_proj, tokens_per_expert)
-    return out if adapters is None else out + adapters[1](hidden)
+    act = swiglu(gate, up) if swiglu_limit is None else clamped_swiglu(gate, up, swiglu_alpha, swiglu_limit)
+    if down_bias is None:
+        out = gemm(act, down_proj, tokens_per_expert)
+    else:
+        out = grouped_gemm(act, down_proj, tokens_per_expert, down_bias)
+    return out if adapters is None else out + adapters[1](act)
 
 
 class GroupedExperts(nn.Module):
     """``num_experts`` SwiGLU experts evaluated with ``xorl_kernels.grouped_gemm.op``."""
 
     def __init__(self, num_experts: int, hidden_size: int, moe_intermediate_size: int, device=None, dtype=None,
-                 fp8: str = "none", lora=None):
+                 fp8: str = "none", lora=None, bias: bool = False, swiglu_alpha: float = 1.702,
+                 swiglu_limit: float | None = None):
         super().__init__()
         if fp8 not in _EXPERT_FP8:
             raise ValueError(f"GroupedExperts: fp8={fp8!r}; use one of {tuple(_EXPERT_FP8)}")
+        if bias and _EXPERT_FP8[fp8]:
+            raise ValueError(f"GroupedExperts: fp8={fp8!r} has no grouped GEMM with a bias (gpt-oss experts); "
+                             "use train.fp8 none, tensorwise or rowwise")
+        self.swiglu_alpha, self.swiglu_limit = swiglu_alpha, swiglu_limit
         self.fp8 = fp8
         self.num_experts = num_experts
         self.hidden_size = hidden_size
@@ -81,12 +98,27 @@ class GroupedExperts(nn.Module):
             self.down_proj.requires_grad_(False)
         else:
             self.lora_gate_up_proj = self.lora_down_proj = None
+        if bias:
+            self.gate_up_proj_bias = nn.Parameter(
+                torch.empty(num_experts, 2 * moe_intermediate_size, device=device, dtype=dtype))
+            self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size, device=device, dtype=dtype))
+        else:
+            self.gate_up_proj_bias = self.down_proj_bias = None
         self.init_weights()
+
+    @property
+    def param_names(self) -> tuple[str, ...]:
+        """The stacked [E, ...] tensors (expert parallelism slices each on dim 0)."""
+        biases = ("gate_up_proj_bias", "down_proj_bias") if self.gate_up_proj_bias is not None else ()
+        return ("gate_up_proj", "down_proj", *biases)
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02) -> None:
         for p in (self.gate_up_proj, self.down_proj):
             nn.init.normal_(p, std=std)
+        for p in (self.gate_up_proj_bias, self.down_proj_bias):
+            if p is not None:
+                nn.init.zeros_(p)
 
     def distribute_over(self, ep_mesh) -> None:
         """Keep this rank's experts as DTensors of global shape [E, ...] sharded on dim 0 over the 1-D
@@ -102,18 +134,21 @@ class GroupedExperts(nn.Module):
             raise ValueError(f"{self.num_experts} experts do not split over an EP size of {size}")
         local_n = self.num_experts // size
         first = rank * local_n
-        # The base weights and, under LoRA, the adapters ([E, ...] all): each rank keeps its experts.
-        slots = [(self, "gate_up_proj"), (self, "down_proj")]
+        # The stacked [E, ...] tensors and, under LoRA, the adapters ([E, ...] all): each rank keeps its experts.
+        slots = [(self, name) for name in self.param_names]
         slots += [(m, n) for m in (self.lora_gate_up_proj, self.lora_down_proj) if m is not None
                   for n in ("lora_A", "lora_B")]
+        shards = {}
         for owner, name in slots:
             full = getattr(owner, name)
             if isinstance(full, DTensor):
                 raise RuntimeError(f"experts.{name} is already a DTensor; distribute_over runs once")
             # A copy of this rank's rows, so the full tensor is freed.
             local = full.detach()[first:first + local_n].clone()
-            setattr(owner, name, nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False),
-                                              requires_grad=full.requires_grad))
+            shards[(owner, name)] = nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False),
+                                                 requires_grad=full.requires_grad)
+        for (owner, name), shard in shards.items():
+            setattr(owner, name, shard)
         self.num_experts = local_n
 
     def forward(self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
@@ -127,11 +162,18 @@ class GroupedExperts(nn.Module):
         if self.lora_gate_up_proj is not None:
             adapters = (lambda x: self.lora_gate_up_proj(x, tokens_per_expert, _local),
                         lambda h: self.lora_down_proj(h, tokens_per_expert, _local))
+        biases = {}
+        if self.gate_up_proj_bias is not None:
+            biases = dict(gate_up_bias=_local(self.gate_up_proj_bias), down_bias=_local(self.down_proj_bias))
         return swiglu_experts(x_sorted, _local(self.gate_up_proj), _local(self.down_proj), tokens_per_expert,
-                              fp8=_EXPERT_FP8[self.fp8], adapters=adapters)
+                              fp8=_EXPERT_FP8[self.fp8], adapters=adapters, swiglu_alpha=self.swiglu_alpha,
+                              swiglu_limit=self.swiglu_limit, **biases)
 
     def extra_repr(self) -> str:
         return (
             f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
             f"moe_intermediate_size={self.moe_intermediate_size}" + ("" if self.fp8 == "none" else f", fp8={self.fp8}")
+            + ("" if self.gate_up_proj_bias is None else ", bias=True")
+            + ("" if self.swiglu_limit is None
+               else f", swiglu_alpha={self.swiglu_alpha}, swiglu_limit={self.swiglu_limit}")
         )

@@ -84,6 +84,10 @@ class Router(nn.Module):
         norm_topk_prob: renormalise the K chosen weights to sum to 1.
         expert_bias: enable auxiliary-loss-free balancing (bias for selection only).
         bias_update_rate: step of :meth:`update_bias`.
+        bias: a learned bias on the logits (gpt-oss's ``router.bias``): it enters the scores, the
+            selection and the weights alike (unlike ``expert_bias``, which only steers selection).
+            gpt-oss takes the softmax over the top-k logits, which is softmax scoring with
+            norm_topk_prob (softmax(l)_i / sum_topk softmax(l)_j = exp(l_i) / sum_topk exp(l_j)).
     """
 
     def __init__(
@@ -102,6 +106,7 @@ class Router(nn.Module):
         balance_group: dist.ProcessGroup | None = None,
         device=None,
         dtype=None,
+        bias: bool = False,
     ):
         super().__init__()
         check_router_args(num_experts, top_k, scoring)
@@ -123,6 +128,7 @@ class Router(nn.Module):
         self.norm_topk_prob = norm_topk_prob
         self.bias_update_rate = bias_update_rate
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(num_experts, device=device, dtype=dtype)) if bias else None
         if expert_bias:
             # Persistent: the bias is training state and must survive a checkpoint (DeepSeek-V3 name).
             self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, device=device))
@@ -141,6 +147,8 @@ class Router(nn.Module):
     @torch.no_grad()
     def init_weights(self, std: float) -> None:
         nn.init.normal_(self.weight, std=std)
+        if self.bias is not None:
+            self.bias.zero_()
         if self.e_score_correction_bias is not None:
             self.e_score_correction_bias.zero_()
         self.load_since_update = None
@@ -154,7 +162,7 @@ class Router(nn.Module):
             )
         x = hidden_states.reshape(-1, self.hidden_size)
         # The matmul runs in the activation dtype (as in transformers); everything after it in fp32.
-        logits = F.linear(x, self.weight.to(x.dtype)).float()
+        logits = F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype)).float()
         if self.scoring == "softmax":
             scores = torch.softmax(logits, dim=-1)
             probs = scores

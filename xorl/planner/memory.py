@@ -123,6 +123,7 @@ VOCAB_PARAMS = ("model.embed_tokens.weight", "lm_head.weight")
 TP_SHARD_DIM = {
     **{f"self_attn.{x}_proj.{kind}": 0 for x in ("q", "k", "v", "qkv") for kind in ("weight", "bias")},
     "self_attn.o_proj.weight": 1,
+    "self_attn.sinks": 0,  # gpt-oss: one logit per query head, split with the heads
     "self_attn.q_b_proj.weight": 0, "self_attn.kv_b_proj.weight": 0,  # latent attention's per-head up-projections
     **{f"mlp.{x}_proj.{kind}": 0 for x in ("gate", "up", "gate_up") for kind in ("weight", "bias")},
     "mlp.down_proj.weight": 1,
@@ -133,6 +134,7 @@ TP_SHARD_DIM = {
     "mlp.down_proj.lora_A": 1,
 }
 EXPERT_PARAMS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj",
+                 "mlp.experts.gate_up_proj_bias", "mlp.experts.down_proj_bias",  # gpt-oss: per-expert biases
                  # LoRA's per-expert adapters, [E, ...] and split like the experts (xorl/nn/lora.py)
                  *(f"mlp.experts.lora_{w}.lora_{x}" for w in ("gate_up_proj", "down_proj") for x in "AB"))
 PRECISIONS = {"fp32-master": (4, 4, 8), "fp16": (2, 2, 4)}  # bytes per parameter: weights, grads, optimizer

@@ -12,7 +12,8 @@ Compute, per decoder layer and microbatch, t tokens on the rank (a = bytes per a
           Each runs at peak x gemm(m, n, k) (the efficiency curve by its smallest dimension; grouped
           GEMMs by tokens per expert), or at the HBM roofline of its bytes if that is slower, or
           the launch time if that is longer. Backward: two GEMMs of the same shape per forward GEMM.
-  attention  causal, 4 t (seq / 2) hq / tp FLOPs forward (documents as long as the row; an upper
+  attention  causal, 4 t (seq / 2) hq / tp FLOPs forward (seq / 2: the keys a query sees, fewer on
+          gpt-oss's sliding-window layers, averaged over the layers) (documents as long as the row; an upper
           bound for packed data), 2.5x that backward, at the attention kernel's own efficiency.
   element-wise  bandwidth-bound: the bytes xorl's ops stream per token (elementwise_forward below,
           counted from xorl/models/layers.py and attention.py as eager PyTorch runs them; under
@@ -61,6 +62,7 @@ import math
 from dataclasses import dataclass
 
 from xorl.distributed.parallel_config import ParallelConfig
+from xorl.mfu import keys_per_query
 from xorl.planner.efficiency import Efficiency, load
 from xorl.planner.memory import (
     SPLIT_BACKWARD_SCHEDULES,
@@ -213,7 +215,8 @@ def _layer(spec, moe: bool, p: ParallelConfig, c: _Cost, t: int, seq: int, sp: b
             gemm += shared
     else:
         gemm += c.gemm(t, 2 * spec.intermediate_size / tp, h) + c.gemm(t, h, spec.intermediate_size / tp)
-    attn_flops = 4 * t * (seq / 2) * hq / tp
+    # keys per query: seq / 2 (causal), fewer on sliding-window layers (the layers' mean; xorl/mfu.py)
+    attn_flops = 4 * t * (keys_per_query(spec, seq) / spec.num_hidden_layers) * hq / tp
     attn_fwd, attn_bwd = attn_flops / (c.flops * c.eff.attn_fwd), 2.5 * attn_flops / (c.flops * c.eff.attn_bwd)
     ew_bytes, ew_ops = elementwise_forward(spec, moe, a, tp, sp, compiled)
     ew = c.elementwise(t * ew_bytes, ew_ops)

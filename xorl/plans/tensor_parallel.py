@@ -55,7 +55,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from xorl.models.mla import LatentAttention
 from xorl.nn.moe import MoE
@@ -169,6 +169,11 @@ def _parallelize_attention(attn: nn.Module, tp_mesh, tp: TPGroup, prefix: str, l
     _list_lora_partial_grads(attn, (*names, "o_proj"), partial)
     if share and not merged:
         SharedInputColumnGroup([getattr(attn, n) for n in names], name=f"{prefix}.qkv_proj")
+    sinks = getattr(attn, "sinks", None)
+    if sinks is not None:  # gpt-oss: one logit per query head, split with the heads (contiguous per rank)
+        local = sinks.detach().chunk(tp.size)[tp.rank].clone()
+        attn.sinks = nn.Parameter(DTensor.from_local(local, tp_mesh, [Shard(0)], run_check=False),
+                                  requires_grad=sinks.requires_grad)
     for norm in ("q_norm", "k_norm"):  # per-head norms: each rank sees only its own heads
         module = getattr(attn, norm, None)
         if module is not None:

@@ -13,7 +13,12 @@ from __future__ import annotations
 
 import torch
 
-from xorl_kernels.activation.reference import swiglu_backward_reference, swiglu_reference
+from xorl_kernels.activation.reference import (
+    clamped_swiglu_backward_reference,
+    clamped_swiglu_reference,
+    swiglu_backward_reference,
+    swiglu_reference,
+)
 from xorl_kernels.dispatch import REFERENCE, TRITON, pick_backend, triton_interpreting
 
 _AVAILABLE = (TRITON, REFERENCE)
@@ -84,3 +89,61 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, backend: str | None = None) 
     if gate.shape != up.shape or gate.dtype != up.dtype:
         raise ValueError(f"swiglu: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} must match")
     return torch.ops.xorl.swiglu(gate, up, backend)
+
+
+@torch.library.custom_op("xorl::clamped_swiglu", mutates_args=())
+def _clamped_swiglu_op(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float,
+                       backend: str | None) -> torch.Tensor:
+    if _resolve(backend, gate) == REFERENCE:
+        return clamped_swiglu_reference(gate, up, alpha, limit).contiguous()
+    from xorl_kernels.activation.triton_kernels import clamped_swiglu_forward_triton
+
+    return clamped_swiglu_forward_triton(_rows(gate), _rows(up), alpha, limit).view(gate.shape)
+
+
+@_clamped_swiglu_op.register_fake
+def _(gate, up, alpha, limit, backend):
+    return torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+
+
+@torch.library.custom_op("xorl::clamped_swiglu_backward", mutates_args=())
+def _clamped_swiglu_backward_op(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float,
+                                backend: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    if _resolve(backend, gate) == REFERENCE:
+        dg, du = clamped_swiglu_backward_reference(dy, gate, up, alpha, limit)
+        return dg.contiguous(), du.contiguous()
+    from xorl_kernels.activation.triton_kernels import clamped_swiglu_backward_triton
+
+    dg, du = clamped_swiglu_backward_triton(_rows(dy), _rows(gate), _rows(up), alpha, limit)
+    return dg.view(gate.shape), du.view(up.shape)
+
+
+@_clamped_swiglu_backward_op.register_fake
+def _(dy, gate, up, alpha, limit, backend):
+    return (torch.empty(gate.shape, dtype=gate.dtype, device=gate.device),
+            torch.empty(up.shape, dtype=up.dtype, device=up.device))
+
+
+def _clamped_setup(ctx, inputs, output):
+    gate, up, ctx.alpha, ctx.limit, ctx.backend = inputs
+    ctx.save_for_backward(gate, up)
+
+
+def _clamped_backward(ctx, dy):
+    gate, up = ctx.saved_tensors
+    dg, du = torch.ops.xorl.clamped_swiglu_backward(dy, gate, up, ctx.alpha, ctx.limit, ctx.backend)
+    return dg, du, None, None, None
+
+
+_clamped_swiglu_op.register_autograd(_clamped_backward, setup_context=_clamped_setup)
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float, *,
+                   backend: str | None = None) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU ``(up.clamp(-limit, limit) + 1) * g * sigmoid(alpha * g)``, with
+    ``g = gate.clamp(max=limit)`` (transformers' GptOssExperts._apply_gate). One fused kernel (Triton
+    on CUDA, like ``swiglu``: strided halves read in place), the plain-torch reference on CPU."""
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(f"clamped_swiglu: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} "
+                         f"{up.dtype} must match")
+    return torch.ops.xorl.clamped_swiglu(gate, up, float(alpha), float(limit), backend)

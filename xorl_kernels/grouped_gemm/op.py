@@ -7,6 +7,9 @@ Public entry point ``grouped_gemm(x, w, group_sizes)``:
 - returns ``y`` [M, N] in x's dtype (bf16 / fp16 / fp32; products accumulate in fp32).
 - backward: ``dx[rows of g] = dy[rows of g] @ w[g]^T`` and ``dw[g] = x_g^T @ dy_g`` (exactly zero
   for a group with no rows).
+- optional ``bias`` [G, N] (gpt-oss's per-expert biases): ``y[rows of g] += bias[g]``, added to the
+  fp32 accumulator; its gradient ``db[g]`` is the sum of dy's rows of g. A separate op
+  (``xorl::grouped_gemm_bias``), so the bias-free op and its kernels are untouched.
 
 Dispatch (xorl_kernels.dispatch): CUDA tensors -> Triton kernels (grouped_gemm/triton_kernels.py);
 CPU tensors -> the plain-torch reference (grouped_gemm/reference.py). ``XORL_FORCE_REFERENCE=1``
@@ -29,6 +32,7 @@ from xorl_kernels.checkpoint_saves import SELECTIVE_CHECKPOINT_SAVES
 from xorl_kernels.dispatch import REFERENCE, TRITON, env_flag, pick_backend, triton_interpreting
 from xorl_kernels.grouped_gemm.checks import check_group_sizes_values
 from xorl_kernels.grouped_gemm.reference import (
+    grouped_bias_grad_reference,
     grouped_gemm_reference,
     grouped_gemm_weight_grad_reference,
 )
@@ -175,17 +179,81 @@ def _backward(ctx, dy):
 _grouped_gemm_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+SELECTIVE_CHECKPOINT_SAVES.join("xorl::grouped_gemm_bias")
+
+
+@torch.library.custom_op("xorl::grouped_gemm_bias", mutates_args=())
+def _grouped_gemm_bias_op(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, group_sizes: torch.Tensor,
+                          backend: str | None) -> torch.Tensor:
+    if _resolve_backend(backend, x) == REFERENCE:
+        return grouped_gemm_reference(x, w, group_sizes, bias)
+    from xorl_kernels.grouped_gemm.triton_kernels import grouped_gemm_forward
+
+    if group_sizes.device.type == "cpu" or env_flag("XORL_CHECK_GROUP_SIZES"):
+        check_group_sizes_values(group_sizes, x.shape[0])
+    return grouped_gemm_forward(x, w, group_sizes, bias=bias)
+
+
+@_grouped_gemm_bias_op.register_fake
+def _(x, w, bias, group_sizes, backend):
+    return x.new_empty((x.shape[0], w.shape[2]))
+
+
+@torch.library.custom_op("xorl::grouped_bias_grad", mutates_args=())
+def _grouped_bias_grad_op(dy: torch.Tensor, bias: torch.Tensor, group_sizes: torch.Tensor,
+                          backend: str | None) -> torch.Tensor:
+    """db [G, N] in bias's dtype: the sum of dy's rows of each group."""
+    if _resolve_backend(backend, dy) == REFERENCE:
+        return grouped_bias_grad_reference(dy, group_sizes, bias.dtype)
+    from xorl_kernels.grouped_gemm.triton_kernels import grouped_bias_grad
+
+    return grouped_bias_grad(dy.contiguous(), group_sizes, bias.dtype)
+
+
+@_grouped_bias_grad_op.register_fake
+def _(dy, bias, group_sizes, backend):
+    return bias.new_empty(bias.shape)
+
+
+def _bias_setup_context(ctx, inputs, output):
+    x, w, bias, group_sizes, backend = inputs
+    ctx.save_for_backward(x, w, bias, group_sizes)
+    ctx.backend = backend
+
+
+def _bias_backward(ctx, dy):
+    x, w, bias, group_sizes = ctx.saved_tensors
+    need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+    dx = dw = db = None
+    if need_dx or need_dw:
+        dx, dw = torch.ops.xorl.grouped_gemm_backward(dy, x, w, group_sizes, ctx.backend, need_dx, need_dw)
+    if need_db:
+        db = torch.ops.xorl.grouped_bias_grad(dy, bias, group_sizes, ctx.backend)
+    return (dx if need_dx else None), (dw if need_dw else None), db, None, None
+
+
+_grouped_gemm_bias_op.register_autograd(_bias_backward, setup_context=_bias_setup_context)
+
+
 def grouped_gemm(
-    x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor, *, backend: str | None = None
+    x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor, bias: torch.Tensor | None = None, *,
+    backend: str | None = None
 ) -> torch.Tensor:
-    """``y[rows of g] = x[rows of g] @ w[g]`` for x [M, K] sorted by group, w [G, K, N] -> y [M, N].
+    """``y[rows of g] = x[rows of g] @ w[g] (+ bias[g])`` for x [M, K] sorted by group, w [G, K, N],
+    bias [G, N] or None -> y [M, N].
 
     ``group_sizes`` [G] (int32/int64, same device as x) gives the rows per group and must sum to
     M. ``backend``: None (pick: CUDA -> Triton, CPU -> reference), "triton" or "reference".
-    Under autocast, x and w are cast to the autocast dtype first, as ``F.linear`` would be.
+    Under autocast, x and w (and bias) are cast to the autocast dtype first, as ``F.linear`` would be.
     """
     x, w = _apply_autocast(x, w)
     _check_inputs(x, w, group_sizes)
     if backend is not None:
         _resolve_backend(backend, x)  # a wrong name is an error here, before any tracing
-    return torch.ops.xorl.grouped_gemm(x, w, group_sizes, backend)
+    if bias is None:
+        return torch.ops.xorl.grouped_gemm(x, w, group_sizes, backend)
+    bias = bias.to(x.dtype) if torch.is_autocast_enabled(x.device.type) else bias
+    if bias.shape != (w.shape[0], w.shape[2]) or bias.dtype != x.dtype or bias.device != x.device:
+        raise ValueError(f"grouped_gemm: bias must be [groups, out_features] = {[w.shape[0], w.shape[2]]} in x's "
+                         f"dtype and device, got {tuple(bias.shape)} {bias.dtype} on {bias.device}")
+    return torch.ops.xorl.grouped_gemm_bias(x, w, bias, group_sizes, backend)

@@ -11,6 +11,10 @@ Both kernels read ``group_sizes`` on the device and never sync with the host:
   separate prologue kernel for G up to a few thousand.
 - weight gradient: a grid over (group, k-tile, n-tile); each program reduces over its group's
   rows, so a group with no rows stores an exact zero tile.
+- per-group bias (gpt-oss experts): the forward adds ``bias[g]`` to the fp32 accumulator before
+  its one rounding (``HAS_BIAS``, a constexpr: the bias-free kernel is unchanged); its gradient
+  ``db[g]`` (the sum of dy's rows of g) is a grid over (group, n-tile) of the same shape as the
+  weight gradient's reduction.
 
 Addresses are int64 (M·K and G·K·N can exceed 2**31); tile bookkeeping stays int32 (row counts
 fit). Sizes are clamped at 0 and rows at M so a wrong ``group_sizes`` can never make a kernel read
@@ -104,11 +108,12 @@ def _grouped_gemm_fwd_kernel(
     stride_am, stride_ak,
     stride_bg, stride_bk, stride_bn,
     stride_cm, stride_cn,
+    bias_ptr, stride_bias_g, stride_bias_n,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_G: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, DOT_IN_FP32: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):
-    """c[rows of g] = a[rows of g] @ b[g]; a [M, K], b [G, K, N] (any strides), c [M, N]."""
+    """c[rows of g] = a[rows of g] @ b[g] (+ bias[g]); a [M, K], b [G, K, N] (any strides), c [M, N]."""
     pid = tl.program_id(0)
     num_tiles_n = tl.cdiv(N, BLOCK_N)
     # Grouped-M swizzle over the (upper-bound) tile grid: GROUP_M m-tiles walk the n-tiles together.
@@ -147,6 +152,9 @@ def _grouped_gemm_fwd_kernel(
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + group.to(tl.int64) * stride_bias_g + offs_n * stride_bias_n, mask=col_mask, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
 
     c_ptrs = c_ptr + rows[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
@@ -201,6 +209,36 @@ def _grouped_gemm_wgrad_kernel(
     tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=k_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit(do_not_specialize=["M"])
+def _grouped_bias_grad_kernel(
+    dy_ptr, db_ptr, sizes_ptr,
+    M, N, G,
+    stride_dym, stride_dyn, stride_dbg, stride_dbn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
+):
+    """db[g] = sum over the rows of g of dy; dy [M, N], db [G, N]. Grid: G * n-tiles."""
+    pid = tl.program_id(0)
+    num_tiles_n = tl.cdiv(N, BLOCK_N)
+    group = pid // num_tiles_n
+    tile_n = pid % num_tiles_n
+    offs_g = tl.arange(0, BLOCK_G)
+    sizes = tl.maximum(tl.load(sizes_ptr + offs_g, mask=offs_g < G, other=0).to(tl.int32), 0)
+    row_start = tl.minimum(tl.sum(tl.where(offs_g < group, sizes, 0), 0), M)
+    group_rows = tl.minimum(tl.sum(tl.where(offs_g == group, sizes, 0), 0), M - row_start)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    dy_ptrs = dy_ptr + (row_start + offs_m).to(tl.int64)[:, None] * stride_dym + offs_n[None, :] * stride_dyn
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for step in range(0, tl.cdiv(group_rows, BLOCK_M)):  # an empty group stores zeros
+        row_mask = offs_m < group_rows - step * BLOCK_M
+        dy = tl.load(dy_ptrs, mask=row_mask[:, None] & n_mask[None, :], other=0.0)
+        acc += tl.sum(dy.to(tl.float32), 0)
+        dy_ptrs += BLOCK_M * stride_dym
+    tl.store(db_ptr + group.to(tl.int64) * stride_dbg + offs_n * stride_dbn, acc.to(db_ptr.dtype.element_ty),
+             mask=n_mask)
+
+
 def _input_precision(dtype: torch.dtype) -> str:
     # fp32 callers asked for fp32: no silent TF32 (it would cost ~1e-3 relative error).
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -217,9 +255,11 @@ def _block_g(num_groups: int) -> int:
 
 
 def grouped_gemm_forward(
-    a: torch.Tensor, b: torch.Tensor, group_sizes: torch.Tensor, out: torch.Tensor | None = None
+    a: torch.Tensor, b: torch.Tensor, group_sizes: torch.Tensor, out: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``c[rows of g] = a[rows of g] @ b[g]`` for a [M, K], b [G, K, N] (any strides) -> c [M, N].
+    """``c[rows of g] = a[rows of g] @ b[g] (+ bias[g])`` for a [M, K], b [G, K, N] (any strides),
+    bias [G, N] or None -> c [M, N].
 
     Used for the forward (b = w) and for dx (a = dy, b = w.transpose(1, 2)). Inputs are trusted:
     the public wrapper ``grouped_gemm`` checks shapes and dtypes. ``out`` (optional, [M, N], a's
@@ -230,7 +270,7 @@ def grouped_gemm_forward(
     c = torch.empty((m, n), dtype=a.dtype, device=a.device) if out is None else out
     if c.numel() == 0:
         return c
-    if k == 0:
+    if k == 0 and bias is None:
         return c.zero_()
     cfg = forward_config(m, n, k, num_groups, a.dtype)
     num_tiles_m_bound = triton.cdiv(m, cfg.block_m) + num_groups
@@ -241,9 +281,10 @@ def grouped_gemm_forward(
         a.stride(0), a.stride(1),
         b.stride(0), b.stride(1), b.stride(2),
         c.stride(0), c.stride(1),
+        c if bias is None else bias, 0 if bias is None else bias.stride(0), 0 if bias is None else bias.stride(1),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         BLOCK_G=_block_g(num_groups), GROUP_M=cfg.group_m, EVEN_K=k % cfg.block_k == 0,
-        INPUT_PRECISION=_input_precision(a.dtype), DOT_IN_FP32=_dot_in_fp32(a.dtype),
+        INPUT_PRECISION=_input_precision(a.dtype), DOT_IN_FP32=_dot_in_fp32(a.dtype), HAS_BIAS=bias is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return c
@@ -282,3 +323,23 @@ def grouped_gemm_weight_grad(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return dw
+
+
+def grouped_bias_grad(dy: torch.Tensor, group_sizes: torch.Tensor, out_dtype: torch.dtype,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """``db[g] = sum of dy[rows of g]`` (fp32 sums) for dy [M, N] -> db [G, N] in ``out_dtype``."""
+    m, n = dy.shape
+    num_groups = group_sizes.shape[0]
+    db = torch.empty((num_groups, n), dtype=out_dtype, device=dy.device) if out is None else out
+    if db.numel() == 0:
+        return db
+    if m == 0:
+        return db.zero_()
+    block_m, block_n = (16, 32) if _interpreting() else (64, 128)
+    grid = (num_groups * triton.cdiv(n, block_n),)
+    _grouped_bias_grad_kernel[grid](
+        dy, db, group_sizes, m, n, num_groups,
+        dy.stride(0), dy.stride(1), db.stride(0), db.stride(1),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_G=_block_g(num_groups), num_warps=4,
+    )
+    return db

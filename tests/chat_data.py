@@ -1,0 +1,82 @@
+"""A chat tokenizer and chat datasets built in the test (no download): a byte-level BPE with no merges
+(256 byte tokens, so text tokenises segment by segment) plus ChatML's special tokens, saved as a
+transformers folder whose tokenizer_config carries a Jinja chat template."""
+
+from __future__ import annotations
+
+import json
+import random
+
+SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
+
+# ChatML without generation markers: the assistant spans come from incremental rendering.
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# The same rendering with {% generation %} marks around each assistant reply and its end-of-turn.
+CHATML_GENERATION = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}<|im_start|>assistant\n{% generation %}"
+    "{{ m['content'] }}<|im_end|>\n{% endgeneration %}{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def make_chat_tokenizer(folder, template: str | None = CHATML) -> str:
+    """Save the tokenizer to ``folder`` (a transformers tokenizer folder); returns its path."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)
+    kwargs = {"chat_template": template} if template else {}
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                                 **kwargs)
+    hf.save_pretrained(str(folder))
+    return str(folder)
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map (the ByteLevel alphabet), written out independently."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def reference_encoder():
+    """text -> ids by the test's own rule (one token per UTF-8 byte in make_chat_tokenizer's vocabulary),
+    and the special tokens' ids (added after the 256 bytes, in order)."""
+    chars = _bytes_to_unicode()
+    index = {ch: i for i, ch in enumerate(sorted(chars.values()))}
+
+    def encode(text: str) -> list[int]:
+        return [index[chars[b]] for b in text.encode("utf-8")]
+
+    return encode, {s: 256 + i for i, s in enumerate(SPECIALS)}
+
+
+def conversations(n: int, seed: int, turns: int = 1) -> list[list[dict]]:
+    """Arithmetic chats of ``turns`` user/assistant pairs (short: each fits a 64-token sequence for turns=1)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        messages = []
+        for _ in range(turns):
+            a, b = rng.randint(0, 20), rng.randint(0, 20)
+            messages += [{"role": "user", "content": f"{a}+{b}?"}, {"role": "assistant", "content": f"{a + b}."}]
+        out.append(messages)
+    return out
+
+
+def write_jsonl(path, rows: list[dict]) -> str:
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    return str(path)

@@ -1,0 +1,100 @@
+"""Chat rows rendered with the model folder's chat template, and which tokens are the assistant's.
+
+The template is the tokenizer's (tokenizer_config.json ``chat_template`` or chat_template.jinja),
+rendered by transformers' ``apply_chat_template``. The assistant tokens (the ones trained on with
+``data.train_on: assistant``) come from one of two ways:
+
+- the template marks them with ``{% generation %}`` … ``{% endgeneration %}``: transformers returns
+  the mask (``return_assistant_tokens_mask``), the way TRL's ``assistant_only_loss`` does;
+- otherwise the conversation is rendered incrementally: assistant turn i spans the characters
+  between ``render(messages[:i], add_generation_prompt=True)`` and ``render(messages[:i + 1])``
+  (the prompt of a turn is not the assistant's; its reply and end-of-turn token are). This holds
+  when each rendering is a prefix of the next, which is checked: a template that rewrites earlier
+  turns (e.g. one dropping past reasoning) is refused for that row with the fix named. The full
+  text is tokenised once and a token is the assistant's when its first character lies in a span,
+  so the tokens are exactly those of the full rendering.
+"""
+
+from __future__ import annotations
+
+import re
+
+from xorl.data.corpus import DataError
+
+_GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+def check_messages(messages, where) -> list[dict]:
+    """``messages`` must be a non-empty list of {role: str, content: ...} objects."""
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} objects, "
+                        f"got {type(messages).__name__}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or "content" not in message:
+            raise DataError(f"{where}: messages[{i}] must be an object with a string 'role' and a 'content'")
+    return messages
+
+
+class ChatRenderer:
+    """Renders ``messages`` rows to (token ids, assistant mask) with a transformers tokenizer."""
+
+    def __init__(self, hf_tokenizer, tokenizer_name: str):
+        template = getattr(hf_tokenizer, "chat_template", None) if hf_tokenizer is not None else None
+        if not template:
+            raise DataError(
+                f"data.format messages needs a chat template, and data.tokenizer={tokenizer_name!r} has none "
+                "(tokenizer_config.json 'chat_template' or chat_template.jinja); use a model folder that ships "
+                "one, or render the rows to 'text' / 'prompt' + 'completion'")
+        self.hf = hf_tokenizer
+        self.template = template if isinstance(template, str) else None
+        self.has_generation_marks = bool(self.template and _GENERATION.search(self.template))
+
+    def _render(self, messages, add_generation_prompt: bool = False) -> str:
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def encode(self, messages, where, assistant_only: bool) -> tuple[list[int], list[bool] | None]:
+        """(ids, mask): mask[i] says token i is the assistant's; None when every token trains."""
+        try:
+            if not assistant_only:
+                return self._tokenize(self._render(messages))[0], None
+            if self.has_generation_marks:
+                out = self.hf.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                                  return_assistant_tokens_mask=True)
+                return list(out["input_ids"]), [bool(m) for m in out["assistant_masks"]]
+            return self._incremental(messages, where)
+        except DataError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the template's own error (jinja2, a missing key), named
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise DataError(f"{where}: the chat template cannot render this row: {first}") from None
+
+    def _tokenize(self, text: str):
+        out = self.hf(text, add_special_tokens=False, return_offsets_mapping=True)
+        return list(out["input_ids"]), out["offset_mapping"]
+
+    def _empty_prompt(self) -> str:
+        """The generation prompt of an empty conversation (a reply that comes first); '' where the
+        template cannot render one."""
+        try:
+            return self._render([], add_generation_prompt=True)
+        except Exception:  # noqa: BLE001 - many templates index messages[0]
+            return ""
+
+    def _incremental(self, messages, where) -> tuple[list[int], list[bool]]:
+        full = self._render(messages)
+        spans = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            start = self._render(messages[:i], add_generation_prompt=True) if i else self._empty_prompt()
+            end = self._render(messages[: i + 1])
+            if not (full.startswith(end) and end.startswith(start)):
+                raise DataError(
+                    f"{where}: the chat template does not render this conversation turn by turn (rendering the "
+                    f"first {i + 1} messages is not a prefix of the whole), so the assistant tokens cannot be "
+                    "told apart; mark them with {% generation %} ... {% endgeneration %} in the template, or set "
+                    "data.train_on: all")
+            spans.append((len(start), len(end)))
+        ids, offsets = self._tokenize(full)
+        mask = [any(a <= first < b for a, b in spans) for first, _ in offsets]
+        return ids, mask
