@@ -154,6 +154,6 @@ def test_config_refuses_sinks_or_windows_on_the_flash_attn_package(monkeypatch):
         m = types.SimpleNamespace(model_type="llama", attn_implementation=name, sliding_window=128)
         assert config_rules._attention_problems(m) == []
     llama = families.family("llama")
-    monkeypatch.setattr(families, "family", lambda t: types.SimpleNamespace(**vars(llama), attention_sinks=True))
+    monkeypatch.setattr(families, "family", lambda t: types.SimpleNamespace(**{**vars(llama), "attention_sinks": True}))
     sinks = config_rules._attention_problems(model())
     assert any("not wired for its attention sinks" in p for p in sinks), sinks

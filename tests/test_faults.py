@@ -226,7 +226,9 @@ def test_sigterm_during_a_step_saves_that_step_and_resumes_exactly(tmp_path):
     saved = [line for _, line in job.lines if "preempted (SIGTERM): saved checkpoint" in line]
     assert len(saved) == 1, text
     step = int(saved[0].split(" at step ")[1].split(";")[0])
-    assert step in (running, running + 1), (running, text)  # the step the signal fell in (or the next)
+    # The step the signal fell in, or the next; or the one just printed when the signal fell between its
+    # console line and the trainer's between-steps check (seen once under a loaded full suite: 3 of 4).
+    assert step in (running - 1, running, running + 1), (running, text)
     assert text.count("exitcode  : 75") == 2, text  # both ranks, in torchrun's summary
     assert "SIGTERM received: finishing the current step" in text
     checkpoint = tmp_path / "out" / "checkpoints" / f"step_{step:08d}"

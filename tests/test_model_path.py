@@ -64,7 +64,7 @@ def test_a_config_built_in_code_must_agree_with_the_folder(tmp_path):
     ("rope_scaling", {"rope_type": "dynamic", "factor": 2.0}, "rope_type 'dynamic' is refused: dynamic NTK rescales"),
     ("rope_scaling", {"rope_type": "longrope", "factor": 2.0}, "rope_type='longrope' is not supported"),
     ("mlp_bias", True, "mlp_bias=true is not supported"),
-    ("model_type", "gpt_oss", "model_type='gpt_oss' is not one of ['llama', 'qwen2', 'qwen3', 'mistral'"),
+    ("model_type", "mamba", "model_type='mamba' is not one of ['llama', 'qwen2', 'qwen3', 'mistral'"),
     ("sliding_window", 4096, "sliding_window=4096: sliding-window attention is not supported yet"),
 ])
 def test_features_xorl_cannot_build_are_refused_naming_the_file(tmp_path, field, value, expected):

@@ -365,8 +365,10 @@ def test_the_console_line_and_the_bar_show_throughput_mfu_and_memory(tmp_path, m
 
     row = {"step": 4, "time": 12.25, "loss": 2.5, "grad_norm": 0.75, "lr": 1e-3, "epoch": 2, "data_seen": 1.25,
            "tokens_per_s": 1234.4, "mfu": 0.4123, "peak_memory_gib": 61.2, "eval_loss": 2.0}
-    assert format_step_line(4, 10, row) == ("step 5/10 loss 2.5000 grad_norm 0.750 lr 1.00e-03 epoch 2 data_seen 1.250 "
-                                            "tokens/s 1234 mfu 41.2% peak_memory_gib 61.20 time 12.2s")
+    # An eval step's line carries its eval loss (issue 23: the progress line shows validation).
+    assert format_step_line(4, 10, row) == ("step 5/10 loss 2.5000 eval_loss 2.0000 grad_norm 0.750 lr 1.00e-03 "
+                                            "epoch 2 data_seen 1.250 tokens/s 1234 mfu 41.2% peak_memory_gib 61.20 "
+                                            "time 12.2s")
     assert "mfu n/a" in format_step_line(4, 10, {**row, "mfu": None})
 
     class Terminal(io.StringIO):
