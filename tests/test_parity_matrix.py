@@ -136,19 +136,17 @@ FP8_LAYOUTS = [
 
 # The messages format (chat rows rendered with a chat template built in the test, loss on the assistant
 # tokens only: tests/chat_data.py): masked tokens change every layout's loss denominator the same way.
-SFT_LAYOUTS = [
-    ("messages fsdp2", 2, "llama", dict(data_parallel_shard_size=2), "messages"),
-    ("messages tp2+sp", 2, "llama", dict(data_parallel_shard_size=1, tensor_parallel_size=2, sequence_parallel=True),
-     "messages"),
-    ("messages ring2", 2, "llama", dict(data_parallel_shard_size=1, ringattn_parallel_size=2), "messages"),
-    ("messages pp2", 2, "llama", dict(data_parallel_shard_size=1, pipeline_parallel_size=2), "messages"),
-    ("messages moe ep2", 2, "qwen3_moe", dict(data_parallel_shard_size=2, expert_parallel_size=2), "messages"),
-    # the other supervised formats share the masking path; one layout each that splits the sequence
-    ("prompt_completion ring2", 2, "llama", dict(data_parallel_shard_size=1, ringattn_parallel_size=2),
-     "prompt_completion"),
-    ("input_ids with labels tp2+sp", 2, "llama", dict(data_parallel_shard_size=1, tensor_parallel_size=2,
-                                                      sequence_parallel=True), "input_ids"),
-]
+_SFT_TRAIN = {
+    "fsdp2": ("llama", dict(data_parallel_shard_size=2)),
+    "tp2+sp": ("llama", dict(data_parallel_shard_size=1, tensor_parallel_size=2, sequence_parallel=True)),
+    "ring2": ("llama", dict(data_parallel_shard_size=1, ringattn_parallel_size=2)),
+    "pp2": ("llama", dict(data_parallel_shard_size=1, pipeline_parallel_size=2)),
+    "moe ep2": ("qwen3_moe", dict(data_parallel_shard_size=2, expert_parallel_size=2)),
+}
+# Every supervised format (issue 23) on every layout the issue names, against one process.
+SFT_LAYOUTS = [(f"{fmt} {layout}", 2, model_type, train, fmt)
+               for fmt in ("messages", "prompt_completion", "input_ids")
+               for layout, (model_type, train) in _SFT_TRAIN.items()]
 
 PIPELINE_LAYOUTS = [layout for layout in LAYOUTS if layout[3].get("pipeline_parallel_size", 1) > 1]
 OTHER_LAYOUTS = [layout for layout in LAYOUTS if layout not in PIPELINE_LAYOUTS]
