@@ -260,3 +260,31 @@ def test_write_config_from_a_config_only_folder_runs(tmp_path, capsys, monkeypat
     written = load_config(path, [])
     assert written.model.model_path is None and written.model.hidden_size == 256
     prepare_run(written, 4)  # what `xorl-train --check --world-size=4` runs: no ConfigError
+
+
+@pytest.mark.parametrize("q_lora_rank", [1536, None])
+def test_step_time_counts_latent_attention_projections_and_its_two_head_dims(q_lora_rank):
+    """DeepSeek's latent attention: the planner's projection GEMMs are the model's own attention
+    matmul weights (low-rank down- and per-head up-projections), not 128 key/value heads of 192,
+    and the scores use d_qk for q.k and d_v for p.v."""
+    import torch
+
+    from xorl.models.registry import build_model
+    from xorl.models.spec import ModelSpec
+    from xorl.planner.step_time import _attention_projections
+
+    config = load_config(os.path.join(EXAMPLES, "deepseek_v3_671b.yaml"))
+    config.model.q_lora_rank, config.model.num_hidden_layers = q_lora_rank, 1
+    config.model.first_k_dense_replace = 1  # the one layer dense: only its attention matters here
+
+    class Flops:  # each GEMM's FLOPs instead of its time
+        def gemm(self, m, n, k, weight_elems=None, fraction=None):
+            return 2 * m * n * k
+
+    t = 4096
+    flops, d_qk, d_v = _attention_projections(ModelSpec.from_config(config.model), Flops(), t, 1)
+    with torch.device("meta"):
+        attention = build_model(config.model).model.layers[0].self_attn
+    weights = sum(p.numel() for p in attention.parameters() if p.ndim == 2)  # the matmuls (norms are 1-D)
+    assert flops == 2 * t * weights
+    assert (d_qk, d_v) == (192, 128)

@@ -5,16 +5,17 @@ scripts/plan_calibrate.py. Efficiencies are fractions of the device's peaks, rea
 xorl/planner/efficiency.json (each with its source: a published figure or a stated assumption).
 
 Compute, per decoder layer and microbatch, t tokens on the rank (a = bytes per activation element):
-  GEMMs   q/k/v [t, (hq + 2hkv)/tp, h], o [t, h, hq/tp]; dense MLP gate/up [t, 2I/tp, h], down
+  GEMMs   q/k/v [t, (hq + 2hkv)/tp, h], o [t, h, hq/tp] (latent attention: its low-rank down- and
+          per-head up-projections, _attention_projections); dense MLP gate/up [t, 2I/tp, h], down
           [t, h, I/tp]; MoE (on the TP rank's token shard, t / tp tokens) router [t, E, h], experts
           as a grouped GEMM (t k tokens over the E/ep local experts: tokens per expert t k ep / E
           under balanced routing), a shared expert.
           Each runs at peak x gemm(m, n, k) (the efficiency curve by its smallest dimension; grouped
           GEMMs by tokens per expert), or at the HBM roofline of its bytes if that is slower, or
           the launch time if that is longer. Backward: two GEMMs of the same shape per forward GEMM.
-  attention  causal, 4 t (seq / 2) hq / tp FLOPs forward (seq / 2: the keys a query sees, fewer on
-          gpt-oss's sliding-window layers, averaged over the layers) (documents as long as the row; an upper
-          bound for packed data), 2.5x that backward, at the attention kernel's own efficiency.
+  attention  causal, 2 t (seq / 2) heads (d_qk + d_v) / tp FLOPs forward (seq / 2: the keys a query
+          sees, fewer on gpt-oss's sliding-window layers, averaged over the layers) (documents as long
+          as the row; an upper bound for packed data), 2.5x that backward, at the attention kernel's own efficiency.
   element-wise  bandwidth-bound: the bytes xorl's ops stream per token (elementwise_forward below,
           counted from xorl/models/layers.py and attention.py as eager PyTorch runs them; under
           train.compile the fused regions read their inputs and write their outputs once) at
@@ -185,6 +186,24 @@ def elementwise_forward(spec, moe: bool, a: int, tp: int, sp: bool, compiled: bo
     return nbytes, ops
 
 
+def _attention_projections(spec, c: _Cost, t: int, tp: int) -> tuple[float, int, int]:
+    """(forward time of the attention's projection GEMMs, q.k head dim, v head dim). Latent attention
+    (xorl/models/mla.py, DeepSeek): the low-rank down-projections run whole on every TP rank
+    (replicated), the per-head up-projections and o_proj split by heads (xorl/plans/tensor_parallel.py)."""
+    h, heads = spec.hidden_size, spec.num_attention_heads
+    if spec.kv_lora_rank:
+        d_qk, d_v = spec.qk_nope_head_dim + spec.qk_rope_head_dim, spec.v_head_dim
+        rank = spec.q_lora_rank
+        q = (c.gemm(t, heads * d_qk / tp, h) if rank is None
+             else c.gemm(t, rank, h) + c.gemm(t, heads * d_qk / tp, rank))
+        kv = (c.gemm(t, spec.kv_lora_rank + spec.qk_rope_head_dim, h)
+              + c.gemm(t, heads * (spec.qk_nope_head_dim + d_v) / tp, spec.kv_lora_rank))
+        return q + kv + c.gemm(t, h, heads * d_v / tp), d_qk, d_v
+    d = spec.head_dim
+    hq, hkv = heads * d, spec.num_key_value_heads * d
+    return c.gemm(t, (hq + 2 * hkv) / tp, h) + c.gemm(t, h, hq / tp), d, d
+
+
 @dataclass
 class _Layer:
     forward: float  # compute of one forward
@@ -198,9 +217,9 @@ class _Layer:
 def _layer(spec, moe: bool, p: ParallelConfig, c: _Cost, t: int, seq: int, sp: bool, mode: str,
            compiled: bool) -> _Layer:
     a, tp = c.a, p.tp
-    h, d, heads = spec.hidden_size, spec.head_dim, spec.num_attention_heads
-    hq, hkv = heads * d, spec.num_key_value_heads * d
-    gemm = c.gemm(t, (hq + 2 * hkv) / tp, h) + c.gemm(t, h, hq / tp)
+    h, heads = spec.hidden_size, spec.num_attention_heads
+    gemm, d_qk, d_v = _attention_projections(spec, c, t, tp)
+    q_width, kv_width = heads * d_qk, spec.num_key_value_heads * (d_qk + d_v)  # what CP moves: q; k and v
     shared = 0.0
     if moe:  # on this TP rank's token shard (xorl/plans/tensor_parallel.py): t / tp tokens
         k, inter, experts, tm = spec.num_experts_per_tok, spec.moe_intermediate_size, spec.num_experts, t / tp
@@ -216,7 +235,8 @@ def _layer(spec, moe: bool, p: ParallelConfig, c: _Cost, t: int, seq: int, sp: b
     else:
         gemm += c.gemm(t, 2 * spec.intermediate_size / tp, h) + c.gemm(t, h, spec.intermediate_size / tp)
     # keys per query: seq / 2 (causal), fewer on sliding-window layers (the layers' mean; xorl/mfu.py)
-    attn_flops = 4 * t * (keys_per_query(spec, seq) / spec.num_hidden_layers) * hq / tp
+    # q.k (d_qk) and p.v (d_v): 2 FLOPs per dim, key and query head forward
+    attn_flops = 2 * t * (keys_per_query(spec, seq) / spec.num_hidden_layers) * heads * (d_qk + d_v) / tp
     attn_fwd, attn_bwd = attn_flops / (c.flops * c.eff.attn_fwd), 2.5 * attn_flops / (c.flops * c.eff.attn_bwd)
     ew_bytes, ew_ops = elementwise_forward(spec, moe, a, tp, sp, compiled)
     ew = c.elementwise(t * ew_bytes, ew_ops)
@@ -234,12 +254,12 @@ def _layer(spec, moe: bool, p: ParallelConfig, c: _Cost, t: int, seq: int, sp: b
                 exposed, slowdown = exposed + e, slowdown + s
             else:
                 exposed += per_pass
-    exposed += passes * 2 * c.collective(a * t * (hq + 2 * hkv) / tp, p.ulysses, tp, "all_to_all")
+    exposed += passes * 2 * c.collective(a * t * (q_width + kv_width) / tp, p.ulysses, tp, "all_to_all")
     if moe and p.ep > 1:
         a2a = 2 * c.collective(a * t / tp * spec.num_experts_per_tok * h, p.ep, 1, "all_to_all")
         exposed += passes * max(0.0, a2a - shared)
     if p.ring > 1:  # each step sends this rank's K/V block to its neighbour, overlapped with that step
-        transfer = c.collective(a * t * 2 * hkv / tp, 2, tp * p.ulysses, "send")
+        transfer = c.collective(a * t * kv_width / tp, 2, tp * p.ulysses, "send")
         exposed += (passes + 1) * (p.ring - 1) * max(0.0, transfer - attn_fwd / p.ring)
     return _Layer(forward, backward, recompute, gemm, exposed, slowdown)
 
