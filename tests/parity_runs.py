@@ -33,8 +33,9 @@ MODELS = {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8}),
     "qwen3": dict(model_type="qwen3", attention_bias=True),
-    "mixtral": dict(model_type="mixtral", **_MOE),
-    "olmoe": dict(model_type="olmoe", **{**_MOE, "norm_topk_prob": False}),
+    # Mixtral / OLMoE / gpt-oss size their experts as intermediate_size (the tiny model's 64)
+    "mixtral": dict(model_type="mixtral", **{**_MOE, "moe_intermediate_size": 64}),
+    "olmoe": dict(model_type="olmoe", **{**_MOE, "norm_topk_prob": False, "moe_intermediate_size": 64}),
     "glm4_moe": dict(model_type="glm4_moe", **_MOE, num_hidden_layers=4, first_k_dense_replace=1,
                      shared_expert_intermediate_size=32, router_n_group=2, router_topk_group=1,
                      routed_scaling_factor=2.0, attention_bias=True, partial_rotary_factor=0.5),

@@ -453,3 +453,23 @@ def test_mfu_flops_of_latent_attention_count_its_projection_weights():
     seq = 32
     scores = 6 * 2 * 4 * (12 + 6) * seq / 2
     assert flops_per_token(config, seq) == pytest.approx(6 * matmul + scores, rel=1e-12)
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "olmoe", "gpt_oss"])
+def test_expert_width_the_family_takes_from_intermediate_size_is_not_silently_replaced(model_type, tmp_path):
+    """Mixtral / OLMoE / gpt-oss size their experts as intermediate_size: a config that sets
+    moe_intermediate_size to another value is refused, naming the field, before any process starts
+    (it used to be replaced without a word); the same value, or leaving it out, is accepted."""
+    from xorl.config import load_config
+    from xorl.config_error import ConfigError
+    from xorl.config_rules import validate_config
+
+    def config(*extra):
+        return load_config(None, [f"--model.model_type={model_type}", "--model.num_experts=4",
+                                  "--model.intermediate_size=96", f"--train.output_dir={tmp_path}", *extra])
+
+    with pytest.raises(ConfigError, match=r"model.moe_intermediate_size=32: model_type='.*' sizes it as "
+                                          r"intermediate_size \(96\); remove model.moe_intermediate_size"):
+        validate_config(config("--model.moe_intermediate_size=32"), 1)
+    for ok in (config("--model.moe_intermediate_size=96"), config()):
+        validate_config(ok, 1)

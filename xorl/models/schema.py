@@ -212,7 +212,10 @@ def apply_family(values: dict[str, Any], family: Family) -> list[str]:
         if _plain(values[name]) not in (_plain(value), _plain(FIELD[name].default)):
             problems.append(f"model.{name}={values[name]!r}: model_type={family.model_type!r} always has {value!r}")
         values[name] = value
-    for name, source in family.same_as.items():
+    for name, source in family.same_as.items():  # never silently replace a value the config set
+        if _plain(values[name]) not in (_plain(values[source]), _plain(FIELD[name].default)):
+            problems.append(f"model.{name}={values[name]!r}: model_type={family.model_type!r} sizes it as {source} "
+                            f"({values[source]!r}); remove model.{name} or set it to {values[source]!r}")
         values[name] = values[source]
     return problems
 
