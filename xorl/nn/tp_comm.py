@@ -313,35 +313,6 @@ class _GatherFromShards(torch.autograd.Function):
         return _own_chunk(grad, ctx.tp, ctx.dim, "gather_from_shards backward"), None, None
 
 
-class _CopyToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tp: TPGroup):
-        ctx.tp = tp
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.tp.group)
-        return grad, None
-
-
-class _GatherToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tp: TPGroup, dim: int):
-        ctx.tp, ctx.dim = tp, dim
-        return _all_gather_dim(x, tp, dim)
-
-    @staticmethod
-    def backward(ctx, grad):  # the partial gradients summed, this rank's chunk kept
-        d = ctx.dim % grad.dim()
-        tp = ctx.tp
-        stacked = grad.unflatten(d, (tp.size, grad.shape[d] // tp.size)).movedim(d, 0).contiguous()
-        out = grad.new_empty(stacked.shape[1:])
-        _reduce_scatter_single(out, stacked.flatten(0, 1), group=tp.group)
-        return out, None, None
-
-
 def to_head_parallel(x: torch.Tensor, tp: TPGroup, sequence_dim: int | None = None) -> torch.Tensor:
     """A replicated activation that every TP rank's heads then use (MLA's shared RoPE key): the
     forward keeps it (or, under sequence parallel, all-gathers the sequence along ``sequence_dim``);
@@ -349,7 +320,8 @@ def to_head_parallel(x: torch.Tensor, tp: TPGroup, sequence_dim: int | None = No
     as a column layer does for its input."""
     if tp.size == 1:
         return x
-    return _CopyToHeads.apply(x, tp) if sequence_dim is None else _GatherToHeads.apply(x, tp, sequence_dim)
+    # the same autograd pair LoRA's adapters use (copy_to_region / gather_summing_grads below)
+    return copy_to_region(x, tp) if sequence_dim is None else gather_summing_grads(x, tp, sequence_dim)
 
 
 def split_to_shard(x: torch.Tensor, tp: TPGroup, dim: int) -> torch.Tensor:
