@@ -260,7 +260,7 @@ def _grouped_gemm_backward_flops(dy_shape, x_shape, w_shape, group_sizes_shape, 
 def flop_counter():
     from torch.utils.flop_counter import FlopCounterMode
 
-    import xorl_kernels.grouped_gemm.op  # noqa: F401 - registers torch.ops.xorl.grouped_gemm
+    import xorl_kernels.expert_gemm.op  # noqa: F401 - registers torch.ops.xorl.grouped_gemm
 
     mapping = {torch.ops.xorl.grouped_gemm: _grouped_gemm_flops,
                torch.ops.xorl.grouped_gemm_backward: _grouped_gemm_backward_flops}

@@ -34,9 +34,9 @@ CPU_ONLY = {
     ("attention.py", "check_cu_seqlens"),
     # Called by the reference, and by the Triton path only for CPU group sizes (or with the debug
     # switch XORL_CHECK_GROUP_SIZES): device group sizes are never read on the host.
-    ("grouped_gemm/checks.py", "check_group_sizes_values"),
+    ("expert_gemm/checks.py", "check_group_sizes_values"),
 }
-CPU_ONLY_FILES = ("attention/reference.py", "grouped_gemm/reference.py")
+CPU_ONLY_FILES = ("attention/reference.py", "expert_gemm/reference.py")
 # The one read the algorithm needs: the split sizes of the uneven expert-parallel all_to_all.
 EP_SPLIT_SIZES = ("moe.py", "_deduplicated_dispatch")  # the one read of the split sizes
 
