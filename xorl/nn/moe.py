@@ -41,7 +41,8 @@ from torch.distributed.tensor import DTensor
 from xorl._torch_compat import all_to_all_single_autograd, resolve_process_group
 from xorl.nn.moe_experts import GroupedExperts
 from xorl.nn.router import Router, check_router_args
-from xorl.nn.tp_comm import TPGroup, gather_from_shards, split_to_shard
+from xorl.nn.tp_comm import TPGroup
+from xorl.nn.tp_regions import gather_from_shards, split_to_shard
 from xorl_kernels.activation.op import swiglu
 from xorl_kernels.checkpoint_saves import SELECTIVE_CHECKPOINT_SAVES
 from xorl_kernels.moe_permute.op import permute_tokens, unpermute_tokens
