@@ -27,8 +27,8 @@ HOST_READS = {"item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool_
 CPU_ONLY = {
     ("attention/layout.py", "_check_cu_seqlens"),
     ("attention/layout.py", "_check_positions"),
-    ("ring_attention.py", "_local_boundaries"),
-    ("ring_attention.py", "_active_steps"),  # reads cu_seqlens only when it is on the host
+    ("ring_step_kernel.py", "_local_boundaries"),
+    ("ring_step_kernel.py", "_active_steps"),  # reads cu_seqlens only when it is on the host
     ("moe_permute/op.py", "permute_tokens"),
     ("moe_permute/routing.py", "_check_routing_args"),
     ("attention.py", "check_cu_seqlens"),
