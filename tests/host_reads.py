@@ -38,7 +38,7 @@ CPU_ONLY = {
 }
 CPU_ONLY_FILES = ("attention/reference.py", "expert_gemm/reference.py")
 # The one read the algorithm needs: the split sizes of the uneven expert-parallel all_to_all.
-EP_SPLIT_SIZES = ("moe.py", "_deduplicated_dispatch")  # the one read of the split sizes
+EP_SPLIT_SIZES = ("ep_dispatch.py", "_deduplicated_dispatch")  # the one read of the split sizes
 
 
 def _short_name(filename: str) -> str:
