@@ -154,3 +154,15 @@ class ReferenceMoE(nn.Module):
 
     def extra_repr(self) -> str:
         return f"top_k={self.top_k}, norm_topk_prob={self.norm_topk_prob}, scoring={self.scoring}"
+
+
+def tiny_qwen3_moe_config(**overrides):
+    """A transformers Qwen3-MoE config small enough for CPU tests (2 layers, hidden 32, 4 heads of
+    8, experts 16 wide, top-2); ``overrides`` set the vocabulary, the expert count and the rest."""
+    import transformers
+
+    kwargs = dict(hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts_per_tok=2,
+                  norm_topk_prob=True, initializer_range=0.2)
+    kwargs.update(overrides)
+    return transformers.Qwen3MoeConfig(**kwargs)

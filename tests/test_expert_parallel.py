@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.moe_reference import tiny_qwen3_moe_config
 from xorl.nn.moe import MoE
 
 HIDDEN, INTER, TOKENS_PER_RANK = 16, 8, 12
@@ -172,28 +173,13 @@ def check_ep_times_fsdp(num_experts, top_k, as_dtensor) -> dict:
 def check_plan_on_qwen3_moe_model(num_experts, use_mesh) -> dict:
     """apply_expert_parallel on the xorl Qwen3-MoE model: logits and every gradient equal the
     unmodified model's on all ranks' tokens."""
-    import transformers
 
     from xorl.models import build_model
     from xorl.plans.expert_parallel import apply_expert_parallel
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=48,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_experts=num_experts,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        router_aux_loss_coef=0.01,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e4},
-        initializer_range=0.2,
-    )
+    config = tiny_qwen3_moe_config(vocab_size=97, num_experts=num_experts, router_aux_loss_coef=0.01,
+                                   rope_parameters={"rope_type": "default", "rope_theta": 1e4})
     torch.manual_seed(0)
     ref = build_model(config)
     torch.manual_seed(0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.moe_reference import tiny_qwen3_moe_config
 from xorl.nn.moe import MoE
 
 
@@ -134,21 +135,7 @@ def test_plan_swaps_transformers_model_blocks():
     from xorl.plans.expert_parallel import apply_expert_parallel
 
     torch.manual_seed(9)
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=61,
-        hidden_size=32,
-        intermediate_size=48,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_experts=4,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        initializer_range=0.2,
-        attn_implementation="eager",
-    )
+    config = tiny_qwen3_moe_config(vocab_size=61, num_experts=4, attn_implementation="eager")
     hf = transformers.Qwen3MoeForCausalLM(config).eval()
     ids = torch.randint(0, 61, (2, 7))
     ref = hf(ids).logits
