@@ -123,6 +123,7 @@ class Trainer:
         if frozen is not None:  # LoRA's frozen base in bf16 (xorl/nn/lora.py)
             cast_frozen_(model, frozen)
         self.num_parameters = sum(p.numel() for p in model.parameters())
+        self.num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         # What the plans did (xorl/parallel_plan.py): the step asks it what to shard and reduce.
         self.parallel = build_parallel_plan(model, self.state, config)
         self.parts = self.parallel.modules
@@ -159,7 +160,7 @@ class Trainer:
         if self.rank == 0:
             data_sequences = None if config.data.streaming else len(self.loader.dataset)
             print(startup_summary(config, self.parallel_config, self.num_parameters, self.step, self.device.type,
-                                  data_sequences), flush=True)
+                                  data_sequences, n_trainable=self.num_trainable), flush=True)
             print("\n".join(data_report(self.loader) + (self.evaluator.report() if self.evaluator else [])), flush=True)
         # startup.json: each rank's peak host (and device) memory with the weights in place, before step 1.
         self.startup = report_startup(config.train.output_dir, self.device, time.perf_counter() - started,
