@@ -260,7 +260,7 @@ def _grouped_gemm_backward_flops(dy_shape, x_shape, w_shape, group_sizes_shape, 
 def flop_counter():
     from torch.utils.flop_counter import FlopCounterMode
 
-    import xorl_kernels.grouped_gemm.op  # noqa: F401 - registers torch.ops.xorl.grouped_gemm
+    import xorl_kernels.expert_gemm.op  # noqa: F401 - registers torch.ops.xorl.grouped_gemm
 
     mapping = {torch.ops.xorl.grouped_gemm: _grouped_gemm_flops,
                torch.ops.xorl.grouped_gemm_backward: _grouped_gemm_backward_flops}
@@ -283,7 +283,7 @@ class DispatchRecorder:
     """Wraps ``expert_parallel_moe`` as xorl.nn.moe calls it; per forward call: the router's expert
     ids and the all_to_all events of the call.
 
-    xorl/nn/moe.py's expert-parallel forward issues, in this order: the counts (an even all_to_all of
+    xorl/nn/ep_dispatch.py's expert-parallel forward issues, in this order: the counts (an even all_to_all of
     xorl's custom op), each slot's metadata (24 bytes a slot, custom op), the hidden rows (torch's
     functional all_to_all: the only functional one) and the combine (custom op). The hidden-row
     dispatch is therefore the functional all_to_all of the call, and the metadata the first

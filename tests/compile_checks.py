@@ -73,7 +73,7 @@ def parallel_block_breaks(case: str) -> tuple[int, list[str]]:
 
 def opcheck_parallel_ops() -> list[str]:
     """torch.library.opcheck of the CP / EP custom ops on a 2-rank world; returns the ops checked."""
-    import xorl.nn.moe  # noqa: F401  (registers xorl::ep_*)
+    import xorl.nn.ep_dispatch  # noqa: F401  (registers xorl::ep_*)
     import xorl.nn.ring_attention  # noqa: F401
     import xorl.nn.ulysses_attention  # noqa: F401
 

@@ -71,7 +71,7 @@ def test_kernel_custom_ops_pass_opcheck():
     # The ops register when their modules are imported: import them here, so the test does not depend
     # on which test file ran before it in this process (alone it failed on a missing op).
     import xorl_kernels.attention.op  # noqa: F401
-    import xorl_kernels.grouped_gemm.op  # noqa: F401
+    import xorl_kernels.expert_gemm.op  # noqa: F401
     import xorl_kernels.moe_permute.op  # noqa: F401
 
     ops = torch.ops.xorl

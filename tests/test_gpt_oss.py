@@ -267,7 +267,7 @@ def test_new_custom_ops_pass_opcheck():
     """The grouped GEMM with a bias and the clamped SwiGLU trace under torch.compile (schema, fake
     and autograd registrations; tests/test_compile.py checks the other kernel ops the same way)."""
     import xorl_kernels.activation.op  # noqa: F401
-    import xorl_kernels.grouped_gemm.op  # noqa: F401
+    import xorl_kernels.expert_gemm.op  # noqa: F401
 
     ops = torch.ops.xorl
     gen = torch.Generator().manual_seed(0)
@@ -315,7 +315,7 @@ def compile_new_kernels_for_sm90() -> dict:
     from triton.compiler import ASTSource
 
     from xorl_kernels.activation import triton_kernels as act
-    from xorl_kernels.grouped_gemm import triton_kernels as gg
+    from xorl_kernels.expert_gemm import triton_kernels as gg
 
     def build(kernel, constexprs, floats=()):
         signature = {}

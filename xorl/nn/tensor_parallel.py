@@ -9,7 +9,7 @@ reduce-scatters its output along it. Without it, the column layer takes the repl
 Weights are DTensors on the 1-D TP mesh, ``Shard(0)`` for column (weight [out, in]) and
 ``Shard(1)`` for row, so FSDP2 ``fully_shard`` on a dp mesh composes on top (2-D), clip-grad sees
 the whole norm and DCP checkpoints save the full logical tensor. The forward multiplies the local
-shards (``to_local()``) inside the autograd functions of ``xorl.nn.tp_comm``, which decompose
+shards (``to_local()``) inside the autograd functions of ``xorl.nn.tp_matmul``, which decompose
 the gather / scatter into TP chunks so each chunk's transfer hides behind the previous chunk's
 GEMM (``overlap=True``, above ``overlap_min_numel`` gathered elements). Gradients land on the
 DTensor parameters (local shard grads wrapped with the parameter's placements).
@@ -65,12 +65,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from xorl.nn.linear import check_fp8
 from xorl.nn.lora import adapter_bounds, adapter_input, make_adapters
-from xorl.nn.tp_comm import (
-    DEFAULT_OVERLAP_MIN_NUMEL,
-    ColumnParallelMatmul,
-    RowParallelMatmul,
-    TPGroup,
-    TPMatmulConfig,
+from xorl.nn.tp_comm import DEFAULT_OVERLAP_MIN_NUMEL, TPGroup
+from xorl.nn.tp_matmul import ColumnParallelMatmul, RowParallelMatmul, TPMatmulConfig
+from xorl.nn.tp_regions import (
     copy_to_region,
     gather_from_shards,
     gather_summing_grads,

@@ -22,9 +22,9 @@ from __future__ import annotations
 import torch
 
 from xorl_kernels.dispatch import REFERENCE, TRITON, pick_backend
+from xorl_kernels.expert_gemm.op import _check_inputs
+from xorl_kernels.expert_gemm.reference import grouped_gemm_reference
 from xorl_kernels.fp8.quantize import BLOCK, E4M3, expand_block_scale, quantize_blocks
-from xorl_kernels.grouped_gemm.op import _check_inputs
-from xorl_kernels.grouped_gemm.reference import grouped_gemm_reference
 
 _AVAILABLE = (TRITON, REFERENCE)
 

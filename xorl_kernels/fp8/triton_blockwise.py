@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from xorl_kernels.dispatch import triton_interpreting
-from xorl_kernels.grouped_gemm.triton_kernels import _block_g, _group_of_tile
+from xorl_kernels.expert_gemm.triton_kernels import _block_g, _group_of_tile
 
 SCALE_BLOCK = 128
 
