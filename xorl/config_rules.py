@@ -28,7 +28,6 @@ from typing import Any
 
 from xorl.config_error import ConfigError
 from xorl.distributed.parallel_config import PIPELINE_SCHEDULES, ParallelConfig
-from xorl.models.schema import ALL as _MODEL_TYPES
 
 
 def validate_config(config: Any, world_size: int) -> None:
@@ -117,14 +116,6 @@ def _parallel_model_problems(m: Any, p: ParallelConfig) -> list[str]:
     if heads < 1 or kv_heads < 1:
         return problems  # reported by _model_problems
     tp_divides_heads = heads % p.tp == 0 and kv_heads % p.tp == 0
-    from xorl.models.families import family
-
-    if p.tp > 1 and m.model_type in _MODEL_TYPES and family(m.model_type).qk_norm == "width":
-        problems.append(
-            f"train.tensor_parallel_size={p.tp} with model_type={m.model_type!r}: its q/k RMSNorm spans all heads of "
-            "a token, and tensor parallelism gives each rank only its own heads, so the norm would see a part of "
-            "the width; use tensor_parallel_size: 1 (shard with FSDP / EP / CP instead)"
-        )
     if p.tp > 1:
         if not tp_divides_heads:
             problems.append(

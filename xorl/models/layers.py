@@ -12,9 +12,11 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
 from xorl.nn.linear import Linear
 from xorl.nn.lora import lora_spec
+from xorl.nn.tp_comm import TPGroup, copy_to_region, sum_partials
 from xorl_kernels.activation.op import swiglu
 from xorl_kernels.rmsnorm.op import rms_norm
 from xorl_kernels.rope.op import apply_rotary as _rope
@@ -37,6 +39,55 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+class WidthRMSNorm(RMSNorm):
+    """RMSNorm over a whole q or k projection, every head of the token at once (OLMoE's q_norm /
+    k_norm), that can run on a tensor-parallel shard of the heads.
+
+    Under tensor parallelism (``shard_over_tp``) a rank holds a contiguous block of the heads, so
+    of the projection's width; its weight becomes the matching ``Shard(0)`` block (like the
+    projection rows it scales). Each rank sums the squares of its columns into a [tokens, 1] fp32
+    buffer, the sums are all-reduced over TP, and each rank normalises its columns by the whole
+    width's mean. Backward: the gradient of the sum of squares differs per rank (each rank's
+    output columns), so it is all-reduced as well; with ``copy_to_region`` (all-reduce backward)
+    inside ``sum_partials`` (all-reduce forward) the two collectives are the tp_comm primitives.
+    The weight's gradient is this rank's block over every token: exact, not a partial sum.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__(dim, eps)
+        self.width = dim
+        self.tp: TPGroup | None = None
+
+    def shard_over_tp(self, tp: TPGroup, tp_mesh) -> None:
+        """Keep this rank's block of the weight (a ``Shard(0)`` DTensor on ``tp_mesh``): the tensor-parallel
+        plan has split the projection this norm follows into ``tp.size`` contiguous blocks of heads."""
+        if self.width % tp.size:
+            raise ValueError(f"WidthRMSNorm: width {self.width} is not divisible by tensor_parallel_size={tp.size}")
+        weight = self.weight
+        local = weight.detach().chunk(tp.size)[tp.rank].clone()
+        self.weight = nn.Parameter(DTensor.from_local(local, tp_mesh, [Shard(0)], run_check=False),
+                                   requires_grad=weight.requires_grad)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.tp is None:
+            return super().forward(x, residual)
+        if residual is not None:
+            raise ValueError("WidthRMSNorm under tensor parallelism takes no residual (it normalises q / k)")
+        weight = self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
+        if x.shape[-1] * self.tp.size != self.width:
+            raise ValueError(f"WidthRMSNorm: this rank's input has {x.shape[-1]} columns, expected "
+                             f"{self.width} / tensor_parallel_size={self.tp.size}")
+        # fp32 statistics as transformers' OlmoeRMSNorm (float64 stays float64, for reference tests).
+        x32 = x.to(torch.promote_types(x.dtype, torch.float32))
+        sum_sq = sum_partials(copy_to_region(x32.pow(2).sum(-1, keepdim=True), self.tp), self.tp)
+        return weight * (x32 * torch.rsqrt(sum_sq / self.width + self.eps)).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        tp = f", tp={self.tp.size}" if self.tp is not None else ""
+        return f"{self.width}, eps={self.eps}{tp}"
 
 
 class RotaryEmbedding(nn.Module):
