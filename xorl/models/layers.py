@@ -16,7 +16,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 from xorl.nn.linear import Linear
 from xorl.nn.lora import lora_spec
-from xorl.nn.tp_comm import TPGroup, copy_to_region, sum_partials
+from xorl.nn.tp_comm import TPGroup
+from xorl.nn.tp_regions import copy_to_region, sum_partials
 from xorl_kernels.activation.op import swiglu
 from xorl_kernels.rmsnorm.op import rms_norm
 from xorl_kernels.rope.op import apply_rotary as _rope
