@@ -105,6 +105,10 @@ class TrainConfig(ParallelFields):
     # true / false read as full / none. Full checkpointing applies to every n-th decoder block.
     activation_checkpointing: Literal["none", "full", "selective"] | bool = "none"
     activation_checkpointing_every_n_layers: int = 1  # with full checkpointing: every n-th decoder block
+    # With selective checkpointing, which matmul outputs a block keeps: every one ("matmuls"), or
+    # every other one in the order the block runs them ("every_other_matmul", torchtitan's op-level
+    # SAC: of q, k, v, o, gate, up, down it recomputes k, o and up; less memory, more FLOPs).
+    selective_checkpoint: Literal["matmuls", "every_other_matmul"] = "matmuls"
     # FSDP2 sharding level: "always" frees each block's gathered parameters after its forward
     # (ZeRO-3), "never" keeps them to the backward (ZeRO-2: less all-gather, more memory);
     # "default" is always, except for zero-bubble pipeline schedules, which need never.

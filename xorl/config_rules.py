@@ -481,6 +481,12 @@ def _train_problems(t: Any) -> list[str]:
             f"activation_checkpointing: full, not {t.activation_checkpointing!r}; set activation_checkpointing: full "
             "or activation_checkpointing_every_n_layers: 1"
         )
+    if getattr(t, "selective_checkpoint", "matmuls") != "matmuls" and t.activation_checkpointing != "selective":
+        problems.append(
+            f"train.selective_checkpoint={t.selective_checkpoint!r} applies to activation_checkpointing: "
+            f"selective, not {t.activation_checkpointing!r}; set activation_checkpointing: selective or "
+            "selective_checkpoint: matmuls"
+        )
     if t.fsdp_reshard_after_forward == "always" and t.pipeline_parallel_size > 1 and \
             getattr(PIPELINE_SCHEDULES.get(t.pipeline_parallel_schedule), "split_backward", False):
         problems.append(

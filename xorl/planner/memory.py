@@ -58,8 +58,11 @@ parallel, else 1; h hidden, hq / hkv query / KV width (heads x head_dim), I inte
   a h / s (every n-th layer with activation_checkpointing_every_n_layers: n; the others keep all),
   and the backward adds one layer's no-recompute activations while it recomputes; selective keeps
   the matmul, attention and collective outputs and the block's input: (a (2hq + 2hkv) + 4 heads) / tp
-  + 3 a h / s
-  + (2 a I / tp dense | 2 a k h + 2 a k I_moe + 8E MoE).
+  + 2 a h / s + (2 a I / tp + a h / s dense | (a E + a k h + 2 a k I_moe [+ 2 a I_shared + a h + a]) / tp MoE:
+  the grouped GEMMs' outputs; a saved-cache census equals it, tests/test_activation_checkpointing.py);
+  with selective_checkpoint: every_other_matmul less the outputs of the 2nd, 4th, ... dense matmul
+  of the block (block_matmuls: k, o and up of a Llama layer, a (hkv / tp + h / s + I / tp)), which
+  its recompute runs again.
   Microbatches in flight on pipeline rank r of p (m microbatches, v stages per rank): 1 without
   PP; 1F1B min(m, p - r); GPipe m; interleaved (v-1) p + 2 (p-1-r) + 1 chunks of layers/v
   layers (torch's warm-up count); ZBV min(m, p) (as 1F1B, per the zero-bubble-V paper).
@@ -373,6 +376,51 @@ def checkpointing(train) -> tuple[str, int]:
     return mode, getattr(train, "activation_checkpointing_every_n_layers", 1)
 
 
+def every_other_matmul(train) -> bool:
+    """train.selective_checkpoint: every_other_matmul (read with a default for older configs)."""
+    return checkpointing(train)[0] == "selective" and \
+        getattr(train, "selective_checkpoint", "matmuls") == "every_other_matmul"
+
+
+def block_matmuls(spec, moe_layer: bool, tp: int, sp: bool) -> list[tuple[float, float, float, float]]:
+    """The dense matmuls (aten mm / addmm) of one decoder block in the order it runs them, as
+    selective_checkpoint: every_other_matmul counts them (xorl/plans/data_parallel.py): per matmul
+    (elements its output keeps per token, tokens per token, n, k): the output on this TP rank, in
+    the units of the selective terms below (a row layer's output per token of the sequence shard
+    under SP: h / s); the GEMM is [t x tokens, k] @ [k, n]. The experts' grouped GEMMs are not
+    dense matmuls (always kept); an MoE block runs on this TP rank's t / tp tokens."""
+    h, heads = spec.hidden_size, spec.num_attention_heads
+    s = tp if sp else 1
+    if spec.is_mla:  # xorl/models/mla.py: q (or q_a, q_b), kv_a, kv_b, o
+        d_qk = spec.qk_nope_head_dim + spec.qk_rope_head_dim
+        q = ([(heads * d_qk / tp, 1, heads * d_qk / tp, h)] if spec.q_lora_rank is None
+             else [(spec.q_lora_rank, 1, spec.q_lora_rank, h), (heads * d_qk / tp, 1, heads * d_qk / tp,
+                                                                spec.q_lora_rank)])
+        kv_a = spec.kv_lora_rank + spec.qk_rope_head_dim
+        kv_b = heads * (spec.qk_nope_head_dim + spec.v_head_dim) / tp
+        out = q + [(kv_a, 1, kv_a, h), (kv_b, 1, kv_b, spec.kv_lora_rank), (h / s, 1, h, heads * spec.v_head_dim / tp)]
+    else:
+        hq, hkv = heads * spec.head_dim / tp, spec.num_key_value_heads * spec.head_dim / tp
+        widths = [hq + 2 * hkv] if getattr(spec, "merge_qkv", False) else [hq, hkv, hkv]
+        out = [(w, 1, w, h) for w in widths] + [(h / s, 1, h, hq)]
+    if moe_layer:  # the router, then a shared expert's gate, up, down and its sigmoid gate
+        shared, e = spec.shared_expert_intermediate_size, spec.num_experts
+        out.append((e / tp, 1 / tp, e, h))
+        if shared:
+            out += [(shared / tp, 1 / tp, shared, h)] * 2 + [(h / tp, 1 / tp, h, shared)]
+            if spec.family.shared_expert_gate:
+                out.append((1 / tp, 1 / tp, 1, h))
+        return out
+    inter = spec.intermediate_size / tp
+    gate_up = [2 * inter] if getattr(spec, "merge_gate_up", False) else [inter, inter]
+    return out + [(w, 1, w, h) for w in gate_up] + [(h / s, 1, h, inter)]
+
+
+def recomputed_matmuls(spec, moe_layer: bool, tp: int, sp: bool) -> list[tuple[float, float, float, float]]:
+    """The matmuls every_other_matmul recomputes: the 2nd, 4th, ... of block_matmuls."""
+    return block_matmuls(spec, moe_layer, tp, sp)[1::2]
+
+
 def reshards_after_forward(train, pp: int) -> bool:
     """FSDP2's reshard_after_forward as xorl/parallelize.py sets it."""
     setting = getattr(train, "fsdp_reshard_after_forward", "default")
@@ -381,17 +429,25 @@ def reshards_after_forward(train, pp: int) -> bool:
     return setting == "always"
 
 
-def selective_bytes_per_token(spec, moe_layer: bool, a: int, tp: int, sp: bool) -> float:
-    """One decoder layer under selective checkpointing: matmul / attention / collective outputs."""
+def selective_bytes_per_token(spec, moe_layer: bool, a: int, tp: int, sp: bool, every_other: bool = False
+                              ) -> float:
+    """One decoder layer under selective checkpointing: matmul / attention / collective outputs;
+    ``every_other`` (selective_checkpoint: every_other_matmul): less the recomputed matmuls' outputs."""
     h, heads = spec.hidden_size, spec.num_attention_heads
     hq, hkv = heads * spec.head_dim, spec.num_key_value_heads * spec.head_dim
-    # + the block's input, which the checkpoint keeps (the previous block's residual sum, recomputed there)
-    kept = (a * (2 * hq + 2 * hkv) + 4 * heads) / tp + 3 * a * h / (tp if sp else 1)
+    # q, k, v, the attention's output and log-sum-exp, o_proj's output, and the block's input, which
+    # the checkpoint keeps (the previous block's residual sum, recomputed there)
+    kept = (a * (2 * hq + 2 * hkv) + 4 * heads) / tp + 2 * a * h / (tp if sp else 1)
     if moe_layer:  # on this TP rank's token shard: the router's, experts' and shared expert's matmul outputs
+        # (the routed experts' output is the grouped GEMM's, a k h: no dense down_proj output)
         k, shared = spec.num_experts_per_tok, spec.shared_expert_intermediate_size
-        return kept + (a * spec.num_experts + a * k * h + 2 * a * k * spec.moe_intermediate_size
-                       + (2 * a * shared + a * h + a if shared else 0)) / tp
-    return kept + 2 * a * spec.intermediate_size / tp
+        kept += (a * spec.num_experts + a * k * h + 2 * a * k * spec.moe_intermediate_size
+                 + (2 * a * shared + a * h + a if shared else 0)) / tp
+    else:  # gate, up and down_proj's outputs
+        kept += 2 * a * spec.intermediate_size / tp + a * h / (tp if sp else 1)
+    if every_other:
+        kept -= a * sum(elements for elements, *_ in recomputed_matmuls(spec, moe_layer, tp, sp))
+    return kept
 
 
 def backward_bytes_per_token(spec, moe_layer: bool, a: int, tp: int, sp: bool) -> float:
@@ -467,8 +523,8 @@ def estimate(config, p: ParallelConfig, shapes: ModelShapes, pp_rank: int, preci
                    for i, x in zip(rp.layers, per_layer))
         working = max(per_layer, default=0)
     elif mode == "selective":
-        selective = [selective_bytes_per_token(spec, shapes.is_moe_kind(shapes.layer_kind[i]), a, p.tp, sp)
-                     for i in rp.layers]
+        selective = [selective_bytes_per_token(spec, shapes.is_moe_kind(shapes.layer_kind[i]), a, p.tp, sp,
+                                               every_other_matmul(train)) for i in rp.layers]
         kept = sum(selective)
         # one layer's element-wise outputs recomputed at a time: what it keeps without recompute, less the saved
         working = max((x - y for x, y in zip(per_layer, selective)), default=0)
