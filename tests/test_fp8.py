@@ -278,3 +278,53 @@ def test_tp_linears_in_fp8_match_one_process_including_the_overlapped_ring(gloo_
             assert e["fp8_vs_fp32"] > 1e-3, (case, e)  # FP8 really ran on the TP path
             for what in ("out", "dx", "col_dw", "row_dw"):
                 assert e[what] <= 1e-5, (recipe, rank, case, what, e)
+
+
+# -- FSDP2 all-gather in float8 (train.fp8_all_gather, xorl/nn/fp8_all_gather.py) --------------------
+def check_float8_all_gather_bits() -> dict:
+    """A tensorwise Linear(40 -> 37) FSDP-sharded on 2 ranks (37 rows: 19 + 18, so one shard is
+    padded) with its weight gathered in float8: the gathered bytes and scale against the one-process
+    cast of the full weight; the layer's output and gradients against the one-process FP8 layer."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from xorl.nn.fp8_all_gather import Float8AllGatherWeight, cast_weights_for_float8_all_gather
+    from xorl.nn.linear import Linear
+    from xorl_kernels.fp8.linear import gathered_float8_weight
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))
+    torch.manual_seed(5)  # the same on both ranks
+    ref = Linear(40, 37, fp8="tensorwise")
+    with torch.no_grad():
+        ref.weight.copy_(randn(37, 40, seed=11))
+    layer = Linear(40, 37, fp8="tensorwise")
+    layer.load_state_dict(ref.state_dict())
+    assert cast_weights_for_float8_all_gather(layer) == 1
+    fully_shard(layer, mesh=mesh)
+    local = layer.weight.to_local()
+    out = {"local_is_cast_weight": isinstance(local, Float8AllGatherWeight), "local_rows": local.shape[0]}
+    layer.unshard()
+    gathered = layer.weight
+    q_ref, s_ref = quantize_blocks(ref.weight.detach(), None, None, E4M3)
+    out["gathered_is_float8"] = gathered_float8_weight(gathered)
+    out["bits_equal"] = torch.equal(gathered._data.view(torch.uint8), q_ref.view(torch.uint8))
+    out["scale_equal"] = torch.equal(gathered._scale.reciprocal().reshape(1, 1), s_ref)
+    layer.reshard()
+    x, dy = randn(2, 9, 40, seed=12), randn(2, 9, 37, seed=13)
+    x_ref = x.clone().requires_grad_()
+    ref(x_ref).backward(dy)
+    x = x.clone().requires_grad_()
+    y = layer(x)
+    y.backward(dy)
+    out["y_equal"] = torch.equal(y.detach(), ref(x_ref).detach())
+    out["dx_equal"] = torch.equal(x.grad, x_ref.grad)
+    out["dw_equal"] = torch.equal(layer.weight.grad.full_tensor(), ref.weight.grad)
+    out["db_equal"] = torch.equal(layer.bias.grad.full_tensor(), ref.bias.grad)
+    out["weight_state_plain"] = type(layer.state_dict()["weight"].full_tensor()) is torch.Tensor
+    return out
+
+
+def test_float8_all_gather_gives_the_one_process_cast_bit_for_bit(gloo_world):
+    for rank, out in enumerate(gloo_world(2).run(check_float8_all_gather_bits)):
+        assert out.pop("local_rows") == (19 if rank == 0 else 18)
+        assert all(out.values()), (rank, out)

@@ -72,6 +72,32 @@ def quantize_operand(t: torch.Tensor, recipe: str, role: str):
     return q, scale, block
 
 
+def gathered_float8_weight(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` is one FSDP2 all-gathered in float8 (``train.fp8_all_gather``,
+    xorl/nn/fp8_all_gather.py): torchao's ``Float8TrainingTensor`` (e4m3 data, one scale).
+    Only FP8 runs call this, and they have torchao (the config rule for train.fp8)."""
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor
+
+    return isinstance(weight, Float8TrainingTensor)
+
+
+def weight_operand(weight: torch.Tensor, recipe: str, role: str):
+    """The weight [N, K] quantised as operand "w" (or its transpose, "w_t") of ``recipe``.
+
+    A weight that arrives already cast (``gathered_float8_weight``) is used as it is: it is the
+    tensorwise e4m3 cast of the whole weight with the whole weight's amax, and the tensorwise cast
+    of w^T is the transpose of w's (the same amax, the same elementwise cast), so the bits equal
+    ``quantize_operand`` of the gathered high-precision weight.
+    """
+    if not gathered_float8_weight(weight):
+        return quantize_operand(weight if role == "w" else weight.t(), recipe, role)
+    if OPERANDS[recipe][role] != (_TENSOR, E4M3):
+        raise ValueError(f"a float8 all-gathered weight serves the tensorwise recipe only, not {recipe!r}")
+    data = weight._data if role == "w" else weight._data.t()
+    # torchao keeps the quantisation factor (a power of 2 here); the GEMM takes its exact reciprocal.
+    return data.contiguous(), weight._scale.float().reciprocal().reshape(1, 1), _TENSOR
+
+
 def _pad16(q: torch.Tensor) -> torch.Tensor:
     """Zero-pad both dims of an fp8 matrix to multiples of 16, which torch._scaled_mm requires on
     CUDA (token counts of a shard need not be): zeros add nothing to the products. Through uint8,
@@ -128,14 +154,12 @@ def scaled_mm_nt(qa, sa, a_block, qb, sb, b_block, out_dtype: torch.dtype, backe
 
 def linear_forward(x2d: torch.Tensor, weight: torch.Tensor, recipe: str) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T in FP8 -> [M, N] in x's dtype."""
-    return scaled_mm_nt(*quantize_operand(x2d, recipe, "x"), *quantize_operand(weight, recipe, "w"),
-                        x2d.dtype)
+    return scaled_mm_nt(*quantize_operand(x2d, recipe, "x"), *weight_operand(weight, recipe, "w"), x2d.dtype)
 
 
 def linear_dgrad(dy2d: torch.Tensor, weight: torch.Tensor, recipe: str) -> torch.Tensor:
     """dy [M, N] @ weight [N, K] in FP8 -> dx [M, K] in dy's dtype."""
-    return scaled_mm_nt(*quantize_operand(dy2d, recipe, "dy"), *quantize_operand(weight.t(), recipe, "w_t"),
-                        dy2d.dtype)
+    return scaled_mm_nt(*quantize_operand(dy2d, recipe, "dy"), *weight_operand(weight, recipe, "w_t"), dy2d.dtype)
 
 
 def linear_wgrad(dy2d: torch.Tensor, x2d: torch.Tensor, recipe: str) -> torch.Tensor:

@@ -51,7 +51,6 @@ def quantize_blocks(
     """
     if x.dim() < 2:
         raise ValueError(f"quantize_blocks expects a tensor of at least 2 dims, got shape {tuple(x.shape)}")
-    amax_to_scale, to_fp8_saturated = _torchao_scaling()
     x = x.contiguous()  # transposed operands (dgrad / wgrad) arrive as views
     *lead, rows, cols = x.shape
     br = rows if block_rows is None else min(block_rows, rows)
@@ -60,10 +59,24 @@ def quantize_blocks(
     # Zero padding to whole blocks changes no amax and is cropped after the cast.
     padded = F.pad(x, (0, nc * bc - cols, 0, nr * br - rows)) if (nr * br, nc * bc) != (rows, cols) else x
     blocks = padded.view(*lead, nr, br, nc, bc)
-    amax = blocks.abs().amax(dim=(-3, -1)).float()
-    qscale = amax_to_scale(amax, dtype, round_scales_to_power_of_2=True)
-    q = to_fp8_saturated(blocks.float() * qscale[..., :, None, :, None], dtype).view(*lead, nr * br, nc * bc)
-    return q[..., :rows, :cols].contiguous(), qscale.reciprocal()
+    amax = blocks.abs().amax(dim=(-3, -1), keepdim=True)
+    q, qscale = cast_with_amax(blocks, amax, dtype)
+    q = q.view(*lead, nr * br, nc * bc)
+    return q[..., :rows, :cols].contiguous(), qscale.view(*lead, nr, nc).reciprocal()
+
+
+@torch.no_grad()
+def cast_with_amax(x: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype = E4M3
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` cast to ``dtype`` with the scale that ``amax`` (broadcastable to x) gives:
+    (q, quantisation scale, float32, the reciprocal of the dequantisation factor).
+
+    The one place the cast happens, so a tensor cast with the amax of its whole (a weight shard
+    under FSDP's float8 all-gather, ``xorl.nn.fp8_all_gather``) is bit for bit the cast of the whole.
+    """
+    amax_to_scale, to_fp8_saturated = _torchao_scaling()
+    qscale = amax_to_scale(amax.float(), dtype, round_scales_to_power_of_2=True)
+    return to_fp8_saturated(x.float() * qscale, dtype), qscale
 
 
 def expand_block_scale(scale: torch.Tensor, block: int, size: int, dim: int) -> torch.Tensor:
