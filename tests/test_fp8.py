@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+import torch.distributed as dist
 import torch
 
 from tests.triton_helpers import to_triton
@@ -356,3 +357,61 @@ def test_fp8_all_gather_training_equals_the_plain_fsdp_run_and_one_process(gloo_
     assert max_rel_diff(gathered["losses"], one["losses"]) <= FP8_TOLERANCE["losses"]
     assert max_rel_diff(gathered["grad_norms"], one["grad_norms"]) <= FP8_TOLERANCE["grad_norms"]
     assert weights_rel_diff(gathered["weights"], one["weights"]) <= FP8_TOLERANCE["weights"]
+
+
+def count_fsdp_all_gather_bytes(float8_all_gather: bool) -> dict:
+    """One forward + backward of the tiny Llama (fp8 tensorwise) on FSDP 2 with bf16 compute through
+    the data-parallel plan (apply_fsdp): the bytes each FSDP all-gather sends from this rank, in
+    order, and what each unit's parameters weigh (padded shard elements: all, and tensorwise linears)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from bench.bench_step_anatomy import CommCounter
+    from tests.parity_runs import tiny_config
+    from xorl.models.registry import build_model
+    from xorl.nn.fp8_all_gather import float8_all_gather_linears
+    from xorl.plans.data_parallel import apply_fsdp, decoder_layers
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))
+    model = build_model(tiny_config("", fp8="tensorwise").model, fp8="tensorwise")
+    model.init_weights(seed=1)
+
+    def padded(p) -> int:
+        return -(-p.shape[0] // 2) * (p.numel() // p.shape[0])
+
+    units = []
+    for unit in [*decoder_layers(model), model]:
+        inner = {id(p) for layer in decoder_layers(model) for p in layer.parameters()} if unit is model else set()
+        params = [p for p in unit.parameters() if id(p) not in inner]
+        linear = {id(m.weight) for m in float8_all_gather_linears(unit)} - inner
+        units.append((sum(padded(p) for p in params), sum(padded(p) for p in params if id(p) in linear)))
+    state = SimpleNamespace(fsdp_mesh=mesh, ep_size=1, tp_size=1, dp_replicate_size=1)
+    record = apply_fsdp(model, state, bf16_compute=True, float8_all_gather=float8_all_gather)
+    rows = torch.randint(0, 272, (2, 33), generator=torch.Generator().manual_seed(3 + dist.get_rank()))
+    with CommCounter() as counter:
+        out = model(rows[:, :-1], labels=rows[:, 1:])
+        out.loss.backward()
+    return {"record": record.float8_all_gather, "units": units,
+            "all_gather": [e.nbytes for e in counter.events if e.kind == "all_gather"],
+            "amax_all_reduces": [e.nbytes for e in counter.events if e.kind == "all_reduce" and e.functional]}
+
+
+def test_fp8_all_gather_sends_half_the_bytes_of_bf16_for_the_fp8_linears(gloo_world):
+    plain = gloo_world(2).run(count_fsdp_all_gather_bytes, False)
+    fp8 = gloo_world(2).run(count_fsdp_all_gather_bytes, True)
+    for p, f in zip(plain, fp8):
+        assert (p["record"], f["record"]) == (False, True)
+        units = {2 * total: (total, linear) for total, linear in p["units"]}  # bf16 bytes -> the unit
+        assert len(units) == 2 and all(linear > 0 for _, linear in p["units"][:-1])  # blocks, root
+        assert len(p["all_gather"]) == len(f["all_gather"]) > len(p["units"])  # blocks re-gathered in backward
+        linear_bf16 = linear_fp8 = 0
+        for bf16_bytes, fp8_bytes in zip(p["all_gather"], f["all_gather"]):
+            total, linear = units[bf16_bytes]  # every all-gather is one unit's, bf16: 2 bytes an element
+            assert fp8_bytes == 2 * (total - linear) + linear  # the linears' weights: 1 byte an element
+            linear_bf16, linear_fp8 = linear_bf16 + 2 * linear, linear_fp8 + linear
+        print(f"all-gather bytes a step from this rank: bf16 {sum(p['all_gather'])}, fp8_all_gather "
+              f"{sum(f['all_gather'])}; the fp8 linears' weights {linear_bf16} -> {linear_fp8}; "
+              f"amax all-reduces {len(f['amax_all_reduces'])} x 4 bytes")
+        assert linear_fp8 * 2 == linear_bf16 > 0
+        assert p["amax_all_reduces"] == [] and set(f["amax_all_reduces"]) == {4}
