@@ -170,6 +170,20 @@ def test_fp8_config_rules_and_resume_with_another_fp8():
         validate_config(config, 1)
     with pytest.raises(ConfigError, match="fp8"):
         Config.from_dict({"train": {"fp8": "e4m3"}})
+    # fp8_all_gather: tensorwise under FSDP2 without TP only, refused up front naming the field and the fix
+    for fp8, mode, tp, match in (("rowwise", "fsdp2", 1, "fp8_all_gather: true with train.fp8: rowwise"),
+                                 ("blockwise", "fsdp2", 1, "set fp8: tensorwise"),
+                                 ("none", "fsdp2", 1, "with train.fp8: none"),
+                                 ("tensorwise", "ddp", 1, "with data_parallel_mode: ddp"),
+                                 ("tensorwise", "fsdp2", 2, "with tensor_parallel_size > 1")):
+        bad = Config()
+        bad.train.fp8, bad.train.fp8_all_gather, bad.train.data_parallel_mode = fp8, True, mode
+        bad.train.tensor_parallel_size, bad.train.data_parallel_shard_size = tp, 2 // tp
+        with pytest.raises(ConfigError, match=match):
+            validate_config(bad, 2)
+    good = Config()
+    good.train.fp8, good.train.fp8_all_gather, good.train.data_parallel_shard_size = "tensorwise", True, 2
+    validate_config(good, 2)
     # FP8 is a compute choice: a checkpoint written with one value resumes with another.
     old, new = Config(), Config()
     old.train.fp8, new.train.fp8 = "none", "blockwise"
@@ -415,3 +429,54 @@ def test_fp8_all_gather_sends_half_the_bytes_of_bf16_for_the_fp8_linears(gloo_wo
               f"amax all-reduces {len(f['amax_all_reduces'])} x 4 bytes")
         assert linear_fp8 * 2 == linear_bf16 > 0
         assert p["amax_all_reduces"] == [] and set(f["amax_all_reduces"]) == {4}
+
+
+def trainer_weight_types(config) -> list[str]:
+    """The local tensor types of a Trainer's tensorwise-FP8 linear weights (rank 0)."""
+    from xorl.nn.fp8_all_gather import float8_all_gather_linears
+    from xorl.trainer import Trainer
+
+    trainer = Trainer(config)
+    return sorted({type(m.weight.to_local()).__name__ for part in trainer.parts for m in float8_all_gather_linears(part)})
+
+
+def test_fp8_all_gather_checkpoint_resumes_with_fp8_none(gloo_world, tmp_path):
+    """A checkpoint of an fp8_all_gather run holds the plain master weights: the same files as the run
+    without it, bit for bit, and it resumes into fp8: none exactly as that run's checkpoint does."""
+    import shutil
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.utils._pytree import tree_flatten_with_path
+
+    from tests.parity_runs import tiny_config, train_losses
+
+    world = gloo_world(2)
+    fsdp2 = dict(data_parallel_shard_size=2, gradient_accumulation_steps=2)
+    ag, plain = str(tmp_path / "ag"), str(tmp_path / "plain")
+    ag_config = tiny_config(ag, max_steps=6, save_steps=3, fp8="tensorwise", fp8_all_gather=True, **fsdp2)
+    wiring = tiny_config(str(tmp_path / "wiring"), fp8="tensorwise", fp8_all_gather=True, **fsdp2)
+    assert world.run(trainer_weight_types, wiring)[0] == ["Float8AllGatherWeight"]  # the trainer wires it
+    first_ag = world.run(train_losses, ag_config, 3)[0]
+    first_plain = world.run(train_losses, tiny_config(plain, max_steps=6, save_steps=3, fp8="tensorwise", **fsdp2),
+                            3)[0]
+    assert first_ag == first_plain
+    saved = {}
+    for run in (ag, plain):  # the DCP checkpoint as one plain state dict (model and optimizer)
+        dcp_to_torch_save(f"{run}/checkpoints/step_00000003", f"{run}/whole.pt")
+        saved[run] = torch.load(f"{run}/whole.pt", weights_only=False)
+    flat = {run: dict(tree_flatten_with_path(state)[0]) for run, state in saved.items()}
+    tensors = {run: {k: v for k, v in f.items() if isinstance(v, torch.Tensor)} for run, f in flat.items()}
+    assert flat[ag].keys() == flat[plain].keys() and len(tensors[ag]) > 2 * 4 * 7  # weights and Adam moments
+    assert all(type(t) is torch.Tensor for t in tensors[ag].values())
+    assert all(torch.equal(t, tensors[plain][k]) for k, t in tensors[ag].items())
+    for run in (ag, plain):  # each resume in its own copy: each run saves its last step
+        shutil.copytree(run, f"{run}-again")
+    resumed = [world.run(train_losses, tiny_config(run, max_steps=6, resume=True, fp8="none", **fsdp2))[0]
+               for run in (ag, plain)]
+    assert len(resumed[0]) == 3 and resumed[0] == resumed[1]
+    # ... and into the same fp8_all_gather run (the plain checkpoint loads into the float8-gathered weights)
+    again = world.run(train_losses, tiny_config(f"{ag}-again", max_steps=6, resume=True, fp8="tensorwise",
+                                                fp8_all_gather=True, **fsdp2))[0]
+    again_plain = world.run(train_losses, tiny_config(f"{plain}-again", max_steps=6, resume=True,
+                                                      fp8="tensorwise", **fsdp2))[0]
+    assert len(again) == 3 and again == again_plain and again != resumed[0]

@@ -83,6 +83,11 @@ class Float8AllGatherWeight(torch.Tensor):
     def __tensor_unflatten__(inner_tensors, flatten_spec, outer_size, outer_stride):
         return Float8AllGatherWeight(inner_tensors["_tensor"])
 
+    def __reduce_ex__(self, protocol):
+        # Pickles (torch.save, DCP's shard files) as the plain master weight: a checkpoint of an
+        # fp8_all_gather run is the run's without it, loadable by any run and by weights_only loads.
+        return self._tensor.__reduce_ex__(protocol)
+
     def __repr__(self):
         return f"Float8AllGatherWeight({self._tensor})"
 

@@ -32,10 +32,11 @@ torchao's ``Float8Linear`` is not used: ``convert_to_float8_training`` swaps the
 nn.Linear modules after they are built (xorl builds each module once, with its recipe), its
 layer multiplies whole (DTensor) weights where xorl's TP layers run their own overlapped chunked
 GEMMs on local shards (``tp_comm``), and it has no 1 x 128 / 128 x 128 blockwise training recipe.
-For the same reason there is no ``train.fp8_all_gather``: torchao all-gathers FP8 weights under
-FSDP2 only for its own ``Float8Linear`` weights (a tensor subclass that FSDP2's pre-/post-all-gather
-hooks cast), tensorwise only; adopting it means adopting the module swap. Here FSDP2 gathers the
-weights in ``train.dtype`` (bf16 on GPU) and each GEMM quantises its gathered weight.
+For the same reason ``train.fp8_all_gather`` is xorl's own (xorl/nn/fp8_all_gather.py, which
+says why torchao's weight wrapper is not used as is): FSDP2 then gathers each tensorwise weight as
+its float8 cast, torchao's ``Float8TrainingTensor``, which ``weight_operand`` takes as the GEMMs'
+weight; otherwise FSDP2 gathers the weights in ``train.dtype`` and each GEMM quantises its
+gathered weight.
 """
 
 from __future__ import annotations
