@@ -9,8 +9,8 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-import torch.distributed as dist
 import torch
+import torch.distributed as dist
 
 from tests.triton_helpers import to_triton
 from xorl_kernels.fp8.grouped import fp8_grouped_gemm
@@ -437,7 +437,8 @@ def trainer_weight_types(config) -> list[str]:
     from xorl.trainer import Trainer
 
     trainer = Trainer(config)
-    return sorted({type(m.weight.to_local()).__name__ for part in trainer.parts for m in float8_all_gather_linears(part)})
+    linears = [m for part in trainer.parts for m in float8_all_gather_linears(part)]
+    return sorted({type(m.weight.to_local()).__name__ for m in linears})
 
 
 def test_fp8_all_gather_checkpoint_resumes_with_fp8_none(gloo_world, tmp_path):
