@@ -481,3 +481,34 @@ def test_fp8_all_gather_checkpoint_resumes_with_fp8_none(gloo_world, tmp_path):
     again_plain = world.run(train_losses, tiny_config(f"{plain}-again", max_steps=6, resume=True,
                                                       fp8="tensorwise", **fsdp2))[0]
     assert len(again) == 3 and again == again_plain and again != resumed[0]
+
+
+def test_planner_counts_fp8_all_gather_bytes(monkeypatch):
+    """The planner's FSDP all-gather of a Llama-3-8B layer on 8 GPUs (bf16): with fp8_all_gather the
+    attention and MLP projections' weights count 1 byte an element, the norms still 2."""
+    from tests.test_plan import LLAMA_8B, _parallel
+    from xorl.config import load_config
+    from xorl.planner import step_time as planner
+    from xorl.planner.guide import with_layout
+    from xorl.planner.memory import model_shapes
+
+    sent = []
+    collective = planner._Cost.collective
+
+    def recording(self, nbytes, size, stride, kind="all_gather"):
+        if kind == "all_gather" and size == 8:
+            sent.append(nbytes)
+        return collective(self, nbytes, size, stride, kind)
+
+    monkeypatch.setattr(planner._Cost, "collective", recording)
+    per_layer = {}
+    for fp8_all_gather in (False, True):
+        config = with_layout(load_config(LLAMA_8B), {"data_parallel_shard_size": 8, "tensor_parallel_size": 1})
+        config.train.dtype, config.train.fp8, config.train.fp8_all_gather = "bfloat16", "tensorwise", fp8_all_gather
+        sent.clear()
+        planner.step_time(config, _parallel(config, 8), model_shapes(config.model), planner.Hardware())
+        per_layer[fp8_all_gather] = sent[0]
+    h, kv, ffn = 4096, 1024, 14336
+    projections = h * (2 * h + 2 * kv) + 3 * h * ffn
+    assert per_layer[False] == 2 * (projections + 2 * h)
+    assert per_layer[True] == projections + 2 * 2 * h
