@@ -18,6 +18,7 @@ from xorl_kernels.fp8.linear import OPERANDS, RECIPES, fp8_linear, scaled_mm_nt
 from xorl_kernels.fp8.quantize import E4M3, E5M2, quantize_blocks
 from xorl_kernels.fp8.reference import (
     blockwise_grouped_reference,
+    blockwise_grouped_wgrad_reference,
     dequantize_reference,
     fp8_linear_reference,
 )
@@ -112,7 +113,9 @@ def test_blockwise_gemm_triton_kernel_and_sliced_scaled_mm_match_the_formula(b_b
 # -- the blockwise grouped GEMM ------------------------------------------------------------------
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_fp8_grouped_gemm_matches_the_float64_formula(backend):
-    sizes = torch.tensor([30, 0, 41, 9])  # an empty expert, sizes not multiples of any tile
+    # An empty expert, sizes not multiples of any tile; 150 and 133 tokens: two 128-token tiles each
+    # for the weight gradient, the second partial; K = 200 and N = 150: partial 128-blocks too.
+    sizes = torch.tensor([150, 0, 41, 133])
     m, k, n = int(sizes.sum()), 200, 150
     x, w = randn(m, k, seed=8), randn(4, k, n, seed=9)
     dy = randn(m, n, seed=10)
@@ -121,11 +124,7 @@ def test_fp8_grouped_gemm_matches_the_float64_formula(backend):
     qdy, sdy = quantize_blocks(dy, 1, 128)
     ref_y = blockwise_grouped_reference(qx, sx, qw, sw, sizes)
     ref_dx = blockwise_grouped_reference(qdy, sdy, qw.transpose(1, 2), sw.transpose(1, 2), sizes)
-    ref_dw = torch.zeros(4, k, n, dtype=torch.float64)  # the weight gradient stays high precision
-    start = 0
-    for g, rows in enumerate(sizes.tolist()):
-        ref_dw[g] = x[start:start + rows].double().t() @ dy[start:start + rows].double()
-        start += rows
+    ref_dw = blockwise_grouped_wgrad_reference(x, dy, sizes)  # FP8 too: 1 x 128 token tiles per expert
     if backend == "triton":
         x, w, dy, sizes = to_triton(x, w, dy, sizes.to(torch.int32))
         out = torch.full((m, n), float("nan"), device=x.device)  # poisoned: every row must be written
@@ -136,7 +135,37 @@ def test_fp8_grouped_gemm_matches_the_float64_formula(backend):
     y.backward(dy)
     assert rel(y, ref_y) <= 1e-6
     assert rel(x.grad, ref_dx) <= 1e-6
-    assert rel(w.grad, ref_dw) <= 1e-5
+    assert rel(w.grad, ref_dw) <= 1e-6
+    assert bool((w.grad[1] == 0).all())  # the empty expert's gradient
+    # ... and the weight gradient is FP8: off the exact product by fp8 rounding, not by more.
+    exact = torch.zeros(4, k, n, dtype=torch.float64)
+    start = 0
+    for g, rows in enumerate(sizes.tolist()):
+        exact[g] = x[start:start + rows].detach().double().cpu().t() @ dy[start:start + rows].double().cpu()
+        start += rows
+    assert 1e-3 < rel(ref_dw, exact) < 0.1
+
+
+def test_fp8_wgrad_kernel_against_the_float64_formula_with_poisoned_output():
+    """The Triton weight-gradient kernel alone: token tiles of 128 starting at each expert's first row
+    (three tiles in the 300-token expert, the last partial), an empty expert, every dw written."""
+    from xorl_kernels.fp8.quantize import group_token_tiles, quantize_token_tiles
+    from xorl_kernels.fp8.triton_blockwise import fp8_blockwise_grouped_wgrad
+
+    sizes = torch.tensor([0, 300, 7, 60])
+    m, k, n = int(sizes.sum()), 72, 40
+    x, dy = randn(m, k, seed=20), randn(m, n, seed=21)
+    ref = blockwise_grouped_wgrad_reference(x, dy, sizes)
+    tile_of_row, row_start, first_tile, num_tiles = group_token_tiles(sizes, m)
+    assert tile_of_row.tolist() == [0] * 128 + [1] * 128 + [2] * 44 + [3] * 7 + [4] * 60
+    assert num_tiles == 3 + 4  # the static bound: ceil(367 / 128) + G
+    qx, sx = quantize_token_tiles(x, tile_of_row, num_tiles)
+    qdy, sdy = quantize_token_tiles(dy, tile_of_row, num_tiles)
+    out = torch.full((4, k, n), float("nan"))
+    tensors = to_triton(qx, sx, qdy, sdy, sizes.to(torch.int32), row_start, first_tile, out)
+    fp8_blockwise_grouped_wgrad(*tensors[:7], torch.float32, out=tensors[7])
+    assert rel(tensors[7], ref) <= 1e-6
+    assert bool((tensors[7][0] == 0).all())
 
 
 # -- the model ------------------------------------------------------------------------------------
