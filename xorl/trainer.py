@@ -401,7 +401,10 @@ class Trainer:
                         metrics.update(self.evaluator.run(self))
                     show = True
                 logger.log(result.step, metrics, elapsed_s=self.elapsed_s(), show=show)
-                stop = preemption.should_stop()  # every rank stops after the same step (xorl/preemption.py)
+                # Every rank stops after the same step (xorl/preemption.py): a collective, so a rank that
+                # stalls between steps is reported here as it would be inside one.
+                with heartbeat.busy(f"agreeing on a stop after step {self.step}"):
+                    stop = preemption.should_stop()
                 if stop and self.step < last:
                     with heartbeat.busy(f"saving the checkpoint of step {self.step} (preempted)"):
                         path = self.save(blocking=True)
