@@ -97,7 +97,8 @@ def test_mxfp4_boxes_read_only_what_a_shard_holds(tmp_path):
     """An FSDP / EP shard's box (a range of experts, of in rows and of out columns) equals that box
     of the whole dequantised tensor, reading only the MXFP4 blocks around it."""
     from xorl.distributed.shard_box import ShardBox
-    from xorl.models.hf_io import FileNames, _plan, _SliceReader
+    from xorl.models.hf_io import _SliceReader
+    from xorl.models.hf_layout import FileNames, _plan
 
     hf, folder = mxfp4_folder(tmp_path)
     ours = xorl.models.from_pretrained(str(folder), dtype=torch.float32)
@@ -194,7 +195,7 @@ def test_mxfp4_folder_starts_expert_parallel_ranks_reading_only_their_experts(gl
 
     from tests.parity_runs import tiny_config
     from tests.test_sharded_start import initial_state_dict, start_and_gather
-    from xorl.models.hf_io import save_hf_weights
+    from xorl.models.hf_writer import save_hf_weights
 
     source = tiny_config(str(tmp_path / "src"), "gpt_oss")
     source.train.seed = 11

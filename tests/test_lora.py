@@ -38,7 +38,7 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def train_and_check(config, base_folder: str, tokens: torch.Tensor) -> dict:
     """On every rank: train, check frozen grads and optimizer state, save the base, export merged."""
-    from xorl.models.hf_io import save_hf_weights
+    from xorl.models.hf_writer import save_hf_weights
     from xorl.nn.lora import is_adapter_name
     from xorl.trainer import Trainer
 
