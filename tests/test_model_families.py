@@ -501,3 +501,18 @@ def test_olmoe_tensor_parallel_run_from_a_folder_exports_one_process_weights(glo
     for name in ("q_norm", "k_norm"):  # the norm weights moved from the folder's random values, alike
         key = f"model.layers.0.self_attn.{name}.weight"
         assert rel_err(tp[key], one[key]) <= 1e-5 and one[key].std() > 0.1
+
+
+@pytest.mark.parametrize("model", ["qwen3", "mistral", "glm4_moe", "deepseek_v3"])
+def test_dense_mlp_width_not_dividing_tp_is_refused_before_start(model):
+    """Dense families and the dense first layers of GLM / DeepSeek split intermediate_size over TP: a
+    width TP does not divide is a config error naming the field (not an error once groups exist)."""
+    from tests.parity_runs import MODELS, tiny_config
+    from xorl.config import ConfigError, validate_config
+
+    overrides = MODELS.get(model, dict(model_type=model))
+    config = tiny_config("/tmp/unused", "llama", data_parallel_shard_size=1, tensor_parallel_size=2)
+    for key, value in {**overrides, "intermediate_size": 63}.items():
+        setattr(config.model, key, value)
+    with pytest.raises(ConfigError, match="intermediate_size=63 must be a multiple of train.tensor_parallel_size=2"):
+        validate_config(config, 2)

@@ -113,6 +113,8 @@ LAYOUTS = [
      dict(data_parallel_shard_size=1, ulysses_parallel_size=2)),
     ("gpt_oss tp2+sp, ep2 over tp (sinks split with the heads)", 2, "gpt_oss",
      dict(data_parallel_shard_size=1, tensor_parallel_size=2, sequence_parallel=True, expert_parallel_size=2)),
+    ("gpt_oss pp2 (each stage a sliding and a full layer, sinks per stage)", 2, "gpt_oss",
+     dict(data_parallel_shard_size=1, pipeline_parallel_size=2)),
 ]
 
 

@@ -40,13 +40,17 @@ def sharded_width_norm_check(width: int, dtype_name: str, seed: int) -> dict:
     norm = WidthRMSNorm(width, eps=eps).to(dtype)
     with torch.no_grad():
         norm.weight.copy_(weight.to(dtype))
-    norm.shard_over_tp(tp, mesh)
+    norm.shard_over_tp(tp, mesh, name="q_norm")
     assert isinstance(norm.weight, DTensor) and norm.weight.placements == (Shard(0),)
     assert tuple(norm.weight.shape) == (width,)
     block = slice(tp.rank * width // tp.size, (tp.rank + 1) * width // tp.size)
     x_local = x[..., block].to(dtype).clone().requires_grad_()
     y_local = norm(x_local)
     (y_local * dy[..., block].to(dtype)).sum().backward()
+    from xorl.nn.tp_comm import overlap_report
+
+    # One all-reduce of the [rows, 1] sums of squares forward, one of the cross term backward.
+    assert overlap_report(norm)["q_norm"]["collectives"] == 2
     out = {
         "y": _rel(y_local, y_ref[..., block].detach()),
         "dx": _rel(x_local.grad, x_ref.grad[..., block]),

@@ -28,6 +28,7 @@ from typing import Any
 
 from xorl.config_error import ConfigError
 from xorl.distributed.parallel_config import PIPELINE_SCHEDULES, ParallelConfig
+from xorl.models.schema import DENSE as DENSE_FAMILIES
 
 
 def validate_config(config: Any, world_size: int) -> None:
@@ -123,7 +124,10 @@ def _parallel_model_problems(m: Any, p: ParallelConfig) -> list[str]:
                 f"multiples of train.tensor_parallel_size={p.tp} (TP gives each rank whole query and KV heads); "
                 f"use a tensor_parallel_size dividing {kv_heads}"
             )
-        dense_mlp = m.model_type == "llama" or m.mlp_only_layers or m.decoder_sparse_step > 1
+        # Any dense SwiGLU layer: a dense family, or an MoE family's dense layers (mlp_only_layers,
+        # decoder_sparse_step, GLM / DeepSeek's first_k_dense_replace), all intermediate_size wide.
+        dense_mlp = (m.model_type in DENSE_FAMILIES or m.mlp_only_layers or m.decoder_sparse_step > 1
+                     or m.first_k_dense_replace > 0)
         if dense_mlp and m.intermediate_size % p.tp:
             problems.append(
                 f"model.intermediate_size={m.intermediate_size} must be a multiple of "

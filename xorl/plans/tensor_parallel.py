@@ -45,7 +45,8 @@ share of the tokens on each TP rank: their gradients are listed with the partial
 
 Communication record: ``xorl.nn.tp_comm.overlap_report(model)`` after a step, keyed by module path:
 ``model.layers.{i}.self_attn.qkv_proj`` / ``.o_proj`` and ``model.layers.{i}.mlp.gate_up_proj`` /
-``.down_proj`` (shared-input groups report under the group's name).
+``.down_proj`` (shared-input groups report under the group's name), and OLMoE's
+``model.layers.{i}.self_attn.q_norm`` / ``.k_norm`` (one all-reduce forward, one backward).
 
 Requirements: query and KV head counts divisible by TP,
 intermediate size divisible by TP, every rank holding the same full weights before the call
@@ -172,7 +173,7 @@ def _parallelize_attention(attn: nn.Module, tp_mesh, tp: TPGroup, prefix: str, l
     for norm in ("q_norm", "k_norm"):
         module = getattr(attn, norm, None)
         if isinstance(module, WidthRMSNorm):  # OLMoE: over all heads; the weight splits with them
-            module.shard_over_tp(tp, tp_mesh)
+            module.shard_over_tp(tp, tp_mesh, name=f"{prefix}.{norm}")
         elif module is not None:  # per-head norms: replicated, each rank sees only its own heads
             replicate_on_tp(module, tp_mesh, memo, partial)
 
