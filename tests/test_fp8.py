@@ -401,6 +401,12 @@ def test_fp8_all_gather_training_equals_the_plain_fsdp_run_and_one_process(gloo_
     assert max_rel_diff(gathered["losses"], one["losses"]) <= FP8_TOLERANCE["losses"]
     assert max_rel_diff(gathered["grad_norms"], one["grad_norms"]) <= FP8_TOLERANCE["grad_norms"]
     assert weights_rel_diff(gathered["weights"], one["weights"]) <= FP8_TOLERANCE["weights"]
+    # LoRA: the frozen base weights are gathered in float8 too (4 steps, bit for bit as well)
+    lora = [gloo_world(2).run(train_and_report, tiny_config(str(tmp_path / f"lora{ag}"), "llama-lora", max_steps=4,
+                                                            fp8_all_gather=ag, **fsdp2), timeout_s=900)[0]
+            for ag in (True, False)]
+    assert lora[0]["losses"] == lora[1]["losses"] and lora[0]["losses"][-1] < lora[0]["losses"][0]
+    assert all(torch.equal(lora[0]["weights"][k], v) for k, v in lora[1]["weights"].items())
 
 
 def count_fsdp_all_gather_bytes(float8_all_gather: bool) -> dict:
