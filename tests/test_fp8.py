@@ -113,10 +113,11 @@ def test_blockwise_gemm_triton_kernel_and_sliced_scaled_mm_match_the_formula(b_b
 # -- the blockwise grouped GEMM ------------------------------------------------------------------
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_fp8_grouped_gemm_matches_the_float64_formula(backend):
-    # An empty expert, sizes not multiples of any tile; 150 and 133 tokens: two 128-token tiles each
-    # for the weight gradient, the second partial; K = 200 and N = 150: partial 128-blocks too.
-    sizes = torch.tensor([150, 0, 41, 133])
-    m, k, n = int(sizes.sum()), 200, 150
+    # An empty expert, sizes not multiples of any tile; 129 tokens: two 128-token tiles for the weight
+    # gradient, the second partial; K = 200 and N = 136: partial 128-blocks (and interpreter tiles) too.
+    # (Small: the interpreter runs the three fp8 kernels; test_fp8_wgrad_kernel_... has more tiles.)
+    sizes = torch.tensor([129, 0, 21, 9])
+    m, k, n = int(sizes.sum()), 200, 136
     x, w = randn(m, k, seed=8), randn(4, k, n, seed=9)
     dy = randn(m, n, seed=10)
     qx, sx = quantize_blocks(x, 1, 128)
@@ -400,6 +401,12 @@ def test_fp8_all_gather_training_equals_the_plain_fsdp_run_and_one_process(gloo_
     assert max_rel_diff(gathered["losses"], one["losses"]) <= FP8_TOLERANCE["losses"]
     assert max_rel_diff(gathered["grad_norms"], one["grad_norms"]) <= FP8_TOLERANCE["grad_norms"]
     assert weights_rel_diff(gathered["weights"], one["weights"]) <= FP8_TOLERANCE["weights"]
+    # LoRA: the frozen base weights are gathered in float8 too (4 steps, bit for bit as well)
+    lora = [gloo_world(2).run(train_and_report, tiny_config(str(tmp_path / f"lora{ag}"), "llama-lora", max_steps=4,
+                                                            fp8_all_gather=ag, **fsdp2), timeout_s=900)[0]
+            for ag in (True, False)]
+    assert lora[0]["losses"] == lora[1]["losses"] and lora[0]["losses"][-1] < lora[0]["losses"][0]
+    assert all(torch.equal(lora[0]["weights"][k], v) for k, v in lora[1]["weights"].items())
 
 
 def count_fsdp_all_gather_bytes(float8_all_gather: bool) -> dict:
