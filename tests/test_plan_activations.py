@@ -103,3 +103,27 @@ def test_fused_loss_term_matches_the_allocator(tokens, vocab, hidden):
     cpu_temporary = 4 * default_chunk_size(tokens, vocab, hidden) * vocab
     assert held == 0  # nothing of the loss outlives its backward but the gradients it hands on
     assert abs((at_loss + cpu_temporary) / measured - 1) <= 0.01, (at_loss, cpu_temporary, measured)
+
+
+def test_the_loss_moment_under_tp_sp_and_full_recompute_matches_the_allocator(gloo_world, tmp_path):
+    # The moment the 70B published row peaks at (tests/test_plan_published.py): full recompute under
+    # TP 2 + SP, the unfused vocabulary-parallel loss (xorl/nn/cross_entropy.py) dominating the step:
+    # vocab 8192 over 2 TP ranks, 1024 tokens (16 MiB per fp32 copy of the local logits). The
+    # planner's loss term (t V/tp (a + 12): the logits, the saved softmax and two gradient
+    # temporaries) with the kept block inputs and the gathered blocks. Measured at this commit:
+    # 66.7 MiB, predicted 69.0 (+3.5 %).
+    from xorl.config import Config
+    from xorl.planner.measure import step_transient_peak
+
+    config = Config.from_dict({
+        "model": {"model_type": "llama", "vocab_size": 8192, "hidden_size": 64, "intermediate_size": 128,
+                  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+                  "max_position_embeddings": 4096, "fused_loss": False},
+        "data": {"seq_len": 512, "micro_batch_size": 2},
+        "train": {"data_parallel_mode": "fsdp2", "tensor_parallel_size": 2, "sequence_parallel": True,
+                  "activation_checkpointing": "full", "gradient_accumulation_steps": 1, "max_steps": 3,
+                  "warmup_steps": 1, "save_steps": 0, "output_dir": str(tmp_path / "run")}})
+    measured = max(gloo_world(2).run(step_transient_peak, config))
+    predicted = predicted_transient(config)
+    assert measured > 3 * 1024 * 4096 * 4  # the loss's fp32 [t, V / tp] buffers are there
+    assert abs(predicted / measured - 1) <= TOLERANCE, (predicted, measured)
