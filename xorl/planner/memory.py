@@ -230,9 +230,11 @@ def local_numel(name: str, shape: tuple[int, ...], p: ParallelConfig, fsdp: bool
     if name in VOCAB_PARAMS and p.tp > 1 and dims[0] % p.tp == 0:
         dims[0] //= p.tp
     group, rank = p.dp_shard_cp, shard_rank
-    if name in EXPERT_PARAMS and p.ep > 1:
+    if name in EXPERT_PARAMS and (p.ep > 1 or p.tp > 1):
         dims[0] //= p.ep
-        # The EP mesh is (ep_fsdp, ep) over dp_shard x cp x tp (TP rank 0 of this sharding index).
+        # The EP mesh is (ep_fsdp, ep) over dp_shard x cp x tp (TP rank 0 of this sharding index). Under
+        # TP without EP too, the experts (whole on every TP rank) are FSDP-sharded over ep_fsdp, the TP
+        # ranks included (xorl/plans/data_parallel.py experts_have_own_mesh).
         group, rank = p.ep_fsdp, shard_rank * p.tp // p.ep
     if fsdp and group > 1:
         chunk = -(-dims[0] // group)
@@ -445,16 +447,22 @@ def selective_bytes_per_token(spec, moe_layer: bool, a: int, tp: int, sp: bool, 
     # q, k, v, the attention's output and log-sum-exp, o_proj's output, and the block's input, which
     # the checkpoint keeps (the previous block's residual sum, recomputed there)
     kept = (a * (2 * hq + 2 * hkv) + 4 * heads) / tp + 2 * a * h / (tp if sp else 1)
-    if moe_layer:  # on this TP rank's token shard: the router's, experts' and shared expert's matmul outputs
-        # (the routed experts' output is the grouped GEMM's, a k h: no dense down_proj output)
-        k, shared = spec.num_experts_per_tok, spec.shared_expert_intermediate_size
-        kept += (a * spec.num_experts + a * k * h + 2 * a * k * spec.moe_intermediate_size
-                 + (2 * a * shared + a * h + a if shared else 0)) / tp
+    if moe_layer:
+        kept += selective_moe_bytes_per_token(spec, a, tp)
     else:  # gate, up and down_proj's outputs
         kept += 2 * a * spec.intermediate_size / tp + a * h / (tp if sp else 1)
     if every_other:
         kept -= a * sum(elements for elements, *_ in recomputed_matmuls(spec, moe_layer, tp, sp))
     return kept
+
+
+def selective_moe_bytes_per_token(spec, a: int, tp: int) -> float:
+    """The MoE block's share of selective_bytes_per_token (matmuls): on this TP rank's token shard, the
+    router's, experts' and shared expert's matmul outputs (the routed experts' output is the grouped
+    GEMM's, a k h: no dense down_proj output)."""
+    h, k, shared = spec.hidden_size, spec.num_experts_per_tok, spec.shared_expert_intermediate_size
+    return (a * spec.num_experts + a * k * h + 2 * a * k * spec.moe_intermediate_size
+            + (2 * a * shared + a * h + a if shared else 0)) / tp
 
 
 def backward_bytes_per_token(spec, moe_layer: bool, a: int, tp: int, sp: bool) -> float:
@@ -485,21 +493,23 @@ def activation_bytes_per_token(spec, moe_layer: bool, a: int, tp: int, sp: bool)
         attn += a * (hq + hkv) + 4 * (heads + kv_heads)
     elif spec.qk_norm == "width":
         attn += a * (hq + hkv) + 8
-    if moe_layer:
-        k, shared = spec.num_experts_per_tok, spec.shared_expert_intermediate_size
-        # Under TP the block runs on this rank's token shard (xorl/plans/tensor_parallel.py); without
-        # sequence parallelism it then gathers its output over TP (a h). Router: fp32 logits and
-        # probabilities (8E), the top-k ids twice (int64) and weights with their normalisation
-        # (24k + 12); experts: the k routed copies, their gate_up and SwiGLU outputs, and the expert
-        # outputs the combine weighs (2akh + 3akI); a shared expert's gate_up and SwiGLU outputs (3aI),
-        # and with its sigmoid gate the expert's output and the gate (a h + a).
-        routed = 8 * spec.num_experts + 24 * k + 12 + 2 * a * k * h + 3 * a * k * spec.moe_intermediate_size
-        if shared:
-            routed += 3 * a * shared + (a * h + a if spec.family.shared_expert_gate else 0)
-        mlp = routed / tp + (a * h if tp > 1 and not sp else 0)
-    else:
-        mlp = 3 * a * spec.intermediate_size / tp  # SwiGLU keeps gate and up, down_proj its product
-    return norms + attn / tp + mlp
+    mlp = moe_block_bytes_per_token(spec, a, tp, sp) if moe_layer else 3 * a * spec.intermediate_size / tp
+    return norms + attn / tp + mlp  # dense: SwiGLU keeps gate and up, down_proj its product
+
+
+def moe_block_bytes_per_token(spec, a: int, tp: int, sp: bool) -> float:
+    """The MoE block's share of activation_bytes_per_token (no recompute)."""
+    h, k, shared = spec.hidden_size, spec.num_experts_per_tok, spec.shared_expert_intermediate_size
+    # Under TP the block runs on this rank's token shard (xorl/plans/tensor_parallel.py); without
+    # sequence parallelism it then gathers its output over TP (a h). Router: fp32 logits and
+    # probabilities (8E), the top-k ids twice (int64) and weights with their normalisation
+    # (24k + 12); experts: the k routed copies, their gate_up and SwiGLU outputs, and the expert
+    # outputs the combine weighs (2akh + 3akI); a shared expert's gate_up and SwiGLU outputs (3aI),
+    # and with its sigmoid gate the expert's output and the gate (a h + a).
+    routed = 8 * spec.num_experts + 24 * k + 12 + 2 * a * k * h + 3 * a * k * spec.moe_intermediate_size
+    if shared:
+        routed += 3 * a * shared + (a * h + a if spec.family.shared_expert_gate else 0)
+    return routed / tp + (a * h if tp > 1 and not sp else 0)
 
 
 def estimate(config, p: ParallelConfig, shapes: ModelShapes, pp_rank: int, precision: str) -> Memory:
@@ -524,28 +534,45 @@ def estimate(config, p: ParallelConfig, shapes: ModelShapes, pp_rank: int, preci
     per_layer = [per_kind[shapes.layer_kind[i]] for i in rp.layers]
     inflight = inflight_microbatches(schedule if p.pp > 1 else "", p.pp, m, v, pp_rank)
     mode, every = checkpointing(train)
+    # The first layer the backward runs (this rank's last): its kept bytes per token, and of them
+    # (and of its recompute) the MoE block's, for the experts' own FSDP unit below.
+    moe_last = bool(rp.layers) and shapes.is_moe_kind(shapes.layer_kind[rp.layers[-1]])
+    moe_none = moe_block_bytes_per_token(spec, a, p.tp, sp) if moe_last else 0.0
     if mode == "full":  # xorl/parallelize.py checkpoints every n-th block of each model part
         checkpointed = {i for start, n in _stage_starts(rp) for i in rp.layers[start:start + n][::every]}
-        kept = sum(a * spec.hidden_size / (p.tp if sp else 1) if i in checkpointed else x
-                   for i, x in zip(rp.layers, per_layer))
+        per_kept = [a * spec.hidden_size / (p.tp if sp else 1) if i in checkpointed else x
+                    for i, x in zip(rp.layers, per_layer)]
+        kept = sum(per_kept)
         working = max(per_layer, default=0)
+        last_recomputed = bool(rp.layers) and rp.layers[-1] in checkpointed
+        moe_kept = 0.0 if last_recomputed else moe_none
+        attn_recompute = per_layer[-1] - moe_none if last_recomputed else 0.0
     elif mode == "selective":
         selective = [selective_bytes_per_token(spec, shapes.is_moe_kind(shapes.layer_kind[i]), a, p.tp, sp,
                                                every_other_matmul(train)) for i in rp.layers]
-        kept = sum(selective)
+        per_kept, kept = selective, sum(selective)
         # one layer's element-wise outputs recomputed at a time: what it keeps without recompute, less the saved
         working = max((x - y for x, y in zip(per_layer, selective)), default=0)
+        moe_kept = selective_moe_bytes_per_token(spec, a, p.tp) if moe_last else 0.0
+        attn_recompute = (per_layer[-1] - moe_none) - (selective[-1] - moe_kept) if rp.layers else 0.0
     else:
-        kept, working = sum(per_layer), 0
+        per_kept, kept, working = per_layer, sum(per_layer), 0
+        moe_kept, attn_recompute = moe_none, 0.0
     held = t * inflight * (kept + 2 * a * spec.head_dim)  # kept through the forward, into the backward
     work = t * (working + max(backward_bytes_per_token(spec, shapes.is_moe_kind(k), a, p.tp, sp)
                               for k in range(len(shapes.kinds))))
     fixed = WORKSPACE_BYTES + _comm_buffers(spec, p, a, t, inflight)  # held throughout
-    gathered = grad_buffers = 0  # FSDP2: gathered parameters; one layer's gradient buffers in backward
+    gathered = grad_buffers = grad_copy = experts = 0  # FSDP2: gathered parameters; one layer's gradient buffers
     head_grad_counted = False  # whether those hold lm_head's gradient (the fused loss makes it in its forward)
+    # The experts' own FSDP unit (under EP, or TP: xorl/plans/data_parallel.py experts_have_own_mesh)
+    # reduce-scatters their gradients when the MoE block's backward ends, the layer's attention later.
+    expert_unit = fsdp and moe_last and (p.ep > 1 or p.tp > 1)
     if fsdp:
         grad_copy = 4 if a != 4 else 0
         grad_buffers = rp.largest_layer_unsharded * (a + grad_copy + 4)
+        if expert_unit:  # the experts' TP/EP-local elements: what their unit gathers and reduces
+            last_kind = shapes.kinds[shapes.layer_kind[rp.layers[-1]]]
+            experts = sum(local_numel(n, sh, p, False, 0) for n, sh in last_kind if n in EXPERT_PARAMS)
         if p.pp > 1 and schedule in SPLIT_BACKWARD_SCHEDULES:
             gathered, grad_buffers, head_grad_counted = rp.stage_unsharded * (a + 4), 0, True
         elif not reshards_after_forward(train, p.pp):
@@ -559,18 +586,38 @@ def estimate(config, p: ParallelConfig, shapes: ModelShapes, pp_rank: int, preci
                          if rp.has_last else (0, 0))
     # The peak is one moment, the largest of three (gradients are created in the backward,
     # set_to_none after the optimizer step): the loss's backward (every kept activation and the
-    # loss's buffers), the first layer's backward (its recompute and gradient buffers instead of
-    # the loss's) and the end of the step (every gradient and the optimizer's foreach temporaries,
-    # 4 bytes per local parameter, once the activations are freed).
+    # loss's buffers), the first layer's backward and the end of the step (every gradient and the
+    # optimizer's foreach temporaries, 4 bytes per local parameter, once the activations are freed).
+    # The first layer's backward: its compute (its recompute and gradient working set on top of
+    # every kept activation), with one layer's gradient buffers (its unsharded gradients as they
+    # are made, the previous unit's reduce-scatter in flight: for a dense layer, their sum is what
+    # the allocator measures). The experts' own FSDP unit splits the layer in two (the CPU
+    # allocator's timeline shows it): the MoE block's backward (compute), its experts'
+    # post-backward reduce-scatter once the block has freed its own kept activations (while the
+    # layer's attention part, kept or recomputed, is alive), then the attention's backward with
+    # the experts' reduce-scatter in flight and the rest of the layer's gradients. Charging the
+    # whole layer's gradient buffers on top of the compute overstated the MoE under TP 2 + SP,
+    # whose experts are gathered whole, by 21-26 %.
     at_loss = held + loss + gathered
-    at_layer = held + logits_held + work + gathered + grad_buffers
+    at_compute = held + logits_held + work + gathered
+    if expert_unit:
+        rest = rp.largest_layer_unsharded - experts
+        alive = held + logits_held - t * moe_kept + t * attn_recompute + gathered
+        at_reduce = alive + experts * (a + grad_copy + 4)
+        attn_backward = 2 * a * spec.hidden_size / (p.tp if sp else 1)  # gradients of its output and input
+        at_attention = alive + t * attn_backward + experts * 4 + rest * (a + grad_copy + 4)
+        layer_buffers = max(at_reduce, at_attention) - at_compute  # beyond the compute moment, when larger
+        at_layer = max(at_compute, at_reduce, at_attention)
+    else:
+        at_layer = at_compute + grad_buffers
+        layer_buffers = grad_buffers
     at_end = grads + 4 * rp.trainable
     activations = held + (loss if at_loss >= at_layer else logits_held + work)
     peak = max(at_loss, at_layer, at_end) + fixed
     # Buckets: grads are the exact gradient bytes (held at the end); other is what the peak holds
     # beyond them and the activations, at least the buffers held throughout. Where the peak comes
     # before the gradients exist, the total overstates it by at most grads - (other at the peak).
-    other = max(fixed + (gathered + (grad_buffers if at_layer > at_loss else 0) if fsdp else 0),
+    other = max(fixed + (gathered + (max(0, layer_buffers) if at_layer > at_loss else 0) if fsdp else 0),
                 peak - activations - grads)
     return Memory(params, grads, optimizer, int(activations), int(other), pp_rank, int(peak))
 
