@@ -491,7 +491,10 @@ def activation_bytes_per_token(spec, moe_layer: bool, a: int, tp: int, sp: bool)
     # rms_norm keeps its input and 1/rms; add_rms_norm its sum (the new residual) and 1/rms; the
     # next linear keeps each norm's output.
     norms = (4 * a * h + 8) / s
-    attn = a * (hq + 2 * hkv) + a * hq + 4 * heads  # q, k after RoPE, v; the output and log-sum-exp
+    # q, k after RoPE, v; the output and log-sum-exp. A sliding-window layer (gpt-oss, Mistral) keeps
+    # the same (the kernel recomputes its band in backward from them; tests/test_plan_activations.py):
+    # the window shortens its FLOPs (step_time.py), not its activations.
+    attn = a * (hq + 2 * hkv) + a * hq + 4 * heads
     if spec.qk_norm == "head":  # the q / k projections (the norms' inputs) and 1/rms per head
         attn += a * (hq + hkv) + 4 * (heads + kv_heads)
     elif spec.qk_norm == "width":
