@@ -67,6 +67,7 @@ LAYOUTS = [
     ("lora ring2", 2, "llama-lora", dict(data_parallel_shard_size=1, ringattn_parallel_size=2)),
     ("lora ulysses2", 2, "llama-lora", dict(data_parallel_shard_size=1, ulysses_parallel_size=2)),
     ("lora hsdp", 4, "llama-lora", dict(data_parallel_replicate_size=2, data_parallel_shard_size=2)),
+    ("lora ddp", 2, "llama-lora", dict(data_parallel_mode="ddp", data_parallel_shard_size=2)),
     ("lora pp2", 2, "llama-lora", dict(data_parallel_shard_size=1, pipeline_parallel_size=2)),
     ("lora moe ep2 x fsdp2", 2, "qwen3_moe-lora", dict(data_parallel_shard_size=2, expert_parallel_size=2)),
     ("lora moe experts ep2 x fsdp2", 2, "qwen3_moe-lora-experts", dict(data_parallel_shard_size=2,

@@ -485,6 +485,12 @@ def _train_problems(t: Any) -> list[str]:
             f"activation_checkpointing: full, not {t.activation_checkpointing!r}; set activation_checkpointing: full "
             "or activation_checkpointing_every_n_layers: 1"
         )
+    if getattr(t, "selective_checkpoint", "matmuls") != "matmuls" and t.activation_checkpointing != "selective":
+        problems.append(
+            f"train.selective_checkpoint={t.selective_checkpoint!r} applies to activation_checkpointing: "
+            f"selective, not {t.activation_checkpointing!r}; set activation_checkpointing: selective or "
+            "selective_checkpoint: matmuls"
+        )
     if t.fsdp_reshard_after_forward == "always" and t.pipeline_parallel_size > 1 and \
             getattr(PIPELINE_SCHEDULES.get(t.pipeline_parallel_schedule), "split_backward", False):
         problems.append(
@@ -567,12 +573,13 @@ def _fp8_problems(t: Any, m: Any) -> list[str]:
 
     Every parallel layout composes: the FP8 GEMMs are local to each linear (TP shards quantise
     their own shards, the ring-overlapped TP paths each chunk), FSDP2 / HSDP gather the
-    high-precision weights as before, and EP / PP / CP do not touch the linears' maths."""
+    high-precision weights as before (or, with fp8_all_gather, their tensorwise float8 cast), and
+    EP / PP / CP do not touch the linears' maths."""
+    problems = _fp8_all_gather_problems(t) if t.fp8_all_gather else []
     if t.fp8 == "none":
-        return []
+        return problems
     import importlib.util
 
-    problems = []
     if importlib.util.find_spec("torchao") is None:
         problems.append(
             f"train.fp8: {t.fp8} quantises with torchao's float8 scaling helpers, and torchao is not installed; "
@@ -590,6 +597,30 @@ def _fp8_problems(t: Any, m: Any) -> list[str]:
         problems.append(
             f"train.fp8: blockwise with model_type={m.model_type!r}: its experts add per-expert biases, and the "
             "FP8 grouped GEMM takes none; use fp8: rowwise or tensorwise (the experts then compute in train.dtype)"
+        )
+    return problems
+
+
+def _fp8_all_gather_problems(t: Any) -> list[str]:
+    """train.fp8_all_gather (xorl/nn/fp8_all_gather.py): FSDP2 gathers tensorwise-cast weights."""
+    if t.fp8 != "tensorwise":
+        return [
+            f"train.fp8_all_gather: true with train.fp8: {t.fp8}: only tensorwise scaling can be all-gathered in "
+            "float8 (each shard cast with the whole weight's one scale; per-row or per-block scales computed on "
+            "a shard are not the whole weight's under every shard layout); set fp8: tensorwise, or "
+            "fp8_all_gather: false"
+        ]
+    problems = []
+    if t.data_parallel_mode != "fsdp2":
+        problems.append(
+            f"train.fp8_all_gather: true with data_parallel_mode: {t.data_parallel_mode}: the float8 all-gather is "
+            "FSDP2's weight all-gather; set data_parallel_mode: fsdp2, or fp8_all_gather: false"
+        )
+    if t.tensor_parallel_size > 1:
+        problems.append(
+            "train.fp8_all_gather: true with tensor_parallel_size > 1: the TP linears run their own GEMMs on "
+            "their local shards and take no float8-gathered weight; set fp8_all_gather: false (TP's linears "
+            "then gather in train.dtype), or tensor_parallel_size: 1"
         )
     return problems
 

@@ -63,18 +63,10 @@ from torch.distributed.tensor import DTensor, Shard
 from xorl.models.layers import WidthRMSNorm
 from xorl.models.mla import LatentAttention
 from xorl.nn.moe import MoE
-from xorl.nn.tensor_parallel import (
-    ColumnParallelLinear,
-    ReplicatedEmbedding,
-    ReplicatedLMHead,
-    RowParallelLinear,
-    SharedInputColumnGroup,
-    TPPartialGrads,
-    VocabParallelEmbedding,
-    VocabParallelLMHead,
-    replicate_on_tp,
-)
+from xorl.nn.tensor_parallel import ColumnParallelLinear, RowParallelLinear, SharedInputColumnGroup
 from xorl.nn.tp_comm import DEFAULT_OVERLAP_MIN_NUMEL, TPGroup
+from xorl.nn.tp_replicated import TPPartialGrads, replicate_on_tp
+from xorl.nn.tp_vocab import ReplicatedEmbedding, ReplicatedLMHead, VocabParallelEmbedding, VocabParallelLMHead
 
 
 @dataclass
