@@ -120,6 +120,9 @@ class TrainConfig(ParallelFields):
     # blockwise 1x128 activations and 128x128 weights (DeepSeek-V3). A compute choice: master
     # weights, optimizer state and checkpoints are unchanged (xorl_kernels/fp8).
     fp8: Literal["none", "tensorwise", "rowwise", "blockwise"] = "none"
+    # With fp8: tensorwise under FSDP2: all-gather those linears' weights in float8 (half of bf16's
+    # bytes), each shard cast with the whole weight's scale (xorl/nn/fp8_all_gather.py).
+    fp8_all_gather: bool = False
     output_dir: str = "outputs"  # the run folder: config.yaml, metrics.jsonl, checkpoints/
     save_steps: int = 0  # a checkpoint every save_steps steps (0: none periodic); max_steps is always saved
     resume: bool | str = False  # true: latest checkpoint in output_dir; a path: that checkpoint

@@ -97,7 +97,7 @@ def parallelize_model(model: nn.Module, state, config) -> PartPlan:
     if train.data_parallel_mode == "fsdp2":
         bf16 = compute_dtype(train, "cuda" if torch.cuda.is_available() else "cpu") == "bfloat16"
         part.fsdp = apply_fsdp(model, state, reshard_after_forward=reshard_after_forward(train, state.pp_size),
-                               bf16_compute=bf16)
+                               bf16_compute=bf16, float8_all_gather=train.fp8_all_gather)
     return part
 
 

@@ -167,6 +167,9 @@ class ModelShapes:
     last: Params  # last stage: model.norm.*, lm_head.*
     num_params: int
     active_params: int  # per token: one top-k share of the experts
+    # decoder-layer parameters that are xorl.nn.linear.Linear weights: what train.fp8 computes in FP8
+    # and, with fp8_all_gather, what FSDP gathers in float8 (step_time)
+    fp8_linear_weights: frozenset = frozenset()
 
     @property
     def layers(self) -> tuple[Params, ...]:
@@ -200,10 +203,14 @@ def _shapes(model_fields: tuple) -> ModelShapes:
             experts += p.numel() if rest in EXPERT_PARAMS else 0
         else:
             (first if name.startswith("model.embed_tokens.") else last).append((name, tuple(p.shape)))
+    from xorl.nn.linear import Linear
+
+    linear_weights = frozenset(f"{name.split('.', 3)[3]}.weight" for name, module in model.named_modules()
+                               if isinstance(module, Linear) and name.startswith("model.layers."))
     top_k_share = spec.num_experts_per_tok / spec.num_experts if spec.is_moe else 1.0
     kinds = list(dict.fromkeys(tuple(x) for x in layers))
     return ModelShapes(tuple(kinds), tuple(kinds.index(tuple(x)) for x in layers), tuple(first), tuple(last),
-                       total, round(total - experts * (1 - top_k_share)))
+                       total, round(total - experts * (1 - top_k_share)), linear_weights)
 
 
 def model_shapes(model_config) -> ModelShapes:

@@ -291,7 +291,10 @@ def step_time(config, p: ParallelConfig, shapes: ModelShapes, hw: Hardware) -> S
         exposed = layer.exposed
         if fsdp and not zero_bubble:
             full = kind_numel(kind, p)
-            comm = gathers * c.collective(a * full, p.dp_shard_cp, p.tp)
+            gathered = a * full
+            if train.fp8_all_gather:  # the FP8 linears' weights travel as float8: 1 byte an element
+                gathered -= (a - 1) * kind_numel([x for x in kind if x[0] in shapes.fp8_linear_weights], p)
+            comm = gathers * c.collective(gathered, p.dp_shard_cp, p.tp)
             comm += c.collective(4 * full, p.dp_shard_cp, p.tp, "reduce_scatter")
             comm += c.collective(4 * full / p.dp_shard_cp, p.dp_replicate, p.tp * p.dp_shard_cp, "all_reduce")
             e, s = c.overlapped(comm, compute)

@@ -1,7 +1,7 @@
 """The data-parallel plan: FSDP2 / HSDP sharding, the DDP gradient sum, and activation checkpointing.
 
     apply_activation_checkpointing(model, mode, every_n_layers)   # before FSDP: wraps decoder blocks
-    apply_fsdp(model, state, reshard_after_forward, bf16_compute)   # FSDP2 per block, then the root
+    apply_fsdp(model, state, reshard_after_forward, bf16_compute, float8_all_gather)  # FSDP2 per block, then the root
     (each returns a record of what it did: CheckpointingRecord, FSDPRecord)
     all_reduce_gradients(params, group)                              # data_parallel_mode: ddp
 
@@ -64,6 +64,7 @@ class FSDPRecord:
     mesh: object  # the blocks' and the root's DeviceMesh
     expert_mesh: object | None  # the experts' own mesh, or None when they share the blocks'
     reshard_after_forward: bool
+    float8_all_gather: bool = False  # the tensorwise-FP8 linears' weights are gathered in float8
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str = "full", every_n_layers: int = 1,
@@ -154,14 +155,20 @@ def _every_other_matmul_contexts(save_ops: set):
     return create_selective_checkpoint_contexts(policy)
 
 
-def apply_fsdp(model: nn.Module, state, reshard_after_forward: bool = True, bf16_compute: bool = False
-               ) -> FSDPRecord:
+def apply_fsdp(model: nn.Module, state, reshard_after_forward: bool = True, bf16_compute: bool = False,
+               float8_all_gather: bool = False) -> FSDPRecord:
     """FSDP2 per block, then the root; expert weights on their own EP-FSDP mesh (dp_shard x CP x TP / EP).
 
     HSDP when the FSDP mesh has a replicate dim (data_parallel_replicate_size > 1). Gradients are
     SUMMED across ranks (divide factor 1): the loss is already normalised by the global token count
     (xorl/loss.py), so averaging again would scale gradients by 1/dp.
+    ``float8_all_gather`` (train.fp8_all_gather): the tensorwise-FP8 linears' weights are gathered
+    as float8 (xorl/nn/fp8_all_gather.py).
     """
+    if float8_all_gather:
+        from xorl.nn.fp8_all_gather import cast_weights_for_float8_all_gather
+
+        cast_weights_for_float8_all_gather(model)
     mesh = state.fsdp_mesh
     kw = {"reshard_after_forward": reshard_after_forward}
     if bf16_compute:  # bf16 compute, fp32 master weights and fp32 gradient reduction
@@ -178,7 +185,7 @@ def apply_fsdp(model: nn.Module, state, reshard_after_forward: bool = True, bf16
     for module in model.modules():
         if isinstance(module, FSDPModule):
             _sum_gradients(module)
-    return FSDPRecord(mesh, expert_mesh, reshard_after_forward)
+    return FSDPRecord(mesh, expert_mesh, reshard_after_forward, float8_all_gather)
 
 
 def experts_have_own_mesh(state) -> bool:
