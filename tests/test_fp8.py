@@ -417,7 +417,7 @@ def count_fsdp_all_gather_bytes(float8_all_gather: bool) -> dict:
 
     from torch.distributed.device_mesh import init_device_mesh
 
-    from bench.bench_step_anatomy import CommCounter
+    from bench.anatomy_comm import CommCounter
     from tests.parity_runs import tiny_config
     from xorl.models.registry import build_model
     from xorl.nn.fp8_all_gather import float8_all_gather_linears
