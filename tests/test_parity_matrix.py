@@ -146,6 +146,17 @@ FP8_LAYOUTS = [
                                                  sequence_parallel=True, fp8="rowwise"), FP8_TOLERANCE),
     ("fp8 blockwise moe ep2", 2, "qwen3_moe", dict(data_parallel_shard_size=2, expert_parallel_size=2,
                                                   fp8="blockwise"), FP8_TOLERANCE),
+    # train.fp8_all_gather (xorl/nn/fp8_all_gather.py) on every data-parallel composition it is accepted
+    # with, against one process with tensorwise: HSDP (amax over the shard group; replicas agree), PP
+    # (FSDP per stage), ring CP and MoE EP (the experts' own FSDP unit is not FP8-gathered).
+    ("fp8 all-gather hsdp 2x2", 4, "llama", dict(data_parallel_replicate_size=2, data_parallel_shard_size=2,
+                                                 fp8="tensorwise", fp8_all_gather=True), FP8_TOLERANCE),
+    ("fp8 all-gather pp2 x fsdp2", 4, "llama", dict(data_parallel_shard_size=2, pipeline_parallel_size=2,
+                                                    fp8="tensorwise", fp8_all_gather=True), FP8_TOLERANCE),
+    ("fp8 all-gather ring2 x fsdp2", 4, "llama", dict(data_parallel_shard_size=2, ringattn_parallel_size=2,
+                                                      fp8="tensorwise", fp8_all_gather=True), FP8_TOLERANCE),
+    ("fp8 all-gather moe ep2 x fsdp2", 2, "qwen3_moe", dict(data_parallel_shard_size=2, expert_parallel_size=2,
+                                                            fp8="tensorwise", fp8_all_gather=True), FP8_TOLERANCE),
 ]
 
 # The messages format (chat rows rendered with a chat template built in the test, loss on the assistant
