@@ -516,3 +516,20 @@ def test_dense_mlp_width_not_dividing_tp_is_refused_before_start(model):
         setattr(config.model, key, value)
     with pytest.raises(ConfigError, match="intermediate_size=63 must be a multiple of train.tensor_parallel_size=2"):
         validate_config(config, 2)
+
+
+def test_olmoe_saved_under_tensor_parallel_resumes_under_fsdp(gloo_world, tmp_path):
+    """OLMoE saved by TP 2 + SP ranks (each holding its block of the width q/k norms, Shard(0)) and
+    resumed with FSDP over the same 2 ranks logs an uninterrupted FSDP run's losses."""
+    from tests.parity_runs import max_rel_diff, tiny_config, train_losses
+
+    fsdp2 = dict(data_parallel_shard_size=2, gradient_accumulation_steps=2)
+    tp2 = dict(data_parallel_shard_size=1, tensor_parallel_size=2, sequence_parallel=True,
+               gradient_accumulation_steps=4)
+    world = gloo_world(2)
+    full = world.run(train_losses, tiny_config(str(tmp_path / "full"), "olmoe", max_steps=6, **fsdp2))[0]
+    run = str(tmp_path / "tp")
+    first = world.run(train_losses, tiny_config(run, "olmoe", max_steps=6, save_steps=3, **tp2), 3)[0]
+    resumed = world.run(train_losses, tiny_config(run, "olmoe", max_steps=6, resume=True, **fsdp2))[0]
+    assert len(first) == len(resumed) == 3
+    assert max_rel_diff(first + resumed, full) <= 1e-5, (first + resumed, full)

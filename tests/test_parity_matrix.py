@@ -25,6 +25,12 @@ LAYOUTS = [
     ("fsdp+activation checkpointing", 2, "llama", dict(data_parallel_shard_size=2, activation_checkpointing=True)),
     ("fsdp+selective checkpointing", 2, "llama", dict(data_parallel_shard_size=2,
                                                       activation_checkpointing="selective")),
+    ("fsdp+selective every other matmul", 2, "llama", dict(data_parallel_shard_size=2,
+                                                           activation_checkpointing="selective",
+                                                           selective_checkpoint="every_other_matmul")),
+    ("tp+selective every other matmul", 2, "llama", dict(data_parallel_shard_size=1, tensor_parallel_size=2,
+                                                         sequence_parallel=True, activation_checkpointing="selective",
+                                                         selective_checkpoint="every_other_matmul")),
     ("fsdp zero-2 (no reshard after forward)", 2, "llama", dict(data_parallel_shard_size=2,
                                                                 fsdp_reshard_after_forward="never")),
     ("fsdp+ring", 4, "llama", dict(data_parallel_shard_size=2, ringattn_parallel_size=2)),
@@ -140,6 +146,17 @@ FP8_LAYOUTS = [
                                                  sequence_parallel=True, fp8="rowwise"), FP8_TOLERANCE),
     ("fp8 blockwise moe ep2", 2, "qwen3_moe", dict(data_parallel_shard_size=2, expert_parallel_size=2,
                                                   fp8="blockwise"), FP8_TOLERANCE),
+    # train.fp8_all_gather (xorl/nn/fp8_all_gather.py) on every data-parallel composition it is accepted
+    # with, against one process with tensorwise: HSDP (amax over the shard group; replicas agree), PP
+    # (FSDP per stage), ring CP and MoE EP (the experts' own FSDP unit is not FP8-gathered).
+    ("fp8 all-gather hsdp 2x2", 4, "llama", dict(data_parallel_replicate_size=2, data_parallel_shard_size=2,
+                                                 fp8="tensorwise", fp8_all_gather=True), FP8_TOLERANCE),
+    ("fp8 all-gather pp2 x fsdp2", 4, "llama", dict(data_parallel_shard_size=2, pipeline_parallel_size=2,
+                                                    fp8="tensorwise", fp8_all_gather=True), FP8_TOLERANCE),
+    ("fp8 all-gather ring2 x fsdp2", 4, "llama", dict(data_parallel_shard_size=2, ringattn_parallel_size=2,
+                                                      fp8="tensorwise", fp8_all_gather=True), FP8_TOLERANCE),
+    ("fp8 all-gather moe ep2 x fsdp2", 2, "qwen3_moe", dict(data_parallel_shard_size=2, expert_parallel_size=2,
+                                                            fp8="tensorwise", fp8_all_gather=True), FP8_TOLERANCE),
 ]
 
 # The messages format (chat rows rendered with a chat template built in the test, loss on the assistant

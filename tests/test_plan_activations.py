@@ -127,3 +127,26 @@ def test_the_loss_moment_under_tp_sp_and_full_recompute_matches_the_allocator(gl
     predicted = predicted_transient(config)
     assert measured > 3 * 1024 * 4096 * 4  # the loss's fp32 [t, V / tp] buffers are there
     assert abs(predicted / measured - 1) <= TOLERANCE, (predicted, measured)
+
+
+def test_a_sliding_window_does_not_change_what_attention_keeps():
+    # The planner's attention terms ignore sliding windows (gpt-oss, Mistral): the attention op keeps
+    # q, k, v, its output and log-sum-exp whatever the window (xorl_kernels/attention/op.py), so a
+    # windowed layer's activations are a full one's. (Its FLOPs are the band: step_time.py.)
+    import torch
+
+    from xorl_kernels import flash_attn
+
+    def saved_bytes(window):
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(1, 256, 4, 16, requires_grad=True) for _ in range(3))
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x) or x, lambda x: x):
+            out = flash_attn(q, k, v, causal=True, window=window)
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved}
+        return sum(storages.values()), out
+
+    full, out_full = saved_bytes(None)
+    windowed, out_windowed = saved_bytes(32)
+    assert not torch.allclose(out_full, out_windowed)  # the window is applied
+    assert windowed == full > 4 * 256 * 4 * 16 * 4  # q, k, v, out and lse, as for full causal attention

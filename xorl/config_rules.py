@@ -179,8 +179,10 @@ def _parallel_model_problems(m: Any, p: ParallelConfig) -> list[str]:
         if m.tie_word_embeddings:
             problems.append(
                 "model.tie_word_embeddings=true with pipeline_parallel_size > 1: the embedding "
-                "(first stage) and the output layer (last stage) cannot share one weight; "
-                "set tie_word_embeddings: false"
+                "(first stage) and the output layer (last stage) share one weight, and xorl does not keep "
+                "a copy on each stage in step; train a tied model (e.g. Llama 3.2 1B / 3B) without "
+                "pipeline parallelism (pipeline_parallel_size: 1; FSDP, TP and CP fit it), or set "
+                "tie_word_embeddings: false for a model trained from scratch"
             )
     return problems
 

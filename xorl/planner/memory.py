@@ -72,7 +72,8 @@ parallel, else 1; h hidden, hq / hkv query / KV width (heads x head_dim), I inte
   holds the logits (a t vocab) in the model's output through the backward, and with m > 1 also
   while the next microbatch's forward runs. Under PP the last stage computes the loss in its
   forward too (fused or not) and passes on only the loss sum (xorl/plans/pipeline_parallel.py),
-  so no logits outlive the loss there. With model.fused_loss (xorl_kernels/fused_linear_ce,
+  so no logits outlive the loss there: t x vocab x 12 (a + 12 for the vocabulary-parallel loss on
+  bf16 logits, whose forward makes three fp32 copies beside them). With model.fused_loss (xorl_kernels/fused_linear_ce,
   default on) no logits: one chunk's [chunk, vocab] x a (chunk = default_chunk_size there,
   min(t, max(128, next_pow2(ceil(t / ceil(vocab / h)))))), d_hidden a t h and d_weight
   a vocab h, both made in the forward; d_weight is lm_head's gradient, already in the FSDP root
@@ -374,7 +375,16 @@ def loss_bytes(spec, model_config, a: int, t: int, tp: int, loop: bool, m: int, 
         # The kernel's own chunking; under sequence parallelism it sees the gathered t tokens.
         chunk = default_chunk_size(t, vocab, h)
         return chunk * vocab * a + a * t * h + (0 if head_grad_counted else a * vocab * h), 0
+    # 12 bytes per logit: the fp32 log-softmax (softmax under TP) kept for the backward and two fp32
+    # gradient temporaries; the logits themselves (a) while something holds them: the trainer's loop
+    # (the model's output, through the backward). A pipeline stage returns only the loss sum, so its
+    # logits are freed after the forward: 12, except where the forward itself holds more, the
+    # vocabulary-parallel loss's on bf16 logits (their fp32 copy, the shifted logits and their
+    # exponentials beside them: a + 12). Held to the CPU allocator under PP (tests/test_pipeline_loss_memory.py:
+    # t V (a + 12) there was +31 %).
     logits = a * t * vocab if loop else 0
+    if not loop:
+        return t * vocab * (a + 12 if vocab_split(spec.vocab_size, tp) > 1 and a == 2 else 12), 0
     return t * vocab * (a + 12) + (logits if m > 1 else 0), logits
 
 
@@ -488,7 +498,10 @@ def activation_bytes_per_token(spec, moe_layer: bool, a: int, tp: int, sp: bool)
     # rms_norm keeps its input and 1/rms; add_rms_norm its sum (the new residual) and 1/rms; the
     # next linear keeps each norm's output.
     norms = (4 * a * h + 8) / s
-    attn = a * (hq + 2 * hkv) + a * hq + 4 * heads  # q, k after RoPE, v; the output and log-sum-exp
+    # q, k after RoPE, v; the output and log-sum-exp. A sliding-window layer (gpt-oss, Mistral) keeps
+    # the same (the kernel recomputes its band in backward from them; tests/test_plan_activations.py):
+    # the window shortens its FLOPs (step_time.py), not its activations.
+    attn = a * (hq + 2 * hkv) + a * hq + 4 * heads
     if spec.qk_norm == "head":  # the q / k projections (the norms' inputs) and 1/rms per head
         attn += a * (hq + hkv) + 4 * (heads + kv_heads)
     elif spec.qk_norm == "width":
