@@ -375,6 +375,51 @@ def test_enospc_in_the_middle_of_a_write_is_named(gloo_world, tmp_path):
     assert not os.path.exists(os.path.join(root, "latest"))
 
 
+def _save_with_disk_full_in_the_small_files(output_dir: str, blocking: bool) -> tuple[str, str]:
+    """Every rank's shards are written; then rank 0's plain files meet ENOSPC (the disk filled with the
+    last bytes, seen on a 1.1 MB tmpfs under torchrun: an OSError traceback, step_N.tmp left)."""
+    import torch
+
+    import xorl.checkpoint as checkpoint
+    from xorl.checkpoint import Checkpointer, CheckpointError
+
+    real = checkpoint._write_files
+
+    def write_files(folder, files, records):
+        with open(os.path.join(folder, "run_config.yaml"), "wb") as f:
+            f.write(b"train: {}\n")  # a first file lands, the next does not
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.join(folder, "trainer_state.json"))
+
+    checkpoint._write_files = write_files
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(64, 64)
+        optim = torch.optim.AdamW(model.parameters())
+        model(torch.randn(4, 64)).sum().backward()
+        optim.step()
+        saver = Checkpointer(output_dir)
+        try:
+            saver.save(3, [model], [optim], {"step": 3}, {"run_config.yaml": "x"}, blocking=blocking)
+            saver.wait()
+        except CheckpointError as e:
+            return type(e).__name__, str(e)
+        return "saved", ""
+    finally:
+        checkpoint._write_files = real
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "async"])
+def test_a_disk_that_fills_with_the_small_files_is_named_on_every_rank(gloo_world, tmp_path, blocking):
+    out = str(tmp_path / f"out_{blocking}")
+    results = gloo_world(2).run(_save_with_disk_full_in_the_small_files, out, blocking, timeout_s=120)
+    root = os.path.join(out, "checkpoints")
+    for kind, message in results:  # the same CheckpointError on both ranks (rank 1 wrote nothing itself)
+        assert kind == "CheckpointError", (kind, message)
+        assert message.startswith(f"no space left on {root}: "), message
+        assert "checkpoint step_00000003 was not written and no earlier checkpoint exists" in message
+    assert sorted(os.listdir(root)) == []  # neither step_00000003.tmp nor a half-published step_00000003
+
+
 # -- 6. a flipped byte ---------------------------------------------------------------------------
 @pytest.mark.slow
 def test_a_flipped_byte_is_refused_and_the_suggested_resume_works(tmp_path):
