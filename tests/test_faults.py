@@ -17,6 +17,7 @@ import time
 import pytest
 
 from tests.cli_runs import BIN, children, env, rank_of, torchrun_command, write_config, xorl_train
+from tests.test_cli_runs import _our_frames
 from xorl.metrics import read_metrics
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc for process ids")
@@ -129,6 +130,43 @@ def test_a_data_error_ends_the_job_with_one_message(tmp_path, where):
     assert [r["step"] for r in rows] == list(range(len(rows)))
     latest = (tmp_path / "out" / "checkpoints" / "latest").read_text().strip()
     assert (tmp_path / "out" / "checkpoints" / latest / "manifest.json").is_file()
+
+
+STALL_ON_RANK_1 = """
+import os
+if os.environ.get("RANK") == "1":  # rank 1 stops answering at step 7 (a hung read, a stuck device)
+    import time
+    import xorl.data.stream as stream
+    original = stream.StreamedLoader.microbatches
+    def microbatches(self, step):
+        if step == 6:
+            time.sleep(3600)
+        return original(self, step)
+    stream.StreamedLoader.microbatches = microbatches
+"""
+
+
+@pytest.mark.slow
+def test_a_stalled_rank_ends_the_job_within_the_collective_timeout(tmp_path):
+    """Rank 1 stalls: rank 0's collective times out (its one clean line), torchrun then stops rank 1
+    with SIGTERM, and rank 1 exits at once, not as a preemption waiting for torchrun's SIGKILL 30 s
+    later (before: the job ended collective_timeout_s + 30 s after the stall, rank 1 killed by -9)."""
+    config = _stream_config(tmp_path, rows=400, bad_at=None, max_steps=500, save_steps=0,
+                            collective_timeout_s=TIMEOUT_S, heartbeat_s=5, data_parallel_shard_size=2)
+    (tmp_path / "hook").mkdir()
+    (tmp_path / "hook" / "sitecustomize.py").write_text(STALL_ON_RANK_1)
+    extra = {"PYTHONPATH": f"{tmp_path / 'hook'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    job = Job(torchrun_command(2, config), tmp_path, extra)
+    job.wait_for("step 6/")
+    code = job.finish(limit_s=240)
+    text = job.text
+    last_step = max(t for t, line in job.lines if line.startswith("step "))
+    assert code != 0
+    assert job.ended - last_step < TIMEOUT_S + 15, (job.ended - last_step, text)
+    assert "SIGKILL" not in text and "SIGTERM received" not in text, text  # torchrun's stop is not a preemption
+    message = f"did not complete within train.collective_timeout_s={TIMEOUT_S} s"
+    assert text.count(message) == 1 and f"xorl-train (rank 0): a collective {message}" in text, text
+    assert _our_frames(text) == [], text  # torchrun's own stack only, no traceback of ours
 
 
 # -- 2. an empty stream is refused before start ---------------------------------------------
