@@ -169,6 +169,27 @@ def test_a_stalled_rank_ends_the_job_within_the_collective_timeout(tmp_path):
     assert _our_frames(text) == [], text  # torchrun's own stack only, no traceback of ours
 
 
+def test_a_heartbeat_longer_than_the_timeout_is_brought_before_it_with_a_note(tmp_path):
+    """The issue's run (collective_timeout_s 30, heartbeat_s 60 by default) printed no heartbeat at all."""
+    from xorl.config import load_config
+    from xorl.preflight import prepare_run
+    from xorl.watchdog import Heartbeat
+
+    lines: list[str] = []
+    heartbeat = Heartbeat(60.0, 1.2, write=lines.append)
+    try:
+        with heartbeat.busy("step 20"):
+            time.sleep(1.0)  # a stall, ended by the timeout at 1.2 s: a line comes first
+    finally:
+        heartbeat.close()
+    assert len(lines) >= 1 and lines[0].startswith("xorl: step 20 still running after 0 s"), lines
+    config = load_config(None, ["--train.collective_timeout_s=30", f"--train.output_dir={tmp_path / 'out'}"])
+    assert ("train.heartbeat_s=60 is not below train.collective_timeout_s=30: heartbeat lines every 10 s instead"
+            in " ".join(prepare_run(config, 2).notes))
+    config = load_config(None, ["--train.collective_timeout_s=300", f"--train.output_dir={tmp_path / 'out'}"])
+    assert not any("heartbeat" in note for note in prepare_run(config, 2).notes)
+
+
 # -- 2. an empty stream is refused before start ---------------------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("content", ["", "\n  \n\t\n"], ids=["empty", "blank lines"])

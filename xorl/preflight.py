@@ -29,6 +29,7 @@ from xorl.config_rules import validate_config
 from xorl.distributed.parallel_config import ParallelConfig
 from xorl.epochs import load_counted_dataset, resolve_num_epochs
 from xorl.resume import check_resume
+from xorl.watchdog import heartbeat_interval
 
 
 @dataclass
@@ -80,6 +81,11 @@ def prepare_run(config: Any, world_size: int) -> RunPlan:
     if config.train.warmup_steps > config.train.max_steps:  # xorl/optim.py's lr_factor cuts it
         plan.notes.append(f"train.warmup_steps={config.train.warmup_steps} is more than train.max_steps="
                           f"{config.train.max_steps}: warming up over {config.train.max_steps} steps")
+    beat = heartbeat_interval(config.train.heartbeat_s, config.train.collective_timeout_s)
+    if beat != config.train.heartbeat_s:
+        plan.notes.append(f"train.heartbeat_s={config.train.heartbeat_s:g} is not below train.collective_timeout_s="
+                          f"{config.train.collective_timeout_s:g}: heartbeat lines every {beat:g} s instead, so a "
+                          "stalled rank shows before the timeout ends the job")
     if config.train.memory_snapshot_step is not None and not problems:
         from xorl.profiling import memory_snapshot_problems
 
