@@ -56,17 +56,19 @@ class RunPlan:
 def prepare_run(config: Any, world_size: int) -> RunPlan:
     """Check ``config`` on ``world_size`` ranks and its run folder; raise one ConfigError listing
     every problem, else return the plan (``config`` may change: resume_hparams=checkpoint)."""
+    # Another run in this folder: refuse, nothing else, and first: the rules below import the model
+    # families (and torch, seconds to tens of seconds on a loaded node). Rank 0 looks (it is the one that
+    # takes the lock, xorl/run_lock.py); another rank would take its own job's rank 0 of an earlier
+    # start for a stranger.
+    busy = run_lock.holder(config.train.output_dir) if os.environ.get("RANK", "0") == "0" else None
+    if busy:
+        raise ConfigError([busy])
     problems = []
     try:
         validate_config(config, world_size)
     except ConfigError as e:
         problems += e.problems
     plan = RunPlan()
-    # Another run in this folder: refuse, nothing else. Rank 0 looks (it is the one that takes the lock,
-    # xorl/run_lock.py); another rank would take its own job's rank 0 of an earlier start for a stranger.
-    busy = run_lock.holder(config.train.output_dir) if os.environ.get("RANK", "0") == "0" else None
-    if busy:
-        raise ConfigError(problems + [busy])
     if config.train.num_epochs is not None and not problems:
         try:
             plan.dataset = load_counted_dataset(config)  # max_steps from the data's length (xorl/epochs.py)
