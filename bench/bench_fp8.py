@@ -20,10 +20,10 @@ import torch.nn.functional as F
 
 from bench.bench_grouped_gemm import CPU_SHAPES, GPU_SHAPES, GPU_TOKENS, route
 from bench.context import BenchContext, Result
+from xorl_kernels.expert_gemm.op import grouped_gemm
 from xorl_kernels.fp8.grouped import blockwise_grouped_mm, fp8_grouped_gemm
 from xorl_kernels.fp8.linear import RECIPES, fp8_linear, quantize_operand, scaled_mm_nt
 from xorl_kernels.fp8.quantize import BLOCK, E4M3, quantize_blocks
-from xorl_kernels.grouped_gemm.op import grouped_gemm
 
 
 def _tflops(flops: float, seconds: float) -> float:

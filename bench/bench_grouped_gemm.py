@@ -1,4 +1,4 @@
-"""Grouped GEMM (MoE experts): xorl_kernels.grouped_gemm.op vs dense cuBLAS and torch._grouped_mm.
+"""Grouped GEMM (MoE experts): xorl_kernels.expert_gemm.op vs dense cuBLAS and torch._grouped_mm.
 
 For each model's expert GEMMs (up: hidden -> ffn, down: ffn -> hidden) at 16K tokens, with
 balanced routing and with Zipf-skewed top-k routing, forward (y = x @ w[g]) and backward
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from bench.context import BenchContext, Result
-from xorl_kernels.grouped_gemm.op import grouped_gemm
+from xorl_kernels.expert_gemm.op import grouped_gemm
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.context import BenchContext, Result
-from xorl.nn.moe import expert_parallel_moe
+from xorl.nn.ep_dispatch import expert_parallel_moe
 from xorl.nn.moe_experts import GroupedExperts
 from xorl_kernels.moe_permute.op import permute_tokens, unpermute_tokens
 

@@ -15,7 +15,8 @@ import torch.distributed as dist
 SEQ = 16  # tokens per rank
 
 
-def decoder_block(model_type: str, attn: str = "xorl", ring=None, ulysses=None, ep=None, moe_plan: bool = True):
+def decoder_block(model_type: str, attn: str = "xorl", ring=None, ulysses=None, ep=None, moe_plan: bool = True,
+                  lora: dict | None = None):
     """(layer 0 of a tiny model with the given parallel plans, its inputs). With ring / Ulysses the
     inputs are this rank's SEQ tokens and cu_seqlens the GLOBAL boundaries (documents of 8 and the rest)."""
     from xorl.config import ModelConfig
@@ -25,7 +26,7 @@ def decoder_block(model_type: str, attn: str = "xorl", ring=None, ulysses=None, 
 
     torch.manual_seed(0)
     moe = model_type == "qwen3_moe"
-    config = ModelConfig(model_type=model_type, attn_implementation=attn, num_experts=4 if moe else 0)
+    config = ModelConfig(model_type=model_type, attn_implementation=attn, num_experts=4 if moe else 0, lora=lora)
     model = build_model(config)
     if moe and moe_plan:
         ep_mesh = None
@@ -72,7 +73,7 @@ def parallel_block_breaks(case: str) -> tuple[int, list[str]]:
 
 def opcheck_parallel_ops() -> list[str]:
     """torch.library.opcheck of the CP / EP custom ops on a 2-rank world; returns the ops checked."""
-    import xorl.nn.moe  # noqa: F401  (registers xorl::ep_*)
+    import xorl.nn.ep_dispatch  # noqa: F401  (registers xorl::ep_*)
     import xorl.nn.ring_attention  # noqa: F401
     import xorl.nn.ulysses_attention  # noqa: F401
 
@@ -99,7 +100,8 @@ def opcheck_parallel_ops() -> list[str]:
     return ["ring_attention", "ulysses_seq_to_head", "ulysses_head_to_seq", "ep_exchange_counts", "ep_all_to_all"]
 
 
-def train_compiled_and_eager(output_dir: str, model_type: str, steps: int, compile_backend, **train) -> dict:
+def train_compiled_and_eager(output_dir: str, model_type: str, steps: int, compile_backend, lora: dict | None = None,
+                             **train) -> dict:
     """Losses of the real Trainer eager and with train.compile, on every rank; seconds each took."""
     from tests.parity_runs import tiny_config, train_losses
 
@@ -107,6 +109,7 @@ def train_compiled_and_eager(output_dir: str, model_type: str, steps: int, compi
     for setting in (False, compile_backend):
         config = tiny_config(f"{output_dir}/{setting}", model_type, max_steps=steps, compile=setting, **train)
         config.model.num_hidden_layers = 2
+        config.model.lora = lora
         start = time.perf_counter()
         with torch._dynamo.config.patch(capture_scalar_outputs=False):  # apply_compile may turn it on
             try:

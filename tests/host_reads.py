@@ -27,18 +27,18 @@ HOST_READS = {"item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool_
 CPU_ONLY = {
     ("attention/layout.py", "_check_cu_seqlens"),
     ("attention/layout.py", "_check_positions"),
-    ("ring_attention.py", "_local_boundaries"),
-    ("ring_attention.py", "_active_steps"),  # reads cu_seqlens only when it is on the host
+    ("ring_step_kernel.py", "_local_boundaries"),
+    ("ring_step_kernel.py", "_active_steps"),  # reads cu_seqlens only when it is on the host
     ("moe_permute/op.py", "permute_tokens"),
     ("moe_permute/routing.py", "_check_routing_args"),
     ("attention.py", "check_cu_seqlens"),
     # Called by the reference, and by the Triton path only for CPU group sizes (or with the debug
     # switch XORL_CHECK_GROUP_SIZES): device group sizes are never read on the host.
-    ("grouped_gemm/checks.py", "check_group_sizes_values"),
+    ("expert_gemm/checks.py", "check_group_sizes_values"),
 }
-CPU_ONLY_FILES = ("attention/reference.py", "grouped_gemm/reference.py")
+CPU_ONLY_FILES = ("attention/reference.py", "expert_gemm/reference.py")
 # The one read the algorithm needs: the split sizes of the uneven expert-parallel all_to_all.
-EP_SPLIT_SIZES = ("moe.py", "_deduplicated_dispatch")  # the one read of the split sizes
+EP_SPLIT_SIZES = ("ep_dispatch.py", "_deduplicated_dispatch")  # the one read of the split sizes
 
 
 def _short_name(filename: str) -> str:

@@ -3,7 +3,7 @@
 Parameter layout (shared with the fast ``xorl.nn.MoE`` so either can be swapped in):
     gate.weight          [num_experts, hidden]                   (router, nn.Linear without bias)
     experts.gate_proj    [num_experts, hidden, moe_intermediate]  ([groups, in, out], the layout
-    experts.up_proj      [num_experts, hidden, moe_intermediate]   xorl_kernels.grouped_gemm.op takes)
+    experts.up_proj      [num_experts, hidden, moe_intermediate]   xorl_kernels.expert_gemm.op takes)
     experts.down_proj    [num_experts, moe_intermediate, hidden]
     shared_expert.{gate,up,down}_proj.weight, shared_expert_gate.weight   (optional, Qwen2-MoE:
                          out += sigmoid(shared_expert_gate(x)) * shared_expert(x))

@@ -4,7 +4,9 @@ Each mode must give the losses and gradients of no checkpointing exactly (the sa
 same values, recomputed), and trade memory for FLOPs as documented: full recomputes every
 checkpointed block's forward; selective keeps matmul and attention outputs and recomputes only
 element-wise ops, so it recomputes no matmul FLOPs (FlopCounterMode counts matmuls and attention)
-and keeps fewer activation bytes than none but more than full.
+and keeps fewer activation bytes than none but more than full. selective_checkpoint:
+every_other_matmul (torchtitan's op SAC) keeps every other dense matmul's output: its cache holds
+exactly those (and the planner's term is their bytes), with the same losses and gradients.
 """
 
 from __future__ import annotations
@@ -93,3 +95,109 @@ def test_modes_give_identical_gradients_and_trade_flops_for_memory(model_type):
     assert flops_sel == flops_none < flops_half < flops_full, (flops_none, flops_sel, flops_half, flops_full)
     assert kept_full < kept_half < kept_none and kept_full < kept_sel < kept_none, (
         kept_none, kept_sel, kept_half, kept_full)
+
+
+class _SavedOutputs:
+    """Each checkpointed block call's selective-checkpoint cache (torch's SAC storage: op -> saved
+    outputs in call order), captured by wrapping create_selective_checkpoint_contexts."""
+
+    def __init__(self):
+        self.storages: list[dict] = []
+
+    def wrap(self, create):
+        def contexts(policy):
+            forward, recompute = create(policy)
+            self.storages.append(forward.storage)
+            return forward, recompute
+        return contexts
+
+    @staticmethod
+    def tensors(outputs) -> list[torch.Tensor]:
+        from torch.utils._pytree import tree_leaves
+
+        leaves = tree_leaves(outputs, is_leaf=lambda x: hasattr(x, "val"))
+        leaves = [getattr(x, "val", x) for x in leaves]
+        return [t for t in tree_leaves(leaves) if isinstance(t, torch.Tensor)]
+
+    def matmul_widths(self, storage: dict) -> list[int]:
+        """The kept dense-matmul outputs' widths, in the order the block ran them."""
+        aten = torch.ops.aten
+        outs = [(i, t) for op in (aten.mm.default, aten.addmm.default)
+                for i, out in storage.get(op, {}).items() for t in self.tensors(out)]
+        return [t.shape[-1] for _, t in outs]  # mm and addmm each in call order; a block uses one of them
+
+    def kept_bytes(self, storage: dict) -> int:
+        return sum(t.numel() * t.element_size() for out in storage.values() for saved in out.values()
+                   for t in self.tensors(saved))
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
+def test_every_other_matmul_keeps_the_odd_matmuls_and_the_gradients(model_type, monkeypatch):
+    # selective_checkpoint: every_other_matmul (torchtitan's op SAC, mm_count % 2): of a Llama block's
+    # q, k, v, o, gate, up, down it keeps q, v, gate and down; of a Qwen3-MoE block's q, k, v, o and
+    # router it keeps q, v and the router (the experts' grouped GEMMs are always kept). The cache
+    # holds exactly those outputs, the planner's term (xorl/planner/memory.py) is their bytes to
+    # the byte, and losses and gradients equal no checkpointing's exactly.
+    import torch.utils.checkpoint as torch_checkpoint
+
+    from xorl.models.spec import ModelSpec
+    from xorl.planner.memory import activation_bytes_per_token, selective_bytes_per_token
+
+    torch.manual_seed(1)
+    config = _model_config(model_type)
+    base = build_model(config)
+    with torch.no_grad():
+        for p in base.parameters():
+            p.normal_(0, 0.3 if p.ndim > 1 else 1.0)
+    ids, labels = torch.randint(0, 96, (1, 96)), torch.randint(0, 96, (1, 96))
+    cu = torch.tensor([0, 40, 96], dtype=torch.int32)
+    ref_loss, ref_grads, _, _ = _run(copy.deepcopy(base), ids, labels, cu)
+    saved = _SavedOutputs()
+    monkeypatch.setattr(torch_checkpoint, "create_selective_checkpoint_contexts",
+                        saved.wrap(torch_checkpoint.create_selective_checkpoint_contexts))
+    results = {}
+    for policy in ("matmuls", "every_other_matmul"):
+        model = copy.deepcopy(base)
+        apply_activation_checkpointing(model, "selective", 1, policy)
+        saved.storages.clear()
+        out = model(ids, labels=labels, cu_seqlens=cu)
+        storages = list(saved.storages)
+        assert len(storages) == config.num_hidden_layers
+        results[policy] = ([saved.matmul_widths(s) for s in storages], [saved.kept_bytes(s) for s in storages])
+        out.loss.backward()
+        grads = {n.replace("._checkpoint_wrapped_module", ""): p.grad for n, p in model.named_parameters()}
+        assert torch.equal(out.loss.detach(), ref_loss), policy
+        for name, grad in ref_grads.items():
+            assert torch.equal(grads[name], grad), (policy, name)
+    spec = ModelSpec.from_config(config)
+    h, hq, hkv, inter = 32, 32, 16, 64
+    moe = model_type == "qwen3_moe"
+    every_matmul = [hq, hkv, hkv, h] + ([spec.num_experts] if moe else [inter, inter, h])
+    assert results["matmuls"][0] == [every_matmul] * 4
+    assert results["every_other_matmul"][0] == [every_matmul[0::2]] * 4
+    # The planner: the cache plus the block's input (which the checkpoint holds); the recomputed
+    # outputs' bytes are the difference between the two policies.
+    t, a = 96, 4
+    dropped = 4 * t * sum(every_matmul[1::2])
+    for matmuls, every_other in zip(*(results[p][1] for p in ("matmuls", "every_other_matmul"))):
+        assert matmuls - every_other == dropped
+        assert matmuls + a * h * t == selective_bytes_per_token(spec, moe, a, 1, False) * t
+        predicted = selective_bytes_per_token(spec, moe, a, 1, False, every_other=True) * t
+        assert every_other + a * h * t == predicted, (every_other + a * h * t, predicted)
+        assert every_other < activation_bytes_per_token(spec, moe, a, 1, False) * t
+
+
+def test_selective_checkpoint_without_selective_is_refused():
+    from xorl.config import Config
+    from xorl.config_error import ConfigError
+
+    def config(mode):
+        return Config.from_dict({"model": {"model_type": "llama", "vocab_size": 272, "hidden_size": 32,
+                                           "intermediate_size": 64, "num_hidden_layers": 2,
+                                           "num_attention_heads": 4, "num_key_value_heads": 2},
+                                 "train": {"activation_checkpointing": mode,
+                                           "selective_checkpoint": "every_other_matmul"}})
+
+    config("selective").validate(1)
+    with pytest.raises(ConfigError, match="train.selective_checkpoint='every_other_matmul' applies to"):
+        config("full").validate(1)

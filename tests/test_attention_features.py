@@ -2,7 +2,7 @@
 attention sinks (gpt-oss) and causal sliding windows, alone and together, on packed documents,
 zig-zag positions and GQA, forward (out, lse) and gradients of q, k, v and the sinks.
 
-The oracle below is written here, independent of attention/reference.py and of the kernels: one
+The oracle (tests/attention_oracle.py) is independent of attention/reference.py and of the kernels: one
 dense [total_q, total_k] mask from document ids and positions, the sinks as one more column of the
 scores, softmax, matmul, differentiated by torch autograd in float64. A second oracle is
 transformers' own gpt-oss eager attention with a mask from transformers' masking_utils (which
@@ -12,11 +12,20 @@ the CPU (tests/triton_helpers.py), so shapes stay small; kernel outputs are NaN-
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
+from tests.attention_oracle import (
+    F64,
+    check_packed,
+    dense_attention,
+    docs,
+    make_inputs,
+    poison_outputs,
+    rel_err,
+    token_meta,
+    zigzag_shard_meta,
+)
 from tests.triton_helpers import triton_device
 from xorl_kernels.attention import common
 from xorl_kernels.attention.merge import merge_attn_states
@@ -30,106 +39,12 @@ from xorl_kernels.attention.op import (
     sink_grad,
 )
 
-F64 = torch.float64
 BACKENDS = ["reference", "triton"]
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    assert torch.isfinite(a).all(), "result has NaN/inf"
-    denom = b.norm()
-    return float((a - b).norm() / (denom if denom > 0 else 1.0))
-
-
-def oracle(q, k, v, doc_q, doc_k, pos_q, pos_k, causal, scale, window=None, sinks=None):
-    """Dense float64 attention on packed q [Tq, Hq, Dqk], v [Tk, Hkv, Dv] -> out [Tq, Hq, Dv], lse [Hq, Tq]."""
-    group = q.shape[1] // k.shape[1]
-    kk, vv = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    scores = torch.einsum("qhd,khd->hqk", q, kk) * scale
-    allowed = doc_q[:, None] == doc_k[None, :]
-    if causal:
-        allowed &= pos_k[None, :] <= pos_q[:, None]
-    if window is not None:
-        allowed &= pos_k[None, :] > pos_q[:, None] - window
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    if sinks is not None:  # one more column per row: the head's sink logit, no value behind it
-        scores = torch.cat([scores, sinks[:, None, None].expand(-1, q.shape[0], 1)], -1)
-        allowed = torch.cat([allowed, torch.ones_like(allowed[:, :1])], -1)
-    empty = ~allowed.any(-1)  # rows that see nothing (never with sinks)
-    lse_raw = torch.logsumexp(scores.masked_fill(empty[None, :, None], 0.0), -1)
-    lse = lse_raw.masked_fill(empty[None, :], float("-inf"))
-    probs = torch.exp(scores - lse_raw.masked_fill(empty[None, :], 0.0)[..., None])
-    if sinks is not None:
-        probs = probs[..., :-1]
-    return torch.einsum("hqk,khd->qhd", probs, vv), lse
-
-
-def token_meta(cu: torch.Tensor, positions: torch.Tensor | None):
-    lengths = (cu[1:] - cu[:-1]).tolist()
-    doc = torch.cat([torch.full((n,), d) for d, n in enumerate(lengths)])
-    pos = torch.cat([torch.arange(n) for n in lengths]) if positions is None else positions.long()
-    return doc, pos
-
-
-def finite_lse_loss(out, lse, w_out, w_lse):
-    lse_term = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)) * w_lse.to(lse.dtype)
-    return (out * w_out.to(out.dtype)).sum() + lse_term.sum()
 
 
 @pytest.fixture
 def poisoned(monkeypatch):
-    def alloc(shape, dtype, device):
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-
-    monkeypatch.setattr(common, "alloc_output", alloc)
-
-
-def make_inputs(seed, total_q, total_k, hq, hk, d_qk, d_v, sinks=True):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(total_q, hq, d_qk, generator=gen, dtype=F64)
-    k = torch.randn(total_k, hk, d_qk, generator=gen, dtype=F64)
-    v = torch.randn(total_k, hk, d_v, generator=gen, dtype=F64)
-    s = torch.randn(hq, generator=gen, dtype=F64) * 2 if sinks else None
-    return q, k, v, s
-
-
-def check_case(backend, dtype, q, k, v, sinks, cu_q, cu_k, causal, window=None, pos_q=None, pos_k=None,
-               tol=1e-5, seed=3):
-    """flash_attn_with_lse (packed 3-D) vs the oracle: out, lse, dq, dk, dv, dsinks."""
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    device = triton_device() if backend == "triton" else torch.device("cpu")
-    leaves = [t.to(device, dtype).requires_grad_() for t in (q, k, v)]
-    if sinks is not None:
-        leaves.append(sinks.to(device, torch.float32 if dtype != F64 else F64).requires_grad_())
-    dev = [None if t is None else t.to(device) for t in (cu_q, cu_k, pos_q, pos_k)]
-    kw = dict(cu_seqlens_q=dev[0], cu_seqlens_k=dev[1], q_positions=dev[2], k_positions=dev[3],
-              causal=causal, window=window, sinks=leaves[3] if sinks is not None else None, backend=backend)
-    out, lse = flash_attn_with_lse(*leaves[:3], **kw)
-    gen = torch.Generator().manual_seed(seed)
-    w_out, w_lse = torch.randn(out.shape, generator=gen, dtype=F64), torch.randn(lse.shape, generator=gen, dtype=F64)
-    grads = torch.autograd.grad(finite_lse_loss(out, lse, w_out.to(device), w_lse.to(device)), leaves)
-
-    ref_leaves = [t.detach().to(dtype).to(F64).requires_grad_() for t in (q, k, v)]
-    if sinks is not None:
-        ref_leaves.append(leaves[3].detach().cpu().to(F64).requires_grad_())
-    doc_q, p_q = token_meta(cu_q, pos_q)
-    doc_k, p_k = token_meta(cu_k, pos_k)
-    ref_out, ref_lse = oracle(*ref_leaves[:3], doc_q, doc_k, p_q, p_k, causal, scale, window,
-                              ref_leaves[3] if sinks is not None else None)
-    ref_grads = torch.autograd.grad(finite_lse_loss(ref_out, ref_lse, w_out, w_lse), ref_leaves)
-
-    assert out.shape == ref_out.shape
-    assert torch.equal(torch.isneginf(lse.cpu()), torch.isneginf(ref_lse)), "rows with no visible key differ"
-    finite = torch.isfinite(ref_lse)
-    assert rel_err(out, ref_out) < tol
-    assert rel_err(lse.cpu()[finite], ref_lse[finite]) < tol
-    for name, g, ref in zip(["q", "k", "v", "sinks"], grads, ref_grads):
-        assert rel_err(g, ref) < tol, f"d{name}: {rel_err(g, ref)}"
-    return out, lse
-
-
-def docs(*lengths):
-    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    poison_outputs(monkeypatch)
 
 
 # -- every feature, each backend -----------------------------------------------------------------
@@ -141,7 +56,7 @@ def test_head_dim_v_differs(poisoned, backend, causal):
     """MLA-like 24 (q·k) / 16 (v), packed uneven documents, GQA 4/2; no sinks, no window."""
     cu = docs(21, 7, 36)
     q, k, v, _ = make_inputs(0, 64, 64, 4, 2, 24, 16, sinks=False)
-    check_case(backend, torch.float32, q, k, v, None, cu, cu, causal)
+    check_packed(backend, torch.float32, q, k, v, cu, cu, causal, sinks=None, seed=3)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -153,7 +68,7 @@ def test_head_dim_qk_in_two_chunks(poisoned, backend, d_qk, d_v):
     cu = docs(20, 13)
     pos = torch.cat([torch.arange(20), torch.arange(13)]).int()
     q, k, v, s = make_inputs(7, 33, 33, 2, 1, d_qk, d_v)
-    check_case(backend, torch.float32, q, k, v, s, cu, cu, True, window=6, pos_q=pos, pos_k=pos)
+    check_packed(backend, torch.float32, q, k, v, cu, cu, True, pos, pos, sinks=s, seed=3, window=6)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -162,7 +77,7 @@ def test_sinks(poisoned, backend, causal):
     """Sinks with packed documents, GQA, q·k 16 / v 32; an empty key document gives out 0, lse = sink."""
     cu_q, cu_k = docs(19, 5, 24), docs(23, 0, 30)
     q, k, v, s = make_inputs(1, 48, 53, 4, 1, 16, 32)
-    out, lse = check_case(backend, torch.float32, q, k, v, s, cu_q, cu_k, causal)
+    out, lse, _ = check_packed(backend, torch.float32, q, k, v, cu_q, cu_k, causal, sinks=s, seed=3)
     assert torch.all(out[19:24].cpu() == 0)
     assert torch.allclose(lse[:, 19:24].cpu().double(), s.float().double()[:, None].expand(-1, 5))
 
@@ -174,8 +89,8 @@ def test_window(poisoned, backend, window):
     d_qk 24 / d_v 16; documents of 24, 9 and 17 tokens."""
     cu = docs(24, 9, 17)
     q, k, v, s = make_inputs(2 + window, 50, 50, 4, 2, 24, 16)
-    check_case(backend, torch.float32, q, k, v, s, cu, cu, True, window=window)
-    check_case(backend, torch.float32, q, k, v, None, cu, cu, True, window=window)
+    check_packed(backend, torch.float32, q, k, v, cu, cu, True, sinks=s, seed=3, window=window)
+    check_packed(backend, torch.float32, q, k, v, cu, cu, True, sinks=None, seed=3, window=window)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -184,21 +99,11 @@ def test_window_zigzag_positions(poisoned, backend, window):
     """A zig-zag shard (two runs of each document, true positions) against its full-sequence keys,
     rows whose window lies wholly in the other run included; sinks and d_qk != d_v."""
     lengths, world, rank = [48, 32], 2, 1
-    index, positions, cu_k = [], [], [0]
-    offset = 0
-    for length in lengths:
-        chunk = length // (2 * world)
-        for c in (rank, 2 * world - 1 - rank):
-            index.append(torch.arange(offset + c * chunk, offset + (c + 1) * chunk))
-            positions.append(torch.arange(c * chunk, (c + 1) * chunk))
-        offset += length
-        cu_k.append(offset)
-    pos_q = torch.cat(positions).int()
-    cu_q = docs(*[length // world for length in lengths])
+    _, pos_q, cu_q = zigzag_shard_meta(lengths, world, rank)
     pos_k = torch.cat([torch.arange(n) for n in lengths]).int()
     q, k, v, s = make_inputs(5 + window, pos_q.numel(), sum(lengths), 2, 2, 16, 24)
-    check_case(backend, torch.float32, q, k, v, s, cu_q, torch.tensor(cu_k, dtype=torch.int32), True,
-               window=window, pos_q=pos_q, pos_k=pos_k)
+    check_packed(backend, torch.float32, q, k, v, cu_q, docs(*lengths), True, pos_q, pos_k, sinks=s, seed=3,
+                 window=window)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -214,7 +119,7 @@ def test_batched_layout_bf16(poisoned, backend):
     flat = [t.to(torch.bfloat16).double().reshape(80, *t.shape[2:]) for t in (q, k, v)]
     cu = docs(40, 40)
     doc, pos = token_meta(cu, None)
-    ref_out, ref_lse = oracle(*flat, doc, doc, pos, pos, True, 32 ** -0.5, 6, s.double())
+    ref_out, ref_lse = dense_attention(*flat, doc, doc, pos, pos, True, 32 ** -0.5, 6, s.double())
     assert rel_err(out.reshape(80, 4, 16), ref_out) < 1e-2
     assert rel_err(lse.transpose(0, 1).reshape(4, 80), ref_lse) < 1e-2
 
@@ -256,7 +161,7 @@ def test_ring_decomposition_with_sinks_and_window(poisoned, backend):
 
     leaves = [t.float().double().requires_grad_() for t in (q, k, v, s)]
     doc, p = token_meta(cu, None)
-    ref_out, ref_lse = oracle(*leaves[:3], doc, doc, p, p, True, 24 ** -0.5, window, leaves[3])
+    ref_out, ref_lse = dense_attention(*leaves[:3], doc, doc, p, p, True, 24 ** -0.5, window, leaves[3])
     ref_grads = torch.autograd.grad((ref_out * dout).sum(), leaves)
     assert rel_err(out, ref_out) < 1e-5 and rel_err(lse, ref_lse) < 1e-5
     for name, g, ref in zip(["q", "k", "v", "sinks"], (dq, dk, dv, dsinks), ref_grads):
@@ -378,4 +283,4 @@ def test_gpu_features(poisoned, dtype, d_qk, d_v, hq, hk, window, with_sinks):
     cu = docs(1024, 384, 640)
     q, k, v, s = make_inputs(13, 2048, 2048, hq, hk, d_qk, d_v, sinks=with_sinks)
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
-    check_case("triton", dtype, q, k, v, s, cu, cu, True, window=window, tol=tol)
+    check_packed("triton", dtype, q, k, v, cu, cu, True, sinks=s, seed=3, window=window, tol=tol)

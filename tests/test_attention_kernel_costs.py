@@ -1,6 +1,7 @@
 """The windowed Triton kernels' cost and code generation: tile audits (the kernels' own counters
 against the tiles that meet the window band), the bound search they use, and a compile to sm_90
-machine code without a GPU. Correctness against the float64 oracle: tests/test_attention_features.py.
+machine code without a GPU. Correctness against the float64 oracle (tests/attention_oracle.py):
+tests/test_attention_features.py.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tests.test_attention_features import docs, oracle, rel_err
+from tests.attention_oracle import dense_attention, docs, rel_err
 from tests.triton_helpers import triton_device
 from xorl_kernels.attention import common
 from xorl_kernels.attention.bounds import sorted_count_at_most
@@ -89,8 +90,8 @@ def test_window_tile_audit_zigzag_positions():
     band = band_tiles(q_pos, k_pos, window, 32, 16) if device.type == "cpu" else None
     if band is not None:  # the interpreter's one 32x16 config; on a GPU the tuned shape is not known here
         assert band <= int(tiles[0]) <= 1.1 * band, (int(tiles[0]), band)
-    ref_out, _ = oracle(q.double(), k.double(), v.double(), torch.zeros(q_pos.numel()), torch.zeros(seq), q_pos,
-                        k_pos, True, 0.25, window)
+    ref_out, _ = dense_attention(q.double(), k.double(), v.double(), torch.zeros(q_pos.numel()), torch.zeros(seq),
+                                 q_pos, k_pos, True, 0.25, window)
     assert rel_err(out, ref_out) < 1e-5
 
 

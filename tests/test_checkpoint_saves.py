@@ -4,7 +4,7 @@ that is not a registered op is an error rather than silently skipped."""
 import pytest
 import torch
 
-import xorl.nn.moe  # noqa: F401  (defines the EP ops)
+import xorl.nn.ep_dispatch  # noqa: F401  (defines the EP ops)
 import xorl.nn.ring_attention  # noqa: F401
 import xorl.nn.ulysses_attention  # noqa: F401
 from xorl_kernels.checkpoint_saves import SELECTIVE_CHECKPOINT_SAVES, OpRegistry

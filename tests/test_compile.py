@@ -33,6 +33,29 @@ def test_decoder_block_traces_without_graph_breaks(model_type, attn):
     assert count == 0, reasons
 
 
+LORA_ALL = dict(rank=4, alpha=8, dropout=0.1, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                             "up_proj", "down_proj"])
+
+
+def test_a_lora_block_traces_without_graph_breaks():
+    """LoRA adapters (with dropout) in every projection of a block: still one graph."""
+    layer, inputs = decoder_block("llama", lora=LORA_ALL)
+    assert any(".lora_A" in n for n, _ in layer.named_parameters())
+    count, reasons = graph_breaks(layer, inputs)
+    assert count == 0, reasons
+
+
+def test_compiled_lora_training_matches_eager(gloo_world, tmp_path):
+    """LoRA (frozen base, adapters on every projection, no dropout so the runs compare) under FSDP 2 and
+    train.compile: 3 steps, the losses of eager."""
+    lora = dict(LORA_ALL, dropout=0.0)
+    result = gloo_world(2).run(train_both, str(tmp_path), "llama", 3, "aot_eager", lora=lora, timeout_s=SLOW_CALL_S,
+                               data_parallel_shard_size=2)[0]
+    eager, compiled = result["False"], result["aot_eager"]
+    assert len(eager) == 3 and eager[0] != eager[-1]
+    assert max(abs(a - b) / abs(b) for a, b in zip(compiled, eager)) < 1e-6, (compiled, eager)
+
+
 def test_the_moe_reference_block_does_break_the_graph():
     """The check can fail: the per-expert reference block (tests/moe_reference.py, the oracle that
     xorl.nn.MoE replaced) selects its tokens with a data-dependent nonzero, a graph break per expert."""
@@ -48,7 +71,7 @@ def test_kernel_custom_ops_pass_opcheck():
     # The ops register when their modules are imported: import them here, so the test does not depend
     # on which test file ran before it in this process (alone it failed on a missing op).
     import xorl_kernels.attention.op  # noqa: F401
-    import xorl_kernels.grouped_gemm.op  # noqa: F401
+    import xorl_kernels.expert_gemm.op  # noqa: F401
     import xorl_kernels.moe_permute.op  # noqa: F401
 
     ops = torch.ops.xorl

@@ -294,7 +294,8 @@ RULES = {
         ["--train.pipeline_parallel_size=2", "--train.gradient_accumulation_steps=2",
          "--model.tie_word_embeddings=true"],
         2,
-        ["tie_word_embeddings=true with pipeline_parallel_size > 1", "set tie_word_embeddings: false"],
+        ["tie_word_embeddings=true with pipeline_parallel_size > 1", "pipeline_parallel_size: 1",
+         "set tie_word_embeddings: false"],
     ),
     "data_parallel_mode none with dp > 1": (
         ["--train.data_parallel_mode=none"],

@@ -296,7 +296,7 @@ def test_ep2_times_fsdp2(gloo_world):
 def check_dispatch_sends_each_token_once_per_rank(num_experts, top_k) -> dict:
     """The rows the dispatch all_to_all sends (hidden rows: H wide) against the distinct (token,
     destination rank) pairs of the router's choices, counted here from its expert ids."""
-    import xorl.nn.moe as ep_module
+    import xorl.nn.ep_dispatch as ep_module
 
     world = dist.get_world_size()
     x, grad, mine = _inputs(world, seed=7)

@@ -15,7 +15,7 @@ import xorl.export as export_module
 from tests.parity_runs import tiny_config
 from xorl.cli.export import main as xorl_export
 from xorl.export import export_checkpoint, full_state_dict
-from xorl.models.hf_io import iter_hf_tensors
+from xorl.models.hf_writer import iter_hf_tensors
 from xorl.models.spec import ModelSpec
 
 SHARD_BYTES = 60_000  # a tiny model in several files, so both ranks write some

@@ -1,7 +1,7 @@
 """flash_attn / flash_attn_with_lse and the ring-step pieces against float64 naive attention.
 
-The naive attention below builds one dense [total_q, total_k] mask from document ids and
-positions (independent of the reference's per-document loop and of the kernels' block logic)
+The naive attention (tests/attention_oracle.py) builds one dense [total_q, total_k] mask from document
+ids and positions (independent of the reference's per-document loop and of the kernels' block logic)
 and differentiates through plain torch in float64 on the CPU. Triton kernels run compiled on CUDA
 tensors where a GPU exists and under TRITON_INTERPRET=1 on CPU tensors elsewhere
 (tests/triton_helpers.py), so their shapes stay small; their outputs are NaN-poisoned before the
@@ -15,8 +15,18 @@ import math
 import pytest
 import torch
 
+from tests.attention_oracle import (
+    F64,
+    check_packed,
+    dense_attention,
+    finite_lse_loss,
+    loss_weights,
+    poison_outputs,
+    rel_err,
+    token_meta,
+    zigzag_shard_meta,
+)
 from tests.triton_helpers import to_triton, triton_device
-from xorl_kernels.attention import common
 from xorl_kernels.attention.merge import merge_attn_states
 from xorl_kernels.attention.op import (
     flash_attn,
@@ -26,102 +36,10 @@ from xorl_kernels.attention.op import (
     flash_attn_with_lse,
 )
 
-F64 = torch.float64
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    assert torch.isfinite(a).all(), "result has NaN/inf"
-    denom = b.norm()
-    return float(((a - b).norm() / (denom if denom > 0 else 1.0)).detach())
-
-
-def naive_attention(q, k, v, doc_q, doc_k, pos_q, pos_k, causal, scale):
-    """Dense float64 attention on packed q [Tq, Hq, D]; returns out [Tq, Hq, D], lse [Hq, Tq]."""
-    group = q.shape[1] // k.shape[1]
-    kk, vv = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    scores = torch.einsum("qhd,khd->hqk", q, kk) * scale
-    allowed = doc_q[:, None] == doc_k[None, :]
-    if causal:
-        allowed &= pos_k[None, :] <= pos_q[:, None]
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    empty = ~allowed.any(-1)  # [Tq]: rows that see no key
-    # logsumexp over an all -inf row has a NaN gradient; compute it on zeros there, then mask.
-    lse_raw = torch.logsumexp(scores.masked_fill(empty[None, :, None], 0.0), -1)
-    lse = lse_raw.masked_fill(empty[None, :], float("-inf"))
-    probs = torch.exp(scores - lse_raw.masked_fill(empty[None, :], 0.0)[..., None])
-    return torch.einsum("hqk,khd->qhd", probs, vv), lse
-
-
-def token_meta(cu: torch.Tensor, positions: torch.Tensor | None):
-    """Document id and position of every packed token."""
-    lengths = (cu[1:] - cu[:-1]).tolist()
-    doc = torch.cat([torch.full((n,), d) for d, n in enumerate(lengths)])
-    pos = torch.cat([torch.arange(n) for n in lengths]) if positions is None else positions.long()
-    return doc, pos
-
-
-def loss_weights(out_shape, lse_shape, seed=1):
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(out_shape, generator=gen, dtype=F64), torch.randn(lse_shape, generator=gen, dtype=F64)
-
-
-def finite_lse_loss(out, lse, w_out, w_lse):
-    """sum(out·w) + sum(lse·w) over rows with a finite lse (a loss that depends on lse too)."""
-    lse_term = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)) * w_lse.to(lse.dtype)
-    return (out * w_out.to(out.dtype)).sum() + lse_term.sum()
-
 
 @pytest.fixture
 def poisoned(monkeypatch):
-    """Kernel outputs start as NaN: a row a kernel forgets to write fails the test."""
-
-    def alloc(shape, dtype, device):
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-
-    monkeypatch.setattr(common, "alloc_output", alloc)
-
-
-def run_packed_case(backend, dtype, q, k, v, cu_q, cu_k, causal, pos_q=None, pos_k=None, tol=1e-5):
-    """Packed (3-D) call through flash_attn_with_lse vs naive float64: out, lse, dq, dk, dv.
-
-    Inputs are CPU tensors; the Triton backend gets them on triton_device(), the naive attention
-    keeps them on the CPU. Returns the kernel's out, lse and gradients (on its device)."""
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    device = triton_device() if backend == "triton" else torch.device("cpu")
-    leaves = [t.to(device, dtype).requires_grad_() for t in (q, k, v)]
-    on_dev = [None if t is None else t.to(device) for t in (cu_q, cu_k, pos_q, pos_k)]
-    kw = dict(zip(("cu_seqlens_q", "cu_seqlens_k", "q_positions", "k_positions"), on_dev), causal=causal)
-    out, lse = flash_attn_with_lse(*leaves, backend=backend, **kw)
-    w_out, w_lse = loss_weights(out.shape, lse.shape)
-    grads = torch.autograd.grad(finite_lse_loss(out, lse, w_out.to(device), w_lse.to(device)), leaves)
-
-    ref_leaves = [t.detach().to(dtype).to(F64).requires_grad_() for t in (q, k, v)]
-    doc_q, p_q = token_meta(cu_q, pos_q)
-    doc_k, p_k = token_meta(cu_k, pos_k)
-    ref_out, ref_lse = naive_attention(*ref_leaves, doc_q, doc_k, p_q, p_k, causal, scale)
-    ref_grads = torch.autograd.grad(finite_lse_loss(ref_out, ref_lse, w_out, w_lse), ref_leaves)
-
-    assert torch.equal(torch.isneginf(lse.cpu()), torch.isneginf(ref_lse)), "rows with no visible key differ"
-    finite = torch.isfinite(ref_lse)
-    assert rel_err(out, ref_out) < tol
-    assert rel_err(lse.cpu()[finite], ref_lse[finite]) < tol
-    for name, g, ref in zip("qkv", grads, ref_grads):
-        assert rel_err(g, ref) < tol, f"d{name}"
-    return out, lse, grads
-
-
-def zigzag_shard_meta(doc_lengths, world, rank):
-    """Tokens rank `rank` holds under zig-zag (chunks r and 2P-1-r of every document)."""
-    index, positions, cu, offset = [], [], [0], 0
-    for length in doc_lengths:
-        chunk = length // (2 * world)
-        for c in (rank, 2 * world - 1 - rank):
-            index.append(torch.arange(offset + c * chunk, offset + (c + 1) * chunk))
-            positions.append(torch.arange(c * chunk, (c + 1) * chunk))
-        cu.append(cu[-1] + 2 * chunk)
-        offset += length
-    return torch.cat(index), torch.cat(positions).int(), torch.tensor(cu, dtype=torch.int32)
+    poison_outputs(monkeypatch)
 
 
 # -- reference backend (fast): every layout and mask against the naive float64 attention ----------
@@ -145,7 +63,7 @@ def test_reference_batched_gqa(dtype, causal):
     cu_q, cu_k = torch.arange(b + 1) * s_q, torch.arange(b + 1) * s_k
     doc_q, p_q = token_meta(cu_q, None)
     doc_k, p_k = token_meta(cu_k, None)
-    ref_out, ref_lse = naive_attention(*packed, doc_q, doc_k, p_q, p_k, causal, 1 / math.sqrt(d))
+    ref_out, ref_lse = dense_attention(*packed, doc_q, doc_k, p_q, p_k, causal, 1 / math.sqrt(d))
     ref_out = ref_out.view(b, s_q, hq, d)
     ref_lse = ref_lse.view(hq, b, s_q).transpose(0, 1)
     ref_grads = torch.autograd.grad(finite_lse_loss(ref_out, ref_lse, w_out, w_lse), ref_leaves)
@@ -169,10 +87,10 @@ def test_reference_varlen_positions_and_empty_rows(dtype):
     q, k, v = torch.randn(70, 4, 16), torch.randn(60, 2, 16), torch.randn(60, 2, 16)
     tol = 1e-12 if dtype == F64 else 1e-5
     for causal in (False, True):
-        run_packed_case("reference", dtype, q, k, v, cu_q, cu_k, causal, tol=tol)
+        check_packed("reference", dtype, q, k, v, cu_q, cu_k, causal, tol=tol)
     pos_q = torch.cat([torch.randperm(int(n)) + 3 for n in cu_q[1:] - cu_q[:-1]]).int()
     pos_k = torch.cat([torch.randperm(int(n)) + 5 for n in cu_k[1:] - cu_k[:-1]]).int()
-    out, lse, grads = run_packed_case("reference", dtype, q, k, v, cu_q, cu_k, True, pos_q, pos_k, tol=tol)
+    out, lse, grads = check_packed("reference", dtype, q, k, v, cu_q, cu_k, True, pos_q, pos_k, tol=tol)
     empty = torch.isneginf(lse)
     assert empty.any() and (out.transpose(0, 1)[empty] == 0).all()
 
@@ -210,7 +128,7 @@ def test_triton_batched(poisoned, b, s_q, s_k, hq, hk, d, causal):
     packed = [t.reshape(-1, *t.shape[2:]) for t in (q, k, v)]
     # Batched call (its own layout handling) must equal the packed call, which is checked against naive.
     out_b, lse_b = flash_attn_forward(*to_triton(q, k, v), causal=causal, backend="triton")
-    out, lse, _ = run_packed_case("triton", torch.float32, *packed, cu_q.int(), cu_k.int(), causal)
+    out, lse, _ = check_packed("triton", torch.float32, *packed, cu_q.int(), cu_k.int(), causal)
     assert torch.equal(out_b.reshape(out.shape), out.detach())
     assert torch.equal(lse_b, lse.detach().view(hq, b, s_q).transpose(0, 1))
 
@@ -221,7 +139,7 @@ def test_triton_varlen_uneven(poisoned):
     cu_k = torch.tensor([0, 20, 31, 36, 36, 60], dtype=torch.int32)  # document 3 has no keys
     q, k, v = torch.randn(70, 4, 32), torch.randn(60, 2, 32), torch.randn(60, 2, 32)
     for causal in (False, True):
-        out, lse, _ = run_packed_case("triton", torch.float32, q, k, v, cu_q, cu_k, causal)
+        out, lse, _ = check_packed("triton", torch.float32, q, k, v, cu_q, cu_k, causal)
         assert torch.isneginf(lse[:, 41:44]).all() and (out[41:44] == 0).all()
 
 
@@ -234,7 +152,7 @@ def test_triton_zigzag_step(poisoned, q_rank, k_rank, docs):
     full_q, full_k, full_v = torch.randn(total, 2, 16), torch.randn(total, 1, 16), torch.randn(total, 1, 16)
     iq, pos_q, cu = zigzag_shard_meta(docs, world, q_rank)
     ik, pos_k, _ = zigzag_shard_meta(docs, world, k_rank)
-    out, lse, _ = run_packed_case(
+    out, lse, _ = check_packed(
         "triton", torch.float32, full_q[iq], full_k[ik], full_v[ik], cu, cu, True, pos_q, pos_k
     )
     if (q_rank, k_rank) == (0, 1):  # chunk 0 of each document precedes all of rank 1's keys
@@ -249,14 +167,14 @@ def test_triton_arbitrary_positions(poisoned):
     q, k, v = torch.randn(90, 2, 16), torch.randn(100, 2, 16), torch.randn(100, 2, 16)
     pos_q = torch.cat([torch.randint(0, 60, (50,)), torch.randint(0, 30, (40,))]).int()
     pos_k = torch.cat([torch.sort(torch.randint(0, 60, (70,))).values, torch.randint(10, 40, (30,))]).int()
-    run_packed_case("triton", torch.float32, q, k, v, cu_q, cu_k, True, pos_q, pos_k)
+    check_packed("triton", torch.float32, q, k, v, cu_q, cu_k, True, pos_q, pos_k)
 
 
 def test_triton_bf16(poisoned):
     torch.manual_seed(5)
     q, k, v = torch.randn(1, 64, 2, 64), torch.randn(1, 64, 2, 64), torch.randn(1, 64, 2, 64)
     cu = torch.tensor([0, 64], dtype=torch.int32)
-    run_packed_case("triton", torch.bfloat16, q[0], k[0], v[0], cu, cu, True, tol=1e-2)
+    check_packed("triton", torch.bfloat16, q[0], k[0], v[0], cu, cu, True, tol=1e-2)
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
@@ -272,7 +190,7 @@ def test_zigzag_ring_decomposition(poisoned, backend):
     cu_full = torch.tensor([0, 32, 48], dtype=torch.int32)
     ref_leaves = [t.to(F64).requires_grad_() for t in (q, k, v)]
     doc, pos = token_meta(cu_full, None)
-    ref_out, ref_lse = naive_attention(*ref_leaves, doc, doc, pos, pos, True, 1 / math.sqrt(d))
+    ref_out, ref_lse = dense_attention(*ref_leaves, doc, doc, pos, pos, True, 1 / math.sqrt(d))
     w_out, w_lse = loss_weights(ref_out.shape, ref_lse.shape)
     ref_grads = torch.autograd.grad(finite_lse_loss(ref_out, ref_lse, w_out, w_lse), ref_leaves)
 
@@ -368,7 +286,7 @@ def test_triton_dkdv_head_slices(poisoned, monkeypatch, splits):
     iq, pos_q, cu = zigzag_shard_meta(docs, world, 1)
     ik, pos_k, _ = zigzag_shard_meta(docs, world, 0)
     q, k, v = full_q[iq], full_k[ik], full_v[ik]
-    run_packed_case("triton", torch.float32, q, k, v, cu, cu, True, pos_q, pos_k)
+    check_packed("triton", torch.float32, q, k, v, cu, cu, True, pos_q, pos_k)
 
     meta = dict(causal=True, cu_seqlens=cu, q_positions=pos_q, k_positions=pos_k)
     dev_meta = {**meta, **dict(zip(("cu_seqlens", "q_positions", "k_positions"), to_triton(cu, pos_q, pos_k)))}
@@ -410,7 +328,7 @@ def test_gpu_triton_zigzag_varlen(poisoned, dtype, head_dim):
 
     ref_leaves = [t.to(dtype).to(F64).requires_grad_() for t in (q, k, v)]
     doc, _ = token_meta(cu, None)
-    ref_out, ref_lse = naive_attention(*ref_leaves, doc, doc, pos_q.long(), pos_k.long(), True, head_dim**-0.5)
+    ref_out, ref_lse = dense_attention(*ref_leaves, doc, doc, pos_q.long(), pos_k.long(), True, head_dim**-0.5)
     ref_grads = torch.autograd.grad(finite_lse_loss(ref_out, ref_lse, w_out, w_lse), ref_leaves)
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isneginf(lse.cpu()), ~finite)
@@ -442,7 +360,7 @@ def test_gpu_gqa_dkdv_head_slices(poisoned, monkeypatch, splits):
     torch.manual_seed(12)
     cu = torch.tensor([0, 512, 768], dtype=torch.int32)
     q, k, v = torch.randn(768, 32, 128), torch.randn(768, 4, 128), torch.randn(768, 4, 128)
-    run_packed_case("triton", torch.bfloat16, q, k, v, cu, cu, True, tol=1e-2)
+    check_packed("triton", torch.bfloat16, q, k, v, cu, cu, True, tol=1e-2)
 
 
 @pytest.mark.gpu

@@ -156,7 +156,7 @@ def check_vocab_parallel_tp(sequence_parallel: bool, z_loss: float) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from xorl.nn.cross_entropy import cross_entropy_sum, linear_cross_entropy_sum
-    from xorl.nn.tensor_parallel import VocabParallelLMHead
+    from xorl.nn.tp_vocab import VocabParallelLMHead
 
     tp = dist.get_world_size()
     mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))

@@ -97,7 +97,8 @@ def test_mxfp4_boxes_read_only_what_a_shard_holds(tmp_path):
     """An FSDP / EP shard's box (a range of experts, of in rows and of out columns) equals that box
     of the whole dequantised tensor, reading only the MXFP4 blocks around it."""
     from xorl.distributed.shard_box import ShardBox
-    from xorl.models.hf_io import FileNames, _plan, _SliceReader
+    from xorl.models.hf_io import _SliceReader
+    from xorl.models.hf_layout import FileNames, _plan
 
     hf, folder = mxfp4_folder(tmp_path)
     ours = xorl.models.from_pretrained(str(folder), dtype=torch.float32)
@@ -194,7 +195,7 @@ def test_mxfp4_folder_starts_expert_parallel_ranks_reading_only_their_experts(gl
 
     from tests.parity_runs import tiny_config
     from tests.test_sharded_start import initial_state_dict, start_and_gather
-    from xorl.models.hf_io import save_hf_weights
+    from xorl.models.hf_writer import save_hf_weights
 
     source = tiny_config(str(tmp_path / "src"), "gpt_oss")
     source.train.seed = 11
@@ -267,7 +268,7 @@ def test_new_custom_ops_pass_opcheck():
     """The grouped GEMM with a bias and the clamped SwiGLU trace under torch.compile (schema, fake
     and autograd registrations; tests/test_compile.py checks the other kernel ops the same way)."""
     import xorl_kernels.activation.op  # noqa: F401
-    import xorl_kernels.grouped_gemm.op  # noqa: F401
+    import xorl_kernels.expert_gemm.op  # noqa: F401
 
     ops = torch.ops.xorl
     gen = torch.Generator().manual_seed(0)
@@ -315,7 +316,7 @@ def compile_new_kernels_for_sm90() -> dict:
     from triton.compiler import ASTSource
 
     from xorl_kernels.activation import triton_kernels as act
-    from xorl_kernels.grouped_gemm import triton_kernels as gg
+    from xorl_kernels.expert_gemm import triton_kernels as gg
 
     def build(kernel, constexprs, floats=()):
         signature = {}

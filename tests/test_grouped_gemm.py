@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from tests.triton_helpers import to_triton
-from xorl_kernels.grouped_gemm.op import _resolve_backend, grouped_gemm
-from xorl_kernels.grouped_gemm.triton_kernels import (
+from xorl_kernels.expert_gemm.op import _resolve_backend, grouped_gemm
+from xorl_kernels.expert_gemm.triton_kernels import (
     forward_config,
     grouped_gemm_forward,
     grouped_gemm_weight_grad,
@@ -134,7 +134,7 @@ def test_per_group_bias_forward_and_gradients_match_float64_loop(case, dtype, ba
 
 
 def test_bias_kernels_write_every_element_of_poisoned_outputs():
-    from xorl_kernels.grouped_gemm.triton_kernels import grouped_bias_grad
+    from xorl_kernels.expert_gemm.triton_kernels import grouped_bias_grad
 
     sizes, k, n = [3, 0, 40, 7], 24, 70
     x, w, dy = _inputs(sizes, k, n, torch.float32, seed=5)
@@ -288,7 +288,7 @@ def compile_for_sm90() -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from xorl_kernels.grouped_gemm import triton_kernels as kernels
+    from xorl_kernels.expert_gemm import triton_kernels as kernels
 
     def build(kernel, pointers, unit_strides, aligned, constexprs, cfg):
         names = kernel.arg_names

@@ -1,5 +1,6 @@
-"""xorl.models.hf_io: HF-format safetensors save/load (shards, index, name and layout conversions,
-errors), without transformers: the files are inspected directly and loads are compared bitwise."""
+"""xorl.models.hf_io / hf_writer / hf_layout: HF-format safetensors load/save (shards, index, name
+and layout conversions, errors), without transformers: the files are inspected directly and loads
+are compared bitwise."""
 
 from __future__ import annotations
 
@@ -277,7 +278,7 @@ def test_fsdp2_sharded_model_loads_and_saves(gloo_world, tmp_path):
 def test_a_box_of_gate_up_reads_only_its_gate_and_up_columns():
     """A rank's box of experts.gate_up_proj [E, H, 2I] may hold gate columns, up columns or both."""
     from xorl.distributed.shard_box import ShardBox
-    from xorl.models.hf_io import _StackGateUp
+    from xorl.models.hf_layout import _StackGateUp
 
     experts, hidden, inter = 3, 5, 4
     gen = torch.Generator().manual_seed(7)
@@ -312,7 +313,7 @@ def test_a_box_of_gate_up_reads_only_its_gate_and_up_columns():
 def test_a_box_of_interleaved_gate_up_rows_reads_only_its_rows():
     """merge_gate_up: any row range of gate_up_proj [2I, H] (an FSDP or TP box) from gate and up."""
     from xorl.distributed.shard_box import ShardBox
-    from xorl.models.hf_io import _InterleavedRows
+    from xorl.models.hf_layout import _InterleavedRows
 
     gen = torch.Generator().manual_seed(8)
     files = {f"m.{x}_proj.weight": torch.randn(5, 3, generator=gen) for x in ("gate", "up")}

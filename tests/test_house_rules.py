@@ -6,7 +6,9 @@
   attribute they assign is one a module class in xorl/ declares in its ``__init__`` (a submodule
   they replace), and they write no ``__dict__`` except where the README names it;
 * no ``.forward =`` anywhere in xorl/ except the compile step;
-* no forward hook in xorl/plans/ except in the functions the README's "What is where" names.
+* no forward hook in xorl/plans/ except in the functions the README's "What is where" names;
+* no function of ``xorl_kernels`` shares its name with a folder of it (it would hide the package);
+* the files split by concept stay readable at a sitting (a line cap).
 """
 
 from __future__ import annotations
@@ -241,3 +243,48 @@ def test_plan_hooks_only_where_the_readme_names_them():
                     bad.append(f"{where[0]}:{node.lineno} {node.attr} in {where[1]}")
     assert bad == [], f"forward hooks in the plans that the README does not name with why: {bad}"
     assert {w for w in named if w[0].startswith("plans/")} <= seen, "the README names a hook that is gone"
+
+
+# -- no function hides its package ------------------------------------------------------------------
+def _shadowing(package) -> list[str]:
+    """Names under which ``package`` binds a function while a subpackage folder has the same name."""
+    folders = {p.parent.name for p in Path(package.__file__).parent.glob("*/__init__.py")}
+    return sorted(name for name in folders if callable(getattr(package, name, None)))  # a module is not callable
+
+
+def test_no_kernel_function_shadows_its_package():
+    import xorl_kernels
+
+    assert {"attention", "expert_gemm"} <= {p.parent.name for p in (ROOT / "xorl_kernels").glob("*/__init__.py")}
+    assert _shadowing(xorl_kernels) == [], "a function of xorl_kernels hides a folder of the same name"
+
+
+def test_the_shadowing_check_can_fail(tmp_path, monkeypatch):
+    """The layout xorl_kernels had while its grouped GEMM folder was named grouped_gemm/."""
+    (tmp_path / "shadow_demo" / "op").mkdir(parents=True)
+    (tmp_path / "shadow_demo" / "op" / "__init__.py").write_text("def op():\n    pass\n")
+    (tmp_path / "shadow_demo" / "__init__.py").write_text("from shadow_demo.op import op\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import shadow_demo
+
+    assert _shadowing(shadow_demo) == ["op"]
+
+
+# -- files split by concept stay small --------------------------------------------------------------
+# Each was one file of 470-770 lines; split so that one file holds one concept. The cap keeps them from
+# growing back into one another's job (split again, by concept, rather than raise it).
+LINE_CAP = 450
+SPLIT_FILES = (
+    "xorl/nn/tp_comm.py", "xorl/nn/tp_regions.py", "xorl/nn/tp_matmul.py",
+    "xorl/nn/tensor_parallel.py", "xorl/nn/tp_vocab.py", "xorl/nn/tp_replicated.py",
+    "xorl/nn/ring_attention.py", "xorl/nn/ring_step_kernel.py",
+    "xorl/nn/moe.py", "xorl/nn/ep_dispatch.py",
+    "xorl/models/hf_io.py", "xorl/models/hf_layout.py", "xorl/models/hf_writer.py",
+    "bench/bench_step_anatomy.py", "bench/anatomy_comm.py", "bench/anatomy_step.py",
+)
+
+
+def test_split_files_stay_under_the_line_cap():
+    lines = {f: len((ROOT / f).read_text().splitlines()) for f in SPLIT_FILES}
+    over = {f: n for f, n in lines.items() if n > LINE_CAP}
+    assert over == {}, f"over {LINE_CAP} lines: {over}; split by concept"

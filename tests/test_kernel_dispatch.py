@@ -113,8 +113,8 @@ def test_no_import_cycles():
 
 @pytest.mark.slow
 def test_public_names_are_functions_and_nothing_comes_from_xorl():
-    """Every module imported in one fresh interpreter: no xorl.* module loads, and the folders
-    (grouped_gemm/ shares its op's name) never rebind the public functions."""
+    """Every module imported in one fresh interpreter: no xorl.* module loads, and importing the
+    folders never rebinds the public functions."""
     code = (
         "import importlib, sys, xorl_kernels\n"
         f"for name in {kernel_modules()!r}:\n"

@@ -38,7 +38,7 @@ def _nbytes(t: torch.Tensor) -> int:
 
 def train_and_check(config, base_folder: str, tokens: torch.Tensor) -> dict:
     """On every rank: train, check frozen grads and optimizer state, save the base, export merged."""
-    from xorl.models.hf_io import save_hf_weights
+    from xorl.models.hf_writer import save_hf_weights
     from xorl.nn.lora import is_adapter_name
     from xorl.trainer import Trainer
 
@@ -367,3 +367,55 @@ def test_linear_with_dropout_is_peft_s_lora_layer():
     got = ours(x)
     got.sum().backward()
     assert ours.weight.grad is None and ours.bias.grad is None and ours.lora_A.grad is not None
+
+
+@pytest.mark.parametrize("model_type, targets", [("llama", ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]),
+                                                 ("qwen3_moe", ["k_proj", "experts"])])
+def test_mfu_flops_count_frozen_weights_without_their_weight_gradient(model_type, targets):
+    """xorl/mfu.py with LoRA: frozen base matmuls 4 FLOPs per weight (forward + input gradient), adapters 6,
+    an expert's adapters only for the top-k tokens routed to it; counted here from the built model."""
+    from xorl.mfu import flops_per_token
+    from xorl.models.registry import build_model
+
+    config = tiny_config("/tmp/unused", model_type)
+    config.model.lora = dict(LORA, target_modules=targets)
+    m = config.model
+    seq = 32
+    without = flops_per_token(config.model, seq)
+    model = build_model(config.model)
+    per_token = {}
+    for name, p in model.named_parameters():
+        if p.ndim < 2 or "embed_tokens" in name or "router" in name or "gate.weight" in name:
+            continue
+        kind = "adapter" if ".lora_" in name else "base"
+        share = m.num_experts_per_tok / m.num_experts if ".experts." in name else 1.0
+        per_token[kind] = per_token.get(kind, 0.0) + p.numel() * share
+    assert per_token["adapter"] > 0
+    router = m.num_hidden_layers * m.hidden_size * m.num_experts if m.num_experts else 0
+    m.lora = None
+    attention = flops_per_token(m, seq) - 6 * (per_token["base"] + router)  # the score FLOPs, unchanged by LoRA
+    assert without == pytest.approx(4 * (per_token["base"] + router) + 6 * per_token["adapter"] + attention, rel=1e-12)
+
+
+def test_the_start_up_line_says_how_many_parameters_train():
+    """The start-up summary names the trainable count (the adapters: rank x (in + out) per targeted
+    projection and layer, counted here from the shapes) beside the model's total."""
+    from xorl.distributed.parallel_config import ParallelConfig
+    from xorl.metrics import startup_summary
+    from xorl.models.registry import build_model
+
+    config = tiny_config("/tmp/unused", "llama")
+    config.model.lora = dict(LORA, target_modules=["q_proj", "down_proj"])
+    m = config.model
+    with torch.device("meta"):
+        model = build_model(m)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    head_dim = m.hidden_size // m.num_attention_heads
+    per_layer = (m.hidden_size + m.num_attention_heads * head_dim) + (m.intermediate_size + m.hidden_size)
+    assert trainable == m.num_hidden_layers * LORA["rank"] * per_layer
+    total = sum(p.numel() for p in model.parameters())
+    line = startup_summary(config, ParallelConfig.from_config(config, 1), total, 0, "cpu",
+                           n_trainable=trainable).splitlines()[0]
+    assert trainable < 1e4  # printed whole
+    rank = LORA["rank"]
+    assert f"{total / 1e6:.2f}M parameters ({trainable} trainable: LoRA rank {rank} on q_proj, down_proj)," in line

@@ -473,3 +473,63 @@ def test_expert_width_the_family_takes_from_intermediate_size_is_not_silently_re
         validate_config(config("--model.moe_intermediate_size=32"), 1)
     for ok in (config("--model.moe_intermediate_size=96"), config()):
         validate_config(ok, 1)
+
+
+def test_olmoe_tensor_parallel_run_from_a_folder_exports_one_process_weights(gloo_world, tmp_path):
+    """OLMoE's width q/k norm under TP 2 + SP (its weight split with the heads, merge_qkv's grouped
+    rows): started from a transformers-written folder (random norm weights), 3 steps, exported; the
+    losses and the export (read back by transformers) are one process's from the same folder."""
+    from tests.parity_runs import max_rel_diff, train_export_and_report, weights_rel_diff
+    from xorl.config import load_config
+
+    hf_checkpoint("olmoe", tmp_path / "hf", seed=5, vocab_size=272)
+
+    def run(out: str, world: int, *extra: str) -> tuple[list[float], dict]:
+        config = load_config(None, [
+            f"--model.model_path={tmp_path / 'hf'}", f"--train.output_dir={tmp_path / out}", "--model.merge_qkv=true",
+            "--data.seq_len=32", "--data.micro_batch_size=1", "--train.max_steps=3", "--train.lr=3e-3",
+            "--train.gradient_accumulation_steps=2", "--train.save_steps=0", "--train.export_hf=true",
+            "--train.data_parallel_shard_size=1", *extra])
+        losses = gloo_world(world).run(train_export_and_report, config)[0]["losses"]
+        folder = tmp_path / out / "hf"
+        return losses, transformers.OlmoeForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
+
+    one_losses, one = run("one", 1)
+    tp_losses, tp = run("tp", 2, "--train.tensor_parallel_size=2", "--train.sequence_parallel=true")
+    assert max_rel_diff(tp_losses, one_losses) <= 1e-5, (tp_losses, one_losses)
+    assert weights_rel_diff(tp, one) <= 1e-5
+    for name in ("q_norm", "k_norm"):  # the norm weights moved from the folder's random values, alike
+        key = f"model.layers.0.self_attn.{name}.weight"
+        assert rel_err(tp[key], one[key]) <= 1e-5 and one[key].std() > 0.1
+
+
+@pytest.mark.parametrize("model", ["qwen3", "mistral", "glm4_moe", "deepseek_v3"])
+def test_dense_mlp_width_not_dividing_tp_is_refused_before_start(model):
+    """Dense families and the dense first layers of GLM / DeepSeek split intermediate_size over TP: a
+    width TP does not divide is a config error naming the field (not an error once groups exist)."""
+    from tests.parity_runs import MODELS, tiny_config
+    from xorl.config import ConfigError, validate_config
+
+    overrides = MODELS.get(model, dict(model_type=model))
+    config = tiny_config("/tmp/unused", "llama", data_parallel_shard_size=1, tensor_parallel_size=2)
+    for key, value in {**overrides, "intermediate_size": 63}.items():
+        setattr(config.model, key, value)
+    with pytest.raises(ConfigError, match="intermediate_size=63 must be a multiple of train.tensor_parallel_size=2"):
+        validate_config(config, 2)
+
+
+def test_olmoe_saved_under_tensor_parallel_resumes_under_fsdp(gloo_world, tmp_path):
+    """OLMoE saved by TP 2 + SP ranks (each holding its block of the width q/k norms, Shard(0)) and
+    resumed with FSDP over the same 2 ranks logs an uninterrupted FSDP run's losses."""
+    from tests.parity_runs import max_rel_diff, tiny_config, train_losses
+
+    fsdp2 = dict(data_parallel_shard_size=2, gradient_accumulation_steps=2)
+    tp2 = dict(data_parallel_shard_size=1, tensor_parallel_size=2, sequence_parallel=True,
+               gradient_accumulation_steps=4)
+    world = gloo_world(2)
+    full = world.run(train_losses, tiny_config(str(tmp_path / "full"), "olmoe", max_steps=6, **fsdp2))[0]
+    run = str(tmp_path / "tp")
+    first = world.run(train_losses, tiny_config(run, "olmoe", max_steps=6, save_steps=3, **tp2), 3)[0]
+    resumed = world.run(train_losses, tiny_config(run, "olmoe", max_steps=6, resume=True, **fsdp2))[0]
+    assert len(first) == len(resumed) == 3
+    assert max_rel_diff(first + resumed, full) <= 1e-5, (first + resumed, full)

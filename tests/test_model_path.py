@@ -76,3 +76,40 @@ def test_features_xorl_cannot_build_are_refused_naming_the_file(tmp_path, field,
     with pytest.raises(ConfigError) as info:
         load_config(None, [f"--model.model_path={folder}"])
     assert str(path) in str(info.value) and expected in str(info.value)
+
+
+def _transformers_deepseek_v3_folder(tmp_path):
+    """A DeepSeek-V3 config.json from transformers: its q.k head dim (12 + 8) is not hidden_size // heads (12)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.DeepseekV3Config(
+        vocab_size=300, hidden_size=48, intermediate_size=96, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, kv_lora_rank=16,
+        q_lora_rank=20, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10, n_group=1, topk_group=1,
+        first_k_dense_replace=1)
+    folder = tmp_path / "dsv3"
+    config.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("folder_of", ["deepseek_v3", "qwen3"])
+def test_head_dim_null_is_unset_not_a_conflict_with_the_folder(tmp_path, folder_of):
+    """``head_dim: null`` means "derive it": with a folder it sets nothing, in the YAML or on the CLI
+    (the folder's head dim, 20 for the latent attention here, or Qwen3's 16 against 48 // 4 = 12)."""
+    if folder_of == "deepseek_v3":
+        folder, expected = _transformers_deepseek_v3_folder(tmp_path), 20
+    else:
+        transformers = pytest.importorskip("transformers")
+        folder, expected = tmp_path / "qwen3", 16
+        transformers.Qwen3Config(vocab_size=300, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16).save_pretrained(folder)
+    yaml_path = tmp_path / "run.yaml"
+    yaml_path.write_text(f"model:\n  model_path: {folder}\n  head_dim: null\n")
+    for config in (load_config(str(yaml_path), []),
+                   load_config(None, [f"--model.model_path={folder}", "--model.head_dim=null"])):
+        validate_config(config, 1)
+        from xorl.models.spec import ModelSpec
+
+        assert ModelSpec.from_config(config.model).head_dim == expected
+    # Another value still conflicts, naming the folder's.
+    with pytest.raises(ConfigError, match=f"conflicts with head_dim={expected} in"):
+        load_config(None, [f"--model.model_path={folder}", "--model.head_dim=24"])

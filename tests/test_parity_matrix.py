@@ -25,6 +25,12 @@ LAYOUTS = [
     ("fsdp+activation checkpointing", 2, "llama", dict(data_parallel_shard_size=2, activation_checkpointing=True)),
     ("fsdp+selective checkpointing", 2, "llama", dict(data_parallel_shard_size=2,
                                                       activation_checkpointing="selective")),
+    ("fsdp+selective every other matmul", 2, "llama", dict(data_parallel_shard_size=2,
+                                                           activation_checkpointing="selective",
+                                                           selective_checkpoint="every_other_matmul")),
+    ("tp+selective every other matmul", 2, "llama", dict(data_parallel_shard_size=1, tensor_parallel_size=2,
+                                                         sequence_parallel=True, activation_checkpointing="selective",
+                                                         selective_checkpoint="every_other_matmul")),
     ("fsdp zero-2 (no reshard after forward)", 2, "llama", dict(data_parallel_shard_size=2,
                                                                 fsdp_reshard_after_forward="never")),
     ("fsdp+ring", 4, "llama", dict(data_parallel_shard_size=2, ringattn_parallel_size=2)),
@@ -67,6 +73,7 @@ LAYOUTS = [
     ("lora ring2", 2, "llama-lora", dict(data_parallel_shard_size=1, ringattn_parallel_size=2)),
     ("lora ulysses2", 2, "llama-lora", dict(data_parallel_shard_size=1, ulysses_parallel_size=2)),
     ("lora hsdp", 4, "llama-lora", dict(data_parallel_replicate_size=2, data_parallel_shard_size=2)),
+    ("lora ddp", 2, "llama-lora", dict(data_parallel_mode="ddp", data_parallel_shard_size=2)),
     ("lora pp2", 2, "llama-lora", dict(data_parallel_shard_size=1, pipeline_parallel_size=2)),
     ("lora moe ep2 x fsdp2", 2, "qwen3_moe-lora", dict(data_parallel_shard_size=2, expert_parallel_size=2)),
     ("lora moe experts ep2 x fsdp2", 2, "qwen3_moe-lora-experts", dict(data_parallel_shard_size=2,
@@ -81,8 +88,13 @@ LAYOUTS = [
     ("qwen3 dense tp2+sp x fsdp2 (q/k norm, biases)", 4, "qwen3",
      dict(data_parallel_shard_size=2, tensor_parallel_size=2, sequence_parallel=True)),
     ("mixtral ep2 x fsdp2", 4, "mixtral", dict(data_parallel_shard_size=4, expert_parallel_size=2)),
-    ("olmoe ulysses2 x fsdp2, ep2 (width q/k norm; TP refused)", 4, "olmoe",
+    ("olmoe ulysses2 x fsdp2, ep2 (width q/k norm)", 4, "olmoe",
      dict(data_parallel_shard_size=2, ulysses_parallel_size=2, expert_parallel_size=2)),
+    # The width q/k norm split over TP: sums of squares all-reduced, its weight Shard(0) with the heads.
+    ("olmoe tp2+sp x fsdp2 (width q/k norm over TP), experts fsdp over tp", 4, "olmoe",
+     dict(data_parallel_shard_size=2, tensor_parallel_size=2, sequence_parallel=True)),
+    ("olmoe tp2+sp x fsdp2, ep4 over fsdp x tp (width q/k norm over TP)", 4, "olmoe",
+     dict(data_parallel_shard_size=2, tensor_parallel_size=2, sequence_parallel=True, expert_parallel_size=4)),
     ("glm4.5 tp2+sp x fsdp2, ep4 (partial rotary, q/k/v biases under TP)", 4, "glm4_moe",
      dict(data_parallel_shard_size=2, tensor_parallel_size=2, sequence_parallel=True, expert_parallel_size=4)),
     ("glm4.5 pp2 x ep2 x fsdp2, dense first layer", 4, "glm4_moe",
@@ -107,6 +119,8 @@ LAYOUTS = [
      dict(data_parallel_shard_size=1, ulysses_parallel_size=2)),
     ("gpt_oss tp2+sp, ep2 over tp (sinks split with the heads)", 2, "gpt_oss",
      dict(data_parallel_shard_size=1, tensor_parallel_size=2, sequence_parallel=True, expert_parallel_size=2)),
+    ("gpt_oss pp2 (each stage a sliding and a full layer, sinks per stage)", 2, "gpt_oss",
+     dict(data_parallel_shard_size=1, pipeline_parallel_size=2)),
 ]
 
 
@@ -132,6 +146,17 @@ FP8_LAYOUTS = [
                                                  sequence_parallel=True, fp8="rowwise"), FP8_TOLERANCE),
     ("fp8 blockwise moe ep2", 2, "qwen3_moe", dict(data_parallel_shard_size=2, expert_parallel_size=2,
                                                   fp8="blockwise"), FP8_TOLERANCE),
+    # train.fp8_all_gather (xorl/nn/fp8_all_gather.py) on every data-parallel composition it is accepted
+    # with, against one process with tensorwise: HSDP (amax over the shard group; replicas agree), PP
+    # (FSDP per stage), ring CP and MoE EP (the experts' own FSDP unit is not FP8-gathered).
+    ("fp8 all-gather hsdp 2x2", 4, "llama", dict(data_parallel_replicate_size=2, data_parallel_shard_size=2,
+                                                 fp8="tensorwise", fp8_all_gather=True), FP8_TOLERANCE),
+    ("fp8 all-gather pp2 x fsdp2", 4, "llama", dict(data_parallel_shard_size=2, pipeline_parallel_size=2,
+                                                    fp8="tensorwise", fp8_all_gather=True), FP8_TOLERANCE),
+    ("fp8 all-gather ring2 x fsdp2", 4, "llama", dict(data_parallel_shard_size=2, ringattn_parallel_size=2,
+                                                      fp8="tensorwise", fp8_all_gather=True), FP8_TOLERANCE),
+    ("fp8 all-gather moe ep2 x fsdp2", 2, "qwen3_moe", dict(data_parallel_shard_size=2, expert_parallel_size=2,
+                                                            fp8="tensorwise", fp8_all_gather=True), FP8_TOLERANCE),
 ]
 
 # The messages format (chat rows rendered with a chat template built in the test, loss on the assistant

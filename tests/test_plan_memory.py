@@ -49,6 +49,8 @@ SMALL = [
     (TINY_DENSE, {"data_parallel_mode": "ddp", "ringattn_parallel_size": 2}, False),
     (TINY_MOE, {"expert_parallel_size": 2}, True),
     (TINY_MOE, {"tensor_parallel_size": 2, "sequence_parallel": True, "expert_parallel_size": 2}, False),
+    # TP without EP: the experts, whole on each TP rank, are FSDP-sharded over the TP ranks too
+    (TINY_MOE, {"tensor_parallel_size": 2, "sequence_parallel": True}, False),
     (TINY_MOE, {"pipeline_parallel_size": 2, "pipeline_parallel_schedule": "ZBVZeroBubble",
                 "virtual_pipeline_stages": 2, "gradient_accumulation_steps": 2, "expert_parallel_size": 2}, False),
 ]

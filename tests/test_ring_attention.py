@@ -89,11 +89,11 @@ def test_ring_with_sinks_windows_and_narrow_v_matches_float64_reference(gloo_wor
 
 def _steps_computed(window):
     """How many ring steps ran the kernel, forward and backward, on this rank (64 tokens, P = 4)."""
-    from xorl.nn import ring_attention
+    from xorl.nn import ring_step_kernel
 
     group = dist.group.WORLD
     calls = {"forward": 0, "backward": 0}
-    original = {name: getattr(ring_attention.ZigzagStepKernel, name) for name in calls}
+    original = {name: getattr(ring_step_kernel.ZigzagStepKernel, name) for name in calls}
 
     def counting(name):
         def call(self, *args):
@@ -104,12 +104,12 @@ def _steps_computed(window):
 
     case = ("batched", True, 1, "batched", 64, 2, 2, {"window": window})
     for name in calls:
-        setattr(ring_attention.ZigzagStepKernel, name, counting(name))
+        setattr(ring_step_kernel.ZigzagStepKernel, name, counting(name))
     try:
         errors = run_case(RingAttention(group), case, group, seed=2)
     finally:
         for name, fn in original.items():
-            setattr(ring_attention.ZigzagStepKernel, name, fn)
+            setattr(ring_step_kernel.ZigzagStepKernel, name, fn)
     return calls, errors
 
 
@@ -281,7 +281,7 @@ def test_zigzag_step_in_window_matches_brute_force_over_positions():
 
 def test_static_skip_table_for_packed_documents_follows_the_shortest_document():
     """_active_steps on host cu_seqlens: a step is skipped only when no document has a visible pair."""
-    from xorl.nn.ring_attention import _active_steps
+    from xorl.nn.ring_step_kernel import _active_steps
     from xorl_kernels.zigzag.layout import zigzag_positions
 
     world, cu = 4, torch.tensor([0, 16, 80, 144])  # chunks of 2, 8 and 8

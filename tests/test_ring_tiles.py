@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from tests.triton_helpers import to_triton
-from xorl.nn.ring_attention import ZigzagStepKernel, _active_steps
+from xorl.nn.ring_step_kernel import ZigzagStepKernel, _active_steps
 from xorl_kernels.attention.merge import merge_attn_states
 from xorl_kernels.attention.op import flash_attn_backward, flash_attn_bwd_preprocess, flash_attn_forward
 from xorl_kernels.zigzag.layout import zigzag_positions

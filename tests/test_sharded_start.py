@@ -15,7 +15,7 @@ from tests.parity_runs import tiny_config
 from xorl.distributed.shard_box import ShardBox
 from xorl.export import full_state_dict
 from xorl.models import seeded_init
-from xorl.models.hf_io import save_hf_weights
+from xorl.models.hf_writer import save_hf_weights
 from xorl.models.registry import build_model
 from xorl.trainer import initialise_part
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from bench.bench_step_anatomy import CommCounter, layout_results, make_layout, measure_layout
+from bench.anatomy_comm import CommCounter
+from bench.bench_step_anatomy import layout_results, make_layout, measure_layout
 
 
 def _known_collectives() -> list[tuple[str, int, bool]]:

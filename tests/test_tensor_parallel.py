@@ -264,7 +264,7 @@ def test_gather_output_and_replicated_input_and_errors(gloo_world):
 def test_chunked_weight_gradient_accumulates_in_one_fp32_buffer():
     """bf16 chunks of a TP weight gradient: one fp32 buffer (no bf16 partial of the shard's size per
     chunk), closer to the float64 sum than a bf16 sum of chunks."""
-    from xorl.nn.tp_comm import _accumulate_wgrad
+    from xorl.nn.tp_matmul import _accumulate_wgrad
 
     torch.manual_seed(0)
     chunks, out_f, in_f, rows = 8, 1024, 2048, 512

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from xorl.nn.tensor_parallel import sum_tp_partial_grads
+from xorl.nn.tp_replicated import sum_tp_partial_grads
 
 TOL = 1e-5
 

@@ -105,6 +105,10 @@ class TrainConfig(ParallelFields):
     # true / false read as full / none. Full checkpointing applies to every n-th decoder block.
     activation_checkpointing: Literal["none", "full", "selective"] | bool = "none"
     activation_checkpointing_every_n_layers: int = 1  # with full checkpointing: every n-th decoder block
+    # With selective checkpointing, which matmul outputs a block keeps: every one ("matmuls"), or
+    # every other one in the order the block runs them ("every_other_matmul", torchtitan's op-level
+    # SAC: of q, k, v, o, gate, up, down it recomputes k, o and up; less memory, more FLOPs).
+    selective_checkpoint: Literal["matmuls", "every_other_matmul"] = "matmuls"
     # FSDP2 sharding level: "always" frees each block's gathered parameters after its forward
     # (ZeRO-3), "never" keeps them to the backward (ZeRO-2: less all-gather, more memory);
     # "default" is always, except for zero-bubble pipeline schedules, which need never.
@@ -116,6 +120,9 @@ class TrainConfig(ParallelFields):
     # blockwise 1x128 activations and 128x128 weights (DeepSeek-V3). A compute choice: master
     # weights, optimizer state and checkpoints are unchanged (xorl_kernels/fp8).
     fp8: Literal["none", "tensorwise", "rowwise", "blockwise"] = "none"
+    # With fp8: tensorwise under FSDP2: all-gather those linears' weights in float8 (half of bf16's
+    # bytes), each shard cast with the whole weight's scale (xorl/nn/fp8_all_gather.py).
+    fp8_all_gather: bool = False
     output_dir: str = "outputs"  # the run folder: config.yaml, metrics.jsonl, checkpoints/
     save_steps: int = 0  # a checkpoint every save_steps steps (0: none periodic); max_steps is always saved
     resume: bool | str = False  # true: latest checkpoint in output_dir; a path: that checkpoint

@@ -28,7 +28,7 @@ from typing import Any
 
 from xorl.config_error import ConfigError
 from xorl.distributed.parallel_config import PIPELINE_SCHEDULES, ParallelConfig
-from xorl.models.schema import ALL as _MODEL_TYPES
+from xorl.models.schema import DENSE as DENSE_FAMILIES
 
 
 def validate_config(config: Any, world_size: int) -> None:
@@ -117,14 +117,6 @@ def _parallel_model_problems(m: Any, p: ParallelConfig) -> list[str]:
     if heads < 1 or kv_heads < 1:
         return problems  # reported by _model_problems
     tp_divides_heads = heads % p.tp == 0 and kv_heads % p.tp == 0
-    from xorl.models.families import family
-
-    if p.tp > 1 and m.model_type in _MODEL_TYPES and family(m.model_type).qk_norm == "width":
-        problems.append(
-            f"train.tensor_parallel_size={p.tp} with model_type={m.model_type!r}: its q/k RMSNorm spans all heads of "
-            "a token, and tensor parallelism gives each rank only its own heads, so the norm would see a part of "
-            "the width; use tensor_parallel_size: 1 (shard with FSDP / EP / CP instead)"
-        )
     if p.tp > 1:
         if not tp_divides_heads:
             problems.append(
@@ -132,7 +124,10 @@ def _parallel_model_problems(m: Any, p: ParallelConfig) -> list[str]:
                 f"multiples of train.tensor_parallel_size={p.tp} (TP gives each rank whole query and KV heads); "
                 f"use a tensor_parallel_size dividing {kv_heads}"
             )
-        dense_mlp = m.model_type == "llama" or m.mlp_only_layers or m.decoder_sparse_step > 1
+        # Any dense SwiGLU layer: a dense family, or an MoE family's dense layers (mlp_only_layers,
+        # decoder_sparse_step, GLM / DeepSeek's first_k_dense_replace), all intermediate_size wide.
+        dense_mlp = (m.model_type in DENSE_FAMILIES or m.mlp_only_layers or m.decoder_sparse_step > 1
+                     or m.first_k_dense_replace > 0)
         if dense_mlp and m.intermediate_size % p.tp:
             problems.append(
                 f"model.intermediate_size={m.intermediate_size} must be a multiple of "
@@ -184,8 +179,10 @@ def _parallel_model_problems(m: Any, p: ParallelConfig) -> list[str]:
         if m.tie_word_embeddings:
             problems.append(
                 "model.tie_word_embeddings=true with pipeline_parallel_size > 1: the embedding "
-                "(first stage) and the output layer (last stage) cannot share one weight; "
-                "set tie_word_embeddings: false"
+                "(first stage) and the output layer (last stage) share one weight, and xorl does not keep "
+                "a copy on each stage in step; train a tied model (e.g. Llama 3.2 1B / 3B) without "
+                "pipeline parallelism (pipeline_parallel_size: 1; FSDP, TP and CP fit it), or set "
+                "tie_word_embeddings: false for a model trained from scratch"
             )
     return problems
 
@@ -490,6 +487,12 @@ def _train_problems(t: Any) -> list[str]:
             f"activation_checkpointing: full, not {t.activation_checkpointing!r}; set activation_checkpointing: full "
             "or activation_checkpointing_every_n_layers: 1"
         )
+    if getattr(t, "selective_checkpoint", "matmuls") != "matmuls" and t.activation_checkpointing != "selective":
+        problems.append(
+            f"train.selective_checkpoint={t.selective_checkpoint!r} applies to activation_checkpointing: "
+            f"selective, not {t.activation_checkpointing!r}; set activation_checkpointing: selective or "
+            "selective_checkpoint: matmuls"
+        )
     if t.fsdp_reshard_after_forward == "always" and t.pipeline_parallel_size > 1 and \
             getattr(PIPELINE_SCHEDULES.get(t.pipeline_parallel_schedule), "split_backward", False):
         problems.append(
@@ -572,12 +575,13 @@ def _fp8_problems(t: Any, m: Any) -> list[str]:
 
     Every parallel layout composes: the FP8 GEMMs are local to each linear (TP shards quantise
     their own shards, the ring-overlapped TP paths each chunk), FSDP2 / HSDP gather the
-    high-precision weights as before, and EP / PP / CP do not touch the linears' maths."""
+    high-precision weights as before (or, with fp8_all_gather, their tensorwise float8 cast), and
+    EP / PP / CP do not touch the linears' maths."""
+    problems = _fp8_all_gather_problems(t) if t.fp8_all_gather else []
     if t.fp8 == "none":
-        return []
+        return problems
     import importlib.util
 
-    problems = []
     if importlib.util.find_spec("torchao") is None:
         problems.append(
             f"train.fp8: {t.fp8} quantises with torchao's float8 scaling helpers, and torchao is not installed; "
@@ -595,6 +599,30 @@ def _fp8_problems(t: Any, m: Any) -> list[str]:
         problems.append(
             f"train.fp8: blockwise with model_type={m.model_type!r}: its experts add per-expert biases, and the "
             "FP8 grouped GEMM takes none; use fp8: rowwise or tensorwise (the experts then compute in train.dtype)"
+        )
+    return problems
+
+
+def _fp8_all_gather_problems(t: Any) -> list[str]:
+    """train.fp8_all_gather (xorl/nn/fp8_all_gather.py): FSDP2 gathers tensorwise-cast weights."""
+    if t.fp8 != "tensorwise":
+        return [
+            f"train.fp8_all_gather: true with train.fp8: {t.fp8}: only tensorwise scaling can be all-gathered in "
+            "float8 (each shard cast with the whole weight's one scale; per-row or per-block scales computed on "
+            "a shard are not the whole weight's under every shard layout); set fp8: tensorwise, or "
+            "fp8_all_gather: false"
+        ]
+    problems = []
+    if t.data_parallel_mode != "fsdp2":
+        problems.append(
+            f"train.fp8_all_gather: true with data_parallel_mode: {t.data_parallel_mode}: the float8 all-gather is "
+            "FSDP2's weight all-gather; set data_parallel_mode: fsdp2, or fp8_all_gather: false"
+        )
+    if t.tensor_parallel_size > 1:
+        problems.append(
+            "train.fp8_all_gather: true with tensor_parallel_size > 1: the TP linears run their own GEMMs on "
+            "their local shards and take no float8-gathered weight; set fp8_all_gather: false (TP's linears "
+            "then gather in train.dtype), or tensor_parallel_size: 1"
         )
     return problems
 

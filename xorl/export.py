@@ -46,7 +46,8 @@ from xorl.memory_report import (
     reset_peak_host_bytes,
     write_json_atomic,
 )
-from xorl.models.hf_io import INDEX_NAME, SINGLE_NAME, clean_name, hf_pieces
+from xorl.models.hf_layout import INDEX_NAME, SINGLE_NAME, hf_pieces
+from xorl.models.param_names import clean_name
 from xorl.models.registry import build_model, to_hf_config_dict
 from xorl.models.spec import ModelSpec
 

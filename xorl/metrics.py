@@ -127,7 +127,7 @@ def read_metrics(path: str) -> list[dict]:
 
 
 def startup_summary(config, parallel, n_params: int, start_step: int, device_type: str,
-                    data_sequences: int | None = None) -> str:
+                    data_sequences: int | None = None, n_trainable: int | None = None) -> str:
     """What the run is about to do, in five lines, and a sixth with the epochs when the number of
     packed sequences in the data is known (``data_sequences``; not for streamed data). Printed by rank 0
     before the first step."""
@@ -141,9 +141,15 @@ def startup_summary(config, parallel, n_params: int, start_step: int, device_typ
     dims = " x ".join(f"{name} {size}" for name, size in zip(MESH_DIM_NAMES, parallel.mesh_shape) if size > 1)
     ep = f", expert parallel {parallel.ep}" if parallel.ep > 1 else ""
     sequences = d.micro_batch_size * t.gradient_accumulation_steps * parallel.dp
-    count = f"{n_params / 1e9:.2f}B" if n_params >= 1e9 else f"{n_params / 1e6:.2f}M"
+    def count_of(n: int) -> str:
+        return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e4 else str(n)
+
+    count = f"{count_of(n_params)} parameters"
+    if n_trainable is not None and n_trainable != n_params:  # LoRA: say what the optimizer updates
+        how = f": LoRA rank {m.lora['rank']} on {', '.join(m.lora['target_modules'])}" if m.lora else ""
+        count += f" ({count_of(n_trainable)} trainable{how})"
     lines = [
-        f"xorl: {m.model_type} model, {count} parameters, {dtype} on {device_type}{unlike}",
+        f"xorl: {m.model_type} model, {count}, {dtype} on {device_type}{unlike}",
         f"xorl: world size {parallel.world_size} = {dims or 'one process'} ({t.data_parallel_mode}{ep})",
         f"xorl: {sequences} sequences x {d.seq_len} tokens = {sequences * d.seq_len} tokens a step "
         f"(micro batch {d.micro_batch_size} x accumulation {t.gradient_accumulation_steps} x data parallel "

@@ -3,6 +3,8 @@
 FLOPs per token follow the usual 6·N + attention estimate (PaLM appendix B): forward + backward
 of every matmul weight touched by a token (for MoE, only the top-k experts it is routed to), plus
 12·layers·heads·head_dim·seq_len for the attention scores and values (halved under a causal mask).
+With LoRA (``model.lora``) the base weights are frozen: their backward computes the input gradient
+only (4·N, no weight-gradient GEMM), and each adapter adds 6·rank·(in + out) for the tokens it sees.
 """
 
 from __future__ import annotations
@@ -43,7 +45,27 @@ def flops_per_token(model_config, seq_len: int) -> float:
     params = m.num_hidden_layers * (attn + mlp) + m.hidden_size * m.vocab_size  # lm_head; embedding is a lookup
     # q.k and p.v: 2 (d_qk + d_v) FLOPs per key forward, 3x with the backward; half the keys (causal)
     attention_scores = 6 * m.num_attention_heads * (head_dim + head_dim_v) * keys_per_query(m, seq_len)
+    lora = getattr(m, "lora", None)
+    if lora:
+        return 4 * params + 6 * lora_params_per_token(m, head_dim, head_dim_v) + attention_scores
     return 6 * params + attention_scores
+
+
+def lora_params_per_token(m, head_dim: int, head_dim_v: int) -> int:
+    """Adapter weights a token passes through, summed over the layers: rank x (in + out) of each
+    targeted projection (xorl/nn/lora.py), the ``experts`` adapters of its top-k experts only."""
+    lora = m.lora
+    h, heads, kv = m.hidden_size, m.num_attention_heads, m.num_key_value_heads
+    widths = {"q_proj": h + heads * head_dim, "k_proj": h + kv * head_dim, "v_proj": h + kv * head_dim_v,
+              "o_proj": heads * head_dim_v + h}
+    if m.num_experts:
+        if "experts" in lora["target_modules"]:  # gate_up [h -> 2I] and down [I -> h] per routed expert
+            widths["experts"] = m.num_experts_per_tok * (2 * h + 3 * m.moe_intermediate_size)
+    else:
+        widths.update(gate_proj=h + m.intermediate_size, up_proj=h + m.intermediate_size,
+                      down_proj=m.intermediate_size + h)
+    per_layer = sum(widths.get(name, 0) for name in lora["target_modules"])
+    return m.num_hidden_layers * lora["rank"] * per_layer
 
 
 def keys_per_query(m, seq_len: int) -> float:

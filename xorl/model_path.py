@@ -28,7 +28,7 @@ import os
 from typing import Any
 
 from xorl.config_error import ConfigError
-from xorl.models.schema import FIELD, LOCAL_FIELDS, TRAINING_KNOBS, hf_to_fields
+from xorl.models.schema import DERIVED_WHEN_NULL, FIELD, LOCAL_FIELDS, TRAINING_KNOBS, hf_to_fields, resolved_head_dim
 
 HF_CONFIG_NAME = "config.json"
 __all__ = ["LOCAL_FIELDS", "TRAINING_KNOBS", "apply_model_path", "hf_model_fields", "model_path_conflicts"]
@@ -87,7 +87,8 @@ def apply_model_path(config: Any) -> list[str]:
         return e.problems
     for name, value in values.items():
         origin = config.origins.get(f"model.{name}")
-        if origin is None:
+        # An explicit null of a derived field (head_dim: null) sets nothing: the folder's value stands.
+        if origin is None or (name in DERIVED_WHEN_NULL and getattr(model, name) is None):
             setattr(model, name, value)
         elif name not in TRAINING_KNOBS and not _same(model, name, value):
             problems.append(_conflict(model, name, value, origin))
@@ -115,15 +116,11 @@ def model_path_conflicts(model: Any) -> list[str]:
 
 def _same(model: Any, name: str, value: Any) -> bool:
     current = getattr(model, name)
-    if name == "head_dim":  # null means hidden_size // num_attention_heads
-        return _head_dim(model, current) == _head_dim(model, value)
+    if name == "head_dim":  # null: the family's derived head dim (resolved_head_dim)
+        fields = {n: getattr(model, n) for n in ("model_type", "hidden_size", "num_attention_heads",
+                                                 "qk_nope_head_dim", "qk_rope_head_dim")}
+        return resolved_head_dim({**fields, "head_dim": current}) == resolved_head_dim({**fields, "head_dim": value})
     return current == value
-
-
-def _head_dim(model: Any, value: int | None) -> int | None:
-    if value is not None or not model.num_attention_heads:
-        return value
-    return model.hidden_size // model.num_attention_heads
 
 
 def _conflict(model: Any, name: str, value: Any, origin: str | None) -> str:

@@ -155,7 +155,7 @@ class ParallelPlan:
             dist.all_reduce(sums, group=state.pp_group)
         # Replicated-over-TP parameters used on a shard of the data (SP norms, q/k norms): one
         # all-reduce per step adds up their partial gradients.
-        from xorl.nn.tensor_parallel import sum_tp_partial_grads
+        from xorl.nn.tp_replicated import sum_tp_partial_grads
 
         sum_tp_partial_grads([part.tensor.partial_grads for part in self.parts if part.tensor is not None])
         if self.config.train.data_parallel_mode != "fsdp2" and state.dp_cp_size > 1:

@@ -86,7 +86,8 @@ def parallelize_model(model: nn.Module, state, config) -> PartPlan:
         part.router_balance = set_router_balance_group(model, router_balance_group(state, config))
     mode = checkpointing_mode(train.activation_checkpointing)
     if mode != "none":
-        part.checkpointing = apply_activation_checkpointing(model, mode, train.activation_checkpointing_every_n_layers)
+        part.checkpointing = apply_activation_checkpointing(model, mode, train.activation_checkpointing_every_n_layers,
+                                                            train.selective_checkpoint)
     if train.compile:
         # Experts FSDP-sharded on their own mesh are an FSDP unit inside the block, whose hooks
         # dynamo does not trace: the block then compiles as the graphs around them.
@@ -96,7 +97,7 @@ def parallelize_model(model: nn.Module, state, config) -> PartPlan:
     if train.data_parallel_mode == "fsdp2":
         bf16 = compute_dtype(train, "cuda" if torch.cuda.is_available() else "cpu") == "bfloat16"
         part.fsdp = apply_fsdp(model, state, reshard_after_forward=reshard_after_forward(train, state.pp_size),
-                               bf16_compute=bf16)
+                               bf16_compute=bf16, float8_all_gather=train.fp8_all_gather)
     return part
 
 

@@ -123,6 +123,7 @@ class Trainer:
         if frozen is not None:  # LoRA's frozen base in bf16 (xorl/nn/lora.py)
             cast_frozen_(model, frozen)
         self.num_parameters = sum(p.numel() for p in model.parameters())
+        self.num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         # What the plans did (xorl/parallel_plan.py): the step asks it what to shard and reduce.
         self.parallel = build_parallel_plan(model, self.state, config)
         self.parts = self.parallel.modules
@@ -159,7 +160,7 @@ class Trainer:
         if self.rank == 0:
             data_sequences = None if config.data.streaming else len(self.loader.dataset)
             print(startup_summary(config, self.parallel_config, self.num_parameters, self.step, self.device.type,
-                                  data_sequences), flush=True)
+                                  data_sequences, n_trainable=self.num_trainable), flush=True)
             print("\n".join(data_report(self.loader) + (self.evaluator.report() if self.evaluator else [])), flush=True)
         # startup.json: each rank's peak host (and device) memory with the weights in place, before step 1.
         self.startup = report_startup(config.train.output_dir, self.device, time.perf_counter() - started,
@@ -400,7 +401,10 @@ class Trainer:
                         metrics.update(self.evaluator.run(self))
                     show = True
                 logger.log(result.step, metrics, elapsed_s=self.elapsed_s(), show=show)
-                stop = preemption.should_stop()  # every rank stops after the same step (xorl/preemption.py)
+                # Every rank stops after the same step (xorl/preemption.py): a collective, so a rank that
+                # stalls between steps is reported here as it would be inside one.
+                with heartbeat.busy(f"agreeing on a stop after step {self.step}"):
+                    stop = preemption.should_stop()
                 if stop and self.step < last:
                     with heartbeat.busy(f"saving the checkpoint of step {self.step} (preempted)"):
                         path = self.save(blocking=True)

@@ -5,8 +5,8 @@ csrc wrappers) and its plain-torch reference side by side:
 
     activation/    swiglu (silu(gate) * up; strided halves of a merged gate_up read in place)
     attention/     flash_attn, flash_attn_with_lse (op.py), merge_attn_states (merge.py)
+    expert_gemm/   grouped_gemm (the MoE experts' GEMM over row groups; ops xorl::grouped_gemm*)
     fused_linear_ce/  fused_linear_cross_entropy (the summed loss of hidden @ lm_head^T, chunked)
-    grouped_gemm/  grouped_gemm
     fp8/           fp8_linear (torch._scaled_mm), fp8_grouped_gemm (blockwise, Triton): train.fp8
     moe_permute/   permute_tokens, unpermute_tokens, the routing metadata
     rmsnorm/       rms_norm (optionally with the residual add before it)
@@ -16,20 +16,19 @@ csrc wrappers) and its plain-torch reference side by side:
     dispatch.py    backend names and the XORL_FORCE_REFERENCE switch: every op picks its backend there
     cuda_ext.py    the CUDA extension xorl_kernels._C (has_cuda_ext)
 
-The public names are bound here eagerly, after their folders are imported. The attention folder
-is ``attention/`` so that ``xorl_kernels.flash_attn`` names only the function. ``grouped_gemm/``
-still shares its op's name (``xorl_kernels.grouped_gemm`` is the function): import a module of it
-with ``from xorl_kernels.grouped_gemm import op`` (``import xorl_kernels.grouped_gemm.op as op``
-would look the folder up as an attribute and find the function). Importing this package is
-cheap: Triton loads on the first kernel launch.
+The public names are bound here eagerly, after their folders are imported. No folder shares its
+function's name (``attention/`` holds ``flash_attn``, ``expert_gemm/`` holds ``grouped_gemm``), so
+``xorl_kernels.<name>`` is either a function or a package, never a function hiding a package
+(tests/test_house_rules.py holds this). Importing this package is cheap: Triton loads on the
+first kernel launch.
 """
 
 from xorl_kernels.activation.op import swiglu
 from xorl_kernels.attention.merge import merge_attn_states
 from xorl_kernels.attention.op import flash_attn, flash_attn_with_lse
 from xorl_kernels.cuda_ext import has_cuda_ext
+from xorl_kernels.expert_gemm.op import grouped_gemm
 from xorl_kernels.fused_linear_ce.op import fused_linear_cross_entropy
-from xorl_kernels.grouped_gemm.op import grouped_gemm
 from xorl_kernels.moe_permute.op import permute_tokens, unpermute_tokens
 from xorl_kernels.rmsnorm.op import rms_norm
 from xorl_kernels.rope.op import apply_rotary

@@ -14,7 +14,7 @@ _EXPORTS = {
     "Qwen3MoeForCausalLM": ".qwen3_moe",
     "LocalAttention": ".attention",
     "load_hf_weights": ".hf_io",
-    "save_hf_weights": ".hf_io",
+    "save_hf_weights": ".hf_writer",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__ = lazy_getattr(__name__, _EXPORTS)

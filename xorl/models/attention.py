@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from xorl.models.layers import RMSNorm, apply_rotary
+from xorl.models.layers import RMSNorm, WidthRMSNorm, apply_rotary
 from xorl.models.spec import ModelSpec
 from xorl.nn.attention_backends import attention_backend
 from xorl.nn.linear import Linear
@@ -216,10 +216,13 @@ class Attention(nn.Module):
         # "head": RMSNorm over head_dim of each head (Qwen3); "width": over the whole q / k
         # projection, all heads at once (OLMoE), so it needs every head of the token.
         self.qk_norm = spec.qk_norm
-        if spec.qk_norm != "none":
-            width = spec.qk_norm == "width"
-            self.q_norm = RMSNorm(q_size if width else spec.head_dim, eps=spec.rms_norm_eps)
-            self.k_norm = RMSNorm(kv_size if width else spec.head_dim, eps=spec.rms_norm_eps)
+        # Under tensor parallelism the width norm sums its squares over the TP ranks (WidthRMSNorm).
+        if spec.qk_norm == "width":
+            self.q_norm = WidthRMSNorm(q_size, eps=spec.rms_norm_eps)
+            self.k_norm = WidthRMSNorm(kv_size, eps=spec.rms_norm_eps)
+        elif spec.qk_norm == "head":
+            self.q_norm = RMSNorm(spec.head_dim, eps=spec.rms_norm_eps)
+            self.k_norm = RMSNorm(spec.head_dim, eps=spec.rms_norm_eps)
         else:
             self.q_norm = None
             self.k_norm = None

@@ -33,7 +33,8 @@ from xorl.models.layers import RMSNorm, apply_rotary, yarn_softmax_mscale
 from xorl.models.spec import ModelSpec
 from xorl.nn.attention_backends import attention_backend
 from xorl.nn.linear import Linear
-from xorl.nn.tp_comm import TPGroup, to_head_parallel
+from xorl.nn.tp_comm import TPGroup
+from xorl.nn.tp_regions import to_head_parallel
 
 # transformers builds q_a_layernorm / kv_a_layernorm with DeepseekV3RMSNorm's default eps, not rms_norm_eps.
 LATENT_NORM_EPS = 1e-6

@@ -60,7 +60,7 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class ExpertRecipe:
-    """One xorl expert tensor of a gpt-oss layer from its HF file tensors (hf_io's recipe protocol:
+    """One xorl expert tensor of a gpt-oss layer from its HF file tensors (hf_layout's recipe protocol:
     ``sources``, ``shape(shapes)``, ``fill(read, dest, box)``).
 
     xorl tensors: ``gate_up_proj`` [E, H, 2I] and ``gate_up_proj_bias`` [E, 2I] (gate units, then up),

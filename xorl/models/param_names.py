@@ -1,6 +1,6 @@
 """Parameter names without the segments wrappers insert (shared by checkpoint I/O and seeded init).
 
-A module of its own so that xorl/models/seeded_init.py need not import hf_io (which imports the
+A module of its own so that xorl/models/seeded_init.py need not import hf_writer (which imports the
 model registry, which imports the families, which import decoder.py, which imports seeded_init:
 an import cycle).
 """

@@ -54,7 +54,7 @@ def save_pretrained(model: nn.Module, folder: str, dtype: torch.dtype | None = N
                     max_shard_bytes: int = 5 * 10**9) -> None:
     """Write an HF folder transformers loads: safetensors, config.json, and the tokenizer files,
     token ids and generation_config.json of the folder the model came from (``model.config.model_path``)."""
-    from xorl.models.hf_io import save_hf_weights
+    from xorl.models.hf_writer import save_hf_weights
 
     save_hf_weights(model, folder, model.config, max_shard_bytes=max_shard_bytes, dtype=dtype)
     source = getattr(model.config, "model_path", None)

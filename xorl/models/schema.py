@@ -312,6 +312,22 @@ def mla_head_dim(m: dict[str, Any]) -> int:
     return m["qk_nope_head_dim"] + m["qk_rope_head_dim"]
 
 
+# Fields whose null means "derive me from the others" (not "off"): an explicit null sets nothing, so
+# with model.model_path the folder's value stands (xorl/model_path.py).
+DERIVED_WHEN_NULL = frozenset({"head_dim"})
+
+
+def resolved_head_dim(m: dict[str, Any]) -> int | None:
+    """The q.k head dim the model is built with: head_dim when set (under latent attention it must be
+    qk_nope + qk_rope: mla_problems); when null, latent attention's qk_nope + qk_rope, else
+    hidden_size // num_attention_heads (None while the heads are not set)."""
+    if m["head_dim"] is not None:
+        return m["head_dim"]
+    if m["model_type"] in MLA:
+        return mla_head_dim(m)
+    return m["hidden_size"] // m["num_attention_heads"] if m["num_attention_heads"] else None
+
+
 def mla_problems(m: dict[str, Any]) -> list[str]:
     """The latent-attention shape rules (DeepSeek-V2 / V3: xorl/models/mla.py)."""
     problems = [f"model.{n}={m[n]} must be >= 1 for model_type={m['model_type']!r}"

@@ -18,7 +18,7 @@ from xorl.models.schema import (
     apply_family,
     field_values,
     hf_to_fields,
-    mla_head_dim,
+    resolved_head_dim,
     shape_problems,
 )
 
@@ -116,10 +116,7 @@ class _SpecMethods:
         problems += shape_problems(values, fam)
         if problems:
             raise ValueError("; ".join(p.removeprefix("model.") for p in problems))
-        if values["model_type"] in MLA:  # the q.k head dim (mla_problems checked a given one)
-            values["head_dim"] = mla_head_dim(values)
-        elif values["head_dim"] is None:
-            values["head_dim"] = values["hidden_size"] // values["num_attention_heads"]
+        values["head_dim"] = resolved_head_dim(values)
         values["mlp_only_layers"] = tuple(int(i) for i in values["mlp_only_layers"])
         values["layer_types"] = tuple(str(t) for t in values["layer_types"])
         values["rope_scaling"] = dict(values["rope_scaling"]) if values["rope_scaling"] else None

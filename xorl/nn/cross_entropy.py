@@ -125,7 +125,7 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, lm_head: nn.Module, labels: t
                              z_loss: float = 0.0) -> torch.Tensor:
     """Sum of cross-entropies (+ z-loss) of ``lm_head(hidden)`` over label tokens, fp32, fused where
     the head allows (see the module docstring). ``hidden`` [..., seq(/TP under SP), H], ``labels`` [..., seq]."""
-    from xorl.nn.tensor_parallel import VocabParallelLMHead
+    from xorl.nn.tp_vocab import VocabParallelLMHead
 
     if isinstance(lm_head, VocabParallelLMHead) and lm_head.bias is None:
         tp = lm_head.tp

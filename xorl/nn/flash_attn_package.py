@@ -43,7 +43,7 @@ def _call(fn, **kwargs):
 
 
 class FlashAttnPackageStepKernel:
-    """Same interface as ring_attention.ZigzagStepKernel (forward / backward of one ring step)."""
+    """Same interface as ring_step_kernel.ZigzagStepKernel (forward / backward of one ring step)."""
 
     def __init__(self, ring_size: int, causal: bool, softmax_scale: float, cu_local, max_local: int,
                  local_len: int):  # fmt: skip

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from xorl_kernels.grouped_gemm.op import grouped_gemm
+from xorl_kernels.expert_gemm.op import grouped_gemm
 
 # The module names a LoRA target may use: the attention and dense-MLP projections (HF names).
 LINEAR_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

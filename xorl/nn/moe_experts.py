@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from xorl.nn.lora import ExpertsLoRA
 from xorl_kernels.activation.op import clamped_swiglu, swiglu
-from xorl_kernels.grouped_gemm.op import grouped_gemm
+from xorl_kernels.expert_gemm.op import grouped_gemm
 
 # train.fp8 -> whether the experts' grouped GEMM runs in FP8: only blockwise has an FP8 grouped
 # kernel (DeepSeek-V3's 1x128 / 128x128 scales); under tensorwise / rowwise the experts compute in
@@ -66,7 +66,7 @@ def swiglu_experts(x_sorted, gate_up_proj, down_proj, tokens_per_expert, fp8: bo
 
 
 class GroupedExperts(nn.Module):
-    """``num_experts`` SwiGLU experts evaluated with ``xorl_kernels.grouped_gemm.op``."""
+    """``num_experts`` SwiGLU experts evaluated with ``xorl_kernels.expert_gemm.op``."""
 
     def __init__(self, num_experts: int, hidden_size: int, moe_intermediate_size: int, device=None, dtype=None,
                  fp8: str = "none", lora=None, bias: bool = False, swiglu_alpha: float = 1.702,

@@ -9,7 +9,7 @@ reduce-scatters its output along it. Without it, the column layer takes the repl
 Weights are DTensors on the 1-D TP mesh, ``Shard(0)`` for column (weight [out, in]) and
 ``Shard(1)`` for row, so FSDP2 ``fully_shard`` on a dp mesh composes on top (2-D), clip-grad sees
 the whole norm and DCP checkpoints save the full logical tensor. The forward multiplies the local
-shards (``to_local()``) inside the autograd functions of ``xorl.nn.tp_comm``, which decompose
+shards (``to_local()``) inside the autograd functions of ``xorl.nn.tp_matmul``, which decompose
 the gather / scatter into TP chunks so each chunk's transfer hides behind the previous chunk's
 GEMM (``overlap=True``, above ``overlap_min_numel`` gathered elements). Gradients land on the
 DTensor parameters (local shard grads wrapped with the parameter's placements).
@@ -41,21 +41,12 @@ Dropout on the adapter's input: column layers under SP and row layers drop their
 column layer without SP would drop the replicated input differently on each rank, so the config
 refuses LoRA dropout with TP > 1 and sequence_parallel off (xorl/config_rules.py).
 
-Replicated parameters (``replicate_on_tp``): the parameters TP does not shard (norms, embeddings,
-lm_head, q/k norms) become ``Replicate()`` DTensors on the TP mesh, because FSDP2 then shards
-every parameter on the dp mesh into one 2-D (dp, tp) layout and clip-grad / foreach optimizers
-need them on one mesh. Inside forward the owning module computes with the local tensor
-(``param.to_local()``, differentiable back to the DTensor), swapped into its parameter slot for
-the duration of the call (the ``TPReplicated`` class the module is given, as FSDP2 gives its own).
-Where a rank's use sees only part of the data (RMSNorm on a sequence
-shard, q/k norms on this rank's heads) each rank's gradient is a partial sum: those parameters
-are listed in a ``TPPartialGrads`` and ``sum_tp_partial_grads`` adds them up over TP once per
-optimizer step, in one flattened all-reduce (instead of one per parameter per microbatch).
+The vocabulary-split and whole embedding / lm_head are xorl/nn/tp_vocab.py; the parameters TP does
+not shard (norms, ...) xorl/nn/tp_replicated.py.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -65,12 +56,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from xorl.nn.linear import check_fp8
 from xorl.nn.lora import adapter_bounds, adapter_input, make_adapters
-from xorl.nn.tp_comm import (
-    DEFAULT_OVERLAP_MIN_NUMEL,
-    ColumnParallelMatmul,
-    RowParallelMatmul,
-    TPGroup,
-    TPMatmulConfig,
+from xorl.nn.tp_comm import DEFAULT_OVERLAP_MIN_NUMEL, TPGroup
+from xorl.nn.tp_matmul import ColumnParallelMatmul, RowParallelMatmul, TPMatmulConfig
+from xorl.nn.tp_regions import (
     copy_to_region,
     gather_from_shards,
     gather_summing_grads,
@@ -80,7 +68,7 @@ from xorl.nn.tp_comm import (
 )
 
 
-def _check_divisible(value: int, tp: TPGroup, arg: str, layer: str) -> int:
+def check_tp_divisible(value: int, tp: TPGroup, arg: str, layer: str) -> int:
     if value % tp.size:
         raise ValueError(
             f"{layer}: {arg}={value} is not divisible by the TP mesh size {tp.size}; "
@@ -96,7 +84,7 @@ def _check_plain_input(x, layer: str) -> None:
         raise ValueError(f"{layer} expects [batch, seq, hidden] or [seq, hidden], got shape {tuple(x.shape)}")
 
 
-def _dtensor_param(local: torch.Tensor, mesh, placement, requires_grad: bool = True) -> nn.Parameter:
+def dtensor_parameter(local: torch.Tensor, mesh, placement, requires_grad: bool = True) -> nn.Parameter:
     return nn.Parameter(DTensor.from_local(local, mesh, [placement], run_check=False),
                         requires_grad=requires_grad)
 
@@ -126,10 +114,10 @@ class _TPLinearBase(nn.Module):
         self.config = TPMatmulConfig(self.tp, bool(sequence_parallel), bool(overlap), int(overlap_min_numel),
                                      name=name or f"{type(self).__name__}@{id(self):x}", fp8=check_fp8(fp8))
         local_w = torch.empty(self._local_weight_shape(), device=device, dtype=dtype)
-        self.weight = _dtensor_param(local_w, tp_mesh, self.weight_placement)
+        self.weight = dtensor_parameter(local_w, tp_mesh, self.weight_placement)
         if bias:
             local_b = torch.empty(self._local_bias_shape(), device=device, dtype=dtype)
-            self.bias = _dtensor_param(local_b, tp_mesh, self.bias_placement)
+            self.bias = dtensor_parameter(local_b, tp_mesh, self.bias_placement)
         else:
             self.register_parameter("bias", None)
         self.lora = lora  # xorl.nn.lora.LoRASpec or None
@@ -298,7 +286,7 @@ class ColumnParallelLinear(_TPLinearBase):
                  overlap_min_numel: int = DEFAULT_OVERLAP_MIN_NUMEL, device=None, dtype=None, fp8: str = "none",
                  name: str | None = None, lora=None, adapter_dtype=None):
         tp = TPGroup.from_mesh(tp_mesh)
-        _check_divisible(out_features, tp, "out_features", "ColumnParallelLinear")
+        check_tp_divisible(out_features, tp, "out_features", "ColumnParallelLinear")
         super().__init__(in_features, out_features, bias, tp_mesh, sequence_parallel, overlap,
                          overlap_min_numel, device, dtype, fp8, name, lora, adapter_dtype)
         self.gather_output = bool(gather_output)
@@ -359,7 +347,7 @@ class RowParallelLinear(_TPLinearBase):
                  overlap_min_numel: int = DEFAULT_OVERLAP_MIN_NUMEL, device=None, dtype=None, fp8: str = "none",
                  name: str | None = None, lora=None, adapter_dtype=None):
         tp = TPGroup.from_mesh(tp_mesh)
-        _check_divisible(in_features, tp, "in_features", "RowParallelLinear")
+        check_tp_divisible(in_features, tp, "in_features", "RowParallelLinear")
         super().__init__(in_features, out_features, bias, tp_mesh, sequence_parallel, overlap,
                          overlap_min_numel, device, dtype, fp8, name, lora, adapter_dtype)
         self.input_is_parallel = bool(input_is_parallel)
@@ -393,123 +381,6 @@ class RowParallelLinear(_TPLinearBase):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ("" if self.input_is_parallel else ", input_is_parallel=False")
-
-
-class VocabParallelLMHead(ColumnParallelLinear):
-    """The lm_head as a column layer over the vocabulary: each TP rank computes ``vocab / P`` logits.
-
-    Returns a DTensor sharded on its last dim (``Shard(-1)``) over the TP mesh, the local logits
-    inside: ``xorl.nn.cross_entropy.cross_entropy_sum`` computes the loss from the shards without
-    gathering them (loss parallel). Under sequence parallel its input is this rank's sequence
-    shard, gathered as for any column layer.
-    """
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return DTensor.from_local(super().forward(x), self.tp_mesh, [Shard(-1)], run_check=False)
-
-
-class VocabParallelEmbedding(nn.Module):
-    """nn.Embedding with its rows (the vocabulary) sharded over TP: a ``Shard(0)`` DTensor weight.
-
-    Each rank looks the ids up in its ``vocab / P`` rows (ids outside them give zeros), and the
-    partial embeddings are summed over TP: all-reduced, or under sequence parallel reduce-scattered
-    along the sequence, so the output is this rank's sequence shard (the SP region starts here).
-    A tied lm_head (``VocabParallelLMHead``, also ``Shard(0)`` on [vocab, hidden]) shares the weight.
-    """
-
-    def __init__(self, num_embeddings: int, embedding_dim: int, tp_mesh, sequence_parallel: bool = False, *,
-                 device=None, dtype=None):
-        super().__init__()
-        self.tp_mesh = tp_mesh
-        self.tp = TPGroup.from_mesh(tp_mesh)
-        self.num_embeddings = num_embeddings
-        self.embedding_dim = embedding_dim
-        self.sequence_parallel = bool(sequence_parallel)
-        rows = _check_divisible(num_embeddings, self.tp, "num_embeddings (vocab_size)", "VocabParallelEmbedding")
-        local = torch.empty(rows, embedding_dim, device=device, dtype=dtype)
-        self.weight = _dtensor_param(local, tp_mesh, Shard(0))
-
-    @classmethod
-    def from_embedding(cls, embedding: nn.Embedding, tp_mesh, sequence_parallel: bool = False):
-        weight = embedding.weight
-        layer = cls(embedding.num_embeddings, embedding.embedding_dim, tp_mesh, sequence_parallel,
-                    device="meta" if weight.device.type == "meta" else weight.device, dtype=weight.dtype)
-        if weight.device.type != "meta":
-            layer.load_full_(weight.detach())
-        layer.weight.requires_grad_(weight.requires_grad)
-        return layer
-
-    @torch.no_grad()
-    def load_full_(self, full_weight: torch.Tensor) -> None:
-        self.weight.to_local().copy_(full_weight.chunk(self.tp.size, 0)[self.tp.rank])
-
-    @torch.no_grad()
-    def init_weights(self, std: float) -> None:
-        """normal(0, std) on the full matrix, then this rank's rows (same values as one process)."""
-        local = self.weight.to_local()
-        full = torch.empty(self.num_embeddings, self.embedding_dim, device=local.device, dtype=local.dtype)
-        self.load_full_(torch.nn.init.normal_(full, mean=0.0, std=std))
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        weight = self.weight.to_local()
-        start = self.tp.rank * weight.shape[0]
-        local_ids = input_ids - start
-        outside = (local_ids < 0) | (local_ids >= weight.shape[0])
-        partial = F.embedding(local_ids.masked_fill(outside, 0), weight) * (~outside).unsqueeze(-1).to(weight.dtype)
-        if self.sequence_parallel:
-            return sum_partials_to_shard(partial, self.tp, -2)
-        return sum_partials(partial, self.tp)
-
-    def extra_repr(self) -> str:
-        return (f"{self.num_embeddings}, {self.embedding_dim}, tp={self.tp.size}, "
-                f"sequence_parallel={self.sequence_parallel}")
-
-
-def _replicated_param(param: nn.Parameter, tp_mesh, memo: dict[int, nn.Parameter]) -> nn.Parameter:
-    """``param`` as a Replicate DTensor parameter on ``tp_mesh``; one per original (``memo``: tied weights)."""
-    new = memo.get(id(param))
-    if new is None:
-        new = nn.Parameter(DTensor.from_local(param.detach(), tp_mesh, [Replicate()], run_check=False),
-                           requires_grad=param.requires_grad)
-        memo[id(param)] = new
-    return new
-
-
-class ReplicatedEmbedding(nn.Embedding):
-    """An embedding every TP rank holds whole (a vocabulary that does not divide by TP): a
-    ``Replicate()`` DTensor weight. Under sequence parallel its output is this rank's sequence shard
-    (the SP region starts here, as with ``VocabParallelEmbedding``)."""
-
-    def __init__(self, embedding: nn.Embedding, tp_mesh, sequence_parallel: bool, memo: dict[int, nn.Parameter]):
-        weight = embedding.weight
-        super().__init__(embedding.num_embeddings, embedding.embedding_dim, padding_idx=embedding.padding_idx,
-                         device="meta", dtype=weight.dtype)
-        self.tp = TPGroup.from_mesh(tp_mesh)
-        self.sequence_parallel = bool(sequence_parallel)
-        self.weight = _replicated_param(weight, tp_mesh, memo)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        out = F.embedding(input_ids, self.weight.to_local(), self.padding_idx)
-        return split_to_shard(out, self.tp, -2) if self.sequence_parallel else out
-
-
-class ReplicatedLMHead(nn.Linear):
-    """An lm_head every TP rank holds whole (a vocabulary that does not divide by TP). Under sequence
-    parallel its input is this rank's sequence shard, gathered first (the SP region ends here)."""
-
-    def __init__(self, linear: nn.Linear, tp_mesh, sequence_parallel: bool, memo: dict[int, nn.Parameter]):
-        super().__init__(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta",
-                         dtype=linear.weight.dtype)
-        self.tp = TPGroup.from_mesh(tp_mesh)
-        self.sequence_parallel = bool(sequence_parallel)
-        self.weight = _replicated_param(linear.weight, tp_mesh, memo)
-        if linear.bias is not None:
-            self.bias = _replicated_param(linear.bias, tp_mesh, memo)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            x = gather_from_shards(x, self.tp, -2)
-        return F.linear(x, self.weight.to_local(), None if self.bias is None else self.bias.to_local())
 
 
 class SharedInputColumnGroup:
@@ -562,107 +433,3 @@ class SharedInputColumnGroup:
     def clear(self) -> None:
         """Drop outputs kept for members that were not called (frees their memory)."""
         self._input, self._ready = None, {}
-
-
-# -- replicated parameters ------------------------------------------------------------------------
-
-class TPPartialGrads:
-    """Replicated parameters whose per-rank gradient is a partial sum over the TP ranks.
-
-    Held by (module, name) rather than by parameter object: FSDP2 replaces the parameters it
-    shards, and the slot always holds the current one.
-    """
-
-    def __init__(self, tp: TPGroup):
-        self.tp = tp
-        self.slots: list[tuple[nn.Module, str]] = []
-
-    def local_grads(self) -> list[torch.Tensor]:
-        grads = []
-        for module, name in self.slots:
-            grad = module._parameters[name].grad
-            if grad is not None:
-                grads.append(grad.to_local() if isinstance(grad, DTensor) else grad)
-        return grads
-
-
-@torch.no_grad()
-def sum_tp_partial_grads(partials: list[TPPartialGrads]) -> int:
-    """Sum the partial gradients listed in ``partials`` (one per model part) over TP: one all-reduce
-    per (group, dtype). Call once per optimizer step, after the last backward and before clipping.
-    Returns the number of all-reduces issued (0 without TP).
-    """
-    import torch.distributed as dist
-
-    from xorl._torch_compat import flatten_dense_tensors as _flatten_dense_tensors
-    from xorl._torch_compat import unflatten_dense_tensors as _unflatten_dense_tensors
-
-    buckets: dict = {}
-    for partial in partials:
-        if partial is None or partial.tp.size == 1:
-            continue
-        for grad in partial.local_grads():
-            key = (partial.tp.group, grad.device, grad.dtype)
-            buckets.setdefault(key, []).append(grad)
-    for (group, _, _), grads in buckets.items():
-        flat = _flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=group)
-        for grad, summed in zip(grads, _unflatten_dense_tensors(flat, grads)):
-            grad.copy_(summed)
-    return len(buckets)
-
-
-class TPReplicated:
-    """Mixin of a module whose own parameters are ``Replicate()`` DTensors on the TP mesh: its forward
-    computes with their local tensors.
-
-    ``replicate_on_tp`` gives the module the class ``TPReplicated<its class>`` (built once per class),
-    as FSDP2's ``fully_shard`` gives a module the class ``FSDP<its class>``: the module's own
-    ``forward`` and parameter names stay as they are, and nothing is set on the instance. Each
-    DTensor slot holds its local tensor (differentiable back to the DTensor) for the duration of
-    the call. The slot is read at call time, so FSDP2 swapping its unsharded parameter in before
-    forward is respected; the DTensors are put back also when forward raises.
-    """
-
-    def forward(self, *args, **kwargs):
-        saved = {name: param for name, param in self._parameters.items() if isinstance(param, DTensor)}
-        for name, param in saved.items():
-            self._parameters[name] = param.to_local()
-        try:
-            return super().forward(*args, **kwargs)
-        finally:
-            self._parameters.update(saved)
-
-
-@functools.cache
-def _replicated_class(cls: type) -> type:
-    return type(f"TPReplicated{cls.__name__}", (TPReplicated, cls), {"__module__": cls.__module__})
-
-
-def replicate_on_tp(module: nn.Module, tp_mesh, memo: dict[int, nn.Parameter],
-                    partial_grads: TPPartialGrads | None = None) -> list[str]:
-    """Make ``module``'s own parameters Replicate DTensors on ``tp_mesh``; returns their names.
-
-    ``memo`` maps id(old parameter) -> new DTensor parameter, so a parameter shared by two modules
-    (tied embedding / lm_head) stays one parameter. ``partial_grads``: list the parameters there
-    (their per-rank gradient is a partial sum; see the module docstring). The module then computes
-    with the local tensors (``TPReplicated``).
-    """
-    if isinstance(module, TPReplicated):
-        raise ValueError(f"{type(module).__name__} is already prepared for tensor parallel")
-    names = []
-    for name, param in list(module._parameters.items()):
-        if param is None:
-            continue
-        if isinstance(param, DTensor):
-            raise ValueError(
-                f"{type(module).__name__}.{name} is already a DTensor ({param.placements}); "
-                "apply_tensor_parallel must run before other plans that shard parameters"
-            )
-        module._parameters[name] = _replicated_param(param, tp_mesh, memo)
-        names.append(name)
-        if partial_grads is not None:
-            partial_grads.slots.append((module, name))
-    if names:
-        module.__class__ = _replicated_class(type(module))
-    return names

@@ -58,8 +58,11 @@ parallel, else 1; h hidden, hq / hkv query / KV width (heads x head_dim), I inte
   a h / s (every n-th layer with activation_checkpointing_every_n_layers: n; the others keep all),
   and the backward adds one layer's no-recompute activations while it recomputes; selective keeps
   the matmul, attention and collective outputs and the block's input: (a (2hq + 2hkv) + 4 heads) / tp
-  + 3 a h / s
-  + (2 a I / tp dense | 2 a k h + 2 a k I_moe + 8E MoE).
+  + 2 a h / s + (2 a I / tp + a h / s dense | (a E + a k h + 2 a k I_moe [+ 2 a I_shared + a h + a]) / tp MoE:
+  the grouped GEMMs' outputs; a saved-cache census equals it, tests/test_activation_checkpointing.py);
+  with selective_checkpoint: every_other_matmul less the outputs of the 2nd, 4th, ... dense matmul
+  of the block (block_matmuls: k, o and up of a Llama layer, a (hkv / tp + h / s + I / tp)), which
+  its recompute runs again.
   Microbatches in flight on pipeline rank r of p (m microbatches, v stages per rank): 1 without
   PP; 1F1B min(m, p - r); GPipe m; interleaved (v-1) p + 2 (p-1-r) + 1 chunks of layers/v
   layers (torch's warm-up count); ZBV min(m, p) (as 1F1B, per the zero-bubble-V paper).
@@ -69,7 +72,8 @@ parallel, else 1; h hidden, hq / hkv query / KV width (heads x head_dim), I inte
   holds the logits (a t vocab) in the model's output through the backward, and with m > 1 also
   while the next microbatch's forward runs. Under PP the last stage computes the loss in its
   forward too (fused or not) and passes on only the loss sum (xorl/plans/pipeline_parallel.py),
-  so no logits outlive the loss there. With model.fused_loss (xorl_kernels/fused_linear_ce,
+  so no logits outlive the loss there: t x vocab x 12 (a + 12 for the vocabulary-parallel loss on
+  bf16 logits, whose forward makes three fp32 copies beside them). With model.fused_loss (xorl_kernels/fused_linear_ce,
   default on) no logits: one chunk's [chunk, vocab] x a (chunk = default_chunk_size there,
   min(t, max(128, next_pow2(ceil(t / ceil(vocab / h)))))), d_hidden a t h and d_weight
   a vocab h, both made in the forward; d_weight is lm_head's gradient, already in the FSDP root
@@ -163,6 +167,9 @@ class ModelShapes:
     last: Params  # last stage: model.norm.*, lm_head.*
     num_params: int
     active_params: int  # per token: one top-k share of the experts
+    # decoder-layer parameters that are xorl.nn.linear.Linear weights: what train.fp8 computes in FP8
+    # and, with fp8_all_gather, what FSDP gathers in float8 (step_time)
+    fp8_linear_weights: frozenset = frozenset()
 
     @property
     def layers(self) -> tuple[Params, ...]:
@@ -196,10 +203,14 @@ def _shapes(model_fields: tuple) -> ModelShapes:
             experts += p.numel() if rest in EXPERT_PARAMS else 0
         else:
             (first if name.startswith("model.embed_tokens.") else last).append((name, tuple(p.shape)))
+    from xorl.nn.linear import Linear
+
+    linear_weights = frozenset(f"{name.split('.', 3)[3]}.weight" for name, module in model.named_modules()
+                               if isinstance(module, Linear) and name.startswith("model.layers."))
     top_k_share = spec.num_experts_per_tok / spec.num_experts if spec.is_moe else 1.0
     kinds = list(dict.fromkeys(tuple(x) for x in layers))
     return ModelShapes(tuple(kinds), tuple(kinds.index(tuple(x)) for x in layers), tuple(first), tuple(last),
-                       total, round(total - experts * (1 - top_k_share)))
+                       total, round(total - experts * (1 - top_k_share)), linear_weights)
 
 
 def model_shapes(model_config) -> ModelShapes:
@@ -220,9 +231,11 @@ def local_numel(name: str, shape: tuple[int, ...], p: ParallelConfig, fsdp: bool
     if name in VOCAB_PARAMS and p.tp > 1 and dims[0] % p.tp == 0:
         dims[0] //= p.tp
     group, rank = p.dp_shard_cp, shard_rank
-    if name in EXPERT_PARAMS and p.ep > 1:
+    if name in EXPERT_PARAMS and (p.ep > 1 or p.tp > 1):
         dims[0] //= p.ep
-        # The EP mesh is (ep_fsdp, ep) over dp_shard x cp x tp (TP rank 0 of this sharding index).
+        # The EP mesh is (ep_fsdp, ep) over dp_shard x cp x tp (TP rank 0 of this sharding index). Under
+        # TP without EP too, the experts (whole on every TP rank) are FSDP-sharded over ep_fsdp, the TP
+        # ranks included (xorl/plans/data_parallel.py experts_have_own_mesh).
         group, rank = p.ep_fsdp, shard_rank * p.tp // p.ep
     if fsdp and group > 1:
         chunk = -(-dims[0] // group)
@@ -362,7 +375,16 @@ def loss_bytes(spec, model_config, a: int, t: int, tp: int, loop: bool, m: int, 
         # The kernel's own chunking; under sequence parallelism it sees the gathered t tokens.
         chunk = default_chunk_size(t, vocab, h)
         return chunk * vocab * a + a * t * h + (0 if head_grad_counted else a * vocab * h), 0
+    # 12 bytes per logit: the fp32 log-softmax (softmax under TP) kept for the backward and two fp32
+    # gradient temporaries; the logits themselves (a) while something holds them: the trainer's loop
+    # (the model's output, through the backward). A pipeline stage returns only the loss sum, so its
+    # logits are freed after the forward: 12, except where the forward itself holds more, the
+    # vocabulary-parallel loss's on bf16 logits (their fp32 copy, the shifted logits and their
+    # exponentials beside them: a + 12). Held to the CPU allocator under PP (tests/test_pipeline_loss_memory.py:
+    # t V (a + 12) there was +31 %).
     logits = a * t * vocab if loop else 0
+    if not loop:
+        return t * vocab * (a + 12 if vocab_split(spec.vocab_size, tp) > 1 and a == 2 else 12), 0
     return t * vocab * (a + 12) + (logits if m > 1 else 0), logits
 
 
@@ -373,6 +395,51 @@ def checkpointing(train) -> tuple[str, int]:
     return mode, getattr(train, "activation_checkpointing_every_n_layers", 1)
 
 
+def every_other_matmul(train) -> bool:
+    """train.selective_checkpoint: every_other_matmul (read with a default for older configs)."""
+    return checkpointing(train)[0] == "selective" and \
+        getattr(train, "selective_checkpoint", "matmuls") == "every_other_matmul"
+
+
+def block_matmuls(spec, moe_layer: bool, tp: int, sp: bool) -> list[tuple[float, float, float, float]]:
+    """The dense matmuls (aten mm / addmm) of one decoder block in the order it runs them, as
+    selective_checkpoint: every_other_matmul counts them (xorl/plans/data_parallel.py): per matmul
+    (elements its output keeps per token, tokens per token, n, k): the output on this TP rank, in
+    the units of the selective terms below (a row layer's output per token of the sequence shard
+    under SP: h / s); the GEMM is [t x tokens, k] @ [k, n]. The experts' grouped GEMMs are not
+    dense matmuls (always kept); an MoE block runs on this TP rank's t / tp tokens."""
+    h, heads = spec.hidden_size, spec.num_attention_heads
+    s = tp if sp else 1
+    if spec.is_mla:  # xorl/models/mla.py: q (or q_a, q_b), kv_a, kv_b, o
+        d_qk = spec.qk_nope_head_dim + spec.qk_rope_head_dim
+        q = ([(heads * d_qk / tp, 1, heads * d_qk / tp, h)] if spec.q_lora_rank is None
+             else [(spec.q_lora_rank, 1, spec.q_lora_rank, h), (heads * d_qk / tp, 1, heads * d_qk / tp,
+                                                                spec.q_lora_rank)])
+        kv_a = spec.kv_lora_rank + spec.qk_rope_head_dim
+        kv_b = heads * (spec.qk_nope_head_dim + spec.v_head_dim) / tp
+        out = q + [(kv_a, 1, kv_a, h), (kv_b, 1, kv_b, spec.kv_lora_rank), (h / s, 1, h, heads * spec.v_head_dim / tp)]
+    else:
+        hq, hkv = heads * spec.head_dim / tp, spec.num_key_value_heads * spec.head_dim / tp
+        widths = [hq + 2 * hkv] if getattr(spec, "merge_qkv", False) else [hq, hkv, hkv]
+        out = [(w, 1, w, h) for w in widths] + [(h / s, 1, h, hq)]
+    if moe_layer:  # the router, then a shared expert's gate, up, down and its sigmoid gate
+        shared, e = spec.shared_expert_intermediate_size, spec.num_experts
+        out.append((e / tp, 1 / tp, e, h))
+        if shared:
+            out += [(shared / tp, 1 / tp, shared, h)] * 2 + [(h / tp, 1 / tp, h, shared)]
+            if spec.family.shared_expert_gate:
+                out.append((1 / tp, 1 / tp, 1, h))
+        return out
+    inter = spec.intermediate_size / tp
+    gate_up = [2 * inter] if getattr(spec, "merge_gate_up", False) else [inter, inter]
+    return out + [(w, 1, w, h) for w in gate_up] + [(h / s, 1, h, inter)]
+
+
+def recomputed_matmuls(spec, moe_layer: bool, tp: int, sp: bool) -> list[tuple[float, float, float, float]]:
+    """The matmuls every_other_matmul recomputes: the 2nd, 4th, ... of block_matmuls."""
+    return block_matmuls(spec, moe_layer, tp, sp)[1::2]
+
+
 def reshards_after_forward(train, pp: int) -> bool:
     """FSDP2's reshard_after_forward as xorl/parallelize.py sets it."""
     setting = getattr(train, "fsdp_reshard_after_forward", "default")
@@ -381,17 +448,31 @@ def reshards_after_forward(train, pp: int) -> bool:
     return setting == "always"
 
 
-def selective_bytes_per_token(spec, moe_layer: bool, a: int, tp: int, sp: bool) -> float:
-    """One decoder layer under selective checkpointing: matmul / attention / collective outputs."""
+def selective_bytes_per_token(spec, moe_layer: bool, a: int, tp: int, sp: bool, every_other: bool = False
+                              ) -> float:
+    """One decoder layer under selective checkpointing: matmul / attention / collective outputs;
+    ``every_other`` (selective_checkpoint: every_other_matmul): less the recomputed matmuls' outputs."""
     h, heads = spec.hidden_size, spec.num_attention_heads
     hq, hkv = heads * spec.head_dim, spec.num_key_value_heads * spec.head_dim
-    # + the block's input, which the checkpoint keeps (the previous block's residual sum, recomputed there)
-    kept = (a * (2 * hq + 2 * hkv) + 4 * heads) / tp + 3 * a * h / (tp if sp else 1)
-    if moe_layer:  # on this TP rank's token shard: the router's, experts' and shared expert's matmul outputs
-        k, shared = spec.num_experts_per_tok, spec.shared_expert_intermediate_size
-        return kept + (a * spec.num_experts + a * k * h + 2 * a * k * spec.moe_intermediate_size
-                       + (2 * a * shared + a * h + a if shared else 0)) / tp
-    return kept + 2 * a * spec.intermediate_size / tp
+    # q, k, v, the attention's output and log-sum-exp, o_proj's output, and the block's input, which
+    # the checkpoint keeps (the previous block's residual sum, recomputed there)
+    kept = (a * (2 * hq + 2 * hkv) + 4 * heads) / tp + 2 * a * h / (tp if sp else 1)
+    if moe_layer:
+        kept += selective_moe_bytes_per_token(spec, a, tp)
+    else:  # gate, up and down_proj's outputs
+        kept += 2 * a * spec.intermediate_size / tp + a * h / (tp if sp else 1)
+    if every_other:
+        kept -= a * sum(elements for elements, *_ in recomputed_matmuls(spec, moe_layer, tp, sp))
+    return kept
+
+
+def selective_moe_bytes_per_token(spec, a: int, tp: int) -> float:
+    """The MoE block's share of selective_bytes_per_token (matmuls): on this TP rank's token shard, the
+    router's, experts' and shared expert's matmul outputs (the routed experts' output is the grouped
+    GEMM's, a k h: no dense down_proj output)."""
+    h, k, shared = spec.hidden_size, spec.num_experts_per_tok, spec.shared_expert_intermediate_size
+    return (a * spec.num_experts + a * k * h + 2 * a * k * spec.moe_intermediate_size
+            + (2 * a * shared + a * h + a if shared else 0)) / tp
 
 
 def backward_bytes_per_token(spec, moe_layer: bool, a: int, tp: int, sp: bool) -> float:
@@ -417,26 +498,31 @@ def activation_bytes_per_token(spec, moe_layer: bool, a: int, tp: int, sp: bool)
     # rms_norm keeps its input and 1/rms; add_rms_norm its sum (the new residual) and 1/rms; the
     # next linear keeps each norm's output.
     norms = (4 * a * h + 8) / s
-    attn = a * (hq + 2 * hkv) + a * hq + 4 * heads  # q, k after RoPE, v; the output and log-sum-exp
+    # q, k after RoPE, v; the output and log-sum-exp. A sliding-window layer (gpt-oss, Mistral) keeps
+    # the same (the kernel recomputes its band in backward from them; tests/test_plan_activations.py):
+    # the window shortens its FLOPs (step_time.py), not its activations.
+    attn = a * (hq + 2 * hkv) + a * hq + 4 * heads
     if spec.qk_norm == "head":  # the q / k projections (the norms' inputs) and 1/rms per head
         attn += a * (hq + hkv) + 4 * (heads + kv_heads)
     elif spec.qk_norm == "width":
         attn += a * (hq + hkv) + 8
-    if moe_layer:
-        k, shared = spec.num_experts_per_tok, spec.shared_expert_intermediate_size
-        # Under TP the block runs on this rank's token shard (xorl/plans/tensor_parallel.py); without
-        # sequence parallelism it then gathers its output over TP (a h). Router: fp32 logits and
-        # probabilities (8E), the top-k ids twice (int64) and weights with their normalisation
-        # (24k + 12); experts: the k routed copies, their gate_up and SwiGLU outputs, and the expert
-        # outputs the combine weighs (2akh + 3akI); a shared expert's gate_up and SwiGLU outputs (3aI),
-        # and with its sigmoid gate the expert's output and the gate (a h + a).
-        routed = 8 * spec.num_experts + 24 * k + 12 + 2 * a * k * h + 3 * a * k * spec.moe_intermediate_size
-        if shared:
-            routed += 3 * a * shared + (a * h + a if spec.family.shared_expert_gate else 0)
-        mlp = routed / tp + (a * h if tp > 1 and not sp else 0)
-    else:
-        mlp = 3 * a * spec.intermediate_size / tp  # SwiGLU keeps gate and up, down_proj its product
-    return norms + attn / tp + mlp
+    mlp = moe_block_bytes_per_token(spec, a, tp, sp) if moe_layer else 3 * a * spec.intermediate_size / tp
+    return norms + attn / tp + mlp  # dense: SwiGLU keeps gate and up, down_proj its product
+
+
+def moe_block_bytes_per_token(spec, a: int, tp: int, sp: bool) -> float:
+    """The MoE block's share of activation_bytes_per_token (no recompute)."""
+    h, k, shared = spec.hidden_size, spec.num_experts_per_tok, spec.shared_expert_intermediate_size
+    # Under TP the block runs on this rank's token shard (xorl/plans/tensor_parallel.py); without
+    # sequence parallelism it then gathers its output over TP (a h). Router: fp32 logits and
+    # probabilities (8E), the top-k ids twice (int64) and weights with their normalisation
+    # (24k + 12); experts: the k routed copies, their gate_up and SwiGLU outputs, and the expert
+    # outputs the combine weighs (2akh + 3akI); a shared expert's gate_up and SwiGLU outputs (3aI),
+    # and with its sigmoid gate the expert's output and the gate (a h + a).
+    routed = 8 * spec.num_experts + 24 * k + 12 + 2 * a * k * h + 3 * a * k * spec.moe_intermediate_size
+    if shared:
+        routed += 3 * a * shared + (a * h + a if spec.family.shared_expert_gate else 0)
+    return routed / tp + (a * h if tp > 1 and not sp else 0)
 
 
 def estimate(config, p: ParallelConfig, shapes: ModelShapes, pp_rank: int, precision: str) -> Memory:
@@ -461,28 +547,45 @@ def estimate(config, p: ParallelConfig, shapes: ModelShapes, pp_rank: int, preci
     per_layer = [per_kind[shapes.layer_kind[i]] for i in rp.layers]
     inflight = inflight_microbatches(schedule if p.pp > 1 else "", p.pp, m, v, pp_rank)
     mode, every = checkpointing(train)
+    # The first layer the backward runs (this rank's last): its kept bytes per token, and of them
+    # (and of its recompute) the MoE block's, for the experts' own FSDP unit below.
+    moe_last = bool(rp.layers) and shapes.is_moe_kind(shapes.layer_kind[rp.layers[-1]])
+    moe_none = moe_block_bytes_per_token(spec, a, p.tp, sp) if moe_last else 0.0
     if mode == "full":  # xorl/parallelize.py checkpoints every n-th block of each model part
         checkpointed = {i for start, n in _stage_starts(rp) for i in rp.layers[start:start + n][::every]}
-        kept = sum(a * spec.hidden_size / (p.tp if sp else 1) if i in checkpointed else x
-                   for i, x in zip(rp.layers, per_layer))
+        per_kept = [a * spec.hidden_size / (p.tp if sp else 1) if i in checkpointed else x
+                    for i, x in zip(rp.layers, per_layer)]
+        kept = sum(per_kept)
         working = max(per_layer, default=0)
+        last_recomputed = bool(rp.layers) and rp.layers[-1] in checkpointed
+        moe_kept = 0.0 if last_recomputed else moe_none
+        attn_recompute = per_layer[-1] - moe_none if last_recomputed else 0.0
     elif mode == "selective":
-        selective = [selective_bytes_per_token(spec, shapes.is_moe_kind(shapes.layer_kind[i]), a, p.tp, sp)
-                     for i in rp.layers]
-        kept = sum(selective)
+        selective = [selective_bytes_per_token(spec, shapes.is_moe_kind(shapes.layer_kind[i]), a, p.tp, sp,
+                                               every_other_matmul(train)) for i in rp.layers]
+        per_kept, kept = selective, sum(selective)
         # one layer's element-wise outputs recomputed at a time: what it keeps without recompute, less the saved
         working = max((x - y for x, y in zip(per_layer, selective)), default=0)
+        moe_kept = selective_moe_bytes_per_token(spec, a, p.tp) if moe_last else 0.0
+        attn_recompute = (per_layer[-1] - moe_none) - (selective[-1] - moe_kept) if rp.layers else 0.0
     else:
-        kept, working = sum(per_layer), 0
+        per_kept, kept, working = per_layer, sum(per_layer), 0
+        moe_kept, attn_recompute = moe_none, 0.0
     held = t * inflight * (kept + 2 * a * spec.head_dim)  # kept through the forward, into the backward
     work = t * (working + max(backward_bytes_per_token(spec, shapes.is_moe_kind(k), a, p.tp, sp)
                               for k in range(len(shapes.kinds))))
     fixed = WORKSPACE_BYTES + _comm_buffers(spec, p, a, t, inflight)  # held throughout
-    gathered = grad_buffers = 0  # FSDP2: gathered parameters; one layer's gradient buffers in backward
+    gathered = grad_buffers = grad_copy = experts = 0  # FSDP2: gathered parameters; one layer's gradient buffers
     head_grad_counted = False  # whether those hold lm_head's gradient (the fused loss makes it in its forward)
+    # The experts' own FSDP unit (under EP, or TP: xorl/plans/data_parallel.py experts_have_own_mesh)
+    # reduce-scatters their gradients when the MoE block's backward ends, the layer's attention later.
+    expert_unit = fsdp and moe_last and (p.ep > 1 or p.tp > 1)
     if fsdp:
         grad_copy = 4 if a != 4 else 0
         grad_buffers = rp.largest_layer_unsharded * (a + grad_copy + 4)
+        if expert_unit:  # the experts' TP/EP-local elements: what their unit gathers and reduces
+            last_kind = shapes.kinds[shapes.layer_kind[rp.layers[-1]]]
+            experts = sum(local_numel(n, sh, p, False, 0) for n, sh in last_kind if n in EXPERT_PARAMS)
         if p.pp > 1 and schedule in SPLIT_BACKWARD_SCHEDULES:
             gathered, grad_buffers, head_grad_counted = rp.stage_unsharded * (a + 4), 0, True
         elif not reshards_after_forward(train, p.pp):
@@ -496,18 +599,38 @@ def estimate(config, p: ParallelConfig, shapes: ModelShapes, pp_rank: int, preci
                          if rp.has_last else (0, 0))
     # The peak is one moment, the largest of three (gradients are created in the backward,
     # set_to_none after the optimizer step): the loss's backward (every kept activation and the
-    # loss's buffers), the first layer's backward (its recompute and gradient buffers instead of
-    # the loss's) and the end of the step (every gradient and the optimizer's foreach temporaries,
-    # 4 bytes per local parameter, once the activations are freed).
+    # loss's buffers), the first layer's backward and the end of the step (every gradient and the
+    # optimizer's foreach temporaries, 4 bytes per local parameter, once the activations are freed).
+    # The first layer's backward: its compute (its recompute and gradient working set on top of
+    # every kept activation), with one layer's gradient buffers (its unsharded gradients as they
+    # are made, the previous unit's reduce-scatter in flight: for a dense layer, their sum is what
+    # the allocator measures). The experts' own FSDP unit splits the layer in two (the CPU
+    # allocator's timeline shows it): the MoE block's backward (compute), its experts'
+    # post-backward reduce-scatter once the block has freed its own kept activations (while the
+    # layer's attention part, kept or recomputed, is alive), then the attention's backward with
+    # the experts' reduce-scatter in flight and the rest of the layer's gradients. Charging the
+    # whole layer's gradient buffers on top of the compute overstated the MoE under TP 2 + SP,
+    # whose experts are gathered whole, by 21-26 %.
     at_loss = held + loss + gathered
-    at_layer = held + logits_held + work + gathered + grad_buffers
+    at_compute = held + logits_held + work + gathered
+    if expert_unit:
+        rest = rp.largest_layer_unsharded - experts
+        alive = held + logits_held - t * moe_kept + t * attn_recompute + gathered
+        at_reduce = alive + experts * (a + grad_copy + 4)
+        attn_backward = 2 * a * spec.hidden_size / (p.tp if sp else 1)  # gradients of its output and input
+        at_attention = alive + t * attn_backward + experts * 4 + rest * (a + grad_copy + 4)
+        layer_buffers = max(at_reduce, at_attention) - at_compute  # beyond the compute moment, when larger
+        at_layer = max(at_compute, at_reduce, at_attention)
+    else:
+        at_layer = at_compute + grad_buffers
+        layer_buffers = grad_buffers
     at_end = grads + 4 * rp.trainable
     activations = held + (loss if at_loss >= at_layer else logits_held + work)
     peak = max(at_loss, at_layer, at_end) + fixed
     # Buckets: grads are the exact gradient bytes (held at the end); other is what the peak holds
     # beyond them and the activations, at least the buffers held throughout. Where the peak comes
     # before the gradients exist, the total overstates it by at most grads - (other at the peak).
-    other = max(fixed + (gathered + (grad_buffers if at_layer > at_loss else 0) if fsdp else 0),
+    other = max(fixed + (gathered + (max(0, layer_buffers) if at_layer > at_loss else 0) if fsdp else 0),
                 peak - activations - grads)
     return Memory(params, grads, optimizer, int(activations), int(other), pp_rank, int(peak))
 

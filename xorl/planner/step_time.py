@@ -22,7 +22,8 @@ Compute, per decoder layer and microbatch, t tokens on the rank (a = bytes per a
           hbm_fraction of --hbm-gbps; backward twice the forward; each op costs at least the launch
           time (launch_us: eager dispatch of one kernel).
   recompute  full: one more layer forward; selective (xorl's policy keeps matmul, attention and
-          collective outputs): the element-wise forward again; none: nothing.
+          collective outputs): the element-wise forward again, and with selective_checkpoint:
+          every_other_matmul the matmuls it did not keep (memory.block_matmuls[1::2]); none: nothing.
   last stage  lm_head [t, V/tp, h] (vocabulary-parallel under TP) 3x, and the loss: unfused,
           F.cross_entropy on fp32 logits streams (2a + 32) bytes per logit; fused
           (model.fused_loss) about 3a bytes per logit in chunks.
@@ -69,9 +70,11 @@ from xorl.planner.memory import (
     SPLIT_BACKWARD_SCHEDULES,
     ModelShapes,
     checkpointing,
+    every_other_matmul,
     fused_loss,
     kind_numel,
     rank_params,
+    recomputed_matmuls,
     reshards_after_forward,
     vocab_split,
 )
@@ -215,7 +218,7 @@ class _Layer:
 
 
 def _layer(spec, moe: bool, p: ParallelConfig, c: _Cost, t: int, seq: int, sp: bool, mode: str,
-           compiled: bool) -> _Layer:
+           compiled: bool, every_other: bool = False) -> _Layer:
     a, tp = c.a, p.tp
     h, heads = spec.hidden_size, spec.num_attention_heads
     gemm, d_qk, d_v = _attention_projections(spec, c, t, tp)
@@ -243,6 +246,8 @@ def _layer(spec, moe: bool, p: ParallelConfig, c: _Cost, t: int, seq: int, sp: b
     forward = gemm + attn_fwd + ew
     backward = 2 * gemm + attn_bwd + 2 * ew
     recompute = {"full": forward, "selective": ew}.get(mode, 0.0)
+    if mode == "selective" and every_other:  # and the matmuls whose outputs it did not keep
+        recompute += sum(c.gemm(t * tokens, n, k) for _, tokens, n, k in recomputed_matmuls(spec, moe, tp, sp))
     passes = 3 if mode == "full" else 2  # forward, backward (and the recomputed forward)
     exposed = slowdown = 0.0
     if tp > 1:  # around attention and the MLP (MoE blocks run whole: once, before the MoE)
@@ -280,12 +285,16 @@ def step_time(config, p: ParallelConfig, shapes: ModelShapes, hw: Hardware) -> S
     zero_bubble = p.pp > 1 and schedule in SPLIT_BACKWARD_SCHEDULES
     per_kind = []  # (compute, exposed communication) of one layer of each kind, per microbatch
     for k, kind in enumerate(shapes.kinds):
-        layer = _layer(spec, shapes.is_moe_kind(k), p, c, t, data.seq_len, sp, mode, compiled)
+        layer = _layer(spec, shapes.is_moe_kind(k), p, c, t, data.seq_len, sp, mode, compiled,
+                       every_other_matmul(train))
         compute = layer.forward + layer.backward + layer.recompute + layer.slowdown
         exposed = layer.exposed
         if fsdp and not zero_bubble:
             full = kind_numel(kind, p)
-            comm = gathers * c.collective(a * full, p.dp_shard_cp, p.tp)
+            gathered = a * full
+            if train.fp8_all_gather:  # the FP8 linears' weights travel as float8: 1 byte an element
+                gathered -= (a - 1) * kind_numel([x for x in kind if x[0] in shapes.fp8_linear_weights], p)
+            comm = gathers * c.collective(gathered, p.dp_shard_cp, p.tp)
             comm += c.collective(4 * full, p.dp_shard_cp, p.tp, "reduce_scatter")
             comm += c.collective(4 * full / p.dp_shard_cp, p.dp_replicate, p.tp * p.dp_shard_cp, "all_reduce")
             e, s = c.overlapped(comm, compute)

@@ -1,7 +1,7 @@
 """The data-parallel plan: FSDP2 / HSDP sharding, the DDP gradient sum, and activation checkpointing.
 
     apply_activation_checkpointing(model, mode, every_n_layers)   # before FSDP: wraps decoder blocks
-    apply_fsdp(model, state, reshard_after_forward, bf16_compute)   # FSDP2 per block, then the root
+    apply_fsdp(model, state, reshard_after_forward, bf16_compute, float8_all_gather)  # FSDP2 per block, then the root
     (each returns a record of what it did: CheckpointingRecord, FSDPRecord)
     all_reduce_gradients(params, group)                              # data_parallel_mode: ddp
 
@@ -64,17 +64,22 @@ class FSDPRecord:
     mesh: object  # the blocks' and the root's DeviceMesh
     expert_mesh: object | None  # the experts' own mesh, or None when they share the blocks'
     reshard_after_forward: bool
+    float8_all_gather: bool = False  # the tensorwise-FP8 linears' weights are gathered in float8
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str = "full", every_n_layers: int = 1
-                                   ) -> CheckpointingRecord:
+def apply_activation_checkpointing(model: nn.Module, mode: str = "full", every_n_layers: int = 1,
+                                   selective: str = "matmuls") -> CheckpointingRecord:
     """Recompute decoder blocks in backward.
 
     full: every ``every_n_layers``-th block keeps only its input and recomputes everything.
-    selective (torchtitan's op-level policy): every block saves the outputs of its matmuls,
-    attention kernels and collectives, and recomputes the cheap element-wise ops between them
+    selective (torchtitan's op-level policy): every block saves the outputs of its attention
+    kernels, expert GEMMs and collectives, and recomputes the cheap element-wise ops between them
     (norms, rotary, SwiGLU's activation and products), which hold most of the activation bytes
-    for the fewest FLOPs.
+    for the fewest FLOPs. Its dense matmuls (mm / addmm: the linears and the router), by
+    ``selective`` (train.selective_checkpoint): "matmuls" saves every one (no matmul is
+    recomputed); "every_other_matmul" saves the 1st, 3rd, ... in the order the block runs them and
+    recomputes the others (torchtitan's ``mm_count % 2``: of q, k, v, o, gate, up, down it
+    recomputes k, o and up), trading those outputs' bytes for their FLOPs.
     """
     from xorl._torch_compat import checkpoint_wrapper
 
@@ -82,8 +87,13 @@ def apply_activation_checkpointing(model: nn.Module, mode: str = "full", every_n
     if mode == "selective":
         from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-        policy = functools.partial(_selective_policy, _save_ops())
-        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, policy)
+        if selective == "matmuls":
+            policy = functools.partial(_selective_policy, _save_ops())
+            kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, policy)
+        elif selective == "every_other_matmul":
+            kwargs["context_fn"] = functools.partial(_every_other_matmul_contexts, _save_ops())
+        else:
+            raise ValueError(f"selective checkpoint {selective!r}: use matmuls or every_other_matmul")
     elif mode != "full":
         raise ValueError(f"activation checkpointing mode {mode!r}: use none, full or selective")
     layers = model.model.layers
@@ -123,14 +133,42 @@ def _selective_policy(save_ops: set, ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in save_ops else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_fsdp(model: nn.Module, state, reshard_after_forward: bool = True, bf16_compute: bool = False
-               ) -> FSDPRecord:
+def _every_other_matmul_contexts(save_ops: set):
+    """One block call's checkpoint contexts for selective_checkpoint: every_other_matmul.
+
+    Called by the checkpoint for every forward of the block, so the counts start at 0 in each
+    block. The forward and the recompute count their own dense matmuls: both see the same ops in
+    the same order, so the recompute finds saved exactly the outputs its forward saved."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    aten = torch.ops.aten
+    dense = {aten.mm.default, aten.addmm.default}
+    counts = {False: 0, True: 0}  # by ctx.is_recompute
+
+    def policy(ctx, op, *args, **kwargs):
+        if op in dense:
+            counts[ctx.is_recompute] += 1
+            if counts[ctx.is_recompute] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if op in save_ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def apply_fsdp(model: nn.Module, state, reshard_after_forward: bool = True, bf16_compute: bool = False,
+               float8_all_gather: bool = False) -> FSDPRecord:
     """FSDP2 per block, then the root; expert weights on their own EP-FSDP mesh (dp_shard x CP x TP / EP).
 
     HSDP when the FSDP mesh has a replicate dim (data_parallel_replicate_size > 1). Gradients are
     SUMMED across ranks (divide factor 1): the loss is already normalised by the global token count
     (xorl/loss.py), so averaging again would scale gradients by 1/dp.
+    ``float8_all_gather`` (train.fp8_all_gather): the tensorwise-FP8 linears' weights are gathered
+    as float8 (xorl/nn/fp8_all_gather.py).
     """
+    if float8_all_gather:
+        from xorl.nn.fp8_all_gather import cast_weights_for_float8_all_gather
+
+        cast_weights_for_float8_all_gather(model)
     mesh = state.fsdp_mesh
     kw = {"reshard_after_forward": reshard_after_forward}
     if bf16_compute:  # bf16 compute, fp32 master weights and fp32 gradient reduction
@@ -147,7 +185,7 @@ def apply_fsdp(model: nn.Module, state, reshard_after_forward: bool = True, bf16
     for module in model.modules():
         if isinstance(module, FSDPModule):
             _sum_gradients(module)
-    return FSDPRecord(mesh, expert_mesh, reshard_after_forward)
+    return FSDPRecord(mesh, expert_mesh, reshard_after_forward, float8_all_gather)
 
 
 def experts_have_own_mesh(state) -> bool:

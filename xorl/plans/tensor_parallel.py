@@ -20,8 +20,10 @@ On every present ``model.model.layers[i]`` (entries may be None under pipeline p
 * ``model.embed_tokens`` -> VocabParallelEmbedding and ``lm_head`` -> VocabParallelLMHead when the
   vocabulary divides by TP (each rank holds vocab/P rows; logits stay sharded for the
   vocabulary-parallel loss, xorl/nn/cross_entropy.py); otherwise both stay replicated.
+* Width q/k norms (OLMoE, ``WidthRMSNorm``: one RMSNorm over all heads of a token) split their
+  weight with the heads (``Shard(0)``, as ``sinks``) and all-reduce their sums of squares over TP.
 * Everything else stays replicated and becomes a ``Replicate()`` DTensor on the TP mesh
-  (``replicate_on_tp`` in xorl/nn/tensor_parallel.py): norms, q/k norms.
+  (``replicate_on_tp`` in xorl/nn/tensor_parallel.py): norms, per-head q/k norms.
 
 Sequence parallel (SP) region = from the embedding's output to the lm_head's input: the
 vocabulary-parallel embedding reduce-scatters into this rank's sequence shard, the decoder layers
@@ -29,8 +31,8 @@ and the final norm run on the shard, and the lm_head gathers the sequence as any
 does. Under pipelining the activations between stages are therefore sequence shards. Inside the
 region the norms and residual adds run on the shard; the column layers all-gather along the
 sequence, the row layers reduce-scatter along it. Replicated parameters used inside the region on
-a shard of the data have partial gradients: the decoder and final norms under SP, q/k norms
-always (each rank normalises only its own heads). They are listed in the returned record's
+a shard of the data have partial gradients: the decoder and final norms under SP, per-head q/k
+norms always (each rank normalises only its own heads). They are listed in the returned record's
 ``partial_grads``, and the step sums them over TP once per optimizer step
 (``xorl.nn.tensor_parallel.sum_tp_partial_grads``: one all-reduce; xorl/parallelize.py's ParallelPlan).
 
@@ -43,7 +45,8 @@ share of the tokens on each TP rank: their gradients are listed with the partial
 
 Communication record: ``xorl.nn.tp_comm.overlap_report(model)`` after a step, keyed by module path:
 ``model.layers.{i}.self_attn.qkv_proj`` / ``.o_proj`` and ``model.layers.{i}.mlp.gate_up_proj`` /
-``.down_proj`` (shared-input groups report under the group's name).
+``.down_proj`` (shared-input groups report under the group's name), and OLMoE's
+``model.layers.{i}.self_attn.q_norm`` / ``.k_norm`` (one all-reduce forward, one backward).
 
 Requirements: query and KV head counts divisible by TP,
 intermediate size divisible by TP, every rank holding the same full weights before the call
@@ -57,20 +60,13 @@ from dataclasses import dataclass
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from xorl.models.layers import WidthRMSNorm
 from xorl.models.mla import LatentAttention
 from xorl.nn.moe import MoE
-from xorl.nn.tensor_parallel import (
-    ColumnParallelLinear,
-    ReplicatedEmbedding,
-    ReplicatedLMHead,
-    RowParallelLinear,
-    SharedInputColumnGroup,
-    TPPartialGrads,
-    VocabParallelEmbedding,
-    VocabParallelLMHead,
-    replicate_on_tp,
-)
+from xorl.nn.tensor_parallel import ColumnParallelLinear, RowParallelLinear, SharedInputColumnGroup
 from xorl.nn.tp_comm import DEFAULT_OVERLAP_MIN_NUMEL, TPGroup
+from xorl.nn.tp_replicated import TPPartialGrads, replicate_on_tp
+from xorl.nn.tp_vocab import ReplicatedEmbedding, ReplicatedLMHead, VocabParallelEmbedding, VocabParallelLMHead
 
 
 @dataclass
@@ -174,9 +170,11 @@ def _parallelize_attention(attn: nn.Module, tp_mesh, tp: TPGroup, prefix: str, l
         local = sinks.detach().chunk(tp.size)[tp.rank].clone()
         attn.sinks = nn.Parameter(DTensor.from_local(local, tp_mesh, [Shard(0)], run_check=False),
                                   requires_grad=sinks.requires_grad)
-    for norm in ("q_norm", "k_norm"):  # per-head norms: each rank sees only its own heads
+    for norm in ("q_norm", "k_norm"):
         module = getattr(attn, norm, None)
-        if module is not None:
+        if isinstance(module, WidthRMSNorm):  # OLMoE: over all heads; the weight splits with them
+            module.shard_over_tp(tp, tp_mesh, name=f"{prefix}.{norm}")
+        elif module is not None:  # per-head norms: replicated, each rank sees only its own heads
             replicate_on_tp(module, tp_mesh, memo, partial)
 
 

@@ -8,10 +8,13 @@ x quantised to e4m3 in 1 x 128 tiles along K, each expert's weight in 128 x 128 
   tiles along N; w^T reuses w's 128 x 128 block grid, transposed): Triton kernel
   (``triton_blockwise.py``) on CUDA, the plain-torch formula (exact dequantisation in float32,
   then ``grouped_gemm_reference``) on CPU;
-- the weight gradient ``dw[g] = x_g^T @ dy_g`` stays in the input precision (the 16-bit grouped
-  GEMM's weight-gradient kernel). Why: its contraction runs over each expert's tokens, whose
-  count is not a multiple of 128, so 1 x 128 token tiles would straddle experts; DeepSeek-V3
-  pads every expert to the tile instead, which the token permutation here does not do.
+- the weight gradient ``dw[g] = x_g^T @ dy_g`` is an FP8 GEMM too (DeepSeek-V3: both operands
+  quantised along the contraction, here the tokens, in 1 x 128 tiles): its contraction runs over
+  each expert's tokens, whose count is not a multiple of 128, so the token tiles start at each
+  expert's first row and the last tile of an expert may be partial (``quantize.group_token_tiles``;
+  DeepSeek-V3 pads every expert to whole tiles instead, the same grid). x and dy are re-quantised
+  for it along the tokens (the forward's x tiles run along K; each GEMM quantises its operands
+  along its own contraction). Triton kernel on CUDA, the plain-torch formula on CPU.
 
 Weights are re-quantised from the saved high-precision tensor in backward (no FP8 copy held
 between forward and backward).
@@ -22,9 +25,16 @@ from __future__ import annotations
 import torch
 
 from xorl_kernels.dispatch import REFERENCE, TRITON, pick_backend
-from xorl_kernels.fp8.quantize import BLOCK, E4M3, expand_block_scale, quantize_blocks
-from xorl_kernels.grouped_gemm.op import _check_inputs
-from xorl_kernels.grouped_gemm.reference import grouped_gemm_reference
+from xorl_kernels.expert_gemm.op import _check_inputs
+from xorl_kernels.expert_gemm.reference import grouped_gemm_reference, grouped_gemm_weight_grad_reference
+from xorl_kernels.fp8.quantize import (
+    BLOCK,
+    E4M3,
+    expand_block_scale,
+    group_token_tiles,
+    quantize_blocks,
+    quantize_token_tiles,
+)
 
 _AVAILABLE = (TRITON, REFERENCE)
 
@@ -47,6 +57,23 @@ def blockwise_grouped_mm(qa, sa, qb, sb, group_sizes, out_dtype, backend: str, s
     return grouped_gemm_reference(a, b, group_sizes).to(out_dtype)
 
 
+def blockwise_grouped_wgrad(x: torch.Tensor, dy: torch.Tensor, group_sizes: torch.Tensor, out_dtype: torch.dtype,
+                            backend: str) -> torch.Tensor:
+    """``dw[g] = x[rows of g]^T @ dy[rows of g]`` -> [G, K, N] in FP8: x and dy quantised in 1 x 128
+    token tiles that start at each group's first row (``group_token_tiles``), products in float32."""
+    tile_of_row, row_start, first_tile, num_tiles = group_token_tiles(group_sizes, x.shape[0])
+    qx, sx = quantize_token_tiles(x, tile_of_row, num_tiles, E4M3)
+    qdy, sdy = quantize_token_tiles(dy, tile_of_row, num_tiles, E4M3)
+    if backend == TRITON:
+        from xorl_kernels.fp8.triton_blockwise import fp8_blockwise_grouped_wgrad
+
+        return fp8_blockwise_grouped_wgrad(qx, sx, qdy, sdy, group_sizes, row_start, first_tile, out_dtype)
+    # q * scale in float32 is exact (fp8 values times powers of 2): the CPU path is the formula.
+    a = qx.float() * sx.index_select(0, tile_of_row)
+    b = qdy.float() * sdy.index_select(0, tile_of_row)
+    return grouped_gemm_weight_grad_reference(a, b, group_sizes, out_dtype)
+
+
 class _FP8GroupedGemm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, group_sizes, backend):
@@ -66,8 +93,7 @@ class _FP8GroupedGemm(torch.autograd.Function):
             dx = blockwise_grouped_mm(qdy, sdy, qw.transpose(1, 2), sw.transpose(1, 2), group_sizes, dy.dtype,
                                       ctx.backend)
         if ctx.needs_input_grad[1]:
-            backend = None if ctx.backend == TRITON and dy.is_cuda else REFERENCE
-            _, dw = torch.ops.xorl.grouped_gemm_backward(dy.contiguous(), x, w, group_sizes, backend, False, True)
+            dw = blockwise_grouped_wgrad(x, dy, group_sizes, w.dtype, ctx.backend)
         return dx, dw, None, None
 
 

@@ -32,10 +32,11 @@ torchao's ``Float8Linear`` is not used: ``convert_to_float8_training`` swaps the
 nn.Linear modules after they are built (xorl builds each module once, with its recipe), its
 layer multiplies whole (DTensor) weights where xorl's TP layers run their own overlapped chunked
 GEMMs on local shards (``tp_comm``), and it has no 1 x 128 / 128 x 128 blockwise training recipe.
-For the same reason there is no ``train.fp8_all_gather``: torchao all-gathers FP8 weights under
-FSDP2 only for its own ``Float8Linear`` weights (a tensor subclass that FSDP2's pre-/post-all-gather
-hooks cast), tensorwise only; adopting it means adopting the module swap. Here FSDP2 gathers the
-weights in ``train.dtype`` (bf16 on GPU) and each GEMM quantises its gathered weight.
+For the same reason ``train.fp8_all_gather`` is xorl's own (xorl/nn/fp8_all_gather.py, which
+says why torchao's weight wrapper is not used as is): FSDP2 then gathers each tensorwise weight as
+its float8 cast, torchao's ``Float8TrainingTensor``, which ``weight_operand`` takes as the GEMMs'
+weight; otherwise FSDP2 gathers the weights in ``train.dtype`` and each GEMM quantises its
+gathered weight.
 """
 
 from __future__ import annotations
@@ -70,6 +71,32 @@ def quantize_operand(t: torch.Tensor, recipe: str, role: str):
     block, dtype = OPERANDS[recipe][role]
     q, scale = quantize_blocks(t, *block, dtype)
     return q, scale, block
+
+
+def gathered_float8_weight(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` is one FSDP2 all-gathered in float8 (``train.fp8_all_gather``,
+    xorl/nn/fp8_all_gather.py): torchao's ``Float8TrainingTensor`` (e4m3 data, one scale).
+    Only FP8 runs call this, and they have torchao (the config rule for train.fp8)."""
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor
+
+    return isinstance(weight, Float8TrainingTensor)
+
+
+def weight_operand(weight: torch.Tensor, recipe: str, role: str):
+    """The weight [N, K] quantised as operand "w" (or its transpose, "w_t") of ``recipe``.
+
+    A weight that arrives already cast (``gathered_float8_weight``) is used as it is: it is the
+    tensorwise e4m3 cast of the whole weight with the whole weight's amax, and the tensorwise cast
+    of w^T is the transpose of w's (the same amax, the same elementwise cast), so the bits equal
+    ``quantize_operand`` of the gathered high-precision weight.
+    """
+    if not gathered_float8_weight(weight):
+        return quantize_operand(weight if role == "w" else weight.t(), recipe, role)
+    if OPERANDS[recipe][role] != (_TENSOR, E4M3):
+        raise ValueError(f"a float8 all-gathered weight serves the tensorwise recipe only, not {recipe!r}")
+    data = weight._data if role == "w" else weight._data.t()
+    # torchao keeps the quantisation factor (a power of 2 here); the GEMM takes its exact reciprocal.
+    return data.contiguous(), weight._scale.float().reciprocal().reshape(1, 1), _TENSOR
 
 
 def _pad16(q: torch.Tensor) -> torch.Tensor:
@@ -128,14 +155,12 @@ def scaled_mm_nt(qa, sa, a_block, qb, sb, b_block, out_dtype: torch.dtype, backe
 
 def linear_forward(x2d: torch.Tensor, weight: torch.Tensor, recipe: str) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T in FP8 -> [M, N] in x's dtype."""
-    return scaled_mm_nt(*quantize_operand(x2d, recipe, "x"), *quantize_operand(weight, recipe, "w"),
-                        x2d.dtype)
+    return scaled_mm_nt(*quantize_operand(x2d, recipe, "x"), *weight_operand(weight, recipe, "w"), x2d.dtype)
 
 
 def linear_dgrad(dy2d: torch.Tensor, weight: torch.Tensor, recipe: str) -> torch.Tensor:
     """dy [M, N] @ weight [N, K] in FP8 -> dx [M, K] in dy's dtype."""
-    return scaled_mm_nt(*quantize_operand(dy2d, recipe, "dy"), *quantize_operand(weight.t(), recipe, "w_t"),
-                        dy2d.dtype)
+    return scaled_mm_nt(*quantize_operand(dy2d, recipe, "dy"), *weight_operand(weight, recipe, "w_t"), dy2d.dtype)
 
 
 def linear_wgrad(dy2d: torch.Tensor, x2d: torch.Tensor, recipe: str) -> torch.Tensor:

@@ -51,7 +51,6 @@ def quantize_blocks(
     """
     if x.dim() < 2:
         raise ValueError(f"quantize_blocks expects a tensor of at least 2 dims, got shape {tuple(x.shape)}")
-    amax_to_scale, to_fp8_saturated = _torchao_scaling()
     x = x.contiguous()  # transposed operands (dgrad / wgrad) arrive as views
     *lead, rows, cols = x.shape
     br = rows if block_rows is None else min(block_rows, rows)
@@ -60,13 +59,60 @@ def quantize_blocks(
     # Zero padding to whole blocks changes no amax and is cropped after the cast.
     padded = F.pad(x, (0, nc * bc - cols, 0, nr * br - rows)) if (nr * br, nc * bc) != (rows, cols) else x
     blocks = padded.view(*lead, nr, br, nc, bc)
-    amax = blocks.abs().amax(dim=(-3, -1)).float()
-    qscale = amax_to_scale(amax, dtype, round_scales_to_power_of_2=True)
-    q = to_fp8_saturated(blocks.float() * qscale[..., :, None, :, None], dtype).view(*lead, nr * br, nc * bc)
-    return q[..., :rows, :cols].contiguous(), qscale.reciprocal()
+    amax = blocks.abs().amax(dim=(-3, -1), keepdim=True)
+    q, qscale = cast_with_amax(blocks, amax, dtype)
+    q = q.view(*lead, nr * br, nc * bc)
+    return q[..., :rows, :cols].contiguous(), qscale.view(*lead, nr, nc).reciprocal()
+
+
+@torch.no_grad()
+def cast_with_amax(x: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype = E4M3
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` cast to ``dtype`` with the scale that ``amax`` (broadcastable to x) gives:
+    (q, quantisation scale, float32, the reciprocal of the dequantisation factor).
+
+    The one place the cast happens, so a tensor cast with the amax of its whole (a weight shard
+    under FSDP's float8 all-gather, ``xorl.nn.fp8_all_gather``) is bit for bit the cast of the whole.
+    """
+    amax_to_scale, to_fp8_saturated = _torchao_scaling()
+    qscale = amax_to_scale(amax.float(), dtype, round_scales_to_power_of_2=True)
+    return to_fp8_saturated(x.float() * qscale, dtype), qscale
 
 
 def expand_block_scale(scale: torch.Tensor, block: int, size: int, dim: int) -> torch.Tensor:
     """Repeat each entry of ``scale`` along ``dim`` ``block`` times and crop to ``size``: a block
     scale as a per-row (or per-column) one, e.g. a weight's 128 x 128 scales as per-row 1 x 128."""
     return scale.repeat_interleave(block, dim=dim).narrow(dim, 0, size)
+
+
+def group_token_tiles(group_sizes: torch.Tensor, rows: int, tile: int = BLOCK):
+    """Token tiles that never straddle groups, for the weight-gradient GEMM of grouped experts.
+
+    Rows are sorted by group (``group_sizes`` [G]); tile j of group g is its rows
+    ``[start_g + j * tile, min(start_g + (j + 1) * tile, end_g))`` (DeepSeek-V3 pads each expert
+    to whole tiles; starting each group's tiles at its first row is the same grid without the
+    padding). Returns ``(tile_of_row [rows], row_start [G], first_tile [G], num_tiles_bound)``, all
+    on the device (no host sync: the bound ``ceil(rows / tile) + G`` is static, unused tiles stay empty).
+    """
+    sizes = group_sizes.to(torch.int64).clamp(min=0)
+    tiles = (sizes + tile - 1) // tile
+    row_start = torch.cumsum(sizes, 0) - sizes
+    first_tile = torch.cumsum(tiles, 0) - tiles
+    group = torch.repeat_interleave(torch.arange(sizes.numel(), device=sizes.device), sizes, output_size=rows)
+    local = torch.arange(rows, device=sizes.device) - row_start[group]
+    return first_tile[group] + local // tile, row_start, first_tile, _cdiv(rows, tile) + sizes.numel()
+
+
+@torch.no_grad()
+def quantize_token_tiles(x: torch.Tensor, tile_of_row: torch.Tensor, num_tiles: int, dtype: torch.dtype = E4M3
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, C] -> (q [M, C] in ``dtype``, scale [num_tiles, C] float32): one scale per token tile
+    (``group_token_tiles``) and column, i.e. 1 x 128 tiles along the token dim of x^T."""
+    x = x.contiguous()
+    index = tile_of_row[:, None].expand(x.shape)
+    amax = x.new_zeros(num_tiles, x.shape[1], dtype=torch.float32)
+    amax.scatter_reduce_(0, index, x.abs().float(), "amax")
+    amax_to_scale, to_fp8_saturated = _torchao_scaling()
+    qscale = amax_to_scale(amax, dtype, round_scales_to_power_of_2=True)
+    q = to_fp8_saturated(x.float() * qscale.index_select(0, tile_of_row), dtype)
+    return q, qscale.reciprocal()

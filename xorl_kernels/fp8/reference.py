@@ -62,3 +62,25 @@ def blockwise_grouped_reference(qa, sa, qb, sb, group_sizes, sb_block_n: int = 1
         out[start:start + rows] = a[start:start + rows] @ b
         start += rows
     return out
+
+
+def blockwise_grouped_wgrad_reference(x: torch.Tensor, dy: torch.Tensor, group_sizes: torch.Tensor,
+                                      tile: int = 128) -> torch.Tensor:
+    """float64 ``dw[g] = sum over token tiles t of g: (x_t^T quantised) @ (dy_t quantised)`` -> [G, K, N].
+
+    DeepSeek-V3's weight-gradient recipe written out tile by tile: each expert's tokens cut into
+    ``tile``-token tiles from its first row (the last one partial), each tile's x^T and dy^T
+    quantised to e4m3 with one scale per row (per feature, over the tile's tokens), the dequantised
+    products summed in float64. Independent of the kernels' tile bookkeeping
+    (``quantize.group_token_tiles``): only ``quantize_blocks`` is shared.
+    """
+    dw = torch.zeros(group_sizes.numel(), x.shape[1], dy.shape[1], dtype=torch.float64, device=x.device)
+    start = 0
+    for g, rows in enumerate(group_sizes.tolist()):
+        for first in range(0, rows, tile):
+            tokens = slice(start + first, start + min(first + tile, rows))
+            qa, sa = quantize_blocks(x[tokens].t(), 1, None)
+            qb, sb = quantize_blocks(dy[tokens].t(), 1, None)
+            dw[g] += dequantize_reference(qa, sa, 1, None) @ dequantize_reference(qb, sb, 1, None).t()
+        start += rows
+    return dw

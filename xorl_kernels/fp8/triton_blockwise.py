@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from xorl_kernels.dispatch import triton_interpreting
-from xorl_kernels.grouped_gemm.triton_kernels import _block_g, _group_of_tile
+from xorl_kernels.expert_gemm.triton_kernels import _block_g, _group_of_tile
 
 SCALE_BLOCK = 128
 
@@ -106,5 +106,78 @@ def fp8_blockwise_grouped_forward(
         c.stride(0), c.stride(1),
         SB_N=sb_block_n, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         BLOCK_G=_block_g(num_groups), GROUP_M=group_m, num_warps=warps, num_stages=stages,
+    )
+    return c
+
+
+# -- weight gradient: dw[g] = (qa * sa)[rows of g]^T @ (qb * sb)[rows of g] ----------------------------
+@triton.jit
+def _fp8_blockwise_wgrad_kernel(
+    a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, sizes_ptr, starts_ptr, first_tile_ptr,
+    K, N,
+    stride_am, stride_ak, stride_sat, stride_sak,
+    stride_bm, stride_bn, stride_sbt, stride_sbn,
+    stride_cg, stride_ck, stride_cn,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    group = tl.program_id(0)
+    pid = tl.program_id(1)
+    num_tiles_n = tl.cdiv(N, BLOCK_N)
+    offs_k = (pid // num_tiles_n) * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_n = (pid % num_tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    k_mask = offs_k < K
+    n_mask = offs_n < N
+    size = tl.maximum(tl.load(sizes_ptr + group).to(tl.int32), 0)
+    start = tl.load(starts_ptr + group).to(tl.int64)
+    first_tile = tl.load(first_tile_ptr + group).to(tl.int64)
+
+    acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+    # The contraction runs over this group's tokens in steps of BLOCK_M, which divides the 128-token
+    # scale tile, so each step has one scale per column of a and of b (an empty group: no step, dw = 0).
+    for m0 in range(0, size, BLOCK_M):
+        row_mask = offs_m < size - m0
+        rows = start + m0 + offs_m
+        a = tl.load(a_ptr + rows[None, :] * stride_am + offs_k[:, None] * stride_ak,
+                    mask=k_mask[:, None] & row_mask[None, :], other=0.0)  # [BLOCK_K, BLOCK_M]: x^T
+        b = tl.load(b_ptr + rows[:, None] * stride_bm + offs_n[None, :] * stride_bn,
+                    mask=row_mask[:, None] & n_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_N]
+        tile = first_tile + m0 // 128
+        sa = tl.load(sa_ptr + tile * stride_sat + offs_k * stride_sak, mask=k_mask, other=0.0)
+        sb = tl.load(sb_ptr + tile * stride_sbt + offs_n * stride_sbn, mask=n_mask, other=0.0)
+        acc += tl.dot(a, b, out_dtype=tl.float32) * sa[:, None] * sb[None, :]
+
+    c_ptrs = c_ptr + group.to(tl.int64) * stride_cg + offs_k[:, None] * stride_ck + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=k_mask[:, None] & n_mask[None, :])
+
+
+def fp8_blockwise_grouped_wgrad(
+    qa: torch.Tensor, sa: torch.Tensor, qb: torch.Tensor, sb: torch.Tensor, group_sizes: torch.Tensor,
+    row_start: torch.Tensor, first_tile: torch.Tensor, out_dtype: torch.dtype, out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``c[g] = (qa * sa)[rows of g]^T @ (qb * sb)[rows of g]`` -> [G, K, N].
+
+    ``qa`` [M, K] and ``qb`` [M, N] fp8, rows sorted by group; ``sa`` [T, K] and ``sb`` [T, N]: one
+    scale per token tile of a group and column (``quantize.group_token_tiles`` /
+    ``quantize_token_tiles``), tile j of group g being ``first_tile[g] + j``.
+    """
+    m, k = qa.shape
+    n = qb.shape[1]
+    num_groups = group_sizes.numel()
+    c = torch.empty((num_groups, k, n), dtype=out_dtype, device=qa.device) if out is None else out
+    if c.numel() == 0:
+        return c
+    if triton_interpreting():  # small tiles: CPU tests use small shapes and must cross tile edges
+        block_m, block_k, block_n, warps, stages = 32, 32, 32, 4, 1
+    else:  # H100: a 128 x 128 tile of dw per program, one 128-token scale tile per step
+        block_m, block_k, block_n, warps, stages = 128, 128, 128, 8, 3
+    grid = (num_groups, triton.cdiv(k, block_k) * triton.cdiv(n, block_n))
+    _fp8_blockwise_wgrad_kernel[grid](
+        qa, sa, qb, sb, c, group_sizes, row_start, first_tile,
+        k, n,
+        qa.stride(0), qa.stride(1), sa.stride(0), sa.stride(1),
+        qb.stride(0), qb.stride(1), sb.stride(0), sb.stride(1),
+        c.stride(0), c.stride(1), c.stride(2),
+        BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
     )
     return c

@@ -11,8 +11,8 @@ Public entry point ``grouped_gemm(x, w, group_sizes)``:
   fp32 accumulator; its gradient ``db[g]`` is the sum of dy's rows of g. A separate op
   (``xorl::grouped_gemm_bias``), so the bias-free op and its kernels are untouched.
 
-Dispatch (xorl_kernels.dispatch): CUDA tensors -> Triton kernels (grouped_gemm/triton_kernels.py);
-CPU tensors -> the plain-torch reference (grouped_gemm/reference.py). ``XORL_FORCE_REFERENCE=1``
+Dispatch (xorl_kernels.dispatch): CUDA tensors -> Triton kernels (expert_gemm/triton_kernels.py);
+CPU tensors -> the plain-torch reference (expert_gemm/reference.py). ``XORL_FORCE_REFERENCE=1``
 forces the reference; ``backend="triton"`` forces Triton (on CPU this needs ``TRITON_INTERPRET=1``
 set before triton is imported; the tests run that way). The op is registered as ``xorl::grouped_gemm``.
 
@@ -30,8 +30,8 @@ import torch
 
 from xorl_kernels.checkpoint_saves import SELECTIVE_CHECKPOINT_SAVES
 from xorl_kernels.dispatch import REFERENCE, TRITON, env_flag, pick_backend, triton_interpreting
-from xorl_kernels.grouped_gemm.checks import check_group_sizes_values
-from xorl_kernels.grouped_gemm.reference import (
+from xorl_kernels.expert_gemm.checks import check_group_sizes_values
+from xorl_kernels.expert_gemm.reference import (
     grouped_bias_grad_reference,
     grouped_gemm_reference,
     grouped_gemm_weight_grad_reference,
@@ -122,7 +122,7 @@ SELECTIVE_CHECKPOINT_SAVES.join("xorl::grouped_gemm")  # its output is kept, not
 def _grouped_gemm_op(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor, backend: str | None) -> torch.Tensor:
     if _resolve_backend(backend, x) == REFERENCE:
         return grouped_gemm_reference(x, w, group_sizes)
-    from xorl_kernels.grouped_gemm.triton_kernels import grouped_gemm_forward
+    from xorl_kernels.expert_gemm.triton_kernels import grouped_gemm_forward
 
     if group_sizes.device.type == "cpu" or env_flag("XORL_CHECK_GROUP_SIZES"):
         check_group_sizes_values(group_sizes, x.shape[0])
@@ -148,7 +148,7 @@ def _grouped_gemm_backward_op(
         if need_dw:
             dw = grouped_gemm_weight_grad_reference(x, dy, group_sizes, w.dtype)
         return dx, dw
-    from xorl_kernels.grouped_gemm.triton_kernels import grouped_gemm_forward, grouped_gemm_weight_grad
+    from xorl_kernels.expert_gemm.triton_kernels import grouped_gemm_forward, grouped_gemm_weight_grad
 
     if need_dx:
         # dx_g = dy_g @ w[g]^T: the forward kernel on a transposed (strided, uncopied) view of w.
@@ -187,7 +187,7 @@ def _grouped_gemm_bias_op(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, 
                           backend: str | None) -> torch.Tensor:
     if _resolve_backend(backend, x) == REFERENCE:
         return grouped_gemm_reference(x, w, group_sizes, bias)
-    from xorl_kernels.grouped_gemm.triton_kernels import grouped_gemm_forward
+    from xorl_kernels.expert_gemm.triton_kernels import grouped_gemm_forward
 
     if group_sizes.device.type == "cpu" or env_flag("XORL_CHECK_GROUP_SIZES"):
         check_group_sizes_values(group_sizes, x.shape[0])
@@ -205,7 +205,7 @@ def _grouped_bias_grad_op(dy: torch.Tensor, bias: torch.Tensor, group_sizes: tor
     """db [G, N] in bias's dtype: the sum of dy's rows of each group."""
     if _resolve_backend(backend, dy) == REFERENCE:
         return grouped_bias_grad_reference(dy, group_sizes, bias.dtype)
-    from xorl_kernels.grouped_gemm.triton_kernels import grouped_bias_grad
+    from xorl_kernels.expert_gemm.triton_kernels import grouped_bias_grad
 
     return grouped_bias_grad(dy.contiguous(), group_sizes, bias.dtype)
 

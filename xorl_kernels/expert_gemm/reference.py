@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from xorl_kernels.grouped_gemm.checks import check_group_sizes_values
+from xorl_kernels.expert_gemm.checks import check_group_sizes_values
 
 
 def grouped_gemm_reference(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor,
