@@ -4,8 +4,11 @@ A scheduler that preempts a job sends a signal and, after a grace period, SIGKIL
 the default action of SIGTERM killed the ranks and every step since the last checkpoint was lost.
 
 What happens now:
-- The first signal only sets a flag (and says so on that rank). The handler also puts the default
-  action back, so a second signal ends the process at once (killed by the signal: exit 128 + N).
+- The first signal only sets a flag (and says so on that rank), from a watcher thread that reads
+  it even while the main thread waits inside a collective. The handler puts the default action
+  back, so a second signal ends the process at once (killed by the signal: exit 128 + N).
+- A SIGTERM that is torchrun stopping the job because another rank failed (that rank counted
+  itself in the store, xorl/fatal.py) is not a preemption: the rank exits at once, quietly.
 - Every step ends with ``should_stop()``: a MAX all-reduce of one int32 over all ranks, on the
   compute device. A signal reaches the ranks at different times (one node first, or only the
   launcher's children); the reduction makes every rank stop after the same step. Cost: one
