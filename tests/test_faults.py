@@ -17,6 +17,7 @@ import time
 import pytest
 
 from tests.cli_runs import BIN, children, env, rank_of, torchrun_command, write_config, xorl_train
+from tests.test_cli_runs import _our_frames
 from xorl.metrics import read_metrics
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc for process ids")
@@ -131,6 +132,64 @@ def test_a_data_error_ends_the_job_with_one_message(tmp_path, where):
     assert (tmp_path / "out" / "checkpoints" / latest / "manifest.json").is_file()
 
 
+STALL_ON_RANK_1 = """
+import os
+if os.environ.get("RANK") == "1":  # rank 1 stops answering at step 7 (a hung read, a stuck device)
+    import time
+    import xorl.data.stream as stream
+    original = stream.StreamedLoader.microbatches
+    def microbatches(self, step):
+        if step == 6:
+            time.sleep(3600)
+        return original(self, step)
+    stream.StreamedLoader.microbatches = microbatches
+"""
+
+
+@pytest.mark.slow
+def test_a_stalled_rank_ends_the_job_within_the_collective_timeout(tmp_path):
+    """Rank 1 stalls: rank 0's collective times out (its one clean line), torchrun then stops rank 1
+    with SIGTERM, and rank 1 exits at once, not as a preemption waiting for torchrun's SIGKILL 30 s
+    later (before: the job ended collective_timeout_s + 30 s after the stall, rank 1 killed by -9)."""
+    config = _stream_config(tmp_path, rows=400, bad_at=None, max_steps=500, save_steps=0,
+                            collective_timeout_s=TIMEOUT_S, heartbeat_s=5, data_parallel_shard_size=2)
+    (tmp_path / "hook").mkdir()
+    (tmp_path / "hook" / "sitecustomize.py").write_text(STALL_ON_RANK_1)
+    extra = {"PYTHONPATH": f"{tmp_path / 'hook'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    job = Job(torchrun_command(2, config), tmp_path, extra)
+    job.wait_for("step 6/")
+    code = job.finish(limit_s=240)
+    text = job.text
+    last_step = max(t for t, line in job.lines if line.startswith("step "))
+    assert code != 0
+    assert job.ended - last_step < TIMEOUT_S + 15, (job.ended - last_step, text)
+    assert "SIGKILL" not in text and "SIGTERM received" not in text, text  # torchrun's stop is not a preemption
+    message = f"did not complete within train.collective_timeout_s={TIMEOUT_S} s"
+    assert text.count(message) == 1 and f"xorl-train (rank 0): a collective {message}" in text, text
+    assert _our_frames(text) == [], text  # torchrun's own stack only, no traceback of ours
+
+
+def test_a_heartbeat_longer_than_the_timeout_is_brought_before_it_with_a_note(tmp_path):
+    """The issue's run (collective_timeout_s 30, heartbeat_s 60 by default) printed no heartbeat at all."""
+    from xorl.config import load_config
+    from xorl.preflight import prepare_run
+    from xorl.watchdog import Heartbeat
+
+    lines: list[str] = []
+    heartbeat = Heartbeat(60.0, 1.2, write=lines.append)
+    try:
+        with heartbeat.busy("step 20"):
+            time.sleep(1.0)  # a stall, ended by the timeout at 1.2 s: a line comes first
+    finally:
+        heartbeat.close()
+    assert len(lines) >= 1 and lines[0].startswith("xorl: step 20 still running after 0 s"), lines
+    config = load_config(None, ["--train.collective_timeout_s=30", f"--train.output_dir={tmp_path / 'out'}"])
+    assert ("train.heartbeat_s=60 is not below train.collective_timeout_s=30: heartbeat lines every 10 s instead"
+            in " ".join(prepare_run(config, 2).notes))
+    config = load_config(None, ["--train.collective_timeout_s=300", f"--train.output_dir={tmp_path / 'out'}"])
+    assert not any("heartbeat" in note for note in prepare_run(config, 2).notes)
+
+
 # -- 2. an empty stream is refused before start ---------------------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("content", ["", "\n  \n\t\n"], ids=["empty", "blank lines"])
@@ -191,6 +250,30 @@ def test_the_lock_is_exclusive_across_processes_and_released_by_death(tmp_path):
             assert json.load(f)["pid"] == os.getpid()
     finally:
         run_lock.release(out)
+
+
+@pytest.mark.slow
+def test_a_second_run_is_refused_before_torch_is_imported(tmp_path):
+    """'refused in a second' (README): the lock is looked at before the config rules, which import the
+    model families and torch (measured: the refusal took 25-35 s on a loaded 2-core node, all import)."""
+    out = str(tmp_path / "out")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", f"import time; from xorl import run_lock; assert run_lock.acquire({out!r}) is None; "
+         "print('held', flush=True); time.sleep(600)"], env=env(), stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        probe = subprocess.run([sys.executable, "-c", (
+            "import sys\nfrom xorl.config import load_config\nfrom xorl.config_error import ConfigError\n"
+            "from xorl.preflight import prepare_run\n"
+            f"config = load_config(None, ['--train.output_dir={out}', '--train.resume=true'])\n"
+            "try:\n    prepare_run(config, 1)\nexcept ConfigError as e:\n    print('refused:', e)\n"
+            "print('torch imported:', 'torch' in sys.modules)\n")], env=env(), capture_output=True, text=True,
+            timeout=120)
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    assert f"refused: train.output_dir={out!r} is in use by another run (pid {holder.pid}" in probe.stdout, probe
+    assert "torch imported: False" in probe.stdout, probe.stdout + probe.stderr
 
 
 # -- 4. preemption -------------------------------------------------------------------------------
@@ -373,6 +456,51 @@ def test_enospc_in_the_middle_of_a_write_is_named(gloo_world, tmp_path):
     assert "free; checkpoint step_00000001 was not written and no earlier checkpoint exists" in message
     assert not os.path.exists(os.path.join(root, "step_00000001.tmp"))
     assert not os.path.exists(os.path.join(root, "latest"))
+
+
+def _save_with_disk_full_in_the_small_files(output_dir: str, blocking: bool) -> tuple[str, str]:
+    """Every rank's shards are written; then rank 0's plain files meet ENOSPC (the disk filled with the
+    last bytes, seen on a 1.1 MB tmpfs under torchrun: an OSError traceback, step_N.tmp left)."""
+    import torch
+
+    import xorl.checkpoint as checkpoint
+    from xorl.checkpoint import Checkpointer, CheckpointError
+
+    real = checkpoint._write_files
+
+    def write_files(folder, files, records):
+        with open(os.path.join(folder, "run_config.yaml"), "wb") as f:
+            f.write(b"train: {}\n")  # a first file lands, the next does not
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.path.join(folder, "trainer_state.json"))
+
+    checkpoint._write_files = write_files
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(64, 64)
+        optim = torch.optim.AdamW(model.parameters())
+        model(torch.randn(4, 64)).sum().backward()
+        optim.step()
+        saver = Checkpointer(output_dir)
+        try:
+            saver.save(3, [model], [optim], {"step": 3}, {"run_config.yaml": "x"}, blocking=blocking)
+            saver.wait()
+        except CheckpointError as e:
+            return type(e).__name__, str(e)
+        return "saved", ""
+    finally:
+        checkpoint._write_files = real
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "async"])
+def test_a_disk_that_fills_with_the_small_files_is_named_on_every_rank(gloo_world, tmp_path, blocking):
+    out = str(tmp_path / f"out_{blocking}")
+    results = gloo_world(2).run(_save_with_disk_full_in_the_small_files, out, blocking, timeout_s=120)
+    root = os.path.join(out, "checkpoints")
+    for kind, message in results:  # the same CheckpointError on both ranks (rank 1 wrote nothing itself)
+        assert kind == "CheckpointError", (kind, message)
+        assert message.startswith(f"no space left on {root}: "), message
+        assert "checkpoint step_00000003 was not written and no earlier checkpoint exists" in message
+    assert sorted(os.listdir(root)) == []  # neither step_00000003.tmp nor a half-published step_00000003
 
 
 # -- 6. a flipped byte ---------------------------------------------------------------------------

@@ -93,7 +93,7 @@ def _prepare(root: str, tmp: str) -> None:
 def _publish(root: str, tmp: str, final: str, name: str, files: dict[str, str],
              records: dict[str, tuple[int, int]]) -> None:
     """Rank 0, once every rank wrote its part: the plain files and the manifest, ``step_N.tmp`` ->
-    ``step_N``, then ``latest``."""
+    ``step_N``, then ``latest`` (a failure part-way: ``_unpublish``)."""
     _write_files(tmp, files, records)
     shutil.rmtree(final, ignore_errors=True)
     os.rename(tmp, final)
@@ -103,6 +103,46 @@ def _publish(root: str, tmp: str, final: str, name: str, files: dict[str, str],
         f.flush()
         os.fsync(f.fileno())
     os.replace(pointer, os.path.join(root, LATEST))
+
+
+def _unpublish(root: str, tmp: str, final: str) -> None:
+    """Rank 0, after ``_publish`` failed part-way: the new folder (either name) and pointer go."""
+    for folder in (tmp, final):
+        shutil.rmtree(folder, ignore_errors=True)
+    pointer = os.path.join(root, LATEST + ".tmp")
+    if os.path.exists(pointer):
+        os.remove(pointer)
+
+
+def _published(root: str, tmp: str, final: str, name: str, files: dict[str, str],
+               records: dict[str, tuple[int, int]], needed: int | None, group) -> None:
+    """Rank 0 publishes; every rank learns whether it worked (rank 0's verdict is broadcast, which
+    also keeps the others waiting until ``latest`` names the new checkpoint) and raises the same
+    CheckpointError if not, so a full disk during the small files is named like one during the shards."""
+    if needed is None:  # save_checkpoint measured nothing before: at least the shards just written
+        needed = sum(size for _, size in records.values())
+    failure: OSError | None = None
+    verdict = torch.zeros(3, dtype=torch.float64)  # (failed, disk full, free bytes when it failed)
+    if _is_rank0():
+        try:
+            _publish(root, tmp, final, name, files, records)
+        except OSError as err:
+            failure = err
+            verdict[:] = torch.tensor([1.0, float(is_disk_full(err)), shutil.disk_usage(root).free])
+            _unpublish(root, tmp, final)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.broadcast(verdict, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    if verdict[0].item() == 0.0:
+        return
+    if verdict[1].item() > 0:
+        free = int(verdict[2].item())
+        raise CheckpointError(
+            f"no space left on {root}: {needed} bytes needed, {free} "
+            f"free; checkpoint {name} was not written and {_kept(root)}. Free space (or move train.output_dir), "
+            "then continue with --train.resume=true") from failure
+    reason = f"{failure.strerror or failure} ({failure.filename})" if failure is not None else \
+        "rank 0 could not write its files"
+    raise CheckpointError(f"checkpoint {name} was not written: {reason}; {_kept(root)}") from failure
 
 
 def save_checkpoint(output_dir: str, step: int, models: list[torch.nn.Module],
@@ -118,9 +158,7 @@ def save_checkpoint(output_dir: str, step: int, models: list[torch.nn.Module],
     writer, fs = recording_writer(tmp)
     dcp.save({"extra": extra, "model": model_sd, "optim": optim_sd}, storage_writer=writer)
     records = _gather_records(fs.records, None)
-    if _is_rank0():
-        _publish(root, tmp, final, name, files or {}, records)
-    _barrier()
+    _published(root, tmp, final, name, files or {}, records, None, None)
     return final
 
 
@@ -207,8 +245,14 @@ class Checkpointer:
             needed = sum(sizes.values())
         verdict = torch.zeros(2, dtype=torch.float64)  # (needed, free): exact below 2**53 bytes
         if _is_rank0():
-            _prepare(root, tmp)
-            verdict[0], verdict[1] = needed, shutil.disk_usage(root).free
+            try:
+                _prepare(root, tmp)
+                free = shutil.disk_usage(root).free
+            except OSError as err:  # a disk too full for even the empty folder
+                if not is_disk_full(err):
+                    raise
+                free = 0
+            verdict[0], verdict[1] = needed, free
         if self.group is not None:
             dist.broadcast(verdict, src=0, group=self.group)
         needed, free = int(verdict[0]), int(verdict[1])
@@ -239,21 +283,21 @@ class Checkpointer:
             dist.all_reduce(verdict[:1], op=dist.ReduceOp.MIN, group=self.group)
             dist.all_reduce(verdict[1:], op=dist.ReduceOp.MAX, group=self.group)
         if verdict[0].item() < 1.0:
-            self._barrier()  # every rank stopped writing before rank 0 removes the partial folder
+            # the free space as the write left it, measured on every rank before rank 0 removes the partial folder
+            full_message = no_space_message(root, needed) if verdict[1].item() > 0 else ""
+            self._barrier()  # every rank stopped writing (and measured) before rank 0 removes the partial folder
             if verdict[1].item() > 0:
                 if _is_rank0():
-                    shutil.rmtree(tmp, ignore_errors=True)  # the space it took is the space we report
+                    shutil.rmtree(tmp, ignore_errors=True)
                 raise CheckpointError(
-                    f"{no_space_message(root, needed)}; checkpoint {name} was not written and {_kept(root)}. Free "
+                    f"{full_message}; checkpoint {name} was not written and {_kept(root)}. Free "
                     "space (or move train.output_dir), then continue with --train.resume=true") from error
             raise RuntimeError(
                 f"checkpoint {name} was not written completely ({error or 'another rank failed'}); "
                 f"{os.path.join(root, LATEST)} still names the previous checkpoint"
             ) from error
         records = _gather_records(fs.records, self.group)
-        if _is_rank0():
-            _publish(root, tmp, final, name, files, records)
-        self._barrier()
+        _published(root, tmp, final, name, files, records, needed, self.group)
         return final
 
     def _barrier(self) -> None:

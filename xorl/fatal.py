@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -46,6 +47,56 @@ def first_to_fail() -> bool:
         return store.add(FATAL_KEY, 1) == 1
     except Exception:  # noqa: BLE001 - no store to ask: better twice than never
         return True
+
+
+def collective_timeout(error: BaseException, timeout_s: float) -> str | None:
+    """The one line for a collective that timed out (gloo's 'Timed out waiting ...ms', NCCL's watchdog
+    'timeout'), else None. Why no traceback: the stack only says which collective waited; what the
+    user needs is that a peer stalled, and its own error, if it had one, is printed by that rank."""
+    text = str(error).strip()
+    first = text.splitlines()[0] if text else type(error).__name__
+    try:
+        from torch.distributed import DistError
+    except ImportError:  # pragma: no cover - torch without distributed
+        DistError = RuntimeError  # noqa: N806
+    lowered = text.lower()
+    gloo = isinstance(error, RuntimeError) and "Timed out waiting" in text
+    nccl = "collective operation timeout" in lowered or (
+        isinstance(error, DistError) and ("timed out" in lowered or "timeout" in lowered))
+    if not (gloo or nccl):
+        return None
+    return (f"a collective did not complete within train.collective_timeout_s={timeout_s:g} s: another rank "
+            f"stalled (or stopped without an error of its own); if one failed, its error is printed above. "
+            f"({type(error).__name__}: {first})")
+
+
+def another_rank_failed(within_s: float = 3.0) -> bool:
+    """Whether a rank of this job already reported a fatal error (counted in the store by
+    ``first_to_fail``). Asked from a helper thread and given up after ``within_s`` (False): the store
+    may be gone with its host, and the store's own timeout is the job's collective timeout."""
+    answer: list[bool] = []
+
+    def ask() -> None:
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                answer.append(bool(dist.distributed_c10d._get_default_store().check([FATAL_KEY])))
+        except Exception:  # noqa: BLE001 - no store to ask: not known to have failed
+            pass
+
+    asking = threading.Thread(target=ask, name="xorl-fatal-check", daemon=True)
+    asking.start()
+    asking.join(within_s)
+    return bool(answer and answer[0])
+
+
+def exit_quietly_after_another_rank(code: int = 1) -> None:
+    """This rank is being stopped because another one failed (its error is printed): leave at once."""
+    write_error_file("stopped because another rank failed (its error is printed above)")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _rank() -> int:

@@ -4,8 +4,11 @@ A scheduler that preempts a job sends a signal and, after a grace period, SIGKIL
 the default action of SIGTERM killed the ranks and every step since the last checkpoint was lost.
 
 What happens now:
-- The first signal only sets a flag (and says so on that rank). The handler also puts the default
-  action back, so a second signal ends the process at once (killed by the signal: exit 128 + N).
+- The first signal only sets a flag (and says so on that rank), from a watcher thread that reads
+  it even while the main thread waits inside a collective. The handler puts the default action
+  back, so a second signal ends the process at once (killed by the signal: exit 128 + N).
+- A SIGTERM that is torchrun stopping the job because another rank failed (that rank counted
+  itself in the store, xorl/fatal.py) is not a preemption: the rank exits at once, quietly.
 - Every step ends with ``should_stop()``: a MAX all-reduce of one int32 over all ranks, on the
   compute device. A signal reaches the ranks at different times (one node first, or only the
   launcher's children); the reduction makes every rank stop after the same step. Cost: one
@@ -59,7 +62,17 @@ class Preempted(Exception):
 
 
 class PreemptionGuard:
-    """Signal handlers for one ``train()`` call, and the per-step agreement on stopping."""
+    """Signal handlers for one ``train()`` call, and the per-step agreement on stopping.
+
+    Why a watcher thread: Python runs a signal handler only when the main thread is back in the
+    interpreter, and a rank waiting in a collective for a stalled peer is not (it is inside gloo or
+    a device sync). The C-level handler still writes the signal's number to a wakeup pipe
+    (``signal.set_wakeup_fd``); the watcher thread reads it and acts at once: it starts the grace
+    timer, and tells a preemption from torchrun stopping the job because another rank failed (that
+    rank counted itself in the store, xorl/fatal.py): then this rank leaves at once and quietly
+    instead of waiting out torchrun's ``--shutdown-timeout`` to be SIGKILLed. The Python-level
+    handler only puts the default action back, so a second signal ends the process at once.
+    """
 
     def __init__(self, signal_names: list[str], grace_s: float, device: torch.device):
         self.signals = [getattr(signal, name) for name in signal_names]
@@ -68,27 +81,63 @@ class PreemptionGuard:
         self._previous: dict[int, object] = {}
         self._timer: threading.Timer | None = None
         self._flag = torch.zeros(1, dtype=torch.int32, device=device) if self.signals else None
+        self._lock = threading.Lock()
+        self._seen = 0  # signals the watcher read
+        self._pipe: tuple[int, int] | None = None
+        self._previous_wakeup = -1
         if threading.current_thread() is not threading.main_thread():
             self.signals = []  # Python delivers signals to the main thread only
             self._flag = None
+        if self.signals:
+            read_fd, write_fd = os.pipe()
+            os.set_blocking(write_fd, False)
+            self._previous_wakeup = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+            self._pipe = (read_fd, write_fd)
+            threading.Thread(target=self._watch, args=(read_fd,), name="xorl-preemption", daemon=True).start()
         for signum in self.signals:
             self._previous[signum] = signal.signal(signum, self._handle)
 
     def _handle(self, signum, frame) -> None:
-        if self.received is not None:
-            return
-        self.received = signum
-        for other in self.signals:  # a second signal: the default action, i.e. exit at once
+        """Main thread (when it gets to it): a second signal gets the default action, i.e. exits at once."""
+        for other in self.signals:
             signal.signal(other, signal.SIG_DFL)
+
+    def _watch(self, read_fd: int) -> None:
+        while True:
+            try:
+                data = os.read(read_fd, 64)
+            except OSError:
+                data = b""
+            if not data:  # close(): the write end is gone
+                os.close(read_fd)
+                return
+            for signum in data:
+                if signum not in self.signals:
+                    continue  # another handler's signal (SIGINT, ...)
+                self._seen += 1
+                if self._seen == 1:
+                    self._begin(signum)
+                else:  # the main thread has not run the handler yet (blocked): exit at once here
+                    os._exit(128 + signum)
+
+    def _begin(self, signum: int) -> None:
+        """The first signal, on the watcher thread."""
         name = signal.Signals(signum).name
+        with self._lock:
+            if self.received is not None or self._pipe is None:
+                return
+            self._timer = threading.Timer(self.grace_s, self._out_of_time, args=(name,))
+            self._timer.daemon = True
+            self._timer.start()
+        from xorl.fatal import another_rank_failed, exit_quietly_after_another_rank
+
+        if another_rank_failed():  # torchrun stopping the job after a rank's fatal error: not a preemption
+            exit_quietly_after_another_rank()
+        self.received = signum
         rank = os.environ.get("RANK", "0")
-        # os.write: print() from a handler can re-enter a buffered stream the main thread is using.
         os.write(2, (f"xorl (rank {rank}): {name} received: finishing the current step, then saving a checkpoint "
                      f"and exiting with code {PREEMPTED_EXIT} (within train.preempt_grace_s={self.grace_s:g} s); "
                      f"send {name} again to exit at once\n").encode())
-        self._timer = threading.Timer(self.grace_s, self._out_of_time, args=(name,))
-        self._timer.daemon = True
-        self._timer.start()
 
     def _out_of_time(self, name: str) -> None:
         os.write(2, (f"xorl: {name}: the step and its checkpoint did not finish within train.preempt_grace_s="
@@ -116,9 +165,14 @@ class PreemptionGuard:
                          f"{PREEMPTED_EXIT}. Continue with --train.resume=true")
 
     def close(self) -> None:
-        """Put the earlier handlers back and stop the grace timer (``train`` returns or raises)."""
-        if self._timer is not None:
-            self._timer.cancel()
+        """Put the earlier handlers back, stop the grace timer and the watcher (``train`` returns or raises)."""
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+            pipe, self._pipe = self._pipe, None
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)
         self._previous = {}
+        if pipe is not None:
+            signal.set_wakeup_fd(self._previous_wakeup)
+            os.close(pipe[1])  # the watcher reads end-of-file and closes the read end

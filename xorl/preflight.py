@@ -29,6 +29,7 @@ from xorl.config_rules import validate_config
 from xorl.distributed.parallel_config import ParallelConfig
 from xorl.epochs import load_counted_dataset, resolve_num_epochs
 from xorl.resume import check_resume
+from xorl.watchdog import heartbeat_interval
 
 
 @dataclass
@@ -55,17 +56,19 @@ class RunPlan:
 def prepare_run(config: Any, world_size: int) -> RunPlan:
     """Check ``config`` on ``world_size`` ranks and its run folder; raise one ConfigError listing
     every problem, else return the plan (``config`` may change: resume_hparams=checkpoint)."""
+    # Another run in this folder: refuse, nothing else, and first: the rules below import the model
+    # families (and torch, seconds to tens of seconds on a loaded node). Rank 0 looks (it is the one that
+    # takes the lock, xorl/run_lock.py); another rank would take its own job's rank 0 of an earlier
+    # start for a stranger.
+    busy = run_lock.holder(config.train.output_dir) if os.environ.get("RANK", "0") == "0" else None
+    if busy:
+        raise ConfigError([busy])
     problems = []
     try:
         validate_config(config, world_size)
     except ConfigError as e:
         problems += e.problems
     plan = RunPlan()
-    # Another run in this folder: refuse, nothing else. Rank 0 looks (it is the one that takes the lock,
-    # xorl/run_lock.py); another rank would take its own job's rank 0 of an earlier start for a stranger.
-    busy = run_lock.holder(config.train.output_dir) if os.environ.get("RANK", "0") == "0" else None
-    if busy:
-        raise ConfigError(problems + [busy])
     if config.train.num_epochs is not None and not problems:
         try:
             plan.dataset = load_counted_dataset(config)  # max_steps from the data's length (xorl/epochs.py)
@@ -80,6 +83,11 @@ def prepare_run(config: Any, world_size: int) -> RunPlan:
     if config.train.warmup_steps > config.train.max_steps:  # xorl/optim.py's lr_factor cuts it
         plan.notes.append(f"train.warmup_steps={config.train.warmup_steps} is more than train.max_steps="
                           f"{config.train.max_steps}: warming up over {config.train.max_steps} steps")
+    beat = heartbeat_interval(config.train.heartbeat_s, config.train.collective_timeout_s)
+    if beat != config.train.heartbeat_s:
+        plan.notes.append(f"train.heartbeat_s={config.train.heartbeat_s:g} is not below train.collective_timeout_s="
+                          f"{config.train.collective_timeout_s:g}: heartbeat lines every {beat:g} s instead, so a "
+                          "stalled rank shows before the timeout ends the job")
     if config.train.memory_snapshot_step is not None and not problems:
         from xorl.profiling import memory_snapshot_problems
 

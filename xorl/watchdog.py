@@ -23,18 +23,27 @@ import time
 PR_SET_PDEATHSIG = 1
 
 
+def heartbeat_interval(heartbeat_s: float, timeout_s: float) -> float:
+    """The heartbeat's period: ``heartbeat_s``, or a third of ``collective_timeout_s`` when
+    ``heartbeat_s`` would come only after the timeout ended the job (a 30 s timeout with the 60 s
+    default printed no line at all); xorl/preflight.py says so at start-up."""
+    if heartbeat_s > 0 and heartbeat_s >= timeout_s:
+        return timeout_s / 3
+    return heartbeat_s
+
+
 class Heartbeat:
     """``with heartbeat.busy("step 12"): ...``: lines while the block runs longer than ``interval_s``."""
 
     def __init__(self, interval_s: float, timeout_s: float, enabled: bool = True, write=None):
-        self.interval_s, self.timeout_s = interval_s, timeout_s
+        self.interval_s, self.timeout_s = heartbeat_interval(interval_s, timeout_s), timeout_s
         self._write = write or (lambda line: print(line, file=sys.stderr, flush=True))
         self._label: str | None = None
         self._since = 0.0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = None
-        if enabled and interval_s > 0:
+        if enabled and self.interval_s > 0:
             self._thread = threading.Thread(target=self._run, name="xorl-heartbeat", daemon=True)
             self._thread.start()
 

@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch.distributed as dist
 
     from xorl.checkpoint import CheckpointError
-    from xorl.fatal import exit_fatal
+    from xorl.fatal import collective_timeout, exit_fatal
     from xorl.preemption import Preempted
     from xorl.trainer import NonFiniteLossError, run_training
 
@@ -98,6 +98,9 @@ def main(argv: list[str] | None = None) -> None:
     except Preempted as e:  # the checkpoint is saved; exit 75 so the scheduler may requeue the job
         e.exit()
     except Exception as e:  # noqa: BLE001 - any other fatal error ends the whole job, shown once
+        timed_out = collective_timeout(e, config.train.collective_timeout_s)
+        if timed_out:
+            exit_fatal(timed_out, 1)
         exit_fatal(f"{type(e).__name__}: {e}", 1, with_traceback=True)
     if dist.is_initialized():
         if dist.get_rank() == 0 and results:
