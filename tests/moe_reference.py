@@ -12,8 +12,9 @@ Routing (as transformers' Qwen3-MoE): scores = softmax(router_logits) in fp32 (o
 router_scoring="sigmoid"), top-k of the scores, optionally renormalised to sum to 1
 (norm_topk_prob), cast back to the logits' dtype.
 
-Router losses: the same protocol as ``xorl.nn.MoE``, so the model collects either block's losses.
-After each forward the block sets
+Router losses: kept on the block (``xorl.nn.MoE`` returns them instead, as ``(hidden, aux)``; this
+oracle keeps the older protocol, compared by tests/test_models_hf_parity.py). After each forward
+the block sets
     last_aux_loss  aux_loss_coef * load_balancing_loss + z_loss_coef * z_loss  (differentiable scalar)
     last_stats     detached {"load_balancing_loss", "z_loss", "tokens_per_expert" [E] int64}
 """

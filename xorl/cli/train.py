@@ -12,7 +12,9 @@ What a user sees when the run cannot start: one message on stderr, printed by ra
 traceback, exit code 2 (config and data errors) or 1 (a checkpoint that does not load). Under
 torchrun, torchrun then prints its own failure summary (its stack and one block per failed rank,
 exit code 1); each worker's error file makes that block point at the message instead of saying
-"To enable traceback see ...". The config is checked before torch is imported: this takes a second.
+"To enable traceback see ...". A busy output_dir is refused before torch is imported (in a
+second); the config rules then import the model families (and torch) before any process group
+starts.
 """
 
 from __future__ import annotations

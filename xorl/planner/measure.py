@@ -62,8 +62,4 @@ def step_transient_peak(config) -> int:
         peak = torch.cuda.max_memory_allocated() - start
     else:
         peak = profiled_peak(trainer.train_step)
-    for part in trainer.parts:  # MoE blocks keep their aux loss, graph included: a cycle through FSDP
-        for module in part.modules():
-            if getattr(module, "last_aux_loss", None) is not None:
-                module.last_aux_loss = None
     return peak

@@ -52,7 +52,7 @@ Which collectives overlap compute in xorl:
   Ring    ring - 1 K/V block transfers per layer forward (twice in backward), each overlapped with
           that step's attention.
   EP      dispatch + combine all-to-all of t k h elements per MoE layer, forward and backward; the
-          shared expert runs while dispatch is in flight (xorl/nn/moe.py), the rest is exposed.
+          shared expert runs while dispatch is in flight (xorl/nn/ep_dispatch.py), the rest is exposed.
   PP      one [t, h] send per microbatch and stage boundary each way: exposed.
 Bubble: (p - 1) / v microbatch-times of the slowest pipeline rank; InterleavedZeroBubble a third
 of that, ZBVZeroBubble none.
