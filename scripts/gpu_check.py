@@ -3,12 +3,17 @@
     python scripts/gpu_check.py smoke --model dense|moe --out FILE.json
     python scripts/gpu_check.py compile --model dense|moe --out FILE.json
     python scripts/gpu_check.py sync --model dense|moe --out FILE.json
+    python scripts/gpu_check.py fp8 --model dense|moe --out FILE.json
 
 ``smoke``: bf16 training on one GPU through xorl's kernels (Triton flash attention; for MoE the
 csrc permute / unpermute and the grouped GEMM); the loss must fall and stay finite; reports
 tokens per second and peak memory. ``compile``: the smoke run eager, then with ``train.compile: true``
 (inductor, each decoder block); reports tokens per second of both and the speed-up (compilation is in
 the warm-up steps, not timed); both losses must fall, stay finite and start equal to bf16 precision.
+``fp8``: the smoke run with ``train.fp8: none`` (the anchor), then each recipe (dense: tensorwise,
+tensorwise + fp8_all_gather, rowwise, blockwise; MoE: blockwise, whose experts run the FP8 grouped
+GEMM); tokens per second of each and its ratio to the anchor; every loss must fall, stay finite and
+start within 2 % of the bf16 run's.
 ``sync``: one training step (after a warm-up step) with
 ``torch.cuda.set_sync_debug_mode("warn")`` on from the first forward to the optimizer step's end,
 every warning recorded; any synchronising call there fails the check (the step's one read of the
@@ -35,6 +40,7 @@ def _config(model: str, steps: int, out_dir: str, extra: tuple[str, ...] = ()):
         "--model.vocab_size=32000", "--model.hidden_size=2048", "--model.num_hidden_layers=4",
         "--model.num_attention_heads=16", "--model.num_key_value_heads=4", "--model.head_dim=128",
         "--model.intermediate_size=5632", "--model.attn_implementation=xorl",
+        "--model.max_position_embeddings=4096",
         "--data.seq_len=4096", "--data.micro_batch_size=1",
         "--train.data_parallel_shard_size=1", "--train.ringattn_parallel_size=1",
         "--train.gradient_accumulation_steps=2", "--train.dtype=bfloat16", "--train.lr=1e-3",
@@ -91,6 +97,27 @@ def compile_check(model: str, out_dir: str, steps: int = 20) -> dict:
     }
 
 
+def fp8_recipes(model: str) -> list[tuple[str, tuple[str, ...]]]:
+    """(name, the overrides) of each FP8 run of the fp8 check."""
+    if model == "moe":
+        return [("blockwise", ("--train.fp8=blockwise",))]
+    return [("tensorwise", ("--train.fp8=tensorwise",)),
+            ("tensorwise+all_gather", ("--train.fp8=tensorwise", "--train.fp8_all_gather=true")),
+            ("rowwise", ("--train.fp8=rowwise",)), ("blockwise", ("--train.fp8=blockwise",))]
+
+
+def fp8_check(model: str, out_dir: str, steps: int = 20) -> dict:
+    anchor = _timed_run(_config(model, steps, f"{out_dir}/none"), steps)
+    report = {"model": model, "steps": steps, "none": anchor, "ok": anchor["ok"]}
+    for name, extra in fp8_recipes(model):
+        run = _timed_run(_config(model, steps, f"{out_dir}/{name}", extra), steps)
+        run["speedup"] = run["tokens_per_s"] / anchor["tokens_per_s"]
+        same_start = abs(run["loss_first"] - anchor["loss_first"]) <= 2e-2 * abs(anchor["loss_first"])
+        report[name] = run
+        report["ok"] = report["ok"] and run["ok"] and same_start
+    return report
+
+
 def _finite(x: float) -> bool:
     return x == x and abs(x) != float("inf")
 
@@ -120,14 +147,14 @@ def sync(model: str, out_dir: str) -> dict:
         hook.remove()
     syncs = [str(w.message).splitlines()[0] + " @ " + f"{w.filename}:{w.lineno}" for w in caught
              if "synchroniz" in str(w.message)]
-    ep_splits = [s for s in syncs if "expert_parallel.py" in s]
-    others = [s for s in syncs if "expert_parallel.py" not in s]
+    ep_splits = [s for s in syncs if "ep_dispatch.py" in s]  # EP split sizes: xorl/nn/ep_dispatch.py
+    others = [s for s in syncs if "ep_dispatch.py" not in s]
     return {"model": model, "syncs": others, "ep_split_syncs": len(ep_splits), "ok": not others}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="scripts/gpu_check.py")
-    parser.add_argument("check", choices=["smoke", "compile", "sync"])
+    parser.add_argument("check", choices=["smoke", "compile", "sync", "fp8"])
     parser.add_argument("--model", choices=["dense", "moe"], default="dense")
     parser.add_argument("--out", required=True, help="JSON file for the report")
     args = parser.parse_args(argv)
@@ -135,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_check.py needs a CUDA GPU", file=sys.stderr)
         return 2
     out_dir = f"/tmp/xorl-gpu-check-{args.check}-{args.model}"
-    report = {"smoke": smoke, "compile": compile_check, "sync": sync}[args.check](args.model, out_dir)
+    checks = {"smoke": smoke, "compile": compile_check, "sync": sync, "fp8": fp8_check}
+    report = checks[args.check](args.model, out_dir)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
     print(json.dumps(report))

@@ -2,10 +2,11 @@
 # One command on a GPU machine (issue "Run on real GPUs"): build, test, train, check, benchmark.
 #
 #   bash scripts/gpu_check.sh [STAGE ...]
-#       STAGE: build tests smoke compile multirank sync bench (default: all)
+#       STAGE: build tests smoke compile fp8 multirank sync bench (default: all)
 #
 # Writes bench/results/<device>-<UTC time>-tests.txt (the test summary lines), -checks.json (smoke,
-# compile (tokens/s eager vs train.compile), multi-rank and sync reports) and, from
+# compile (tokens/s eager vs train.compile), fp8 (tokens/s per train.fp8 recipe vs none),
+# multi-rank and sync reports) and, from
 # `python -m bench`, <device>-<UTC time>.json. Stages run on past a failure; the exit code is
 # non-zero if any failed. Every stage fits a 10-minute device call on one H100 when run alone;
 # XORL_BENCH_ARGS (default --quick) and XORL_PYTEST_ARGS pass options on.
@@ -13,7 +14,7 @@ set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(build tests smoke compile multirank sync bench)
+[ ${#stages[@]} -eq 0 ] && stages=(build tests smoke compile fp8 multirank sync bench)
 want() { local s; for s in "${stages[@]}"; do [ "$s" = "$1" ] && return 0; done; return 1; }
 
 # shellcheck disable=SC1091
@@ -61,6 +62,14 @@ if want compile; then
   for model in dense moe; do
     run "compile-$model" python scripts/gpu_check.py compile --model "$model" --out "$work/compile-$model.json"
     checks+=("$work/compile-$model.json")
+  done
+fi
+
+if want fp8; then
+  # Tokens per second of the smoke runs with each train.fp8 recipe against fp8: none (issue 22).
+  for model in dense moe; do
+    run "fp8-$model" python scripts/gpu_check.py fp8 --model "$model" --out "$work/fp8-$model.json"
+    checks+=("$work/fp8-$model.json")
   done
 fi
 
