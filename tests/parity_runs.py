@@ -22,6 +22,7 @@ _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm
 _LORA = dict(rank=4, alpha=8, dropout=0.0, init_lora_weights=False)
 MODELS = {
     "llama": {},
+    "llama-tied": dict(tie_word_embeddings=True),  # Llama 3.2 1B / 3B
     "llama-lora": dict(lora=dict(_LORA, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                         "up_proj", "down_proj"])),
     "qwen3_moe-lora": dict(model_type="qwen3_moe", **_MOE, lora=dict(_LORA, target_modules=["q_proj", "k_proj",

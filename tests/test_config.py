@@ -290,13 +290,6 @@ RULES = {
         2,
         ["num_hidden_layers=2 is fewer than the 4 pipeline stages", "add layers or use fewer stages"],
     ),
-    "tied embeddings with pp": (
-        ["--train.pipeline_parallel_size=2", "--train.gradient_accumulation_steps=2",
-         "--model.tie_word_embeddings=true"],
-        2,
-        ["tie_word_embeddings=true with pipeline_parallel_size > 1", "pipeline_parallel_size: 1",
-         "set tie_word_embeddings: false"],
-    ),
     "data_parallel_mode none with dp > 1": (
         ["--train.data_parallel_mode=none"],
         2,
@@ -431,6 +424,12 @@ def test_rule_message_names_field_and_fix(rule):
           "--train.gradient_accumulation_steps=2", "--train.ulysses_parallel_size=4"], 8),
         (["--train.data_parallel_mode=none", "--train.tensor_parallel_size=2"], 2),
         (["--train.data_parallel_replicate_size=2", "--train.data_parallel_shard_size=4"], 8),
+        # tied embeddings: a copy on the first and the last stage, kept in step (plans/pipeline_parallel.py)
+        (["--train.pipeline_parallel_size=4", "--train.gradient_accumulation_steps=4",
+          "--model.num_hidden_layers=4", "--model.tie_word_embeddings=true"], 4),
+        (["--train.pipeline_parallel_size=2", "--train.gradient_accumulation_steps=2",
+          "--train.pipeline_parallel_schedule=ZBVZeroBubble", "--train.virtual_pipeline_stages=2",
+          "--model.num_hidden_layers=4", "--model.tie_word_embeddings=true"], 2),
         # schedule fields do not apply without PP
         (["--train.pipeline_parallel_schedule=Interleaved1F1B"], 1),
     ],

@@ -64,6 +64,14 @@ LAYOUTS = [
                                                          ulysses_parallel_size=4, expert_parallel_size=4)),
     ("3d pp2 x tp2 x fsdp2", 8, "llama", dict(data_parallel_shard_size=2, pipeline_parallel_size=2,
                                               tensor_parallel_size=2, sequence_parallel=True)),
+    # Tied embeddings (Llama 3.2 1B / 3B) over pipeline stages: a copy on the first and on the last
+    # stage, their gradients summed after backward (across the pair of pipeline ranks; ZBV's V holds
+    # both on rank 0: a local sum), the norm counting the weight once.
+    ("tied pp2", 2, "llama-tied", dict(data_parallel_shard_size=1, pipeline_parallel_size=2)),
+    ("tied pp2 x fsdp2", 4, "llama-tied", dict(data_parallel_shard_size=2, pipeline_parallel_size=2)),
+    ("tied pp zero-bubble v", 2, "llama-tied", dict(data_parallel_shard_size=1, pipeline_parallel_size=2,
+                                                    pipeline_parallel_schedule="ZBVZeroBubble",
+                                                    virtual_pipeline_stages=2)),
     # LoRA (model.lora; tests/parity_runs.MODELS): adapters on every projection (on the MoE: attention,
     # or attention and per-expert adapters through the grouped GEMM), the base frozen; TP splits the
     # adapters to match the base (xorl/nn/tensor_parallel.py).

@@ -176,14 +176,6 @@ def _parallel_model_problems(m: Any, p: ParallelConfig) -> list[str]:
                 f"(pipeline_parallel_size={p.pp} x virtual_pipeline_stages={p.virtual_pipeline_stages}); "
                 "every stage needs at least one layer: add layers or use fewer stages"
             )
-        if m.tie_word_embeddings:
-            problems.append(
-                "model.tie_word_embeddings=true with pipeline_parallel_size > 1: the embedding "
-                "(first stage) and the output layer (last stage) share one weight, and xorl does not keep "
-                "a copy on each stage in step; train a tied model (e.g. Llama 3.2 1B / 3B) without "
-                "pipeline parallelism (pipeline_parallel_size: 1; FSDP, TP and CP fit it), or set "
-                "tie_word_embeddings: false for a model trained from scratch"
-            )
     return problems
 
 

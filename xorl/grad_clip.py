@@ -79,13 +79,16 @@ def total_grad_norm(params, pp_group=None) -> torch.Tensor:
 
 
 @torch.no_grad()
-def clip_grad_norm_(params, max_norm: float, pp_group=None) -> torch.Tensor:
+def clip_grad_norm_(params, max_norm: float, pp_group=None, counted=None) -> torch.Tensor:
     """Scale gradients so their global norm is at most ``max_norm`` (0 or less: no clipping).
 
-    Returns the norm before clipping as a device tensor (read it once, after the optimizer step).
+    ``counted``: the parameters the norm is taken over (default ``params``); all of ``params`` are
+    scaled. Why: a weight held twice (a tied embedding's copy on the last pipeline stage) is scaled
+    with its twin but counted once. Returns the norm before clipping as a device tensor (read it
+    once, after the optimizer step).
     """
     params = list(params)
-    norm = total_grad_norm(params, pp_group)
+    norm = total_grad_norm(params if counted is None else counted, pp_group)
     if max_norm > 0:
         # The same coefficient as torch.nn.utils.clip_grad_norm_, as a device tensor.
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)

@@ -162,6 +162,9 @@ class ParallelPlan:
             from xorl.plans.data_parallel import all_reduce_gradients
 
             all_reduce_gradients([p for m in self.modules for p in m.parameters()], state.dp_cp_group)
+        if self.pipeline is not None and self.pipeline.tied is not None:
+            # Tied embeddings over pipeline stages: both copies take the sum of their gradients.
+            self.pipeline.tied.sum_grads()
         return sums
 
     @property
@@ -173,6 +176,14 @@ class ParallelPlan:
     def grad_norm_group(self):
         """The ranks whose parameters make one model (the norm spans every pipeline stage)."""
         return self.state.pp_group
+
+    def grad_norm_parameters(self, params: list) -> list:
+        """The parameters the gradient norm counts: all but the last stage's copy of a tied embedding
+        under pipelining (after ``after_backward`` both copies hold the same gradient; one process
+        has one such weight)."""
+        tied = self.pipeline.tied if self.pipeline is not None else None
+        head_copy = tied.head_copy() if tied is not None else None
+        return params if head_copy is None else [p for p in params if p is not head_copy]
 
     def after_optimizer_step(self) -> None:
         """Auxiliary-loss-free balancing: every router's bias moves by the load of the data x context

@@ -303,7 +303,9 @@ class Trainer:
             loss_sum, aux_sum = self._forward_backward(microbatches, n_tok)
         # The step's sums over every rank, and the gradient reductions the layout needs.
         sums = plan.after_backward(loss_sum, aux_sum)
-        grad_norm = clip_grad_norm_(self.parameters(), self.config.train.max_grad_norm, plan.grad_norm_group)
+        params = self.parameters()
+        grad_norm = clip_grad_norm_(params, self.config.train.max_grad_norm, plan.grad_norm_group,
+                                    counted=plan.grad_norm_parameters(params))
         lr = self.schedulers[0].get_last_lr()[0]
         for optimizer, scheduler in zip(self.optimizers, self.schedulers):
             optimizer.step()

@@ -27,10 +27,12 @@ import copy
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
+from torch.distributed.tensor import DTensor
 
 from xorl.distributed.parallel_config import PIPELINE_SCHEDULES
 
@@ -110,6 +112,71 @@ class MicrobatchInputs:
 
 
 @dataclass
+class TiedEmbeddings:
+    """The two copies of a tied embedding / lm_head weight across pipeline stages, Megatron-style.
+
+    The first stage's ``embed_tokens`` and the last stage's ``lm_head`` start equal (the seeded
+    initialisation gives a tied lm_head the embedding's numbers; the HF loader fills it from the
+    embedding), and after every backward ``sum_grads`` adds the two gradients, so both copies take
+    the one gradient one process computes, and identical optimizer updates. Under FSDP2 and TP both
+    are [vocab, hidden] parameters sharded the same way over the same meshes (Shard(0)), so the local
+    gradient shards of the two ranks correspond element for element.
+    """
+
+    group: object | None  # the 2-rank group (first, last pipeline rank, same other mesh coordinates)
+    embedding: nn.Module | None  # the first stage's embed_tokens, where this rank runs it
+    head: nn.Module | None  # the last stage's lm_head, where this rank runs it
+
+    def params(self) -> list[torch.Tensor]:
+        # Read at use: FSDP2 and TP replace the modules' parameters after the split.
+        return [module.weight for module in (self.embedding, self.head) if module is not None]
+
+    def head_copy(self) -> torch.Tensor | None:
+        """The lm_head's copy, which the gradient norm leaves out (it counts the weight once)."""
+        return self.head.weight if self.head is not None else None
+
+    @torch.no_grad()
+    def sum_grads(self) -> None:
+        """Each copy's gradient becomes the sum of both copies' (a local sum when one rank holds both)."""
+        params = [p for p in self.params() if p.requires_grad]
+        if not params:  # a frozen embedding (LoRA): nothing to keep in step
+            return
+        grads = [_local_grad(p) for p in params]
+        total = grads[0] if len(grads) == 1 else grads[0] + grads[1]
+        if self.group is not None:
+            dist.all_reduce(total, group=self.group)
+        for g in grads:
+            if g is not total:
+                g.copy_(total)
+
+
+def _local_grad(param: torch.Tensor) -> torch.Tensor:
+    """This rank's gradient shard (zeros when the copy took no gradient this step)."""
+    if param.grad is None:
+        param.grad = torch.zeros_like(param)
+    grad = param.grad
+    return grad.to_local() if isinstance(grad, DTensor) else grad
+
+
+def tied_embedding_group(state):
+    """The group of this rank and the pipeline rank holding the other copy of a tied embedding.
+
+    Every rank creates every pair's group (new_group is collective over the world), in mesh order,
+    and keeps its own; under pipeline_parallel_size 2 the pair is the pipeline group itself.
+    """
+    if state.pp_size == 2:
+        return state.pp_group
+    ranks = state.mesh.mesh.reshape(state.pp_size, -1)
+    mine = None
+    for column in range(ranks.shape[1]):
+        pair = [int(ranks[0, column]), int(ranks[-1, column])]
+        group = dist.new_group(pair)
+        if dist.get_rank() in pair:
+            mine = group
+    return mine
+
+
+@dataclass
 class PipelineRecord:
     """What ``split_into_stages`` did: this rank's stages and how the step feeds them."""
 
@@ -117,6 +184,10 @@ class PipelineRecord:
     stages: list[nn.Module]  # the stage modules (full-model parameter names)
     num_stages: int  # over all pipeline ranks
     inputs: MicrobatchInputs  # the side inputs the stage hooks read
+    # Tied embeddings (model.tie_word_embeddings): the first and the last stage each hold a copy of
+    # the shared weight; ``tied_group`` joins this rank with the pipeline rank holding the other copy
+    # (None where this rank holds neither, or both: ZBV puts stage 0 and the last stage on rank 0).
+    tied: TiedEmbeddings | None = None
 
     @property
     def holds_first_stage(self) -> bool:
@@ -223,7 +294,17 @@ def split_into_stages(model: nn.Module, state, config) -> PipelineRecord:
         stage = _prune(model, *ranges[s], is_first=s == 0, is_last=s == total - 1)
         _install_stage_hooks(stage, s, inputs, is_last=s == total - 1)
         stages.append(stage)
-    return PipelineRecord(ids, stages, total, inputs)
+    tied = None
+    if config.model.tie_word_embeddings:
+        first, last = 0 in ids, total - 1 in ids
+        # ZBV's V puts the last stage back on pipeline rank 0: both copies are local, no group.
+        one_rank = total - 1 in stage_indices(0, state.pp_size, train.virtual_pipeline_stages,
+                                               train.pipeline_parallel_schedule)
+        group = None if one_rank else tied_embedding_group(state)  # collective: every rank takes part
+        tied = TiedEmbeddings(group if first != last else None,
+                              stages[ids.index(0)].model.embed_tokens if first else None,
+                              stages[ids.index(total - 1)].lm_head if last else None)
+    return PipelineRecord(ids, stages, total, inputs, tied)
 
 
 def build_schedule(stage_ids: list[int], stage_modules: list[nn.Module], state, config, device,
