@@ -60,8 +60,40 @@ def _state(models, optimizers) -> tuple[dict, dict]:
     model_sd, optim_sd = {}, {}
     for model, optim in zip(models, optimizers):
         model_sd.update(get_model_state_dict(model, options=_OPTIONS))
-        optim_sd.update(get_optimizer_state_dict(model, optim, options=_OPTIONS))
+        optim_sd.update(_tied_head_keys(model, get_optimizer_state_dict(model, optim, options=_OPTIONS), save=True))
     return model_sd, optim_sd
+
+
+_HEAD, _EMBED = ".lm_head.weight.", ".model.embed_tokens.weight."
+
+
+def _holds_tied_head_copy(model) -> bool:
+    """A pipeline stage whose lm_head is its own copy of a tied embedding (plans/pipeline_parallel.py)."""
+    decoder = getattr(model, "model", None)
+    return (bool(getattr(getattr(model, "spec", None), "tie_word_embeddings", False))
+            and getattr(model, "lm_head", None) is not None and getattr(decoder, "embed_tokens", 0) is None)
+
+
+def _tied_head_keys(model, optim_sd: dict, save: bool) -> dict:
+    """The optimizer state of a stage's tied lm_head copy under the embedding's names, as one process
+    saves a tied weight (once, as model.embed_tokens.weight): so a checkpoint loads on any layout.
+
+    ``save``: rename lm_head's keys to the embedding's; else (load) add lm_head's keys, copied from
+    the embedding's (copies: where one rank holds both stages, each optimizer keeps its own tensors).
+    """
+    if not _holds_tied_head_copy(model):
+        return optim_sd
+    if save:
+        return {_rename(k, _HEAD, _EMBED): v for k, v in optim_sd.items()}
+    head = {_rename(k, _EMBED, _HEAD): v.clone() if isinstance(v, torch.Tensor) else v
+            for k, v in optim_sd.items() if _rename(k, _EMBED, _HEAD) != k}
+    return {**optim_sd, **head}
+
+
+def _rename(key: str, old: str, new: str) -> str:
+    """``state.<old>exp_avg`` -> ``state.<new>exp_avg`` (flattened optimizer keys: section.fqn.field)."""
+    section, dot, rest = key.partition(".")
+    return f"{section}{new}{rest[len(old) - 1:]}" if dot and ("." + rest).startswith(old) else key
 
 
 class CheckpointError(RuntimeError):
@@ -413,5 +445,5 @@ def load_checkpoint(path: str, models: list[torch.nn.Module], optimizers: list[t
     for model, optim in zip(models, optimizers):
         # Each part takes the keys it owns; strict=False because the dicts hold every part's keys.
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
-        set_optimizer_state_dict(model, optim, state["optim"], options=_OPTIONS)
+        set_optimizer_state_dict(model, optim, _tied_head_keys(model, state["optim"], save=False), options=_OPTIONS)
     return state["extra"]
