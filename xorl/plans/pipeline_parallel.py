@@ -151,9 +151,9 @@ class TiedEmbeddings:
 
 
 def _local_grad(param: torch.Tensor) -> torch.Tensor:
-    """This rank's gradient shard (zeros when the copy took no gradient this step)."""
+    """This rank's gradient shard. Every stage runs every microbatch's backward, so each copy has one."""
     if param.grad is None:
-        param.grad = torch.zeros_like(param)
+        raise RuntimeError("a tied embedding copy took no gradient this step: its stage ran no backward")
     grad = param.grad
     return grad.to_local() if isinstance(grad, DTensor) else grad
 
