@@ -124,16 +124,18 @@ class TiedEmbeddings:
     """
 
     group: object | None  # the 2-rank group (first, last pipeline rank, same other mesh coordinates)
-    embedding: nn.Module | None  # the first stage's embed_tokens, where this rank runs it
-    head: nn.Module | None  # the last stage's lm_head, where this rank runs it
+    first_stage: nn.Module | None  # the stage holding embed_tokens, where this rank runs it
+    last_stage: nn.Module | None  # the stage holding lm_head, where this rank runs it
 
     def params(self) -> list[torch.Tensor]:
-        # Read at use: FSDP2 and TP replace the modules' parameters after the split.
-        return [module.weight for module in (self.embedding, self.head) if module is not None]
+        # Read at use: the TP plan replaces the modules and FSDP2 their parameters after the split.
+        head = self.head_copy()
+        embed = self.first_stage.model.embed_tokens.weight if self.first_stage is not None else None
+        return [p for p in (embed, head) if p is not None]
 
     def head_copy(self) -> torch.Tensor | None:
         """The lm_head's copy, which the gradient norm leaves out (it counts the weight once)."""
-        return self.head.weight if self.head is not None else None
+        return self.last_stage.lm_head.weight if self.last_stage is not None else None
 
     @torch.no_grad()
     def sum_grads(self) -> None:
@@ -302,8 +304,8 @@ def split_into_stages(model: nn.Module, state, config) -> PipelineRecord:
                                                train.pipeline_parallel_schedule)
         group = None if one_rank else tied_embedding_group(state)  # collective: every rank takes part
         tied = TiedEmbeddings(group if first != last else None,
-                              stages[ids.index(0)].model.embed_tokens if first else None,
-                              stages[ids.index(total - 1)].lm_head if last else None)
+                              stages[ids.index(0)] if first else None,
+                              stages[ids.index(total - 1)] if last else None)
     return PipelineRecord(ids, stages, total, inputs, tied)
 
 
