@@ -69,6 +69,8 @@ LAYOUTS = [
     # both on rank 0: a local sum), the norm counting the weight once.
     ("tied pp2", 2, "llama-tied", dict(data_parallel_shard_size=1, pipeline_parallel_size=2)),
     ("tied pp2 x fsdp2", 4, "llama-tied", dict(data_parallel_shard_size=2, pipeline_parallel_size=2)),
+    ("tied pp4 (first and last pipeline rank paired by a group of their own)", 4, "llama-tied",
+     dict(data_parallel_shard_size=1, pipeline_parallel_size=4)),
     ("tied pp2 x tp2+sp (both copies vocab-sharded alike)", 4, "llama-tied",
      dict(data_parallel_shard_size=1, pipeline_parallel_size=2, tensor_parallel_size=2, sequence_parallel=True)),
     ("tied pp zero-bubble v", 2, "llama-tied", dict(data_parallel_shard_size=1, pipeline_parallel_size=2,
