@@ -107,3 +107,21 @@ def test_one_process_checkpoint_resumes_on_pp(layout, runs, gloo_world, tmp_path
     ref = runs["ref"]
     assert max_rel_diff(resumed["losses"], ref["losses"][2:]) <= 1e-5, (resumed["losses"], ref["losses"])
     assert weights_rel_diff(resumed["weights"], ref["weights"]) <= 1e-5
+
+
+def test_pp_starts_from_a_tied_hf_folder_with_both_copies_equal(runs, gloo_world, tmp_path):
+    """model_path: a tied HF folder (no lm_head.weight in it) loads on pp2 x fsdp2, the last stage's
+    lm_head filled from the folder's embedding; the whole model is the folder's."""
+    from safetensors.torch import load_file
+
+    from tests.parity_runs import initial_weights
+
+    folder = os.path.join(runs["pp_dir"], "hf")
+    config = tiny_config(str(tmp_path), "llama-tied", gradient_accumulation_steps=2, pipeline_parallel_size=2,
+                         data_parallel_shard_size=2)
+    config.model.model_path = folder
+    start = gloo_world(4).run(initial_weights, config, timeout_s=900)[0]
+    embedding = load_file(os.path.join(folder, "model.safetensors"))["model.embed_tokens.weight"]
+    assert torch.equal(start["lm_head.weight"], embedding) and torch.equal(start["model.embed_tokens.weight"],
+                                                                           embedding)
+    assert weights_rel_diff(start, runs["pp"]["weights"]) == 0.0
