@@ -281,6 +281,8 @@ SPLIT_FILES = (
     "xorl/nn/moe.py", "xorl/nn/ep_dispatch.py",
     "xorl/models/hf_io.py", "xorl/models/hf_layout.py", "xorl/models/hf_writer.py",
     "bench/bench_step_anatomy.py", "bench/anatomy_comm.py", "bench/anatomy_step.py",
+    "xorl/config_rules.py", "xorl/rules/model.py", "xorl/rules/data.py", "xorl/rules/parallel.py",
+    "xorl/rules/train.py", "xorl/rules/fp8.py", "xorl/rules/lora.py", "xorl/rules/common.py",
 )
 
 
