@@ -526,7 +526,7 @@ def test_planner_counts_fp8_all_gather_bytes(monkeypatch):
     from xorl.config import load_config
     from xorl.planner import step_time as planner
     from xorl.planner.guide import with_layout
-    from xorl.planner.memory import model_shapes
+    from xorl.planner.shapes import model_shapes
 
     sent = []
     collective = planner._Cost.collective

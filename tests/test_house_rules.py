@@ -283,6 +283,7 @@ SPLIT_FILES = (
     "bench/bench_step_anatomy.py", "bench/anatomy_comm.py", "bench/anatomy_step.py",
     "xorl/config_rules.py", "xorl/rules/model.py", "xorl/rules/data.py", "xorl/rules/parallel.py",
     "xorl/rules/train.py", "xorl/rules/fp8.py", "xorl/rules/lora.py", "xorl/rules/common.py",
+    "xorl/planner/memory.py", "xorl/planner/shapes.py", "xorl/planner/activations.py",
 )
 
 
