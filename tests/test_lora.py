@@ -277,6 +277,7 @@ def _plan_probe_main() -> None:
     json.dump(results, sys.stdout)
 
 
+@pytest.mark.slow  # ~9 s (real optimizer steps on five layouts' shapes): the full suite's, not the quick tier's
 def test_planner_counts_the_frozen_base_and_the_adapters_state_exactly():
     """xorl-plan's params / grads / optimizer bytes of a LoRA run equal the sharded model's on every
     rank: weights for every local element, gradients and AdamW moments for the adapters' alone."""
