@@ -30,7 +30,8 @@ gradients live across microbatches) and compares, on the second step:
             (params + grads + optimizer + activations + other); the goal is < 10% error;
   time      the step's wall time against the roofline prediction (a lower bound; the ratio is the
             fraction of the roofline reached).
-Errors above 10% point at the activation / other terms of xorl/planner/memory.py to refit.
+Errors above 10% point at the activation terms (xorl/planner/activations.py) or the other
+buffers (xorl/planner/memory.py) to refit.
 """
 
 from __future__ import annotations

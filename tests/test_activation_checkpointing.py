@@ -136,12 +136,12 @@ def test_every_other_matmul_keeps_the_odd_matmuls_and_the_gradients(model_type, 
     # selective_checkpoint: every_other_matmul (torchtitan's op SAC, mm_count % 2): of a Llama block's
     # q, k, v, o, gate, up, down it keeps q, v, gate and down; of a Qwen3-MoE block's q, k, v, o and
     # router it keeps q, v and the router (the experts' grouped GEMMs are always kept). The cache
-    # holds exactly those outputs, the planner's term (xorl/planner/memory.py) is their bytes to
+    # holds exactly those outputs, the planner's term (xorl/planner/activations.py) is their bytes to
     # the byte, and losses and gradients equal no checkpointing's exactly.
     import torch.utils.checkpoint as torch_checkpoint
 
     from xorl.models.spec import ModelSpec
-    from xorl.planner.memory import activation_bytes_per_token, selective_bytes_per_token
+    from xorl.planner.activations import activation_bytes_per_token, selective_bytes_per_token
 
     torch.manual_seed(1)
     config = _model_config(model_type)

@@ -141,19 +141,19 @@ def test_ring_fsdp_model_sinks_gradient_equals_one_process(gloo_world):
 def test_config_refuses_sinks_or_windows_on_the_flash_attn_package(monkeypatch):
     import types
 
-    from xorl import config_rules
     from xorl.models import families
+    from xorl.rules.model import attention_problems
 
     def model(**fields):
         return types.SimpleNamespace(model_type="llama", attn_implementation="flash_attn", **fields)
 
-    windowed = config_rules._attention_problems(model(sliding_window=128))
+    windowed = attention_problems(model(sliding_window=128))
     assert any("not wired for its sliding windows; use attn_implementation: xorl" in p for p in windowed), windowed
-    assert not any("not wired" in p for p in config_rules._attention_problems(model(sliding_window=None)))
+    assert not any("not wired" in p for p in attention_problems(model(sliding_window=None)))
     for name in ("xorl", "sdpa"):  # both run sinks and windows
         m = types.SimpleNamespace(model_type="llama", attn_implementation=name, sliding_window=128)
-        assert config_rules._attention_problems(m) == []
+        assert attention_problems(m) == []
     llama = families.family("llama")
     monkeypatch.setattr(families, "family", lambda t: types.SimpleNamespace(**{**vars(llama), "attention_sinks": True}))
-    sinks = config_rules._attention_problems(model())
+    sinks = attention_problems(model())
     assert any("not wired for its attention sinks" in p for p in sinks), sinks

@@ -97,8 +97,8 @@ def test_mxfp4_boxes_read_only_what_a_shard_holds(tmp_path):
     """An FSDP / EP shard's box (a range of experts, of in rows and of out columns) equals that box
     of the whole dequantised tensor, reading only the MXFP4 blocks around it."""
     from xorl.distributed.shard_box import ShardBox
-    from xorl.models.hf_io import _SliceReader
     from xorl.models.hf_layout import FileNames, _plan
+    from xorl.models.hf_reader import _SliceReader
 
     hf, folder = mxfp4_folder(tmp_path)
     ours = xorl.models.from_pretrained(str(folder), dtype=torch.float32)

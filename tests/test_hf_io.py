@@ -1,4 +1,4 @@
-"""xorl.models.hf_io / hf_writer / hf_layout: HF-format safetensors load/save (shards, index, name
+"""xorl.models.hf_reader / hf_writer / hf_layout: HF-format safetensors load/save (shards, index, name
 and layout conversions, errors), without transformers: the files are inspected directly and loads
 are compared bitwise."""
 

@@ -279,8 +279,11 @@ SPLIT_FILES = (
     "xorl/nn/tensor_parallel.py", "xorl/nn/tp_vocab.py", "xorl/nn/tp_replicated.py",
     "xorl/nn/ring_attention.py", "xorl/nn/ring_step_kernel.py",
     "xorl/nn/moe.py", "xorl/nn/ep_dispatch.py",
-    "xorl/models/hf_io.py", "xorl/models/hf_layout.py", "xorl/models/hf_writer.py",
+    "xorl/models/hf_reader.py", "xorl/models/hf_layout.py", "xorl/models/hf_writer.py",
     "bench/bench_step_anatomy.py", "bench/anatomy_comm.py", "bench/anatomy_step.py",
+    "xorl/config_rules.py", "xorl/rules/model.py", "xorl/rules/data.py", "xorl/rules/parallel.py",
+    "xorl/rules/train.py", "xorl/rules/fp8.py", "xorl/rules/lora.py", "xorl/rules/common.py",
+    "xorl/planner/memory.py", "xorl/planner/shapes.py", "xorl/planner/activations.py",
 )
 
 

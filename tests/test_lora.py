@@ -205,7 +205,7 @@ def test_adapter_initialisation_is_peft_s_and_the_same_on_every_layout():
         build_model(moe)
 
 
-# -- the planner's LoRA term (xorl/planner/memory.py) against the real sharded model ---------------
+# -- the planner's LoRA term (xorl/planner/shapes.py) against the real sharded model ---------------
 PLAN_LAYOUTS = [  # (model fields, train fields) on 4 ranks; odd sizes so FSDP chunks unevenly
     ({}, {"data_parallel_shard_size": 4}),
     ({}, {"tensor_parallel_size": 2, "sequence_parallel": True}),
@@ -277,6 +277,7 @@ def _plan_probe_main() -> None:
     json.dump(results, sys.stdout)
 
 
+@pytest.mark.slow  # ~9 s (real optimizer steps on five layouts' shapes): the full suite's, not the quick tier's
 def test_planner_counts_the_frozen_base_and_the_adapters_state_exactly():
     """xorl-plan's params / grads / optimizer bytes of a LoRA run equal the sharded model's on every
     rank: weights for every local element, gradients and AdamW moments for the adapters' alone."""
@@ -285,7 +286,8 @@ def test_planner_counts_the_frozen_base_and_the_adapters_state_exactly():
     import sys
 
     from xorl.distributed.parallel_config import ParallelConfig
-    from xorl.planner.memory import estimate, model_shapes, rank_params
+    from xorl.planner.memory import estimate
+    from xorl.planner.shapes import model_shapes, rank_params
 
     configs = [_plan_config(m, t) for m, t in PLAN_LAYOUTS]
     proc = subprocess.run([sys.executable, "-c", "from tests.test_lora import _plan_probe_main; _plan_probe_main()"],

@@ -266,7 +266,7 @@ def test_multi_token_prediction_layer_in_the_files_is_skipped(name, tmp_path, ca
     tensors[f"model.layers.{extra}.eh_proj.weight"] = torch.randn(8, 8)
     tensors[f"model.layers.{extra}.mlp.experts.0.gate_proj.weight"] = torch.randn(8, 8)
     save_file(tensors, path, metadata={"format": "pt"})
-    with caplog.at_level("WARNING", logger="xorl.models.hf_io"):
+    with caplog.at_level("WARNING", logger="xorl.models.hf_reader"):
         ours = xorl.models.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
     skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
     assert len(skipped) == 1 and f"model.layers.{extra}" in skipped[0], skipped

@@ -17,7 +17,7 @@ from xorl.config import Config, load_config
 from xorl.distributed.parallel_config import PARALLEL_FIELD_NAMES
 from xorl.mfu import flops_per_token
 from xorl.planner.guide import Options, evaluate, with_layout
-from xorl.planner.memory import model_shapes
+from xorl.planner.shapes import model_shapes
 from xorl.planner.source import read_model_source
 from xorl.planner.step_time import Hardware, step_time
 
@@ -197,7 +197,7 @@ def test_hf_folder_of_every_family_has_transformers_parameter_count(tmp_path, cl
     """The planner reads a family's config.json as xorl-train does, and counts its parameters exactly."""
     import torch
 
-    from xorl.planner.memory import model_shapes
+    from xorl.planner.shapes import model_shapes
 
     transformers = pytest.importorskip("transformers")
     config_cls = getattr(transformers, cls_name.replace("ForCausalLM", "Config"))

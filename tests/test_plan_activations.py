@@ -26,7 +26,7 @@ p2p buffers' frees race the peak; moe TP 2 + SP full read 20.9, 22.7, 26.9 MB an
 10 % of the prediction (25.0 MB): gloo's reduce-scatter copies race the end of the step, so that
 run is left out of this cut (moe TP 2 + SP none, 45.6 and 47.7 MB against 50.0, is in it).
 
-The fused loss's own term (xorl/planner/memory.py ``loss_bytes``) is also held alone against the
+The fused loss's own term (xorl/planner/activations.py ``loss_bytes``) is also held alone against the
 allocator's peak of the op's forward + backward (bench/bench_fused_ce.py's measurement).
 """
 
@@ -93,7 +93,7 @@ def test_fused_loss_term_matches_the_allocator(tokens, vocab, hidden):
     from types import SimpleNamespace
 
     from bench.bench_fused_ce import measure_cpu
-    from xorl.planner.memory import loss_bytes
+    from xorl.planner.activations import loss_bytes
     from xorl_kernels.fused_linear_ce.op import default_chunk_size
 
     spec = SimpleNamespace(vocab_size=vocab, hidden_size=hidden)

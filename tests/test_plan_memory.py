@@ -30,7 +30,7 @@ import pytest
 from tests.test_examples import EXAMPLES, _world_size
 from xorl.config import Config, load_config
 from xorl.distributed.parallel_config import ParallelConfig
-from xorl.planner.memory import model_shapes, rank_params
+from xorl.planner.shapes import model_shapes, rank_params
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -18,6 +18,7 @@ windowed attention visits 126 / 126 / 126; the ring's 10 computed steps (of 16) 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.triton_helpers import to_triton
@@ -104,6 +105,7 @@ def _ring(q, k, v, do, scale):
     return _counted(run, q.device)
 
 
+@pytest.mark.slow  # ~11 s of Triton interpreter: the full suite's, not the quick tier's
 def test_windowed_zigzag_ring_visits_the_tiles_of_one_monolithic_attention(monkeypatch):
     from xorl_kernels.attention import bwd_triton, fwd_triton
 

@@ -58,25 +58,25 @@ def _config(output_dir: str, model_type: str, layout_id: str, model_path: str | 
 def start_and_gather(seeded, from_folder) -> dict:
     """On every rank: start a Trainer both ways; count the checkpoint elements this rank read."""
     from xorl.distributed.shard_box import local_tensor
-    from xorl.models import hf_io
+    from xorl.models import hf_reader
     from xorl.trainer import Trainer
 
     out = {}
     trainer = Trainer(seeded)
     out["seeded"] = full_state_dict(trainer.parts, trainer.state.pp_group)
     read = {"elements": 0}
-    original = hf_io._SliceReader.__call__
+    original = hf_reader._SliceReader.__call__
 
     def counting(self, key, index):
         value = original(self, key, index)
         read["elements"] += value.numel()
         return value
 
-    hf_io._SliceReader.__call__ = counting
+    hf_reader._SliceReader.__call__ = counting
     try:
         trainer = Trainer(from_folder)
     finally:
-        hf_io._SliceReader.__call__ = original
+        hf_reader._SliceReader.__call__ = original
     owned = {id(t): local_tensor(t).numel() for part in trainer.parts for t in part.state_dict(keep_vars=True).values()}
     out["read"], out["owned"] = read["elements"], sum(owned.values())
     out["from_folder"] = full_state_dict(trainer.parts, trainer.state.pp_group)

@@ -144,7 +144,7 @@ def model_path_weight_problems(config: Any) -> list[str]:
         return damaged
     import torch
 
-    from xorl.models.hf_io import hf_folder_problems
+    from xorl.models.hf_reader import hf_folder_problems
     from xorl.models.registry import build_model
 
     with torch.device("meta"):

@@ -75,7 +75,7 @@ def initialise_part(part: nn.Module, config: Config) -> None:
     from xorl.distributed.shard_box import local_tensor
 
     if config.model.model_path:
-        from xorl.models.hf_io import load_hf_weights
+        from xorl.models.hf_reader import load_hf_weights
 
         for buffer in part.buffers():  # state the files do not hold starts at zero
             local_tensor(buffer).zero_()

@@ -13,7 +13,7 @@ _EXPORTS = {
     "LlamaForCausalLM": ".llama",
     "Qwen3MoeForCausalLM": ".qwen3_moe",
     "LocalAttention": ".attention",
-    "load_hf_weights": ".hf_io",
+    "load_hf_weights": ".hf_reader",
     "save_hf_weights": ".hf_writer",
 }
 __all__ = sorted(_EXPORTS)

@@ -193,7 +193,7 @@ class Attention(nn.Module):
     [q; k; v]: tensor parallelism splits the heads by whole KV groups, and in this layout a group is
     a contiguous block of rows, so the column split (``Shard(0)``) of the one weight gives every TP
     rank exactly its q, k and v heads, whatever the TP size (a checkpoint resumes on any TP), and
-    each rank runs one GEMM for all three. HF files keep q_proj / k_proj / v_proj (hf_io converts)."""
+    each rank runs one GEMM for all three. HF files keep q_proj / k_proj / v_proj (hf_reader converts)."""
 
     def __init__(self, spec: ModelSpec, layer_idx: int = 0):
         super().__init__()

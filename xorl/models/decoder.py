@@ -3,7 +3,7 @@
 Module tree and parameter names mirror transformers (LlamaForCausalLM / Qwen3MoeForCausalLM):
     model.embed_tokens, model.layers[i].{input_layernorm, self_attn, post_attention_layernorm, mlp},
     model.norm, lm_head
-so a state dict has the HF names (except stacked MoE experts; hf_io converts those).
+so a state dict has the HF names (except stacked MoE experts; hf_reader converts those).
 
 Forward contract
 ----------------

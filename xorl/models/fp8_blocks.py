@@ -3,7 +3,7 @@
 Such a folder's config.json says ``quantization_config: {quant_method: fp8, weight_block_size:
 [128, 128], ...}``, and each quantised ``X.weight`` (float8 e4m3, [out, in]) has beside it
 ``X.weight_scale_inv`` (fp32, [ceil(out / 128), ceil(in / 128)]): the weight is ``fp8 x scale`` of
-its 128 x 128 block (transformers' FineGrainedFP8 ``dequantize``). The loader (xorl/models/hf_io.py)
+its 128 x 128 block (transformers' FineGrainedFP8 ``dequantize``). The loader (xorl/models/hf_reader.py)
 reads any box of such a weight through :func:`dequantize_box`: only the box's fp8 elements and the
 scales of the blocks it touches are read, so a rank never holds more of the file than its shards.
 """

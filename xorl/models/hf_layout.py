@@ -1,6 +1,6 @@
 """Hugging Face checkpoint names and layouts <-> xorl's: what each xorl tensor is made of when a
 folder is read (the recipes, ``_plan``) and which HF tensors it becomes when one is written
-(``hf_pieces``). Reading is xorl/models/hf_io.py, writing xorl/models/hf_writer.py.
+(``hf_pieces``). Reading is xorl/models/hf_reader.py, writing xorl/models/hf_writer.py.
 
 Name / layout conversions (everything else keeps its name):
 - MoE experts: HF files hold one Linear per expert, ``...mlp.experts.{j}.{gate,up,down}_proj.weight``
@@ -81,7 +81,7 @@ class FileNames:
 
 
 class BoxReader(Protocol):
-    """What a recipe reads from (xorl/models/hf_io.py's ``_SliceReader``): a box of a checkpoint
+    """What a recipe reads from (xorl/models/hf_reader.py's ``_SliceReader``): a box of a checkpoint
     tensor by its common name, and the tensor's global shape."""
 
     def __call__(self, key: str, index: tuple[slice, ...]) -> torch.Tensor: ...

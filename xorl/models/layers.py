@@ -207,7 +207,7 @@ class SwiGLUMLP(nn.Module):
     up (row 2i: gate unit i, row 2i + 1: up unit i). Why interleaved: tensor parallelism splits the
     intermediate units over the ranks, and any contiguous block of rows then holds matching gate and
     up units, whatever the TP size (a checkpoint resumes on any TP), so each rank runs one GEMM for
-    both. HF files keep gate_proj / up_proj (xorl/models/hf_io.py converts)."""
+    both. HF files keep gate_proj / up_proj (xorl/models/hf_reader.py converts)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, merge_gate_up: bool = False,
                  fp8: str = "none", lora: dict | None = None):

@@ -11,7 +11,7 @@ instead. Either way the gate_up projection's out columns interleave gate and up 
 
 ``ExpertRecipe`` reads the box a rank holds (its experts, and of those only the in rows and out
 columns its shard covers; for MXFP4 the 32-value blocks around them) and converts it on the way, so
-no rank dequantises more than its own shards (hf_io's loading path calls it like its own recipes).
+no rank dequantises more than its own shards (hf_reader's loading path calls it like its own recipes).
 """
 
 from __future__ import annotations

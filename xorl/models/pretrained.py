@@ -41,7 +41,7 @@ def from_pretrained(folder: str, dtype: torch.dtype = torch.bfloat16, weights: b
     ``overrides``: local fields (``merge_qkv``, ``attn_implementation``, ...) or training knobs.
     ``weights=False``: built from config.json alone (meta-device friendly; initialised weights otherwise).
     """
-    from xorl.models.hf_io import load_hf_weights
+    from xorl.models.hf_reader import load_hf_weights
     from xorl.models.registry import build_model
 
     model = build_model(model_config_from_folder(folder, **overrides)).to(dtype)

@@ -33,7 +33,8 @@ from typing import Any
 from xorl.config import Config, set_field, validate_config
 from xorl.config_error import ConfigError
 from xorl.distributed.parallel_config import ParallelConfig
-from xorl.planner.memory import Memory, ModelShapes, even_split_memory, model_shapes, peak_memory
+from xorl.planner.memory import Memory, even_split_memory, peak_memory
+from xorl.planner.shapes import ModelShapes, model_shapes
 from xorl.planner.step_time import Hardware, StepTime, bubble_fraction, step_time
 
 HEADROOM = 0.9

@@ -24,7 +24,7 @@ from xorl.config import Config
 from xorl.config_error import ConfigError
 from xorl.distributed.parallel_config import ParallelConfig
 from xorl.planner.guide import Candidate, Options, evaluate, is_simple, with_layout
-from xorl.planner.memory import model_shapes
+from xorl.planner.shapes import model_shapes
 
 MAX_PP = 16
 MIN_TOKENS_PER_RANK = 1024

@@ -23,7 +23,7 @@ Compute, per decoder layer and microbatch, t tokens on the rank (a = bytes per a
           time (launch_us: eager dispatch of one kernel).
   recompute  full: one more layer forward; selective (xorl's policy keeps matmul, attention and
           collective outputs): the element-wise forward again, and with selective_checkpoint:
-          every_other_matmul the matmuls it did not keep (memory.block_matmuls[1::2]); none: nothing.
+          every_other_matmul the matmuls it did not keep (activations.block_matmuls[1::2]); none: nothing.
   last stage  lm_head [t, V/tp, h] (vocabulary-parallel under TP) 3x, and the loss: unfused,
           F.cross_entropy on fp32 logits streams (2a + 32) bytes per logit; fused
           (model.fused_loss) about 3a bytes per logit in chunks.
@@ -65,19 +65,10 @@ from dataclasses import dataclass
 
 from xorl.distributed.parallel_config import ParallelConfig
 from xorl.mfu import keys_per_query
+from xorl.planner.activations import checkpointing, every_other_matmul, fused_loss, recomputed_matmuls, vocab_split
 from xorl.planner.efficiency import Efficiency, load
-from xorl.planner.memory import (
-    SPLIT_BACKWARD_SCHEDULES,
-    ModelShapes,
-    checkpointing,
-    every_other_matmul,
-    fused_loss,
-    kind_numel,
-    rank_params,
-    recomputed_matmuls,
-    reshards_after_forward,
-    vocab_split,
-)
+from xorl.planner.memory import SPLIT_BACKWARD_SCHEDULES, reshards_after_forward
+from xorl.planner.shapes import ModelShapes, kind_numel, rank_params
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,6 @@ The name and layout conversions are xorl/models/hf_layout.py; writing is xorl/mo
 Parallel models: each rank loads only the boxes its DTensor shards (FSDP2 / TP / EP) hold, read
 lazily from the files (``get_slice``), and a pipeline stage only its own layers; expert-parallel
 MoE blocks that hold a plain slice of the experts (``local_expert_range``) get their slice.
-``save_hf_weights`` gathers through ``full_tensor()`` (a collective: call it on every rank; only
 """
 
 from __future__ import annotations
