@@ -79,6 +79,10 @@ LAYOUTS = [
     ("tied pp zero-bubble v", 2, "llama-tied", dict(data_parallel_shard_size=1, pipeline_parallel_size=2,
                                                     pipeline_parallel_schedule="ZBVZeroBubble",
                                                     virtual_pipeline_stages=2)),
+    ("tied pp2 x hsdp (replicate 2)", 4, "llama-tied", dict(data_parallel_replicate_size=2, data_parallel_shard_size=1,
+                                                            pipeline_parallel_size=2)),
+    ("tied pp2 x ddp2", 4, "llama-tied", dict(data_parallel_mode="ddp", data_parallel_shard_size=2,
+                                              pipeline_parallel_size=2)),
     # LoRA (model.lora; tests/parity_runs.MODELS): adapters on every projection (on the MoE: attention,
     # or attention and per-expert adapters through the grouped GEMM), the base frozen; TP splits the
     # adapters to match the base (xorl/nn/tensor_parallel.py).
