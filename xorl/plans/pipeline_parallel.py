@@ -274,7 +274,8 @@ def _install_stage_hooks(stage: nn.Module, stage_id: int, inputs: MicrobatchInpu
 
     def post(module, args, output):
         # [1], not a scalar, on the last stage: the schedule concatenates its outputs over microbatches.
-        out = output.loss_sum.reshape(1) if is_last else output.logits
+        # A fresh tensor, not reshape's view: FSDP warns that in-place ops on a returned view lose hooks.
+        out = torch.stack([output.loss_sum]) if is_last else output.logits
         if output.router_loss is not None:
             inputs.router_loss_sum += output.router_loss.detach().double()
             out = AttachAuxLoss.apply(out, output.router_loss, inputs.aux_scale)
