@@ -96,6 +96,17 @@ if os.environ.get("RANK") == "1":  # a worker (torchrun itself has no RANK)
 """
 
 
+def _worker_hook(tmp_path, source: str) -> dict:
+    """The environment that makes every torchrun worker run ``source`` first (a sitecustomize.py)."""
+    (tmp_path / "hook").mkdir()
+    (tmp_path / "hook" / "sitecustomize.py").write_text(source)
+    return {"PYTHONPATH": f"{tmp_path / 'hook'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
+def _seconds_after_last_step(job) -> float:
+    return job.ended - max(t for t, line in job.lines if line.startswith("step "))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("where", ["every rank", "rank 1 only"])
 def test_a_data_error_ends_the_job_with_one_message(tmp_path, where):
@@ -104,18 +115,13 @@ def test_a_data_error_ends_the_job_with_one_message(tmp_path, where):
     config = _stream_config(tmp_path, rows=200, bad_at=30 if where == "every rank" else None, max_steps=500,
                             save_steps=3, collective_timeout_s=TIMEOUT_S, heartbeat_s=5,
                             data_parallel_shard_size=2)
-    extra = {}
-    if where == "rank 1 only":
-        (tmp_path / "hook").mkdir()
-        (tmp_path / "hook" / "sitecustomize.py").write_text(FAIL_ON_RANK_1)
-        extra = {"PYTHONPATH": f"{tmp_path / 'hook'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    extra = _worker_hook(tmp_path, FAIL_ON_RANK_1) if where == "rank 1 only" else {}
     job = Job(torchrun_command(2, config), tmp_path, extra)
     job.wait_for("step 3/")
     code = job.finish(limit_s=240)
     text = job.text
-    last_step = max(t for t, line in job.lines if line.startswith("step "))
     assert code != 0
-    assert job.ended - last_step < TIMEOUT_S + MARGIN_S, (job.ended - last_step, text)
+    assert _seconds_after_last_step(job) < TIMEOUT_S + MARGIN_S, (_seconds_after_last_step(job), text)
     if where == "every rank":
         message = "data.jsonl:31: not valid JSON"  # the malformed row is line 31
         assert text.count(message) == 1, text
@@ -153,16 +159,13 @@ def test_a_stalled_rank_ends_the_job_within_the_collective_timeout(tmp_path):
     later (before: the job ended collective_timeout_s + 30 s after the stall, rank 1 killed by -9)."""
     config = _stream_config(tmp_path, rows=400, bad_at=None, max_steps=500, save_steps=0,
                             collective_timeout_s=TIMEOUT_S, heartbeat_s=5, data_parallel_shard_size=2)
-    (tmp_path / "hook").mkdir()
-    (tmp_path / "hook" / "sitecustomize.py").write_text(STALL_ON_RANK_1)
-    extra = {"PYTHONPATH": f"{tmp_path / 'hook'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    extra = _worker_hook(tmp_path, STALL_ON_RANK_1)
     job = Job(torchrun_command(2, config), tmp_path, extra)
     job.wait_for("step 6/")
     code = job.finish(limit_s=240)
     text = job.text
-    last_step = max(t for t, line in job.lines if line.startswith("step "))
     assert code != 0
-    assert job.ended - last_step < TIMEOUT_S + 15, (job.ended - last_step, text)
+    assert _seconds_after_last_step(job) < TIMEOUT_S + 15, (_seconds_after_last_step(job), text)
     assert "SIGKILL" not in text and "SIGTERM received" not in text, text  # torchrun's stop is not a preemption
     message = f"did not complete within train.collective_timeout_s={TIMEOUT_S} s"
     assert text.count(message) == 1 and f"xorl-train (rank 0): a collective {message}" in text, text
@@ -290,15 +293,13 @@ def test_sigterm_during_a_step_saves_that_step_and_resumes_exactly(tmp_path):
 
     config = write_config(tmp_path, "out", max_steps=10, save_steps=0, **layout)
     # slow steps (0.3 s) so the signal lands inside one
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(
+    slow_steps = _worker_hook(
+        tmp_path,
         "import os\nif 'RANK' in os.environ:\n"
         "    import time, xorl.trainer as t\n    step = t.Trainer.train_step\n"
         "    def slow(self):\n        time.sleep(0.3)\n        return step(self)\n"
         "    t.Trainer.train_step = slow\n")
-    job = Job(torchrun_command(2, config), tmp_path,
-              {"PYTHONPATH": f"{hook}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"})
+    job = Job(torchrun_command(2, config), tmp_path, slow_steps)
     job.wait_for("step 3/")
     ranks = {rank_of(pid): pid for pid in children(job.proc.pid)}
     running = 1 + sum(line.startswith("step ") for _, line in list(job.lines))  # the step now running
