@@ -25,13 +25,35 @@ if [ -z "$offline" ] && "$py" -c "import torch, sys; sys.exit(0 if torch.version
   offline=1
 fi
 
+# --system-site-packages shows a new venv its BASE interpreter's packages only. Where "$py" is itself
+# a venv's python (the GPU image's python3 is /opt/torch/.venv/bin/python3, with torch, setuptools,
+# pybind11 and pip inside that venv), the new venv is made without a pip of its own (an older
+# setuptools would come with it and shadow the image's) and a .pth file of ours adds that venv's
+# site-packages as site dirs (so their own .pth files, editable installs included, count too);
+# rewritten each time, so a .venv made before this fix is mended too.
+outer=""
+if [ -n "$offline" ]; then
+  outer="$("$py" -c 'import site, sys; print("".join(f"; site.addsitedir({p!r})" for p in site.getsitepackages()) if sys.prefix != sys.base_prefix else "")')"
+fi
 if [ ! -x "$venv/bin/python" ]; then
   say "creating the virtual environment $venv"
-  if [ -n "$offline" ]; then
+  if [ -n "$outer" ]; then
+    "$py" -m venv --system-site-packages --without-pip "$venv"
+  elif [ -n "$offline" ]; then
     "$py" -m venv --system-site-packages "$venv"
   else
     "$py" -m venv "$venv"
   fi
+fi
+if [ -n "$outer" ]; then
+  inner="$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  printf 'import site%s\n' "$outer" >"$inner/_xorl_outer_venv.pth"
+fi
+# torch's console scripts live beside the interpreter that installed torch, not in this venv; the
+# tests and scripts run "$venv/bin/torchrun", so it runs torch's launcher with this venv's python.
+if [ -n "$offline" ] && [ ! -e "$venv/bin/torchrun" ]; then
+  printf '#!/bin/sh\nexec "%s" -m torch.distributed.run "$@"\n' "$venv/bin/python" >"$venv/bin/torchrun"
+  chmod +x "$venv/bin/torchrun"
 fi
 # shellcheck disable=SC1091
 . "$venv/bin/activate"

@@ -112,6 +112,12 @@ class _SavedOutputs:
         return contexts
 
     @staticmethod
+    def entries(per_op) -> list:
+        """One op's saved outputs in call order. torch 2.13 keeps a dict (call index -> outputs or a
+        recompute marker); torch 2.11 (the GPU image) a list of the kept outputs alone."""
+        return list(per_op.values()) if isinstance(per_op, dict) else list(per_op)
+
+    @staticmethod
     def tensors(outputs) -> list[torch.Tensor]:
         from torch.utils._pytree import tree_leaves
 
@@ -122,12 +128,12 @@ class _SavedOutputs:
     def matmul_widths(self, storage: dict) -> list[int]:
         """The kept dense-matmul outputs' widths, in the order the block ran them."""
         aten = torch.ops.aten
-        outs = [(i, t) for op in (aten.mm.default, aten.addmm.default)
-                for i, out in storage.get(op, {}).items() for t in self.tensors(out)]
+        outs = [(op, t) for op in (aten.mm.default, aten.addmm.default)
+                for out in self.entries(storage.get(op, {})) for t in self.tensors(out)]
         return [t.shape[-1] for _, t in outs]  # mm and addmm each in call order; a block uses one of them
 
     def kept_bytes(self, storage: dict) -> int:
-        return sum(t.numel() * t.element_size() for out in storage.values() for saved in out.values()
+        return sum(t.numel() * t.element_size() for out in storage.values() for saved in self.entries(out)
                    for t in self.tensors(saved))
 
 

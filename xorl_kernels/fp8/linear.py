@@ -41,6 +41,8 @@ gathered weight.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -110,6 +112,31 @@ def _pad16(q: torch.Tensor) -> torch.Tensor:
     return F.pad(q.view(torch.uint8), (0, pad_cols, 0, pad_rows)).view(q.dtype)
 
 
+@functools.cache
+def _cpu_scaled_mm_takes_row_scales() -> bool:
+    """Whether this torch's CPU ``_scaled_mm`` takes row / column scales. torch 2.11 (the GPU image's)
+    refuses them ("only supports per-tensor scaling for CPU backend"); 2.13's takes them. Asked once,
+    with a 16 x 16 product: a feature check, not a version number."""
+    a = torch.zeros(16, 16, dtype=E4M3)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.float32)
+    except RuntimeError:
+        return False
+    return True
+
+
+def _scaled_mm(qa, qb_t, sa, sb, out_dtype: torch.dtype) -> torch.Tensor:
+    """``torch._scaled_mm`` with 0-d scales or row scales sa [M, 1] and column scales sb [1, N]. Where
+    the CPU kernel takes per-tensor scales only, the unit-scaled float32 product times the scales: the
+    same formula, the scales applied after the float32 accumulation instead of inside it. CUDA
+    always calls torch._scaled_mm itself (rowwise scales need sm_89+ there, which FP8 needs anyway)."""
+    if sa.ndim and not qa.is_cuda and not _cpu_scaled_mm_takes_row_scales():
+        one = torch.ones((), device=qa.device)
+        out = torch._scaled_mm(qa, qb_t, scale_a=one, scale_b=one, out_dtype=torch.float32)
+        return (out * sa * sb).to(out_dtype)
+    return torch._scaled_mm(qa, qb_t, scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+
+
 def scaled_mm_nt(qa, sa, a_block, qb, sb, b_block, out_dtype: torch.dtype, backend: str | None = None):
     """``(qa * sa) @ (qb * sb)^T`` for qa [M, K], qb [N, K] and their block scales.
 
@@ -124,7 +151,7 @@ def scaled_mm_nt(qa, sa, a_block, qb, sb, b_block, out_dtype: torch.dtype, backe
         else:  # padded rows get scale 1 (their values are 0)
             sa = F.pad(sa, (0, 0, 0, qa.shape[0] - m), value=1.0)
             sb = F.pad(sb, (0, 0, 0, qb.shape[0] - n), value=1.0).reshape(1, -1)
-        out = torch._scaled_mm(qa, qb.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+        out = _scaled_mm(qa, qb.t(), sa, sb, out_dtype)
         return out[:m, :n]
     if a_block != _TILE or b_block not in (_TILE, _BLOCK):
         raise ValueError(f"scaled_mm_nt: unsupported scale blocks {a_block} x {b_block}")
@@ -144,10 +171,9 @@ def scaled_mm_nt(qa, sa, a_block, qb, sb, b_block, out_dtype: torch.dtype, backe
     out = None
     for kb, start in enumerate(range(0, k, BLOCK)):
         stop = min(start + BLOCK, k)
-        part = torch._scaled_mm(
+        part = _scaled_mm(
             qa[:, start:stop].contiguous(), qb[:, start:stop].contiguous().t(),
-            scale_a=sa[:, kb:kb + 1].contiguous(), scale_b=sb_rows[:, kb].reshape(1, n).contiguous(),
-            out_dtype=torch.float32,
+            sa[:, kb:kb + 1].contiguous(), sb_rows[:, kb].reshape(1, n).contiguous(), torch.float32,
         )
         out = part if out is None else out.add_(part)
     return out.to(out_dtype)
