@@ -138,11 +138,14 @@ def test_clamped_swiglu_matches_transformers_apply_gate():
 
     config = transformers.GptOssConfig(hidden_size=8, intermediate_size=16, num_local_experts=2, swiglu_limit=1.5,
                                        swiglu_alpha=1.3)
-    gate_up = 3 * torch.randn(40, 32, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    # transformers 5.17 (the GPU image's) ignores the config's alpha and limit (1.702 and 7.0 always):
+    # compare at the values it uses, with inputs scaled to cross the limit either way.
+    alpha, limit = GptOssExperts(config).alpha, GptOssExperts(config).limit
+    gate_up = 2 * limit * torch.randn(40, 32, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
     ref = GptOssExperts(config)._apply_gate(gate_up.clone().requires_grad_(True))
     x = gate_up.clone().requires_grad_(True)
-    out = clamped_swiglu(x[:, ::2], x[:, 1::2], alpha=1.3, limit=1.5)
-    assert (gate_up[:, ::2] > 1.5).any() and (gate_up[:, 1::2].abs() > 1.5).any()
+    out = clamped_swiglu(x[:, ::2], x[:, 1::2], alpha=alpha, limit=limit)
+    assert (gate_up[:, ::2] > limit).any() and (gate_up[:, 1::2].abs() > limit).any()
     assert torch.allclose(out, ref, rtol=0, atol=1e-14)
     dy = torch.randn_like(out)
     (dx,) = torch.autograd.grad(out, x, dy)

@@ -101,9 +101,22 @@ def randomize_(model: torch.nn.Module, seed: int) -> None:
             p.copy_(noise * p.shape[-1] ** -0.5)
 
 
+def _swiglu_fields_as_transformers_computes(config) -> None:
+    """Some transformers releases (5.17, the GPU image's) hard-code gpt-oss's SwiGLU alpha 1.702 and
+    limit 7.0 in GptOssExperts and ignore the config's; there the saved config states what that
+    transformers computes, so xorl (which reads the config) is compared on the same formula. Clamping
+    at other limits is then checked only where transformers reads them (5.24, CI's)."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    experts = GptOssExperts(config)
+    config.swiglu_alpha, config.swiglu_limit = experts.alpha, experts.limit
+
+
 def hf_checkpoint(name: str, folder, seed: int = 0, **overrides):
     cls_name, config_name, fields = FAMILIES[name]
     config = getattr(transformers, config_name)(**{**SMALL, **fields, **overrides}, attn_implementation="eager")
+    if name == "gpt_oss":
+        _swiglu_fields_as_transformers_computes(config)
     torch.manual_seed(seed)
     model = getattr(transformers, cls_name)(config).eval()
     randomize_(model, seed)
