@@ -69,6 +69,14 @@ class CausalLMOutput:
     router_stats: dict = field(default_factory=dict)
 
 
+# A pytree node, so torch's tree utilities see the tensors inside. FSDP2 registers its pre-backward
+# hook (which all-gathers the root's parameters again: embedding, final norm, lm_head) on the
+# grad-requiring tensors of a module's output; torch 2.11 (the GPU image's) finds them with
+# tree_flatten, which treats an unregistered dataclass as one leaf, so backward read the freed
+# storage of the resharded root parameters (a segfault on CPU). torch 2.13 walks dataclasses itself.
+torch.export.register_dataclass(CausalLMOutput)
+
+
 def positions_from_cu_seqlens(cu_seqlens: torch.Tensor, seq_len: int) -> torch.Tensor:
     """[seq_len] positions restarting at 0 at each document start."""
     positions = torch.arange(seq_len, device=cu_seqlens.device)
