@@ -1,0 +1,202 @@
+"""Selective activation checkpointing under tensor parallelism (2 gloo ranks, a small Llama).
+
+train.activation_checkpointing: selective promises to recompute no matmul. Under TP the column
+layers (gather + GEMMs, ring or plain) and row layers (GEMM + reduce-scatter / all-reduce) are one
+dispatcher op each (xorl/nn/tp_linear_ops.py) whose output the SAC cache keeps, so:
+
+* census: each block's cache holds exactly q, k, v | attention out + lse | o's reduced output |
+  gate, up | down's reduced output (their bytes to the byte), with TP 2 + SP on the ring path
+  (overlap, threshold 0) and the plain path, and without SP; the recompute runs no GEMM and no
+  collective (the ops it replays are element-wise);
+* backward: the GEMM FLOPs (FlopCounterMode, which counts the TP ops through their formulas) and
+  the TP collectives (the layers' communication record plus c10d ops seen by the dispatcher) of
+  selective equal those of no checkpointing, while full recompute runs every block's forward
+  matmuls and collectives again;
+* parity: selective's loss and gradients equal no checkpointing's bit for bit, and both equal a
+  float64 single-process run to fp32 rounding (relative error < 1e-5).
+"""
+
+from __future__ import annotations
+
+import copy
+import types
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+
+from tests.test_tensor_parallel_model import build, rel_err, tp_mesh
+from xorl.nn.tp_replicated import sum_tp_partial_grads
+
+H, HQ, HKV, INTER, HEADS, TOKENS, BATCH = 16, 16, 8, 48, 4, 16, 1
+
+
+def llama_config(lora: dict | None = None):
+    return types.SimpleNamespace(
+        model_type="llama", vocab_size=48, hidden_size=H, intermediate_size=INTER, num_hidden_layers=2,
+        num_attention_heads=HEADS, num_key_value_heads=2, head_dim=4, rms_norm_eps=1e-6, rope_theta=10000.0,
+        tie_word_embeddings=False, attn_implementation="xorl", max_position_embeddings=64,
+        **({"lora": lora} if lora else {}),
+    )
+
+
+class _Census:
+    """Each checkpointed block call's selective-checkpoint decisions, made in its forward: what it
+    kept (ctx.op_output of every op the policy saved) and the ops its recompute runs again (torch
+    2.13's recompute replays exactly the forward's decisions without asking the policy again)."""
+
+    def __init__(self):
+        self.blocks: list[dict] = []
+
+    def wrap(self, create):
+        from torch.utils.checkpoint import CheckpointPolicy
+
+        def contexts(policy_fn, *args, **kwargs):
+            block = {"kept": [], "recomputed": []}
+            self.blocks.append(block)
+
+            def recording(ctx, op, *a, **kw):
+                decision = policy_fn(ctx, op, *a, **kw)
+                saves = decision in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
+                if saves and not ctx.is_recompute:
+                    outs = ctx.op_output if isinstance(ctx.op_output, (tuple, list)) else [ctx.op_output]
+                    block["kept"].append((str(op), [(tuple(t.shape), t.element_size()) for t in outs
+                                                    if isinstance(t, torch.Tensor)]))
+                if not saves and not ctx.is_recompute:  # the recompute runs these again
+                    block["recomputed"].append(str(op))
+                return decision
+
+            return create(recording, *args, **kwargs)
+
+        return contexts
+
+
+class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """The collectives and GEMMs the dispatcher sees (inside a custom op it sees nothing: the TP
+    layers' own communication is counted by their record, overlap_report)."""
+
+    def __init__(self):
+        super().__init__()
+        self.collectives = self.gemms = 0
+
+    def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+        self.collectives += func.namespace in ("c10d", "_c10d_functional")
+        self.gemms += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm)
+        return func(*args, **(kwargs or {}))
+
+
+def _tp_comm(model) -> int:
+    """Plain collectives + ring exchanges the TP layers ran since the last call (resets the record)."""
+    from xorl.nn.tp_comm import overlap_report
+
+    return sum(r["collectives"] + r["ring_steps"] for r in overlap_report(model, reset=True).values())
+
+
+def _batch():
+    """Two packed documents in one row (batch 1, as the trainer packs), on every rank the same."""
+    g = torch.Generator().manual_seed(2)
+    ids, labels = (torch.randint(0, 48, (BATCH, TOKENS), generator=g) for _ in range(2))
+    return ids, labels, torch.tensor([0, 6, TOKENS], dtype=torch.int32)
+
+
+def check_selective_under_tp(layouts: list[tuple[bool, bool]], lora: dict | None = None) -> dict:
+    """Per (sequence_parallel, ring) layout and mode: the census, the backward's counts, the
+    parity against float64 one process, and selective's exact equality with none."""
+    import torch.utils.checkpoint as torch_checkpoint
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from xorl.plans.data_parallel import apply_activation_checkpointing
+    from xorl.plans.tensor_parallel import apply_tensor_parallel
+
+    mesh = tp_mesh(dist.get_world_size())
+    base = build(llama_config(lora), seed=1)
+    if lora:  # B starts at zero (peft): random, so the adapters' gradients are not trivial
+        with torch.no_grad():
+            for name, p in base.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.3)
+    ids, labels, cu = _batch()
+    ref = copy.deepcopy(base).double()
+    ref(ids, labels=labels, cu_seqlens=cu).loss.backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    results = {}
+    for sp, ring in layouts:
+        runs = {}
+        for mode in ("none", "selective", "full"):
+            model = copy.deepcopy(base)
+            plan = apply_tensor_parallel(model, mesh, sequence_parallel=sp, overlap=ring,
+                                         overlap_min_numel=0 if ring else 1 << 40)
+            census = _Census()
+            with mock.patch.object(torch_checkpoint, "create_selective_checkpoint_contexts",
+                                   census.wrap(torch_checkpoint.create_selective_checkpoint_contexts)):
+                if mode != "none":
+                    apply_activation_checkpointing(model, mode)
+                out = model(ids, labels=labels, cu_seqlens=cu)
+                _tp_comm(model)
+                with FlopCounterMode(display=False) as flops, _CountOps() as ops:
+                    out.loss.backward()
+            sum_tp_partial_grads([plan.partial_grads])  # SP norms: each rank's tokens' share
+            grads = {n.replace("._checkpoint_wrapped_module", ""): p.grad.full_tensor()
+                     for n, p in model.named_parameters() if p.grad is not None}
+            runs[mode] = {
+                "loss": out.loss.detach(), "grads": grads, "census": census.blocks,
+                "backward_flops": flops.get_total_flops(), "backward_gemms_seen": ops.gemms,
+                "backward_collectives": _tp_comm(model) + ops.collectives,
+            }
+        none, sel = runs["none"], runs["selective"]
+        results[(sp, ring)] = {
+            "census": sel["census"],
+            "counts": {m: {k: r[k] for k in ("backward_flops", "backward_gemms_seen", "backward_collectives")}
+                       for m, r in runs.items()},
+            "selective_equals_none": bool(torch.equal(sel["loss"], none["loss"]) and all(
+                torch.equal(sel["grads"][n], g) for n, g in none["grads"].items())),
+            "grad_names_match": sorted(sel["grads"]) == sorted(ref_grads),
+            "ref_errs": {"loss": rel_err(sel["loss"], ref(ids, labels=labels, cu_seqlens=cu).loss),
+                         **{n: rel_err(sel["grads"][n], g) for n, g in ref_grads.items()}},
+        }
+    return results
+
+
+# The kept bytes per block per rank, fp32 (4 bytes), t = BATCH * TOKENS tokens, TP 2. Under SP a
+# row layer keeps its reduced [t/2, h] shard, without SP the all-reduced [t, h].
+def expected_kept(sp: bool) -> list[tuple[str, list[tuple]]]:
+    b, s, s_row = BATCH, TOKENS, TOKENS // 2 if sp else TOKENS
+    q, kv, inter, heads = HQ // 2, HKV // 2, INTER // 2, HEADS // 2
+    return [
+        ("xorl.tp_column_linear.default", [((b, s, q), 4), ((b, s, kv), 4), ((b, s, kv), 4)]),
+        ("xorl.flash_attn.default", [((b, s, heads, 4), 4), ((b, heads, s), 4)]),
+        ("xorl.tp_row_linear.default", [((b, s_row, H), 4)]),
+        ("xorl.tp_column_linear.default", [((b, s, inter), 4), ((b, s, inter), 4)]),
+        ("xorl.tp_row_linear.default", [((b, s_row, H), 4)]),
+    ]
+
+
+def kept_bytes(kept) -> int:
+    return sum(size * torch.Size(shape).numel() for _, outs in kept for shape, size in outs)
+
+
+LAYOUTS = [(True, True), (True, False), (False, False)]  # (sequence_parallel, ring forced)
+RECOMPUTE_FORBIDDEN = ("mm", "addmm", "bmm", "_scaled_mm", "c10d", "xorl.tp_", "flash_attn")
+
+
+def test_selective_keeps_tp_linears_whole_and_recomputes_no_matmul_or_collective(gloo_world):
+    for rank_result in gloo_world(2).run(check_selective_under_tp, LAYOUTS):
+        for (sp, ring), r in rank_result.items():
+            layout = f"sp={sp} ring={ring}"
+            assert len(r["census"]) == 2, layout  # one cache per block (2 layers)
+            for block in r["census"]:
+                assert block["kept"] == expected_kept(sp), (layout, block["kept"])
+                assert kept_bytes(block["kept"]) == (5760 if sp else 6784), layout
+                recomputed_heavy = [op for op in block["recomputed"]
+                                    if any(f in op for f in RECOMPUTE_FORBIDDEN)]
+                assert recomputed_heavy == [], (layout, recomputed_heavy)
+            counts = r["counts"]
+            # Selective's backward runs exactly no checkpointing's GEMMs and collectives; full runs
+            # every block's forward again (2 blocks x 7 GEMMs and their collectives).
+            assert counts["selective"] == counts["none"], (layout, counts)
+            assert counts["full"]["backward_flops"] > counts["none"]["backward_flops"], (layout, counts)
+            assert counts["full"]["backward_collectives"] > counts["none"]["backward_collectives"], (layout, counts)
+            assert r["selective_equals_none"], layout
+            assert r["grad_names_match"], layout
+            assert max(r["ref_errs"].values()) < 1e-5, (layout, r["ref_errs"])
+
