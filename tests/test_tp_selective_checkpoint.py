@@ -1,5 +1,8 @@
 """Selective activation checkpointing under tensor parallelism (2 gloo ranks, a small Llama).
 
+(No MoE here: selective with an MoE model under TP > 1 is refused with fsdp2, and TP refuses ddp,
+so no accepted layout has it: xorl/rules/parallel.py.)
+
 train.activation_checkpointing: selective promises to recompute no matmul. Under TP the column
 layers (gather + GEMMs, ring or plain) and row layers (GEMM + reduce-scatter / all-reduce) are one
 dispatcher op each (xorl/nn/tp_linear_ops.py) whose output the SAC cache keeps, so:
@@ -12,6 +15,10 @@ dispatcher op each (xorl/nn/tp_linear_ops.py) whose output the SAC cache keeps, 
   the TP collectives (the layers' communication record plus c10d ops seen by the dispatcher) of
   selective equal those of no checkpointing, while full recompute runs every block's forward
   matmuls and collectives again;
+* LoRA on every projection: the adapters' rank-wide gather / reduce-scatter / all-reduce
+  (xorl/nn/tp_regions.py's ops) are kept too: the recompute again runs no GEMM or collective;
+* every_other_matmul counts a TP op's GEMMs in the block's order (q, k, v | o | gate, up | down)
+  and keeps an op when any of its GEMMs falls on a kept (odd) position: o alone is recomputed;
 * parity: selective's loss and gradients equal no checkpointing's bit for bit, and both equal a
   float64 single-process run to fp32 rounding (relative error < 1e-5).
 """
@@ -99,9 +106,11 @@ def _batch():
     return ids, labels, torch.tensor([0, 6, TOKENS], dtype=torch.int32)
 
 
-def check_selective_under_tp(layouts: list[tuple[bool, bool]], lora: dict | None = None) -> dict:
+def check_selective_under_tp(layouts: list[tuple[bool, bool]], lora: dict | None = None,
+                             policy: str = "matmuls") -> dict:
     """Per (sequence_parallel, ring) layout and mode: the census, the backward's counts, the
-    parity against float64 one process, and selective's exact equality with none."""
+    parity against float64 one process, and selective's exact equality with none.
+    ``policy``: train.selective_checkpoint (matmuls / every_other_matmul)."""
     import torch.utils.checkpoint as torch_checkpoint
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -130,7 +139,7 @@ def check_selective_under_tp(layouts: list[tuple[bool, bool]], lora: dict | None
             with mock.patch.object(torch_checkpoint, "create_selective_checkpoint_contexts",
                                    census.wrap(torch_checkpoint.create_selective_checkpoint_contexts)):
                 if mode != "none":
-                    apply_activation_checkpointing(model, mode)
+                    apply_activation_checkpointing(model, mode, selective=policy)
                 out = model(ids, labels=labels, cu_seqlens=cu)
                 _tp_comm(model)
                 with FlopCounterMode(display=False) as flops, _CountOps() as ops:
@@ -200,3 +209,45 @@ def test_selective_keeps_tp_linears_whole_and_recomputes_no_matmul_or_collective
             assert r["grad_names_match"], layout
             assert max(r["ref_errs"].values()) < 1e-5, (layout, r["ref_errs"])
 
+
+
+LORA = {"rank": 2, "alpha": 4, "init_lora_weights": False,
+        "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+
+
+def test_selective_with_lora_under_tp_recomputes_no_matmul_or_collective(gloo_world):
+    region_op = {True: ("xorl.tp_all_gather.default", "xorl.tp_reduce_scatter.default"),
+                 False: ("xorl.tp_all_reduce.default",)}  # column (SP) / row (SP); row without SP
+    for rank_result in gloo_world(2).run(check_selective_under_tp, [(True, True), (False, False)], LORA):
+        for (sp, ring), r in rank_result.items():
+            layout = f"lora sp={sp} ring={ring}"
+            for block in r["census"]:
+                ops = [op for op, _ in block["kept"]]
+                # every base layer kept whole, in order, and its adapter's collective output kept
+                assert [op for op in ops if "tp_" in op and "linear" in op] == [
+                    op for op, _ in expected_kept(sp) if "linear" in op], (layout, ops)
+                assert {op for op in ops if op.startswith("xorl.tp_") and "linear" not in op} == set(
+                    region_op[sp]), (layout, ops)
+                recomputed_heavy = [op for op in block["recomputed"] if any(f in op for f in RECOMPUTE_FORBIDDEN)]
+                assert recomputed_heavy == [], (layout, recomputed_heavy)
+            counts = r["counts"]
+            assert counts["selective"] == counts["none"], (layout, counts)
+            assert counts["full"]["backward_collectives"] > counts["none"]["backward_collectives"], (layout, counts)
+            assert r["selective_equals_none"] and r["grad_names_match"], layout
+            assert max(r["ref_errs"].values()) < 1e-5, (layout, r["ref_errs"])
+
+
+def test_every_other_matmul_counts_tp_gemms_in_block_order(gloo_world):
+    for rank_result in gloo_world(2).run(check_selective_under_tp, [(True, True)], None, "every_other_matmul"):
+        r = rank_result[(True, True)]
+        for block in r["census"]:
+            # GEMMs 1-3 (q, k, v: 1 and 3 kept) | 4 (o: recomputed) | 5-6 (gate, up) | 7 (down)
+            kept = expected_kept(True)
+            assert block["kept"] == kept[:2] + kept[3:], block["kept"]
+            assert [op for op in block["recomputed"] if "tp_" in op] == ["xorl.tp_row_linear.default"]
+        assert r["selective_equals_none"] and r["grad_names_match"]
+        assert max(r["ref_errs"].values()) < 1e-5, r["ref_errs"]
+        # o's GEMM and its reduce-scatter run again in backward (2 blocks), nothing else
+        none, sel = r["counts"]["none"], r["counts"]["selective"]
+        assert sel["backward_flops"] - none["backward_flops"] == 2 * 2 * TOKENS * (HQ // 2) * H
+        assert sel["backward_collectives"] > none["backward_collectives"]
