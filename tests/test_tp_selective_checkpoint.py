@@ -107,17 +107,25 @@ def _batch():
 
 
 def check_selective_under_tp(layouts: list[tuple[bool, bool]], lora: dict | None = None,
-                             policy: str = "matmuls") -> dict:
+                             policy: str = "matmuls", fsdp: bool = False) -> dict:
     """Per (sequence_parallel, ring) layout and mode: the census, the backward's counts, the
     parity against float64 one process, and selective's exact equality with none.
-    ``policy``: train.selective_checkpoint (matmuls / every_other_matmul)."""
+    ``policy``: train.selective_checkpoint (matmuls / every_other_matmul); ``fsdp``: FSDP2 on a
+    dp x tp = 1 x 2 mesh on top (apply_fsdp, as the trainer does: after TP and checkpointing)."""
     import torch.utils.checkpoint as torch_checkpoint
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.utils.flop_counter import FlopCounterMode
 
-    from xorl.plans.data_parallel import apply_activation_checkpointing
+    from xorl.plans.data_parallel import apply_activation_checkpointing, apply_fsdp
     from xorl.plans.tensor_parallel import apply_tensor_parallel
 
-    mesh = tp_mesh(dist.get_world_size())
+    if fsdp:
+        mesh_2d = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("dp", "tp"))
+        mesh = mesh_2d["tp"]
+        state = types.SimpleNamespace(fsdp_mesh=mesh_2d["dp"], ep_size=1, tp_size=mesh.size(), dp_replicate_size=1,
+                                      ep_fsdp_mesh=None)
+    else:
+        mesh = tp_mesh(dist.get_world_size())
     base = build(llama_config(lora), seed=1)
     if lora:  # B starts at zero (peft): random, so the adapters' gradients are not trivial
         with torch.no_grad():
@@ -140,6 +148,8 @@ def check_selective_under_tp(layouts: list[tuple[bool, bool]], lora: dict | None
                                    census.wrap(torch_checkpoint.create_selective_checkpoint_contexts)):
                 if mode != "none":
                     apply_activation_checkpointing(model, mode, selective=policy)
+                if fsdp:
+                    apply_fsdp(model, state)
                 out = model(ids, labels=labels, cu_seqlens=cu)
                 _tp_comm(model)
                 with FlopCounterMode(display=False) as flops, _CountOps() as ops:
@@ -251,3 +261,16 @@ def test_every_other_matmul_counts_tp_gemms_in_block_order(gloo_world):
         none, sel = r["counts"]["none"], r["counts"]["selective"]
         assert sel["backward_flops"] - none["backward_flops"] == 2 * 2 * TOKENS * (HQ // 2) * H
         assert sel["backward_collectives"] > none["backward_collectives"]
+
+
+def test_selective_under_fsdp2_x_tp(gloo_world):
+    # FSDP2 (dp 1 x tp 2, resharding after forward) around the checkpointed TP blocks: the same
+    # cache, no GEMM or collective in the recompute, selective == none exactly.
+    for rank_result in gloo_world(2).run(check_selective_under_tp, [(True, True)], None, "matmuls", True):
+        r = rank_result[(True, True)]
+        for block in r["census"]:
+            assert block["kept"] == expected_kept(True), block["kept"]
+            assert [op for op in block["recomputed"] if any(f in op for f in RECOMPUTE_FORBIDDEN)] == []
+        assert r["counts"]["selective"] == r["counts"]["none"], r["counts"]
+        assert r["selective_equals_none"] and r["grad_names_match"]
+        assert max(r["ref_errs"].values()) < 1e-5, r["ref_errs"]
