@@ -79,7 +79,8 @@ def apply_activation_checkpointing(model: nn.Module, mode: str = "full", every_n
     ``selective`` (train.selective_checkpoint): "matmuls" saves every one (no matmul is
     recomputed); "every_other_matmul" saves the 1st, 3rd, ... in the order the block runs them and
     recomputes the others (torchtitan's ``mm_count % 2``: of q, k, v, o, gate, up, down it
-    recomputes k, o and up), trading those outputs' bytes for their FLOPs.
+    recomputes k, o and up; under TP o alone, see ``_every_other_matmul_contexts``), trading those
+    outputs' bytes for their FLOPs.
     """
     from xorl._torch_compat import checkpoint_wrapper
 
