@@ -1,8 +1,5 @@
 """Selective activation checkpointing under tensor parallelism (2 gloo ranks, a small Llama).
 
-(No MoE here: selective with an MoE model under TP > 1 is refused with fsdp2, and TP refuses ddp,
-so no accepted layout has it: xorl/rules/parallel.py.)
-
 train.activation_checkpointing: selective promises to recompute no matmul. Under TP the column
 layers (gather + GEMMs, ring or plain) and row layers (GEMM + reduce-scatter / all-reduce) are one
 dispatcher op each (xorl/nn/tp_linear_ops.py) whose output the SAC cache keeps, so:
@@ -21,6 +18,9 @@ dispatcher op each (xorl/nn/tp_linear_ops.py) whose output the SAC cache keeps, 
   and keeps an op when any of its GEMMs falls on a kept (odd) position: o alone is recomputed;
 * parity: selective's loss and gradients equal no checkpointing's bit for bit, and both equal a
   float64 single-process run to fp32 rounding (relative error < 1e-5).
+
+No MoE here: selective with an MoE model under TP > 1 is refused with fsdp2, and TP refuses ddp,
+so no accepted layout has it (xorl/rules/parallel.py).
 """
 
 from __future__ import annotations
@@ -79,15 +79,16 @@ class _Census:
 
 
 class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
-    """The collectives and GEMMs the dispatcher sees (inside a custom op it sees nothing: the TP
-    layers' own communication is counted by their record, overlap_report)."""
+    """The collectives (c10d ops, the TP regions' ops) and GEMMs the dispatcher sees; inside a custom
+    op it sees nothing: the TP linears' own communication is counted by their record (overlap_report)."""
 
     def __init__(self):
         super().__init__()
         self.collectives = self.gemms = 0
 
     def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
-        self.collectives += func.namespace in ("c10d", "_c10d_functional")
+        self.collectives += func.namespace in ("c10d", "_c10d_functional") or str(func).startswith(
+            ("xorl.tp_all_gather", "xorl.tp_reduce_scatter", "xorl.tp_all_reduce"))
         self.gemms += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm)
         return func(*args, **(kwargs or {}))
 
