@@ -49,9 +49,10 @@ MODELS = {
                             "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
                             "mscale": 1.0, "mscale_all_dim": 1.0}),
     # The families the matrix reached last (tests/test_parity_matrix_families.py). Qwen2: biases on
-    # q, k, v (fixed by the family) and none on o. Mistral: Llama's block under its own name.
+    # q, k, v (fixed by the family) and none on o. Mistral 7B v0.1's kind: every layer one sliding
+    # window (8), shorter than the sequence (32) and than a ring shard (16).
     "qwen2": dict(model_type="qwen2"),
-    "mistral": dict(model_type="mistral"),
+    "mistral": dict(model_type="mistral", sliding_window=8),
     # Qwen2-MoE: q/k/v biases (qkv_bias), a shared expert behind sigmoid(shared_expert_gate(x)), a
     # dense layer (mlp_only_layers) before the MoE ones, softmax top-2 not renormalised.
     "qwen2_moe": dict(model_type="qwen2_moe", **{**_MOE, "norm_topk_prob": False}, attention_bias=True,

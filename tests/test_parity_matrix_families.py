@@ -20,7 +20,8 @@ _DENSE_LAYOUTS = {
 # (id, world size, model type, train overrides), as in tests/test_parity_matrix.LAYOUTS.
 LAYOUTS = [
     *[(f"qwen2 {name} (q/k/v biases, none on o)", 2, "qwen2", train) for name, train in _DENSE_LAYOUTS.items()],
-    *[(f"mistral {name}", 2, "mistral", train) for name, train in _DENSE_LAYOUTS.items()],
+    *[(f"mistral {name} (a sliding window on every layer)", 2, "mistral", train)
+      for name, train in _DENSE_LAYOUTS.items()],
     ("qwen2_moe ep2 x fsdp2 (gated shared expert, dense first layer)", 2, "qwen2_moe",
      dict(data_parallel_shard_size=2, expert_parallel_size=2)),
     ("qwen2_moe tp2+sp, ep2 over tp (shared expert and its gate under TP)", 2, "qwen2_moe",
