@@ -22,12 +22,16 @@ LAYOUTS = [
     *[(f"qwen2 {name} (q/k/v biases, none on o)", 2, "qwen2", train) for name, train in _DENSE_LAYOUTS.items()],
     *[(f"mistral {name} (a sliding window on every layer)", 2, "mistral", train)
       for name, train in _DENSE_LAYOUTS.items()],
+    ("mistral ring2 x ulysses2 (the window through both context-parallel kinds)", 4, "mistral",
+     dict(data_parallel_shard_size=1, ringattn_parallel_size=2, ulysses_parallel_size=2)),
     ("qwen2_moe ep2 x fsdp2 (gated shared expert, dense first layer)", 2, "qwen2_moe",
      dict(data_parallel_shard_size=2, expert_parallel_size=2)),
     ("qwen2_moe tp2+sp, ep2 over tp (shared expert and its gate under TP)", 2, "qwen2_moe",
      dict(data_parallel_shard_size=1, tensor_parallel_size=2, sequence_parallel=True, expert_parallel_size=2)),
     ("qwen2_moe tp2+sp, experts fsdp over tp", 2, "qwen2_moe",
      dict(data_parallel_shard_size=1, tensor_parallel_size=2, sequence_parallel=True)),
+    ("qwen2_moe tp2 (no sp), ep2 over tp (each TP rank routes its share of the tokens)", 2, "qwen2_moe",
+     dict(data_parallel_shard_size=1, tensor_parallel_size=2, expert_parallel_size=2)),
     ("qwen2_moe ring2, ep2 over ring", 2, "qwen2_moe",
      dict(data_parallel_shard_size=1, ringattn_parallel_size=2, expert_parallel_size=2)),
     ("qwen2_moe ulysses2, ep2 over ulysses", 2, "qwen2_moe",
@@ -43,6 +47,8 @@ LAYOUTS = [
     ("deepseek_v2 ulysses2", 2, "deepseek_v2", dict(data_parallel_shard_size=1, ulysses_parallel_size=2)),
     ("deepseek_v2 pp2 (dense first layer on stage 0)", 2, "deepseek_v2",
      dict(data_parallel_shard_size=1, pipeline_parallel_size=2)),
+    ("deepseek_v2 pp2 x ep2 x fsdp2", 4, "deepseek_v2",
+     dict(data_parallel_shard_size=2, pipeline_parallel_size=2, expert_parallel_size=2)),
 ]
 
 
