@@ -52,6 +52,7 @@ MODELS = {
     # q, k, v (fixed by the family) and none on o. Mistral 7B v0.1's kind: every layer one sliding
     # window (8), shorter than the sequence (32) and than a ring shard (16).
     "qwen2": dict(model_type="qwen2"),
+    "qwen2-merged": dict(model_type="qwen2", merge_qkv=True, merge_gate_up=True),  # the biases in qkv_proj
     "mistral": dict(model_type="mistral", sliding_window=8),
     # Qwen2-MoE: q/k/v biases (qkv_bias), a shared expert behind sigmoid(shared_expert_gate(x)), a
     # dense layer (mlp_only_layers) before the MoE ones, softmax top-2 not renormalised.

@@ -20,6 +20,8 @@ _DENSE_LAYOUTS = {
 # (id, world size, model type, train overrides), as in tests/test_parity_matrix.LAYOUTS.
 LAYOUTS = [
     *[(f"qwen2 {name} (q/k/v biases, none on o)", 2, "qwen2", train) for name, train in _DENSE_LAYOUTS.items()],
+    ("qwen2 tp2+sp, merge_qkv and merge_gate_up (the q/k/v biases in the fused projection's TP shards)", 2,
+     "qwen2-merged", dict(data_parallel_shard_size=1, tensor_parallel_size=2, sequence_parallel=True)),
     *[(f"mistral {name} (a sliding window on every layer)", 2, "mistral", train)
       for name, train in _DENSE_LAYOUTS.items()],
     ("mistral ring2 x ulysses2 (the window through both context-parallel kinds)", 4, "mistral",
