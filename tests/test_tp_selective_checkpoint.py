@@ -32,7 +32,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-from tests.test_tensor_parallel_model import build, rel_err, tp_mesh
+from tests.test_tensor_parallel_model import build, rel_err
 from xorl.nn.tp_replicated import sum_tp_partial_grads
 
 H, HQ, HKV, INTER, HEADS, TOKENS, BATCH = 16, 16, 8, 48, 4, 16, 1
@@ -49,8 +49,9 @@ def llama_config(lora: dict | None = None):
 
 class _Census:
     """Each checkpointed block call's selective-checkpoint decisions, made in its forward: what it
-    kept (ctx.op_output of every op the policy saved) and the ops its recompute runs again (torch
-    2.13's recompute replays exactly the forward's decisions without asking the policy again)."""
+    kept (the outputs of every op the policy saved, read from the block's SAC storage in the order
+    the ops ran) and the ops its recompute runs again (the ones the policy did not save). Works on
+    torch 2.11 (storage: op -> saved outputs) and 2.13 (op -> call index -> output or recompute)."""
 
     def __init__(self):
         self.blocks: list[dict] = []
@@ -59,23 +60,40 @@ class _Census:
         from torch.utils.checkpoint import CheckpointPolicy
 
         def contexts(policy_fn, *args, **kwargs):
-            block = {"kept": [], "recomputed": []}
-            self.blocks.append(block)
+            block = {"decisions": [], "kept": [], "recomputed": []}
 
             def recording(ctx, op, *a, **kw):
                 decision = policy_fn(ctx, op, *a, **kw)
-                saves = decision in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
-                if saves and not ctx.is_recompute:
-                    outs = ctx.op_output if isinstance(ctx.op_output, (tuple, list)) else [ctx.op_output]
-                    block["kept"].append((str(op), [(tuple(t.shape), t.element_size()) for t in outs
-                                                    if isinstance(t, torch.Tensor)]))
-                if not saves and not ctx.is_recompute:  # the recompute runs these again
-                    block["recomputed"].append(str(op))
+                if not ctx.is_recompute:
+                    block["decisions"].append((op, decision in (CheckpointPolicy.MUST_SAVE,
+                                                                CheckpointPolicy.PREFER_SAVE)))
                 return decision
 
-            return create(recording, *args, **kwargs)
+            forward, recompute = create(recording, *args, **kwargs)
+            block["storage"] = forward.storage
+            self.blocks.append(block)
+            return forward, recompute
 
         return contexts
+
+    def read(self) -> None:
+        """Fill each block's kept / recomputed lists (call after the forward, before backward)."""
+        from torch.utils._pytree import tree_leaves
+
+        recompute = getattr(torch.utils.checkpoint, "_RECOMPUTE", None)  # 2.13's "not saved" entry
+        for block in self.blocks:
+            saved = {}
+            for op, entries in block.pop("storage").items():
+                entries = [e for _, e in sorted(entries.items())] if isinstance(entries, dict) else entries
+                saved[op] = [e for e in entries if e is not recompute]
+            for op, saves in block.pop("decisions"):
+                if not saves:
+                    block["recomputed"].append(str(op))
+                    continue
+                wrapped = tree_leaves(saved[op].pop(0), is_leaf=lambda x: hasattr(x, "val"))
+                leaves = [getattr(x, "val", x) for x in wrapped]
+                block["kept"].append((str(op), [(tuple(t.shape), t.element_size()) for t in leaves
+                                                if isinstance(t, torch.Tensor)]))
 
 
 class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
@@ -100,9 +118,10 @@ def _tp_comm(model) -> int:
     return sum(r["collectives"] + r["ring_steps"] for r in overlap_report(model, reset=True).values())
 
 
-def _batch():
-    """Two packed documents in one row (batch 1, as the trainer packs), on every rank the same."""
-    g = torch.Generator().manual_seed(2)
+def _batch(dp_rank: int = 0):
+    """Two packed documents in one row (batch 1, as the trainer packs): the same on the TP ranks,
+    one batch per data-parallel rank."""
+    g = torch.Generator().manual_seed(2 + dp_rank)
     ids, labels = (torch.randint(0, 48, (BATCH, TOKENS), generator=g) for _ in range(2))
     return ids, labels, torch.tensor([0, 6, TOKENS], dtype=torch.int32)
 
@@ -112,7 +131,8 @@ def check_selective_under_tp(layouts: list[tuple[bool, bool]], lora: dict | None
     """Per (sequence_parallel, ring) layout and mode: the census, the backward's counts, the
     parity against float64 one process, and selective's exact equality with none.
     ``policy``: train.selective_checkpoint (matmuls / every_other_matmul); ``fsdp``: FSDP2 on a
-    dp x tp = 1 x 2 mesh on top (apply_fsdp, as the trainer does: after TP and checkpointing)."""
+    dp x tp = 2 x 2 mesh (4 ranks) on top (apply_fsdp, as the trainer does: after TP and
+    checkpointing), each dp rank its own batch, gradients summed (the reference: both batches')."""
     import torch.utils.checkpoint as torch_checkpoint
     from torch.distributed.device_mesh import init_device_mesh
     from torch.utils.flop_counter import FlopCounterMode
@@ -120,23 +140,23 @@ def check_selective_under_tp(layouts: list[tuple[bool, bool]], lora: dict | None
     from xorl.plans.data_parallel import apply_activation_checkpointing, apply_fsdp
     from xorl.plans.tensor_parallel import apply_tensor_parallel
 
-    if fsdp:
-        mesh_2d = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("dp", "tp"))
-        mesh = mesh_2d["tp"]
-        state = types.SimpleNamespace(fsdp_mesh=mesh_2d["dp"], ep_size=1, tp_size=mesh.size(), dp_replicate_size=1,
-                                      ep_fsdp_mesh=None)
-    else:
-        mesh = tp_mesh(dist.get_world_size())
+    dp = 2 if fsdp else 1
+    mesh_2d = init_device_mesh("cpu", (dp, dist.get_world_size() // dp), mesh_dim_names=("dp", "tp"))
+    mesh, dp_rank = mesh_2d["tp"], mesh_2d.get_local_rank("dp")
+    state = types.SimpleNamespace(fsdp_mesh=mesh_2d["dp"], ep_size=1, tp_size=mesh.size(), dp_replicate_size=1,
+                                  ep_fsdp_mesh=None)
     base = build(llama_config(lora), seed=1)
     if lora:  # B starts at zero (peft): random, so the adapters' gradients are not trivial
         with torch.no_grad():
             for name, p in base.named_parameters():
                 if "lora_B" in name:
                     p.normal_(0, 0.3)
-    ids, labels, cu = _batch()
     ref = copy.deepcopy(base).double()
-    ref(ids, labels=labels, cu_seqlens=cu).loss.backward()
+    for other in range(dp):  # gradients of every dp rank's batch, summed (as FSDP sums them)
+        other_ids, other_labels, other_cu = _batch(other)
+        ref(other_ids, labels=other_labels, cu_seqlens=other_cu).loss.backward()
     ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    ids, labels, cu = _batch(dp_rank)
     results = {}
     for sp, ring in layouts:
         runs = {}
@@ -152,6 +172,7 @@ def check_selective_under_tp(layouts: list[tuple[bool, bool]], lora: dict | None
                 if fsdp:
                     apply_fsdp(model, state)
                 out = model(ids, labels=labels, cu_seqlens=cu)
+                census.read()
                 _tp_comm(model)
                 with FlopCounterMode(display=False) as flops, _CountOps() as ops:
                     out.loss.backward()
@@ -265,9 +286,9 @@ def test_every_other_matmul_counts_tp_gemms_in_block_order(gloo_world):
 
 
 def test_selective_under_fsdp2_x_tp(gloo_world):
-    # FSDP2 (dp 1 x tp 2, resharding after forward) around the checkpointed TP blocks: the same
-    # cache, no GEMM or collective in the recompute, selective == none exactly.
-    for rank_result in gloo_world(2).run(check_selective_under_tp, [(True, True)], None, "matmuls", True):
+    # FSDP2 (dp 2 x tp 2 on 4 ranks, resharding after forward) around the checkpointed TP blocks:
+    # the same cache, no GEMM or collective in the recompute, selective == none exactly.
+    for rank_result in gloo_world(4).run(check_selective_under_tp, [(True, True)], None, "matmuls", True):
         r = rank_result[(True, True)]
         for block in r["census"]:
             assert block["kept"] == expected_kept(True), block["kept"]
