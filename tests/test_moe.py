@@ -229,3 +229,37 @@ def test_experts_run_gate_and_up_as_one_grouped_gemm():
     assert forward.calls == ["grouped_gemm", "grouped_gemm"], forward.calls
     assert backward.calls == ["grouped_gemm_backward", "grouped_gemm_backward"], backward.calls
     assert moe.experts.gate_up_proj.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("model", ["qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3", "mixtral", "gpt_oss"])
+def test_mfu_counts_the_matmul_weights_each_token_passes_through(model):
+    """xorl/mfu.py's 6 N term against the built model's own weights (every matrix but the embedding
+    lookup and biases; routed experts at top-k / num_experts): dense first layers (GLM, DeepSeek) at
+    their intermediate_size, the shared expert (and Qwen2-MoE's shared_expert_gate) on every MoE
+    layer. Before, every layer was counted as top-k routed experts alone: Qwen2-57B-A14B's MFU
+    left out its 20480-wide shared expert, half of its MLP FLOPs, and a Mixtral YAML's experts were
+    counted moe_intermediate_size wide (a field Mixtral does not read): examples/mixtral_8x7b's MFU
+    was 6.4x too low (12.4 instead of 79.7 GFLOP a token)."""
+    from tests.parity_runs import tiny_config
+    from xorl.mfu import flops_per_token
+    from xorl.models.registry import build_model
+
+    from xorl.config import ModelConfig
+
+    # Mixtral as a YAML writes it (examples/mixtral_8x7b_*.yaml): experts as wide as intermediate_size,
+    # moe_intermediate_size left at its default (64), which Mixtral does not read
+    extra = {"qwen2_moe": dict(model_type="qwen2_moe", shared_expert_intermediate_size=48, mlp_only_layers=[1]),
+             "mixtral": dict(intermediate_size=96, moe_intermediate_size=ModelConfig().moe_intermediate_size)}
+    config = tiny_config("/unused", "qwen3_moe" if model == "qwen2_moe" else model).model
+    for key, value in extra.get(model, {}).items():
+        setattr(config, key, value)
+    config.sliding_window, config.layer_types = None, []  # gpt-oss: windows change the score FLOPs only
+    with torch.device("meta"):
+        built = build_model(config)
+    share = config.num_experts_per_tok / config.num_experts
+    per_token = sum(p.numel() * (share if ".experts." in n else 1.0) for n, p in built.named_parameters()
+                    if p.ndim >= 2 and "embed_tokens" not in n and "bias" not in n)
+    dense_layers = sum(".mlp.gate_proj." in n for n, _ in built.named_parameters())
+    assert dense_layers == {"qwen2_moe": 1, "glm4_moe": 1, "deepseek_v3": 1}.get(model, 0)  # the rows under test
+    # seq_len 0: no attention-score FLOPs, the 6 N term alone
+    assert flops_per_token(config, 0) == pytest.approx(6 * per_token, rel=1e-12)
