@@ -241,10 +241,9 @@ def test_mfu_counts_the_matmul_weights_each_token_passes_through(model):
     counted moe_intermediate_size wide (a field Mixtral does not read): examples/mixtral_8x7b's MFU
     was 6.4x too low (12.4 instead of 79.7 GFLOP a token)."""
     from tests.parity_runs import tiny_config
+    from xorl.config import ModelConfig
     from xorl.mfu import flops_per_token
     from xorl.models.registry import build_model
-
-    from xorl.config import ModelConfig
 
     # Mixtral as a YAML writes it (examples/mixtral_8x7b_*.yaml): experts as wide as intermediate_size,
     # moe_intermediate_size left at its default (64), which Mixtral does not read
@@ -263,3 +262,21 @@ def test_mfu_counts_the_matmul_weights_each_token_passes_through(model):
     assert dense_layers == {"qwen2_moe": 1, "glm4_moe": 1, "deepseek_v3": 1}.get(model, 0)  # the rows under test
     # seq_len 0: no attention-score FLOPs, the 6 N term alone
     assert flops_per_token(config, 0) == pytest.approx(6 * per_token, rel=1e-12)
+
+
+@pytest.mark.parametrize("field", ["router_aux_loss_coef", "router_z_loss_coef"])
+def test_a_negative_router_loss_weight_is_refused_naming_the_field(field, tmp_path):
+    """A negative weight rewards imbalance; it used to train without a word. Refused before any
+    process group starts (validate_config), naming the field; 0 (off) and a positive weight pass."""
+    from xorl.config import load_config
+    from xorl.config_error import ConfigError
+    from xorl.config_rules import validate_config
+
+    def config(value):
+        return load_config(None, ["--model.model_type=qwen3_moe", "--model.num_experts=4",
+                                  f"--model.{field}={value}", f"--train.output_dir={tmp_path}"])
+
+    with pytest.raises(ConfigError, match=f"model.{field}=-0.01 must be >= 0"):
+        validate_config(config(-0.01), world_size=1)
+    for value in (0.0, 0.01):
+        validate_config(config(value), world_size=1)
