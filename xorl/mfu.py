@@ -73,7 +73,9 @@ def lora_params_per_token(m, head_dim: int, head_dim_v: int) -> int:
               "o_proj": heads * head_dim_v + h}
     if m.num_experts:
         if "experts" in lora["target_modules"]:  # gate_up [h -> 2I] and down [I -> h] per routed expert
-            widths["experts"] = m.num_experts_per_tok * (2 * h + 3 * m.moe_intermediate_size)
+            from xorl.models.spec import ModelSpec  # the experts' width as built (Mixtral's is intermediate_size)
+
+            widths["experts"] = m.num_experts_per_tok * (2 * h + 3 * ModelSpec.from_config(m).moe_intermediate_size)
     else:
         widths.update(gate_proj=h + m.intermediate_size, up_proj=h + m.intermediate_size,
                       down_proj=m.intermediate_size + h)
