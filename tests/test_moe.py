@@ -280,3 +280,44 @@ def test_a_negative_router_loss_weight_is_refused_naming_the_field(field, tmp_pa
         validate_config(config(-0.01), world_size=1)
     for value in (0.0, 0.01):
         validate_config(config(value), world_size=1)
+
+
+@pytest.mark.parametrize("model, fp8", [("qwen2_moe", "rowwise"), ("qwen3_moe", "blockwise"), ("gpt_oss", "none"),
+                                        ("llama", "tensorwise")])
+def test_start_up_line_says_active_parameters_and_which_gemms_run_in_fp8(model, fp8):
+    """The model line a user reads: an MoE model's parameters a token passes through (counted here
+    from the built model: every weight but the routed experts' (num_experts - top_k) / num_experts),
+    and with train.fp8 which GEMMs the built model runs in FP8 (the modules' own fp8 attribute): with
+    tensorwise / rowwise the routed experts stay in train.dtype, which the line used not to say (it
+    did not mention FP8 at all)."""
+    from tests.parity_runs import tiny_config
+    from xorl.distributed.parallel_config import ParallelConfig
+    from xorl.metrics import startup_summary
+    from xorl.models.registry import build_model
+
+    config = tiny_config("/unused", "qwen3_moe" if model == "qwen2_moe" else model, fp8=fp8)
+    m = config.model
+    if model == "qwen2_moe":
+        m.model_type, m.shared_expert_intermediate_size = "qwen2_moe", 48
+    with torch.device("meta"):
+        built = build_model(m, fp8=fp8)
+    total = sum(p.numel() for p in built.parameters())
+    line = startup_summary(config, ParallelConfig.from_config(config, 1), total, 0, "cpu").splitlines()[0]
+    if m.num_experts:
+        routed = sum(p.numel() for n, p in built.named_parameters() if ".experts." in n)
+        active = total - routed * (1 - m.num_experts_per_tok / m.num_experts)
+        assert f"({active / 1e6:.2f}M active a token)" in line if active >= 1e4 else f"({round(active)} active" in line
+    else:
+        assert "active" not in line
+    if fp8 == "none":
+        assert "FP8" not in line
+        return
+    fp8_modules = {n.rsplit(".", 1)[-1] for n, mod in built.named_modules() if getattr(mod, "fp8", "none") == fp8}
+    assert {"q_proj", "o_proj"} <= fp8_modules and f"FP8 {fp8} GEMMs in the attention" in line
+    experts = [mod for n, mod in built.named_modules() if n.endswith(".experts")]
+    experts_fp8 = any(getattr(mod, "fp8", "none") == "blockwise" for mod in experts)
+    if experts:
+        assert ("and the routed experts" in line) == experts_fp8
+        assert ("the routed experts in float32" in line) == (not experts_fp8)
+    shared = [n for n, mod in built.named_modules() if ".shared_expert." in n and getattr(mod, "fp8", "none") != "none"]
+    assert not shared and ("shared expert in float32" in line) == bool(m.num_experts)

@@ -60,6 +60,6 @@ def router_problems(m: Any) -> list[str]:
     if not m.router_bias_update_rate > 0:
         problems.append(f"model.router_bias_update_rate={m.router_bias_update_rate} must be > 0")
     # A negative weight would reward imbalance (gradient descent then drives tokens onto fewer experts).
-    problems += [f"model.{n}={getattr(m, n)} must be >= 0 (0: off)" for n in ("router_aux_loss_coef", "router_z_loss_coef")
-                 if not getattr(m, n) >= 0]
+    problems += [f"model.{n}={getattr(m, n)} must be >= 0 (0: off)"
+                 for n in ("router_aux_loss_coef", "router_z_loss_coef") if not getattr(m, n) >= 0]
     return problems
