@@ -321,3 +321,45 @@ def test_start_up_line_says_active_parameters_and_which_gemms_run_in_fp8(model, 
         assert ("the routed experts in float32" in line) == (not experts_fp8)
     shared = [n for n, mod in built.named_modules() if ".shared_expert." in n and getattr(mod, "fp8", "none") != "none"]
     assert not shared and ("shared expert in float32" in line) == bool(m.num_experts)
+
+
+def test_a_bad_moe_folder_is_refused_in_its_own_config_json_keys(tmp_path):
+    """A transformers-saved Mixtral / DeepSeek-V2 folder whose config.json has num_experts_per_tok >
+    the experts: one message per problem naming the file and its own keys (num_local_experts,
+    n_routed_experts; xorl's num_experts is not in the file), before any process group starts. And
+    expert_parallel_size not dividing the experts names the sizes that do."""
+    import json
+
+    import transformers
+
+    from xorl.config import load_config
+    from xorl.config_error import ConfigError
+    from xorl.config_rules import validate_config
+
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=2)
+    folders = {"mixtral": (transformers.MixtralConfig(**small, num_local_experts=4, num_experts_per_tok=2),
+                           "MixtralForCausalLM", "num_local_experts=4"),
+               "deepseek_v2": (transformers.DeepseekV2Config(**small, n_routed_experts=6, num_experts_per_tok=2,
+                                                             moe_intermediate_size=16, kv_lora_rank=8, q_lora_rank=None,
+                                                             qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+                                                             topk_method="greedy", n_group=1, topk_group=1),
+                               "DeepseekV2ForCausalLM", "n_routed_experts=6")}
+    for name, (hf_config, cls, experts) in folders.items():
+        folder = tmp_path / name
+        getattr(transformers, cls)(hf_config).save_pretrained(folder)
+        raw = json.loads((folder / "config.json").read_text())
+        raw["num_experts_per_tok"] = 7
+        (folder / "config.json").write_text(json.dumps(raw))
+        config = load_config(None, [f"--model.model_path={folder}", f"--train.output_dir={tmp_path / 'out'}"])
+        with pytest.raises(ConfigError) as err:
+            validate_config(config, world_size=1)
+        assert f"({folder}/config.json has num_experts_per_tok=7, {experts}: correct the folder's config.json)" \
+            in str(err.value)
+    raw["num_experts_per_tok"] = 2
+    (folder / "config.json").write_text(json.dumps(raw))
+    config = load_config(None, [f"--model.model_path={folder}", "--train.expert_parallel_size=4",
+                                f"--train.output_dir={tmp_path / 'out'}"])
+    with pytest.raises(ConfigError, match=r"num_experts=6 must be a multiple of train.expert_parallel_size=4 .*"
+                                          r"use expert_parallel_size one of \[1, 2\]"):
+        validate_config(config, world_size=4)
