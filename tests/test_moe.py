@@ -363,3 +363,62 @@ def test_a_bad_moe_folder_is_refused_in_its_own_config_json_keys(tmp_path):
     with pytest.raises(ConfigError, match=r"num_experts=6 must be a multiple of train.expert_parallel_size=4 .*"
                                           r"use expert_parallel_size one of \[1, 2\]"):
         validate_config(config, world_size=4)
+
+
+# Fields whose absence from config.json makes the weights' shapes disagree (the weight loader refuses
+# those); the rest change the model silently, so a missing key must mean what it means in transformers.
+_SHAPE_FIELDS = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "moe_intermediate_size", "num_experts",
+                 "shared_expert_intermediate_size", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                 "qk_rope_head_dim", "v_head_dim", "attention_bias", "first_k_dense_replace"}
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "gpt_oss",
+                                        "deepseek_v3", "deepseek_v2"])
+def test_a_key_config_json_leaves_out_means_what_transformers_reads(model_type, tmp_path):
+    """For each scalar key of a transformers-saved config.json that does not set a weight shape
+    (top-k, norm eps, RoPE theta, norm_topk_prob, groups, sliding window, ...): a copy without it
+    gives xorl the value transformers' own config class reads from that copy. Before, xorl took its
+    own schema default: a Qwen3-MoE file without num_experts_per_tok trained top-2 where
+    transformers runs top-8, a Mixtral file without rms_norm_eps used 1e-6 for 1e-5."""
+    import json
+
+    import transformers
+
+    from xorl.models.families import family
+    from xorl.models.pretrained import model_config_from_folder
+    from xorl.models.schema import FIELDS
+
+    fam = family(model_type)
+    hf_config = transformers.AutoConfig.for_model(model_type, vocab_size=64, hidden_size=32, num_hidden_layers=4,
+                                                  num_attention_heads=2, num_key_value_heads=2)
+    folder = tmp_path / "full"
+    hf_config.save_pretrained(folder)
+    full = json.loads((folder / "config.json").read_text())
+    checked = 0
+    for f in FIELDS:
+        keys = [k for k in fam.hf_keys(f.name) if k in full]
+        if (f.kind == "local" or not fam.carries(f.name) or f.name in fam.fixed or f.name in _SHAPE_FIELDS
+                or not keys or isinstance(full[keys[0]], (list, dict)) or f.name in fam.derived):
+            continue
+        cut = tmp_path / f.name
+        cut.mkdir()
+        (cut / "config.json").write_text(json.dumps({k: v for k, v in full.items() if k not in keys}))
+        try:
+            expected = getattr(transformers.AutoConfig.from_pretrained(cut), keys[0])
+        except ValueError:  # transformers' own validation needs the key (e.g. layer_types' length)
+            continue
+        if expected is None:  # transformers has no default either (DeepSeek-V2's num_experts_per_tok)
+            continue
+        got = getattr(model_config_from_folder(str(cut)), f.name)
+        assert got == expected, f"{model_type} without {keys[0]}: xorl {f.name}={got!r}, transformers {expected!r}"
+        checked += 1
+    if "rope_parameters" in full or "rope_theta" in full:  # v5 keeps theta in rope_parameters
+        cut = tmp_path / "rope_theta"
+        cut.mkdir()
+        raw = {k: v for k, v in full.items() if k != "rope_theta"}
+        raw["rope_parameters"] = {k: v for k, v in (raw.get("rope_parameters") or {}).items() if k != "rope_theta"}
+        (cut / "config.json").write_text(json.dumps(raw))
+        expected = transformers.AutoConfig.from_pretrained(cut).rope_parameters["rope_theta"]
+        assert model_config_from_folder(str(cut)).rope_theta == expected, f"{model_type} without rope_theta"
+    assert checked >= 3

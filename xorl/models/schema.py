@@ -149,6 +149,9 @@ class Family:
     # field -> its config.json key, or keys (the first is written; any is read)
     hf_names: dict[str, str | tuple[str, ...]] = field(default_factory=dict)
     fixed: dict[str, Any] = field(default_factory=dict)  # values the HF class hard-codes
+    # field -> what transformers' config class takes when config.json leaves its key out (where that
+    # differs from the schema default), so a missing key means the same model in xorl as in transformers
+    hf_defaults: dict[str, Any] = field(default_factory=dict)
     # (raw config.json, the fields read so far) -> problems; may fill derived fields in place.
     read_hf: Callable[[dict, dict], list[str]] | None = None
     # (spec, the config.json dict so far) -> None; adds the family's own entries.
@@ -408,7 +411,12 @@ def hf_to_fields(raw: dict, family: Family, where: str) -> tuple[dict[str, Any],
             if raw.get(key) is not None:
                 values[f.name] = raw[key]
                 break
+        else:
+            if f.name in family.hf_defaults and not any(key in raw for key in family.hf_keys(f.name)):
+                values[f.name] = family.hf_defaults[f.name]
     theta, scaling, partial = _rope_from_hf(raw)
+    if theta is None and "rope_theta" in family.hf_defaults:
+        theta = family.hf_defaults["rope_theta"]
     if theta is not None:
         values["rope_theta"] = theta
     values["rope_scaling"] = scaling
