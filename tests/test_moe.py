@@ -422,3 +422,34 @@ def test_a_key_config_json_leaves_out_means_what_transformers_reads(model_type, 
         expected = transformers.AutoConfig.from_pretrained(cut).rope_parameters["rope_theta"]
         assert model_config_from_folder(str(cut)).rope_theta == expected, f"{model_type} without rope_theta"
     assert checked >= 3
+
+
+def test_xorl_export_refuses_a_model_its_family_class_cannot_hold_in_one_line(tmp_path, capsys):
+    """A Qwen3-MoE folder trained with --model.router_scoring=sigmoid (a local field the trainer
+    allows without export_hf): xorl-export said so in a ValueError traceback from inside the export.
+    Now one 'xorl-export: ...' line naming the field, exit 2, before any tensor is read (this
+    checkpoint holds no tensors at all) and with no output folder left."""
+    import dataclasses
+    import json
+
+    from tests.parity_runs import tiny_config
+    from xorl.checkpoint import MODEL_CONFIG
+    from xorl.cli.export import main as xorl_export
+    from xorl.models.spec import EXPERTS_LAYOUT
+
+    model = tiny_config("/unused", "qwen3_moe").model
+    model.router_scoring = "sigmoid"
+    checkpoint = tmp_path / "step_00000001"
+    checkpoint.mkdir()
+    (checkpoint / ".metadata").write_bytes(b"")
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"step": 1, "experts_layout": EXPERTS_LAYOUT}))
+    (checkpoint / MODEL_CONFIG).write_text(json.dumps(dataclasses.asdict(model)))
+    assert xorl_export([str(checkpoint), str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("xorl-export: router_scoring='sigmoid' has no Qwen3MoeForCausalLM equivalent")
+    assert "Traceback" not in err and err.count("\n") == 1 and not (tmp_path / "hf").exists()
+    model.router_scoring = "softmax"  # the family's own router: past the check (to the empty .metadata)
+    (checkpoint / MODEL_CONFIG).write_text(json.dumps(dataclasses.asdict(model)))
+    with pytest.raises(Exception) as other:
+        xorl_export([str(checkpoint), str(tmp_path / "hf2")])
+    assert "router_scoring" not in str(other.value)
