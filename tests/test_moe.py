@@ -453,3 +453,44 @@ def test_xorl_export_refuses_a_model_its_family_class_cannot_hold_in_one_line(tm
     with pytest.raises(Exception) as other:
         xorl_export([str(checkpoint), str(tmp_path / "hf2")])
     assert "router_scoring" not in str(other.value)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_expert_load_metric_is_the_busiest_expert_over_the_mean_from_transformers_routing(model_type, tmp_path):
+    """metrics.jsonl's expert_load (plans/expert_parallel.step_router_loads): max over the MoE layers
+    of the busiest expert's tokens / the mean expert's, counted by the routers in the step's training
+    forwards (two here). Reference: transformers' own model on the same folder and tokens, its
+    router_logits' top-k per layer. The counts start again after each report, and a model in eval
+    mode counts nothing."""
+    import transformers
+
+    import xorl.models
+    from xorl.plans.expert_parallel import step_router_loads
+
+    torch.manual_seed(0)
+    small = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=2,
+                 num_key_value_heads=2, num_experts_per_tok=2, output_router_logits=True)
+    config = (transformers.Qwen3MoeConfig(**small, num_experts=8, moe_intermediate_size=16, head_dim=16)
+              if model_type == "qwen3_moe" else transformers.MixtralConfig(**small, num_local_experts=6))
+    classes = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+    hf = getattr(transformers, classes[model_type])(config)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.3)  # routers far from uniform: an uneven load to measure
+    hf.save_pretrained(tmp_path)
+    ours = xorl.models.from_pretrained(str(tmp_path), dtype=torch.float32).train()
+    batches = [torch.randint(0, 96, (1, 40)) for _ in range(2)]
+    counts = 0
+    for ids in batches:
+        ours(ids)
+        with torch.no_grad():
+            logits = hf(ids).router_logits  # one [tokens, E] per layer
+        counts = counts + torch.stack([torch.nn.functional.one_hot(layer.topk(2, dim=-1).indices,
+                                                                    layer.shape[-1]).sum((0, 1)) for layer in logits])
+    expected = (counts.double().amax(1) / counts.double().mean(1)).amax()
+    got = step_router_loads([ours], group=None)
+    assert expected > 1.2 and float(got) == pytest.approx(float(expected), rel=1e-12)
+    assert float(step_router_loads([ours], group=None)) == 0  # reported, so counted afresh
+    ours.eval()
+    ours(batches[0])
+    assert float(step_router_loads([ours], group=None)) == 0

@@ -89,8 +89,8 @@ class MetricsLogger:
 # The console line's keys, in order, with their format; a key the row lacks is left out, a null one
 # (MFU where the device's peak is unknown) shows as n/a. Other keys are in metrics.jsonl and the sinks.
 CONSOLE_KEYS = (("loss", ".4f"), ("eval_loss", ".4f"), ("eval_ppl", ".3g"), ("grad_norm", ".3f"), ("lr", ".2e"),
-                ("router_loss", ".4f"), ("epoch", "d"), ("data_seen", ".3f"), ("tokens_per_s", ".0f"), ("mfu", ".1%"),
-                ("peak_memory_gib", ".2f"))
+                ("router_loss", ".4f"), ("expert_load", ".2f"), ("epoch", "d"), ("data_seen", ".3f"),
+                ("tokens_per_s", ".0f"), ("mfu", ".1%"), ("peak_memory_gib", ".2f"))
 
 
 def format_step_line(step: int, total_steps: int, row: dict) -> str:
