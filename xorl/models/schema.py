@@ -109,7 +109,9 @@ FIELDS: tuple[Field, ...] = (
     _f("swiglu_limit", float, 7.0, families=("gpt_oss",),
        doc="gpt-oss experts: gate clamped above at the limit, up to [-limit, limit]"),
     # Training knobs: config.json may hold them; an explicit YAML / CLI value wins.
-    _f("router_aux_loss_coef", float, 0.001, "knob", families=MOE, doc="weight of the load-balancing loss"),
+    _f("router_aux_loss_coef", float, 0.001, "knob", families=MOE,
+       doc="weight of each MoE layer's Switch load-balancing loss (1 when even), summed over the layers "
+       "(Megatron's convention; transformers' pooled loss is top-k times larger: README)"),
     _f("router_z_loss_coef", float, 0.0, "knob", families=(), doc="weight of the router z-loss (0: off)"),
     _f("router_balance_scope", Literal["microbatch", "global_batch"], "microbatch", "knob", families=(),
        doc="tokens the balancing statistics cover: the microbatch (what one process computes, on every "
