@@ -117,7 +117,15 @@ def _save_ops() -> set:
     if functional is not None:
         names += [(functional, n) for n in ("reduce_scatter_tensor", "all_gather_into_tensor", "all_to_all_single")]
     # Our custom ops (xorl_kernels, xorl/nn) join xorl_kernels/checkpoint_saves.py where they are
-    # defined; an op named there but not registered is an error, not skipped.
+    # defined; an op named there but not registered is an error, not skipped. The modules defining
+    # them are imported here so the list does not depend on what the run happened to import first.
+    import xorl.nn.ep_dispatch  # noqa: F401
+    import xorl.nn.ring_attention  # noqa: F401
+    import xorl.nn.tp_linear_ops  # noqa: F401
+    import xorl.nn.tp_regions  # noqa: F401
+    import xorl.nn.ulysses_attention  # noqa: F401
+    import xorl_kernels.attention.op  # noqa: F401
+    import xorl_kernels.expert_gemm.op  # noqa: F401
     from xorl_kernels.checkpoint_saves import SELECTIVE_CHECKPOINT_SAVES
 
     ops = SELECTIVE_CHECKPOINT_SAVES.ops()
