@@ -421,3 +421,28 @@ def test_the_start_up_line_says_how_many_parameters_train():
     assert trainable < 1e4  # printed whole
     rank = LORA["rank"]
     assert f"{total / 1e6:.2f}M parameters ({trainable} trainable: LoRA rank {rank} on q_proj, down_proj)," in line
+
+
+def test_overwrite_output_dir_replaces_an_earlier_lora_run_and_its_adapter(tmp_path):
+    """A LoRA run writes output_dir/adapter; `--train.overwrite_output_dir=true` on that folder must treat
+    it as xorl's (it refused it as a foreign file before) and leave no adapter of the earlier run behind."""
+    import json
+
+    import yaml
+
+    from tests.cli_runs import write_config, xorl_train
+
+    config = write_config(tmp_path, "out", max_steps=1, save_steps=0, data_parallel_mode="none")
+    first = xorl_train(config, "--model.lora={rank: 2, target_modules: [q_proj]}", cwd=tmp_path)
+    assert first.code == 0, first.text
+    assert json.loads((tmp_path / "out" / "adapter" / "adapter_config.json").read_text())["r"] == 2
+    again = xorl_train(config, "--model.lora={rank: 4, target_modules: [v_proj]}", "--train.overwrite_output_dir=true",
+                       cwd=tmp_path)
+    assert again.code == 0, again.text
+    written = json.loads((tmp_path / "out" / "adapter" / "adapter_config.json").read_text())
+    assert (written["r"], written["target_modules"]) == (4, ["v_proj"])
+    # A full fine-tune over the LoRA run's folder: the old adapter would describe weights this run never had.
+    full = xorl_train(config, "--train.overwrite_output_dir=true", cwd=tmp_path)
+    assert full.code == 0, full.text
+    assert not (tmp_path / "out" / "adapter").exists()
+    assert yaml.safe_load((tmp_path / "out" / "config.yaml").read_text())["model"]["lora"] is None

@@ -28,8 +28,8 @@ from torch.distributed.tensor import DTensor
 from xorl.export import _swap_into_place
 from xorl.models.param_names import clean_name
 from xorl.nn.lora import is_adapter_name
+from xorl.run_dir import ADAPTER_DIR  # noqa: F401 - in the run folder: the adapter of the latest checkpoint
 
-ADAPTER_DIR = "adapter"  # in the run folder: the adapter of the latest checkpoint
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
