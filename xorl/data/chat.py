@@ -24,14 +24,32 @@ from xorl.data.corpus import DataError
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
+# The roles of OpenAI's chat format and of the templates that extend it (tool results, Llama 3.1's
+# ipython). Any other role is refused: a template renders it like any turn, but it is never the
+# assistant's, so a reply under another name ("gpt", "bot", "Assistant") would silently train on nothing.
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer", "function", "ipython")
+# Other datasets' spellings (ShareGPT's "from" values, ...) and the role they mean.
+_ROLE_ALIASES = {"human": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant",
+                 "chatgpt": "assistant", "observation": "tool"}
+
+
 def check_messages(messages, where) -> list[dict]:
-    """``messages`` must be a non-empty list of {role: str, content: ...} objects."""
-    if not isinstance(messages, list) or not messages:
+    """``messages`` must be a non-empty list of {role: one of CHAT_ROLES, content: ...} objects."""
+    if not isinstance(messages, list):
         raise DataError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} objects, "
                         f"got {type(messages).__name__}")
+    if not messages:
+        raise DataError(f"{where}: 'messages' is an empty conversation; remove the row or give it its "
+                        "{'role', 'content'} turns")
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str) or "content" not in message:
             raise DataError(f"{where}: messages[{i}] must be an object with a string 'role' and a 'content'")
+        role = message["role"]
+        if role not in CHAT_ROLES:
+            meant = _ROLE_ALIASES.get(role.strip().lower(), role.strip().lower())
+            fix = f"rename it to {meant!r}" if meant in CHAT_ROLES else "rename it to one of them"
+            raise DataError(f"{where}: messages[{i}] has role {role!r}, not a chat role {list(CHAT_ROLES)}; {fix} "
+                            "(only 'assistant' turns are trained on with data.train_on: assistant)")
     return messages
 
 

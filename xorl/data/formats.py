@@ -67,7 +67,7 @@ class RowEncoder:
                 raise DataError(
                     f"{where}: data.format auto cannot tell this row's format (keys: {keys}); rows need "
                     f"{self.text_key!r} (text, data.text_key), 'messages', 'prompt' + 'completion' or 'input_ids', "
-                    "or set data.format")
+                    f"or set data.format{_other_trainers_rows(row)}")
             self.format, self.chosen_from = fmt, str(where)
             if fmt == "messages":
                 self._chat = ChatRenderer(getattr(self.tokenizer, "hf", None), self.tokenizer_name)
@@ -134,6 +134,21 @@ class RowEncoder:
             raise DataError(f"{where}: 'labels' has {len(labels)} entries and 'input_ids' {len(ids)}; they must "
                             "be aligned (Hugging Face's convention: -100 where a token is not a target)")
         return ids, labels
+
+
+def _other_trainers_rows(row) -> str:
+    """How to give xorl the row shapes other trainers read (axolotl's alpaca and ShareGPT types), which
+    xorl does not guess: both would need a prompt wording or a role mapping xorl would make up."""
+    if not isinstance(row, dict):
+        return ""
+    if "instruction" in row and "output" in row:
+        return ("; these are alpaca rows (instruction / input / output): write each as 'prompt' (the "
+                "instruction, and the input if any, in the prompt wording you want) + 'completion' (the output), "
+                "or as 'messages' [{'role': 'user', ...}, {'role': 'assistant', ...}] for the chat template")
+    if isinstance(row.get("conversations"), list):
+        return ("; these are ShareGPT rows ('conversations' of {'from', 'value'}): write them as 'messages' of "
+                "{'role', 'content'} ('human' -> 'user', 'gpt' -> 'assistant', 'system' stays)")
+    return ""
 
 
 def _int_list(value, where: str) -> list[int]:

@@ -1,0 +1,85 @@
+"""Chat / SFT data as users bring it, and the rows that must be refused with one message naming the
+file, the line and the fix (not trained on silently): a reply under another role name, an empty
+conversation, other trainers' row shapes (alpaca, ShareGPT)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.chat_data import conversations, make_chat_tokenizer, reference_encoder, write_jsonl
+from xorl.config import DataConfig
+from xorl.data.corpus import DataError
+from xorl.data.loader import PackedDataset
+from xorl.data.packing import IGNORE_INDEX
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer(tmp_path_factory):
+    return make_chat_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+def _dataset(path, tok, **data):
+    return PackedDataset(DataConfig(dataset=str(path), tokenizer=tok, seq_len=128, packing=False, **data))
+
+
+@pytest.mark.parametrize("role, meant", [("gpt", "assistant"), ("Assistant", "assistant"), ("human", "user"),
+                                         ("narrator", None)])
+def test_a_turn_under_an_unknown_role_is_refused_naming_the_row_and_the_role_it_means(tmp_path, chat_tokenizer,
+                                                                                      role, meant):
+    """Before: the template rendered 'gpt' like any role and its reply was never the assistant's, so the
+    row trained on nothing (or, every row so, 'produced no tokens that train' with no reason)."""
+    chats = conversations(3, seed=4)
+    chats[1][1 if meant != "user" else 0]["role"] = role
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in chats])
+    index = 1 if meant != "user" else 0
+    fix = f"rename it to {meant!r}" if meant else "rename it to one of them"
+    with pytest.raises(DataError, match=rf"chat.jsonl:2: messages\[{index}\] has role {role!r}, not a chat role "
+                                        rf".*'assistant'.*; {fix}"):
+        _dataset(path, chat_tokenizer)
+    for train_on in ("assistant", "all"):  # with every token trained the row is still refused: nothing is silent
+        with pytest.raises(DataError, match=r"chat.jsonl:2: messages"):
+            _dataset(path, chat_tokenizer, train_on=train_on)
+    if meant is None:
+        return
+    chats[1][index]["role"] = meant  # renamed as the message says: the reply trains, by the test's own encoding
+    ds = _dataset(write_jsonl(tmp_path / "fixed.jsonl", [{"messages": m} for m in chats]), chat_tokenizer)
+    encode, special = reference_encoder()
+    reply = encode(chats[1][1]["content"]) + [special["<|im_end|>"]] + encode("\n")
+    labels = ds.sequences[1].labels
+    assert labels[labels != IGNORE_INDEX].tolist() == reply
+
+
+def test_an_empty_conversation_is_refused_as_empty(tmp_path, chat_tokenizer):
+    rows = [{"messages": m} for m in conversations(2, seed=5)]
+    path = write_jsonl(tmp_path / "chat.jsonl", rows[:1] + [{"messages": []}] + rows[1:])
+    with pytest.raises(DataError, match=r"chat.jsonl:2: 'messages' is an empty conversation; remove the row"):
+        _dataset(path, chat_tokenizer)
+
+
+def test_alpaca_and_sharegpt_rows_are_named_with_the_shape_xorl_reads(tmp_path, chat_tokenizer):
+    alpaca = tmp_path / "alpaca.json"
+    alpaca.write_text(json.dumps([{"instruction": "Add one", "input": "3", "output": "4"}]))
+    with pytest.raises(DataError, match=r"alpaca.json row 0: .*these are alpaca rows .*'prompt' .* \+ 'completion'"):
+        _dataset(alpaca, chat_tokenizer)
+    share = write_jsonl(tmp_path / "share.jsonl", [{"conversations": [{"from": "human", "value": "hi"},
+                                                                     {"from": "gpt", "value": "hello"}]}])
+    with pytest.raises(DataError, match=r"share.jsonl:1: .*ShareGPT rows .*'human' -> 'user', 'gpt' -> 'assistant'"):
+        _dataset(share, chat_tokenizer)
+
+
+def test_the_command_line_refuses_a_bad_row_in_one_line_before_training(tmp_path, chat_tokenizer):
+    """What a user sees: one line naming file:line and the fix, no traceback, no run folder written."""
+    from tests.cli_runs import write_config, xorl_train
+
+    chats = conversations(4, seed=6)
+    chats[2][1]["role"] = "gpt"
+    data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in chats])
+    config = write_config(tmp_path, "out", data_parallel_mode="none")
+    got = xorl_train(config, f"--data.dataset={data}", f"--data.tokenizer={chat_tokenizer}", "--model.vocab_size=259",
+                     cwd=tmp_path)
+    assert got.code != 0 and "Traceback" not in got.text, got.text
+    lines = [line for line in got.err.splitlines() if line.startswith("xorl-train:")]
+    assert len(lines) == 1 and "chat.jsonl:3: messages[1] has role 'gpt'" in lines[0], got.text
+    assert not (tmp_path / "out" / "checkpoints").exists()
