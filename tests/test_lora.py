@@ -446,3 +446,40 @@ def test_overwrite_output_dir_replaces_an_earlier_lora_run_and_its_adapter(tmp_p
     assert full.code == 0, full.text
     assert not (tmp_path / "out" / "adapter").exists()
     assert yaml.safe_load((tmp_path / "out" / "config.yaml").read_text())["model"]["lora"] is None
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_all_linear_is_the_set_peft_resolves_on_the_transformers_model(family, tmp_path):
+    """`target_modules: all-linear` (peft's shorthand; refused before) adapts what peft's own "all-linear"
+    adapts on the transformers model of the folder, and the saved adapter_config lists those names."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from xorl.config import load_config
+    from xorl.models.pretrained import save_pretrained
+    from xorl.models.registry import build_model
+
+    config = tiny_config(str(tmp_path / "run"), family)
+    save_pretrained(build_model(config.model), str(tmp_path / "base"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    theirs = peft.get_peft_model(hf, peft.LoraConfig(r=2, target_modules="all-linear"))
+    peft_targets = {name.rpartition(".")[2] for name in theirs.peft_config["default"].target_modules}
+    for written in ("all-linear", "[all-linear]"):
+        ours = load_config(None, [f"--model.model_path={tmp_path / 'base'}",
+                                  f"--model.lora={{rank: 2, target_modules: {written}}}"])
+        validate_config(ours, 1)
+        assert set(ours.model.lora["target_modules"]) == peft_targets
+        from xorl.lora_io import adapter_config
+
+        assert set(adapter_config(ours.model.lora, None)["target_modules"]) == peft_targets
+
+
+def test_all_linear_on_an_moe_model_and_peft_s_key_names_are_refused_with_the_fix():
+    from xorl.config import load_config
+
+    moe = load_config(None, ["--model.model_type=qwen3_moe", "--model.num_experts=4", "--model.num_experts_per_tok=2",
+                             "--model.lora={rank: 2, target_modules: all-linear}"])
+    with pytest.raises(ConfigError, match=r"'all-linear' is written out for dense models only; with "
+                                          r"model_type='qwen3_moe' .* list the modules"):
+        validate_config(moe, 1)
+    message = _problems(r=4, lora_alpha=8, target_modules=["q_proj"])
+    assert "peft's LoraConfig names: lora_alpha -> alpha, r -> rank" in message
