@@ -80,3 +80,31 @@ def write_jsonl(path, rows: list[dict]) -> str:
         for row in rows:
             f.write(json.dumps(row) + "\n")
     return str(path)
+
+
+# Llama 3's layout: the tokenizer itself puts <|begin_of_text|> before a text (a post-processor), the
+# chat template writes bos_token, turns end with <|eot_id|> (the end-of-text token).
+LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+LLAMA3 = ("{{- bos_token }}{%- for m in messages %}{{- '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n'"
+          " + m['content'] | trim + '<|eot_id|>' }}{%- endfor %}{%- if add_generation_prompt %}"
+          "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}")
+
+
+def make_bos_tokenizer(folder) -> str:
+    """A byte-level tokenizer that adds <|begin_of_text|> to every text, as Llama 3's does."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(sorted(alphabet))}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(LLAMA3_SPECIALS)
+    bos = tok.token_to_id("<|begin_of_text|>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A <|begin_of_text|> $B",
+        special_tokens=[("<|begin_of_text|>", bos)])
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>",
+                                 chat_template=LLAMA3)
+    hf.save_pretrained(str(folder))
+    return str(folder)

@@ -83,3 +83,34 @@ def test_the_command_line_refuses_a_bad_row_in_one_line_before_training(tmp_path
     lines = [line for line in got.err.splitlines() if line.startswith("xorl-train:")]
     assert len(lines) == 1 and "chat.jsonl:3: messages[1] has role 'gpt'" in lines[0], got.text
     assert not (tmp_path / "out" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("kind", ["llama3", "chatml"])
+def test_documents_start_as_the_tokenizer_starts_a_text(tmp_path, kind):
+    """Before: text and prompt/completion rows were tokenised without the tokenizer's own leading
+    <|begin_of_text|>, so a Llama 3 fine-tune trained on what inference (``tokenizer(prompt)``) never
+    feeds it. Reference: transformers' tokenizer, the way TRL builds a prompt/completion row (the prompt
+    with the tokenizer's special tokens, the completion without, then end-of-text)."""
+    from transformers import AutoTokenizer
+
+    from tests.chat_data import make_bos_tokenizer
+
+    folder = make_bos_tokenizer(tmp_path / "tok") if kind == "llama3" else make_chat_tokenizer(tmp_path / "tok")
+    hf = AutoTokenizer.from_pretrained(folder)
+    eos = hf.eos_token_id
+    rows = [{"prompt": "What is 3+4?", "completion": " 7"}, {"prompt": "Name a colour:", "completion": " red"}]
+    ds = _dataset(write_jsonl(tmp_path / "pc.jsonl", rows), folder)
+    for seq, row in zip(ds.sequences, rows):
+        prompt = hf(row["prompt"])["input_ids"]
+        completion = hf(row["completion"], add_special_tokens=False)["input_ids"] + [eos]
+        n = len(prompt) + len(completion)
+        assert seq.input_ids[:n].tolist() == prompt + completion
+        assert seq.labels[:n].tolist() == [IGNORE_INDEX] * (len(prompt) - 1) + completion + [IGNORE_INDEX]
+    assert (hf("x")["input_ids"][0] == hf.bos_token_id) == (kind == "llama3")  # the case is what it claims
+    texts = [{"text": "the cat sat"}, {"text": hf.bos_token + "already marked" if hf.bos_token else "plain"}]
+    ds = _dataset(write_jsonl(tmp_path / "text.jsonl", texts), folder)
+    for seq, row in zip(ds.sequences, texts):
+        ids = hf(row["text"], add_special_tokens=False)["input_ids"]
+        lead = hf("a")["input_ids"][:-len(hf("a", add_special_tokens=False)["input_ids"])]
+        expected = (lead if ids[:len(lead)] != lead else []) + ids + [eos]  # never two <|begin_of_text|>
+        assert seq.input_ids[:len(expected)].tolist() == expected

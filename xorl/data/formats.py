@@ -113,7 +113,7 @@ class RowEncoder:
     def _prompt_completion(self, row, where) -> Document:
         self._need(row, where, ("prompt", "completion"))
         prompt = self.tokenizer.encode(_string(row["prompt"], f"{where}: 'prompt'"), add_eos=False)
-        completion = self.tokenizer.encode(_string(row["completion"], f"{where}: 'completion'"))
+        completion = self.tokenizer.encode(_string(row["completion"], f"{where}: 'completion'"), add_bos=False)
         ids = prompt + completion
         if not self.assistant_only:
             return ids, None
