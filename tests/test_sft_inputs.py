@@ -114,3 +114,30 @@ def test_documents_start_as_the_tokenizer_starts_a_text(tmp_path, kind):
         lead = hf("a")["input_ids"][:-len(hf("a", add_special_tokens=False)["input_ids"])]
         expected = (lead if ids[:len(lead)] != lead else []) + ids + [eos]  # never two <|begin_of_text|>
         assert seq.input_ids[:len(expected)].tolist() == expected
+
+
+def test_openai_text_parts_are_joined_and_other_contents_refused(tmp_path, chat_tokenizer):
+    """OpenAI's content as a list of text parts trains as the joined text (before: a template writing
+    {{ content }} rendered the list's Python repr, "[{'type': 'text', ...}]", and trained on it);
+    a null reply without tool_calls, a number or an image part is refused naming the message."""
+    chats = conversations(3, seed=7)
+    parts = [[{**m, "content": [{"type": "text", "text": m["content"][:2]}, {"type": "text", "text": m["content"][2:]}]}
+              for m in chat] for chat in chats]
+    as_parts = _dataset(write_jsonl(tmp_path / "parts.jsonl", [{"messages": m} for m in parts]), chat_tokenizer)
+    encode, special = reference_encoder()
+    for seq, chat in zip(as_parts.sequences, chats):
+        ids = []
+        for m in chat:  # ChatML by the test's own byte rule, from the joined strings
+            ids += [special["<|im_start|>"]] + encode(f"{m['role']}\n{m['content']}") + [special["<|im_end|>"]] \
+                + encode("\n")
+        assert seq.input_ids[:len(ids)].tolist() == ids
+        reply = encode(chat[1]["content"]) + [special["<|im_end|>"]] + encode("\n")
+        assert seq.labels[seq.labels != IGNORE_INDEX].tolist() == reply
+    image = [{"type": "image_url", "image_url": {"url": "x.png"}}]
+    for content, says in ((None, "'content' is null"), (4, "'content' is number"),
+                          (image, "'content' holds \\['image_url'\\] parts")):
+        bad = [list(chat) for chat in chats]
+        bad[2][1] = {"role": "assistant", "content": content}
+        path = write_jsonl(tmp_path / "bad.jsonl", [{"messages": m} for m in bad])
+        with pytest.raises(DataError, match=rf"bad.jsonl:3: messages\[1\]: {says}"):
+            _dataset(path, chat_tokenizer)

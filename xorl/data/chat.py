@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 
-from xorl.data.corpus import DataError
+from xorl.data.corpus import DataError, _json_kind
 
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
@@ -34,7 +34,8 @@ _ROLE_ALIASES = {"human": "user", "gpt": "assistant", "bot": "assistant", "model
 
 
 def check_messages(messages, where) -> list[dict]:
-    """``messages`` must be a non-empty list of {role: one of CHAT_ROLES, content: ...} objects."""
+    """``messages`` must be a non-empty list of {role: one of CHAT_ROLES, content: ...} objects; returns
+    them with each content a string (``_plain_content``)."""
     if not isinstance(messages, list):
         raise DataError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} objects, "
                         f"got {type(messages).__name__}")
@@ -50,7 +51,26 @@ def check_messages(messages, where) -> list[dict]:
             fix = f"rename it to {meant!r}" if meant in CHAT_ROLES else "rename it to one of them"
             raise DataError(f"{where}: messages[{i}] has role {role!r}, not a chat role {list(CHAT_ROLES)}; {fix} "
                             "(only 'assistant' turns are trained on with data.train_on: assistant)")
-    return messages
+    return [_plain_content(message, f"{where}: messages[{i}]") for i, message in enumerate(messages)]
+
+
+def _plain_content(message: dict, where: str) -> dict:
+    """The message with its content as the template expects: a string. OpenAI's list of text parts
+    ([{"type": "text", "text": ...}]) is joined, as the API reads it; without this a template writing
+    ``{{ content }}`` renders the list's Python repr and trains on it. ``null`` is kept only beside
+    ``tool_calls`` (the template renders the calls); anything else is refused, naming the message."""
+    content = message["content"]
+    if isinstance(content, str) or (content is None and message.get("tool_calls")):
+        return message
+    if isinstance(content, list) and content and all(isinstance(p, dict) for p in content):
+        kinds = sorted({str(p.get("type")) for p in content if p.get("type") != "text"})
+        if not kinds and all(isinstance(p.get("text"), str) for p in content):
+            return {**message, "content": "".join(p["text"] for p in content)}
+        if kinds:
+            raise DataError(f"{where}: 'content' holds {kinds} parts; xorl trains on text: keep the "
+                            "{'type': 'text', 'text': ...} parts only")
+    raise DataError(f"{where}: 'content' is {_json_kind(content)}; give a string (or a list of "
+                    "{'type': 'text', 'text': str} parts; null only beside 'tool_calls')")
 
 
 class ChatRenderer:
