@@ -483,3 +483,23 @@ def test_all_linear_on_an_moe_model_and_peft_s_key_names_are_refused_with_the_fi
         validate_config(moe, 1)
     message = _problems(r=4, lora_alpha=8, target_modules=["q_proj"])
     assert "peft's LoraConfig names: lora_alpha -> alpha, r -> rank" in message
+
+
+def test_a_resume_compares_the_adapter_not_how_its_setting_is_written():
+    """Writing a default out (dropout: 0.0, alpha = rank) or the targets in another order is the same
+    adapter (it was refused as 'another architecture'); another rank, alpha or target set is not."""
+    from xorl.resume import config_changes
+
+    stored = Config()
+    stored.model.lora = {"rank": 8, "target_modules": ["q_proj", "v_proj"]}
+    stored = stored.to_dict()
+    for same in ({"rank": 8, "alpha": 8, "dropout": 0.0, "target_modules": ["v_proj", "q_proj"]},
+                 {"rank": 8, "alpha": 8.0, "init_lora_weights": True, "target_modules": ["q_proj", "v_proj"]}):
+        config = Config()
+        config.model.lora = same
+        assert [c for c in config_changes(stored, config) if c[0] == "model.lora"] == []
+    for other in ({"rank": 4, "target_modules": ["q_proj", "v_proj"]}, {"rank": 8, "alpha": 16, "target_modules":
+                  ["q_proj", "v_proj"]}, {"rank": 8, "target_modules": ["q_proj"]}, None):
+        config = Config()
+        config.model.lora = other
+        assert [c[0] for c in config_changes(stored, config) if c[0] == "model.lora"] == ["model.lora"]

@@ -75,6 +75,18 @@ def lora_spec(lora: dict | None, module_name: str) -> LoRASpec | None:
                     bool(lora.get("init_lora_weights", True)))
 
 
+def adapter_identity(lora: dict | None) -> tuple | None:
+    """What ``model.lora`` builds and trains, with its defaults filled and its targets as a set: two
+    settings with the same identity are the same adapter (a resume compares these, so writing
+    ``dropout: 0.0`` or listing the targets in another order is not a change)."""
+    if not isinstance(lora, dict):
+        return lora
+    targets = lora.get("target_modules")
+    return (lora.get("rank"), float(lora.get("alpha", lora.get("rank") or 0)), float(lora.get("dropout", 0.0)),
+            bool(lora.get("init_lora_weights", True)),
+            frozenset(targets) if isinstance(targets, list) else targets)
+
+
 def is_adapter_name(name: str) -> bool:
     """True for an adapter parameter's name (``...q_proj.lora_A``)."""
     return name.rpartition(".")[2] in ADAPTER_NAMES
