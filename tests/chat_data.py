@@ -108,3 +108,27 @@ def make_bos_tokenizer(folder) -> str:
                                  chat_template=LLAMA3)
     hf.save_pretrained(str(folder))
     return str(folder)
+
+
+# Qwen3's template, as it renders: past reasoning is dropped, and the replies after the last user query
+# get a think block (an empty one on the last reply), so the first i + 1 messages do not render as a
+# prefix of the whole. {GEN} / {ENDGEN} become the {% generation %} marks around each reply (the same
+# text either way), for transformers' own assistant mask as the reference.
+_QWEN3 = (
+    "{%- if messages[0].role == 'system' %}{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}"
+    "{%- for message in messages[::-1] %}{%- set index = (messages|length - 1) - loop.index0 %}"
+    "{%- if ns.multi_step_tool and message.role == 'user' and message.content is string %}"
+    "{%- set ns.multi_step_tool = false %}{%- set ns.last_query_index = index %}{%- endif %}{%- endfor %}"
+    "{%- for message in messages %}{%- set content = message.content %}"
+    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>' + '\\n' }}"
+    "{%- elif message.role == 'assistant' %}{%- set reasoning_content = '' %}"
+    "{%- if message.reasoning_content is string %}{%- set reasoning_content = message.reasoning_content %}{%- endif %}"
+    "{{- '<|im_start|>' + message.role + '\\n' }}{GEN}"
+    "{%- if loop.index0 > ns.last_query_index and (loop.last or reasoning_content) %}"
+    "{{- '<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}"
+    "{%- else %}{{- content }}{%- endif %}{{- '<|im_end|>\\n' }}{ENDGEN}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+QWEN3 = _QWEN3.replace("{GEN}", "").replace("{ENDGEN}", "")
+QWEN3_GENERATION = _QWEN3.replace("{GEN}", "{% generation %}").replace("{ENDGEN}", "{% endgeneration %}")

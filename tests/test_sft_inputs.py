@@ -141,3 +141,27 @@ def test_openai_text_parts_are_joined_and_other_contents_refused(tmp_path, chat_
         path = write_jsonl(tmp_path / "bad.jsonl", [{"messages": m} for m in bad])
         with pytest.raises(DataError, match=rf"bad.jsonl:3: messages\[1\]: {says}"):
             _dataset(path, chat_tokenizer)
+
+
+def test_a_template_that_rewrites_earlier_turns_trains_each_reply_as_its_generation_marks_say(tmp_path):
+    """Qwen3's template (past reasoning dropped, a think block on the last reply) does not render
+    turn by turn; multi-turn rows were refused. The replies are now located in the whole rendering:
+    the trained tokens equal transformers' assistant mask of the same template with {% generation %}
+    marks around each reply (the same text), on multi-turn rows with a system prompt and reasoning."""
+    from tests.chat_data import QWEN3, QWEN3_GENERATION
+
+    chats = conversations(4, seed=8, turns=3)
+    chats[0] = [{"role": "system", "content": "be brief"}] + chats[0]
+    chats[1][-1] = {**chats[1][-1], "reasoning_content": "add the units first"}
+    chats[2][1] = {**chats[2][1], "reasoning_content": "an earlier turn's thought"}
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in chats])
+    plain = _dataset(path, make_chat_tokenizer(tmp_path / "plain", QWEN3))
+    marked = _dataset(path, make_chat_tokenizer(tmp_path / "marked", QWEN3_GENERATION))
+    assert not plain.encoder._chat.has_generation_marks and marked.encoder._chat.has_generation_marks
+    for ours, reference in zip(plain.sequences, marked.sequences):
+        assert ours.input_ids.tolist() == reference.input_ids.tolist()
+        assert ours.labels.tolist() == reference.labels.tolist()
+    renderer = plain.encoder._chat
+    for chat in chats:  # each row is the case that was refused: up to its first reply is no prefix
+        first = next(i for i, m in enumerate(chat) if m["role"] == "assistant")
+        assert not renderer._render(chat).startswith(renderer._render(chat[:first + 1]))

@@ -9,8 +9,10 @@ rendered by transformers' ``apply_chat_template``. The assistant tokens (the one
 - otherwise the conversation is rendered incrementally: assistant turn i spans the characters
   between ``render(messages[:i], add_generation_prompt=True)`` and ``render(messages[:i + 1])``
   (the prompt of a turn is not the assistant's; its reply and end-of-turn token are). This holds
-  when each rendering is a prefix of the next, which is checked: a template that rewrites earlier
-  turns (e.g. one dropping past reasoning) is refused for that row with the fix named. The full
+  when each rendering is a prefix of the next, which is checked. A template that rewrites earlier
+  turns (Qwen3's drops past reasoning) has each reply located in the whole rendering instead
+  (``_located``: the same span where both work); a row where neither can be checked is refused
+  with the fix named. The full
   text is tokenised once and a token is the assistant's when its first character lies in a span,
   so the tokens are exactly those of the full rendering.
 """
@@ -22,6 +24,7 @@ import re
 from xorl.data.corpus import DataError, _json_kind
 
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
+_MARK = "\ue000xorl reply\ue001"  # private-use characters around it: in no dataset's text
 
 
 # The roles of OpenAI's chat format and of the templates that extend it (tool results, Llama 3.1's
@@ -118,6 +121,30 @@ class ChatRenderer:
         except Exception:  # noqa: BLE001 - many templates index messages[0]
             return ""
 
+    def _located(self, messages, i, full: str, after: int) -> tuple[int, int] | None:
+        """Assistant turn i's characters in ``full`` for a template that rewrites earlier turns (Qwen3's
+        drops past reasoning and puts an empty think block on the last reply only, so a prefix of the
+        conversation is not rendered as a prefix of the whole). The reply's content is where a marker
+        put in its place lands, everything else rendering the same (checked); the span runs from the end
+        of the turn's generation prompt (its last occurrence after the previous reply, before the
+        content) to the end of the turn (what follows the content when the reply is the last message):
+        the same span the turn-by-turn rendering gives where that works. None when a check fails."""
+        marked = {**messages[i], "content": _MARK}
+        before, found, rest = self._render([*messages[:i], marked, *messages[i + 1:]]).partition(_MARK)
+        if not found or _MARK in rest or not (full.startswith(before) and full.endswith(rest)) \
+                or len(before) + len(rest) > len(full):
+            return None
+        content_start, content_end = len(before), len(full) - len(rest)
+        if not i:
+            return None
+        base, prompt = self._render(messages[:i]), self._render(messages[:i], add_generation_prompt=True)
+        cue = prompt[len(base):] if prompt.startswith(base) else ""
+        at = full.rfind(cue, after, content_start) if cue else -1
+        tail = self._render([*messages[:i], marked]).partition(_MARK)[2]
+        if at < 0 or not tail or not full.startswith(tail, content_end):
+            return None
+        return at + len(cue), content_end + len(tail)
+
     def _incremental(self, messages, where) -> tuple[list[int], list[bool]]:
         full = self._render(messages)
         spans = []
@@ -126,13 +153,17 @@ class ChatRenderer:
                 continue
             start = self._render(messages[:i], add_generation_prompt=True) if i else self._empty_prompt()
             end = self._render(messages[: i + 1])
-            if not (full.startswith(end) and end.startswith(start)):
+            if full.startswith(end) and end.startswith(start):
+                spans.append((len(start), len(end)))
+                continue
+            span = self._located(messages, i, full, spans[-1][1] if spans else 0)
+            if span is None:
                 raise DataError(
                     f"{where}: the chat template does not render this conversation turn by turn (rendering the "
-                    f"first {i + 1} messages is not a prefix of the whole), so the assistant tokens cannot be "
-                    "told apart; mark them with {% generation %} ... {% endgeneration %} in the template, or set "
-                    "data.train_on: all")
-            spans.append((len(start), len(end)))
+                    f"first {i + 1} messages is not a prefix of the whole) and messages[{i}]'s reply cannot be "
+                    "located in the whole either, so the assistant tokens cannot be told apart; mark them with "
+                    "{% generation %} ... {% endgeneration %} in the template, or set data.train_on: all")
+            spans.append(span)
         ids, offsets = self._tokenize(full)
         mask = [any(a <= first < b for a, b in spans) for first, _ in offsets]
         return ids, mask
