@@ -503,3 +503,16 @@ def test_a_resume_compares_the_adapter_not_how_its_setting_is_written():
         config = Config()
         config.model.lora = other
         assert [c[0] for c in config_changes(stored, config) if c[0] == "model.lora"] == ["model.lora"]
+
+
+def test_the_adapter_names_its_base_folder_by_an_absolute_path(tmp_path, monkeypatch):
+    """peft's AutoPeftModelForCausalLM loads the base from base_model_name_or_path; a model_path given
+    relative to the training's cwd (it was written as given) would be looked up on the hub elsewhere."""
+    from xorl.lora_io import adapter_config
+
+    (tmp_path / "models" / "base").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    lora = {"rank": 2, "target_modules": ["q_proj"]}
+    assert adapter_config(lora, "models/base")["base_model_name_or_path"] == str(tmp_path / "models" / "base")
+    assert adapter_config(lora, "org/hub-name")["base_model_name_or_path"] == "org/hub-name"  # not a folder here
+    assert adapter_config(lora, None)["base_model_name_or_path"] is None

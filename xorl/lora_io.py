@@ -85,6 +85,8 @@ def adapter_config(lora: dict, model_path: str | None) -> dict:
     """peft's LoraConfig fields for ``model.lora`` (what ``PeftConfig.from_pretrained`` reads)."""
     rank = int(lora["rank"])
     experts = "experts" in lora["target_modules"]
+    if model_path and os.path.isdir(model_path):  # peft's AutoPeftModel loads the base from here, from any cwd
+        model_path = os.path.abspath(model_path)
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": model_path,
         "r": rank, "lora_alpha": float(lora.get("alpha", rank)), "lora_dropout": float(lora.get("dropout", 0.0)),
