@@ -165,3 +165,29 @@ def test_a_template_that_rewrites_earlier_turns_trains_each_reply_as_its_generat
     for chat in chats:  # each row is the case that was refused: up to its first reply is no prefix
         first = next(i for i, m in enumerate(chat) if m["role"] == "assistant")
         assert not renderer._render(chat).startswith(renderer._render(chat[:first + 1]))
+
+
+@pytest.mark.parametrize("train_on", ["assistant", "all"])
+def test_trl_conversational_prompt_completion_trains_on_the_completion(tmp_path, chat_tokenizer, train_on):
+    """TRL's conversational prompt/completion rows ('prompt' and 'completion' lists of messages; refused
+    before: "'prompt' is list, expected a string"). Reference: transformers' apply_chat_template the way
+    TRL builds the row: ids of prompt + completion, the loss after the prompt's generation prompt."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(chat_tokenizer)
+    chats = conversations(3, seed=9, turns=2)
+    system = [{"role": "system", "content": "be brief"}]
+    rows = [{"prompt": system + chat[:3], "completion": chat[3:]} for chat in chats]
+    ds = _dataset(write_jsonl(tmp_path / "pc.jsonl", rows), chat_tokenizer, train_on=train_on)
+    assert ds.encoder.format == "prompt_completion"
+    for seq, row in zip(ds.sequences, rows):
+        full = hf.apply_chat_template(row["prompt"] + row["completion"], tokenize=True, return_dict=True)["input_ids"]
+        prompt = hf.apply_chat_template(row["prompt"], tokenize=True, add_generation_prompt=True,
+                                        return_dict=True)["input_ids"]
+        assert full[:len(prompt)] == prompt
+        labels = full if train_on == "all" else [IGNORE_INDEX] * len(prompt) + full[len(prompt):]
+        assert seq.input_ids[:len(full)].tolist() == full
+        assert seq.labels[:len(full)].tolist() == labels[1:] + [IGNORE_INDEX]
+    bad = [{"prompt": [{"role": "human", "content": "hi"}], "completion": [{"role": "assistant", "content": "yo"}]}]
+    with pytest.raises(DataError, match=r"bad.jsonl:1: prompt\[0\] has role 'human'.*rename it to 'user'"):
+        _dataset(write_jsonl(tmp_path / "bad.jsonl", bad), chat_tokenizer)

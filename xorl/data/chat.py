@@ -36,25 +36,25 @@ _ROLE_ALIASES = {"human": "user", "gpt": "assistant", "bot": "assistant", "model
                  "chatgpt": "assistant", "observation": "tool"}
 
 
-def check_messages(messages, where) -> list[dict]:
+def check_messages(messages, where, key: str = "messages") -> list[dict]:
     """``messages`` must be a non-empty list of {role: one of CHAT_ROLES, content: ...} objects; returns
     them with each content a string (``_plain_content``)."""
     if not isinstance(messages, list):
-        raise DataError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} objects, "
+        raise DataError(f"{where}: {key!r} must be a non-empty list of {{'role', 'content'}} objects, "
                         f"got {type(messages).__name__}")
     if not messages:
-        raise DataError(f"{where}: 'messages' is an empty conversation; remove the row or give it its "
+        raise DataError(f"{where}: {key!r} is an empty conversation; remove the row or give it its "
                         "{'role', 'content'} turns")
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str) or "content" not in message:
-            raise DataError(f"{where}: messages[{i}] must be an object with a string 'role' and a 'content'")
+            raise DataError(f"{where}: {key}[{i}] must be an object with a string 'role' and a 'content'")
         role = message["role"]
         if role not in CHAT_ROLES:
             meant = _ROLE_ALIASES.get(role.strip().lower(), role.strip().lower())
             fix = f"rename it to {meant!r}" if meant in CHAT_ROLES else "rename it to one of them"
-            raise DataError(f"{where}: messages[{i}] has role {role!r}, not a chat role {list(CHAT_ROLES)}; {fix} "
+            raise DataError(f"{where}: {key}[{i}] has role {role!r}, not a chat role {list(CHAT_ROLES)}; {fix} "
                             "(only 'assistant' turns are trained on with data.train_on: assistant)")
-    return [_plain_content(message, f"{where}: messages[{i}]") for i, message in enumerate(messages)]
+    return [_plain_content(message, f"{where}: {key}[{i}]") for i, message in enumerate(messages)]
 
 
 def _plain_content(message: dict, where: str) -> dict:
@@ -108,6 +108,26 @@ class ChatRenderer:
         except Exception as e:  # noqa: BLE001 - the template's own error (jinja2, a missing key), named
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise DataError(f"{where}: the chat template cannot render this row: {first}") from None
+
+    def encode_completion(self, prompt, completion, where, assistant_only: bool) -> tuple[list[int], list[bool] | None]:
+        """TRL's conversational prompt/completion (both lists of messages): the conversation prompt +
+        completion, trained (``assistant_only``) from the end of the prompt's generation prompt to the end,
+        as TRL's completion mask; the rendering of the prompt must be a prefix of the whole (checked)."""
+        messages = prompt + completion
+        try:
+            full = self._render(messages)
+            if not assistant_only:
+                return self._tokenize(full)[0], None
+            start = self._render(prompt, add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001 - the template's own error, named
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise DataError(f"{where}: the chat template cannot render this row: {first}") from None
+        if not full.startswith(start):
+            raise DataError(f"{where}: the chat template does not render the 'prompt' messages (with the generation "
+                            "prompt) as a prefix of 'prompt' + 'completion', so the completion's tokens cannot be told "
+                            "apart; write the row as 'messages', or set data.train_on: all")
+        ids, offsets = self._tokenize(full)
+        return ids, [first >= len(start) for first, _ in offsets]
 
     def _tokenize(self, text: str):
         out = self.hf(text, add_special_tokens=False, return_offsets_mapping=True)

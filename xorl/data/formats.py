@@ -112,12 +112,26 @@ class RowEncoder:
 
     def _prompt_completion(self, row, where) -> Document:
         self._need(row, where, ("prompt", "completion"))
+        if isinstance(row["prompt"], list) and isinstance(row["completion"], list):  # TRL's conversational form
+            return self._conversational(row, where)
         prompt = self.tokenizer.encode(_string(row["prompt"], f"{where}: 'prompt'"), add_eos=False)
         completion = self.tokenizer.encode(_string(row["completion"], f"{where}: 'completion'"), add_bos=False)
         ids = prompt + completion
         if not self.assistant_only:
             return ids, None
         return ids, [IGNORE_INDEX] * len(prompt) + completion
+
+    def _conversational(self, row, where) -> Document:
+        """``{"prompt": [messages], "completion": [messages]}``, rendered with the chat template; the loss on
+        the completion (after the prompt's generation prompt), as TRL's conversational prompt-completion."""
+        if self._chat is None:
+            self._chat = ChatRenderer(getattr(self.tokenizer, "hf", None), self.tokenizer_name)
+        prompt = check_messages(row["prompt"], where, "prompt")
+        completion = check_messages(row["completion"], where, "completion")
+        ids, mask = self._chat.encode_completion(prompt, completion, where, self.assistant_only)
+        if mask is None:
+            return ids, None
+        return ids, [t if m else IGNORE_INDEX for t, m in zip(ids, mask)]
 
     def _input_ids(self, row, where) -> Document:
         self._need(row, where, ("input_ids",))
