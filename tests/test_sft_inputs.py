@@ -191,3 +191,17 @@ def test_trl_conversational_prompt_completion_trains_on_the_completion(tmp_path,
     bad = [{"prompt": [{"role": "human", "content": "hi"}], "completion": [{"role": "assistant", "content": "yo"}]}]
     with pytest.raises(DataError, match=r"bad.jsonl:1: prompt\[0\] has role 'human'.*rename it to 'user'"):
         _dataset(write_jsonl(tmp_path / "bad.jsonl", bad), chat_tokenizer)
+
+
+def test_a_dataset_dicts_rows_are_named_with_the_split_read(tmp_path, chat_tokenizer):
+    """One save_to_disk DatasetDict as data.dataset (train) and data.eval_dataset (validation): the log
+    and errors named both "folder row 0"; they name the split read, the defaulted one too."""
+    datasets = pytest.importorskip("datasets")
+    rows = [{"messages": m} for m in conversations(6, seed=10)]
+    folder = str(tmp_path / "dd")
+    datasets.DatasetDict(train=datasets.Dataset.from_list(rows[:4]),
+                         validation=datasets.Dataset.from_list(rows[4:])).save_to_disk(folder)
+    config = DataConfig(dataset=folder, eval_dataset=folder, tokenizer=chat_tokenizer, seq_len=128)
+    train, evaluation = PackedDataset(config), PackedDataset(config, part="eval")
+    assert f"{folder}[train] row 0" in train.report()[0] and "from 4 rows" in train.report()[0]
+    assert f"{folder}[validation] row 0" in evaluation.report()[0] and "from 2 rows" in evaluation.report()[0]
