@@ -67,6 +67,9 @@ def test_alpaca_and_sharegpt_rows_are_named_with_the_shape_xorl_reads(tmp_path, 
                                                                      {"from": "gpt", "value": "hello"}]}])
     with pytest.raises(DataError, match=r"share.jsonl:1: .*ShareGPT rows .*'human' -> 'user', 'gpt' -> 'assistant'"):
         _dataset(share, chat_tokenizer)
+    with pytest.raises(DataError, match=r"share.jsonl:1: no key 'messages' .*data.format is messages; these are "
+                                        r"ShareGPT rows"):  # the format set, not guessed: the same fix
+        _dataset(share, chat_tokenizer, format="messages")
 
 
 def test_the_command_line_refuses_a_bad_row_in_one_line_before_training(tmp_path, chat_tokenizer):

@@ -98,7 +98,7 @@ class RowEncoder:
         if missing:
             how = " (detected from the first row)" if self.chosen_from else ""
             raise DataError(f"{where}: no key {missing[0]!r} (keys: {sorted(row)}); data.format is "
-                            f"{self.format}{how}")
+                            f"{self.format}{how}{_other_trainers_rows(row)}")
 
     def _text(self, row, where) -> Document:
         return self.tokenizer.encode(text_of(row, self.text_key, where)), None
