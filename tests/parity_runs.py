@@ -48,6 +48,26 @@ MODELS = {
                         routed_scaling_factor=2.0, rope_scaling={
                             "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
                             "mscale": 1.0, "mscale_all_dim": 1.0}),
+    # The families the matrix reached last (tests/test_parity_matrix_families.py). Qwen2: biases on
+    # q, k, v (fixed by the family) and none on o. Mistral 7B v0.1's kind: every layer one sliding
+    # window (8), shorter than the sequence (32) and than a ring shard (16).
+    "qwen2": dict(model_type="qwen2"),
+    "qwen2-merged": dict(model_type="qwen2", merge_qkv=True, merge_gate_up=True),  # the biases in qkv_proj
+    "mistral": dict(model_type="mistral", sliding_window=8),
+    # Qwen2-MoE: q/k/v biases (qkv_bias), a shared expert behind sigmoid(shared_expert_gate(x)), a
+    # dense layer (mlp_only_layers) before the MoE ones, softmax top-2 not renormalised.
+    "qwen2_moe": dict(model_type="qwen2_moe", **{**_MOE, "norm_topk_prob": False}, attention_bias=True,
+                      shared_expert_intermediate_size=32, mlp_only_layers=[0]),
+    # DeepSeek-V2-Lite's shape: latent attention without q_lora_rank (one q_proj), q.k head 8 + 4
+    # against a v head of 6, a dense first layer (first_k_dense_replace), V2's router (softmax, no
+    # selection bias, group_limited_greedy: 2 groups ranked by their best score, 1 kept, weights times
+    # routed_scaling_factor, never renormalised), an ungated shared expert, YaRN past its original length.
+    "deepseek_v2": dict(model_type="deepseek_v2", **{**_MOE, "norm_topk_prob": False}, num_key_value_heads=4,
+                        first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=12, qk_nope_head_dim=8,
+                        qk_rope_head_dim=4, v_head_dim=6, shared_expert_intermediate_size=32, router_n_group=2,
+                        router_topk_group=1, routed_scaling_factor=2.0, rope_scaling={
+                            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
+                            "mscale": 1.0, "mscale_all_dim": 1.0}),
     # Windows (8) shorter than the sequence (32) on the even layers, sinks, q/k/v/o, router and expert
     # biases, a swiglu_limit the tiny model's gates cross, YaRN past original_max_position_embeddings.
     "gpt_oss": dict(model_type="gpt_oss", **{**_MOE, "moe_intermediate_size": 64}, sliding_window=8,

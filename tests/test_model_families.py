@@ -19,6 +19,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import xorl.models  # noqa: E402
+from xorl.models.registry import to_hf_config_dict  # noqa: E402
 
 TOL = 1e-5
 SMALL = dict(vocab_size=97, hidden_size=48, intermediate_size=40, num_hidden_layers=3, num_attention_heads=6,
@@ -43,6 +44,8 @@ FAMILIES = {
     "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", dict(rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(head_dim=16)),
     "mistral": ("MistralForCausalLM", "MistralConfig", dict(head_dim=12, sliding_window=None)),
+    # Mistral 7B v0.1's kind: every layer a window (5) shorter than the sequence (24).
+    "mistral-window": ("MistralForCausalLM", "MistralConfig", dict(head_dim=12, sliding_window=5)),
     "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(num_local_experts=5, num_experts_per_tok=2)),
     "olmoe": ("OlmoeForCausalLM", "OlmoeConfig", dict(num_experts=6, num_experts_per_tok=3)),
     "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig", dict(
@@ -277,7 +280,8 @@ def test_multi_token_prediction_layer_in_the_files_is_skipped(name, tmp_path, ca
 
 def test_hub_style_config_json_loads_through_the_run_config(tmp_path):
     """A config.json as the hub ships Llama-3.1 (transformers v4 keys: rope_theta, rope_scaling with
-    rope_type) fills the run config, and a dynamic or sliding-window one is refused naming the field."""
+    rope_type) fills the run config, and a dynamic one, or a Qwen2 one with its sliding windows on, is
+    refused naming the field."""
     from xorl.config import ConfigError, load_config
 
     fields = dict(PUBLISHED["Llama-3.1-8B"][1], architectures=["LlamaForCausalLM"], hidden_act="silu",
@@ -290,10 +294,31 @@ def test_hub_style_config_json_loads_through_the_run_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(fields))
     with pytest.raises(ConfigError, match="rope_type 'dynamic' is refused: dynamic NTK"):
         load_config(None, [f"--model.model_path={tmp_path}"])
-    mistral = dict(PUBLISHED["Mistral-7B-v0.3"][1], sliding_window=4096)
-    (tmp_path / "config.json").write_text(json.dumps(mistral))
-    with pytest.raises(ConfigError, match="sliding_window=4096: sliding-window attention is not supported yet"):
+    qwen = dict(PUBLISHED["Qwen2.5-7B"][1], use_sliding_window=True)
+    (tmp_path / "config.json").write_text(json.dumps(qwen))
+    with pytest.raises(ConfigError, match="use_sliding_window=true: sliding-window attention is not supported yet"):
         load_config(None, [f"--model.model_path={tmp_path}"])
+
+
+def test_mistral_sliding_window_is_read_as_transformers_reads_it(tmp_path):
+    """Mistral 7B v0.1's window (4096, every layer) loads; a file without the key gets MistralConfig's
+    default 4096, as transformers builds it; null is full attention; export writes the window back."""
+    from xorl.config import load_config
+    from xorl.mfu import keys_per_query
+
+    mistral = dict(PUBLISHED["Mistral-7B-v0.3"][1])
+    for value, expected in ((4096, 4096), (None, None), ("absent", 4096)):
+        fields = {k: v for k, v in mistral.items() if k != "sliding_window"}
+        if value != "absent":
+            fields["sliding_window"] = value
+        (tmp_path / "config.json").write_text(json.dumps(fields))
+        assert transformers.AutoConfig.from_pretrained(tmp_path).sliding_window == expected
+        config = load_config(None, [f"--model.model_path={tmp_path}"])
+        assert config.model.sliding_window == expected, value
+        assert to_hf_config_dict(config.model)["sliding_window"] == expected
+        # MFU / the planner count the keys a query sees: the window on all 32 layers (3072 at 8K).
+        keys = 32 * (3072 if expected else 4096)
+        assert keys_per_query(config.model, 8192) == keys
 
 
 @pytest.mark.parametrize("name", ["mixtral", "glm4_moe"])

@@ -4,8 +4,9 @@ Each layout runs the real Trainer for 10 optimizer steps on the same tiny model 
 global batch (4 microbatches per step, split over the data-parallel ranks) and must log the
 single-process losses (relative difference <= 1e-6 at step 1, before any update, and <= 1e-5 at
 every step) and end with the same weights. The pipeline layouts run from
-tests/test_parity_matrix_pp.py (the same check; two files so that two pytest-xdist workers share
-the matrix).
+tests/test_parity_matrix_pp.py and the Qwen2 / Mistral / Qwen2-MoE / DeepSeek-V2 rows from
+tests/test_parity_matrix_families.py (the same check; several files so that the pytest-xdist
+workers share the matrix).
 """
 
 import importlib.util

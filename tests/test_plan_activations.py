@@ -150,3 +150,26 @@ def test_a_sliding_window_does_not_change_what_attention_keeps():
     windowed, out_windowed = saved_bytes(32)
     assert not torch.allclose(out_full, out_windowed)  # the window is applied
     assert windowed == full > 4 * 256 * 4 * 16 * 4  # q, k, v, out and lse, as for full causal attention
+
+
+@pytest.mark.parametrize("layout, policy", [("tp2+sp", "matmuls"), ("tp2+sp", "every_other_matmul"),
+                                            ("fsdp2", "every_other_matmul")])
+def test_selective_terms_equal_the_checkpoint_cache(layout, policy, gloo_world, tmp_path):
+    # What selective checkpointing keeps, to the byte, on a real run: the SAC cache of every block
+    # (xorl/planner/measure.py) plus the block's input the checkpoint holds. Under TP + SP a row
+    # layer's (o, down) kept matmul output is its [t, h] partial sum before the reduce-scatter: the
+    # planner counted a h / tp per token there until this census (-15 % of a block's cache).
+    from xorl.models.spec import ModelSpec
+    from xorl.planner.activations import selective_bytes_per_token
+    from xorl.planner.measure import selective_cache_bytes
+
+    config = cpu_config("llama", layout, "selective", str(tmp_path / "run"))
+    config.train.selective_checkpoint = policy
+    blocks = gloo_world(2).run(selective_cache_bytes, config)[0]
+    spec, train = ModelSpec.from_config(config.model), config.train
+    tp, sp, a = train.tensor_parallel_size, bool(train.sequence_parallel), 4  # fp32 on CPU
+    t = config.data.seq_len * config.data.micro_batch_size
+    block_input = a * spec.hidden_size * t / (tp if sp else 1)
+    predicted = selective_bytes_per_token(spec, False, a, tp, sp, every_other=policy == "every_other_matmul") * t
+    assert len(blocks) == spec.num_hidden_layers
+    assert all(b + block_input == predicted for b in blocks), (blocks, predicted - block_input)

@@ -70,13 +70,14 @@ def lora_params_per_token(m, head_dim: int, head_dim_v: int) -> int:
 
 def keys_per_query(m, seq_len: int) -> float:
     """Keys a query attends, summed over the layers: seq_len / 2 under full causal attention; a
-    sliding window W (gpt-oss's sliding_attention layers) sees min(p + 1, W) keys at position p,
-    W - W^2 / (2 seq_len) on average."""
+    sliding window W (gpt-oss's sliding_attention layers, every Mistral layer) sees min(p + 1, W) keys
+    at position p, W - W^2 / (2 seq_len) on average."""
+    from xorl.models.families import family
+
     window = getattr(m, "sliding_window", None)
     if window is None:
         return m.num_hidden_layers * seq_len / 2
-    types = list(getattr(m, "layer_types", None) or ["sliding_attention" if i % 2 == 0 else "full_attention"
-                                                      for i in range(m.num_hidden_layers)])
+    types = list(getattr(m, "layer_types", None) or family(m.model_type).default_layer_types(m.num_hidden_layers))
     w = min(window, seq_len)
     return sum(w - w * w / (2 * seq_len) if t == "sliding_attention" else seq_len / 2 for t in types)
 

@@ -78,8 +78,9 @@ FIELDS: tuple[Field, ...] = (
     _f("v_head_dim", int, 0, families=MLA, doc="MLA: the value head dim (head_dim is qk_nope + qk_rope)"),
     _f("rope_interleave", bool, True, families=("deepseek_v3",),
        doc="MLA: RoPE rotates interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek's layout) rather than halves"),
-    _f("sliding_window", int | None, None, families=("gpt_oss",),
-       doc="the window W of the layers layer_types marks sliding_attention: a query at p attends keys p-W < k <= p"),
+    _f("sliding_window", int | None, None, families=("gpt_oss", "mistral"),
+       doc="the window W of the layers layer_types marks sliding_attention (Mistral: every layer): a query at "
+           "p attends keys p-W < k <= p"),
     _f("layer_types", list[str], [], families=("gpt_oss",),
        doc="per layer 'sliding_attention' or 'full_attention'; [] on gpt_oss: transformers' default "
            "(even layers sliding, odd full)"),
@@ -169,6 +170,15 @@ class Family:
     expert_biases: bool = False
     clamped_swiglu: bool = False
     experts_interleaved: bool = False
+    # With sliding_window set and layer_types empty, which layers slide: transformers' MistralAttention
+    # gives every layer the window; gpt-oss's config default alternates (even layers sliding).
+    every_layer_slides: bool = False
+
+    def default_layer_types(self, num_layers: int) -> tuple[str, ...]:
+        """The layers' attention kinds when ``layer_types`` is empty (and a window is set)."""
+        if self.every_layer_slides:
+            return ("sliding_attention",) * num_layers
+        return tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers))
 
     def carries(self, name: str) -> bool:
         return self.model_type in FIELD[name].families
@@ -247,7 +257,8 @@ def shape_problems(m: dict[str, Any], family: Family) -> list[str]:
         problems += _head_problems(m)
     for name in ("sliding_window", "layer_types", "swiglu_alpha", "swiglu_limit"):
         if not family.carries(name) and _plain(m[name]) != _plain(FIELD[name].default):
-            problems.append(f"model.{name}={m[name]!r}: only model_type gpt_oss reads it; remove it")
+            readers = " or ".join(FIELD[name].families)
+            problems.append(f"model.{name}={m[name]!r}: only model_type {readers} reads it; remove it")
     if m["sliding_window"] is not None and m["sliding_window"] < 1:
         problems.append(f"model.sliding_window={m['sliding_window']} must be >= 1 (or null)")
     kinds = ("sliding_attention", "full_attention")

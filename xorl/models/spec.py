@@ -71,11 +71,10 @@ class _SpecMethods:
 
     def attention_window(self, layer_idx: int) -> int | None:
         """The sliding window W of layer ``layer_idx`` (a query at p attends keys p-W < k <= p), or None
-        for full causal attention. gpt-oss: layer_types, by default transformers' (even layers sliding)."""
+        for full causal attention: layer_types, by default the family's (Family.default_layer_types)."""
         if self.sliding_window is None:
             return None
-        types = self.layer_types or tuple("sliding_attention" if i % 2 == 0 else "full_attention"
-                                          for i in range(self.num_hidden_layers))
+        types = self.layer_types or self.family.default_layer_types(self.num_hidden_layers)
         return self.sliding_window if types[layer_idx] == "sliding_attention" else None
 
     def is_moe_layer(self, layer_idx: int) -> bool:

@@ -63,3 +63,39 @@ def step_transient_peak(config) -> int:
     else:
         peak = profiled_peak(trainer.train_step)
     return peak
+
+
+def selective_cache_bytes(config) -> list[int]:
+    """Bytes each checkpointed block's selective-checkpoint cache keeps in one training step
+    (train.activation_checkpointing: selective): the outputs its policy saves, read where torch's
+    SAC asks the policy (the op's output is on the context), first forward only. One Trainer step;
+    module-level so it travels to a GlooWorld's ranks by pickle."""
+    import torch
+    import torch.utils.checkpoint as torch_checkpoint
+    from torch.utils._pytree import tree_leaves
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from xorl.trainer import Trainer
+
+    create, blocks = torch_checkpoint.create_selective_checkpoint_contexts, []
+
+    def recording(policy, *args, **kwargs):
+        kept = []
+        blocks.append(kept)
+
+        def recorded_policy(ctx, op, *op_args, **op_kwargs):
+            decision = policy(ctx, op, *op_args, **op_kwargs)
+            saves = decision in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
+            if saves and not ctx.is_recompute:
+                kept.extend(t.numel() * t.element_size() for t in tree_leaves(ctx.op_output)
+                            if isinstance(t, torch.Tensor))
+            return decision
+        return create(recorded_policy, *args, **kwargs)
+
+    # Patched before the model is built: the matmuls policy binds the function when checkpointing is applied.
+    torch_checkpoint.create_selective_checkpoint_contexts = recording
+    try:
+        Trainer(config).train_step()
+    finally:
+        torch_checkpoint.create_selective_checkpoint_contexts = create
+    return [sum(kept) for kept in blocks]
