@@ -5,6 +5,7 @@ conversation, other trainers' row shapes (alpaca, ShareGPT)."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -72,20 +73,26 @@ def test_alpaca_and_sharegpt_rows_are_named_with_the_shape_xorl_reads(tmp_path, 
         _dataset(share, chat_tokenizer, format="messages")
 
 
-def test_the_command_line_refuses_a_bad_row_in_one_line_before_training(tmp_path, chat_tokenizer):
-    """What a user sees: one line naming file:line and the fix, no traceback, no run folder written."""
-    from tests.cli_runs import write_config, xorl_train
+def test_the_command_line_refuses_a_bad_row_in_one_line_before_any_process_group(tmp_path, chat_tokenizer):
+    """What a user sees: one line naming file:line and the fix, no traceback, no run folder written; the
+    in-memory data is read before start-up (it was read inside the trainer, after the process group
+    started), so `--check` finds the row too and torchrun's ranks stop before any collective."""
+    from tests.cli_runs import torchrun, write_config, xorl_train
 
-    chats = conversations(4, seed=6)
-    chats[2][1]["role"] = "gpt"
+    chats = conversations(40, seed=6)
+    chats[30][1]["role"] = "gpt"
     data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in chats])
-    config = write_config(tmp_path, "out", data_parallel_mode="none")
-    got = xorl_train(config, f"--data.dataset={data}", f"--data.tokenizer={chat_tokenizer}", "--model.vocab_size=259",
-                     cwd=tmp_path)
-    assert got.code != 0 and "Traceback" not in got.text, got.text
-    lines = [line for line in got.err.splitlines() if line.startswith("xorl-train:")]
-    assert len(lines) == 1 and "chat.jsonl:3: messages[1] has role 'gpt'" in lines[0], got.text
-    assert not (tmp_path / "out" / "checkpoints").exists()
+    config = write_config(tmp_path, "out", data_parallel_mode="fsdp2")
+    args = [f"--data.dataset={data}", f"--data.tokenizer={chat_tokenizer}", "--model.vocab_size=259"]
+    for got in (xorl_train(config, *args, "--check", "--world-size=2", cwd=tmp_path),
+                torchrun(2, config, *args, cwd=tmp_path)):
+        assert got.code == 2 or (got.code != 0 and "(exitcode: 2)" in got.text), got.text  # xorl's config-error exit
+        lines = [line for line in got.text.splitlines() if line.startswith("xorl-train")]
+        # "xorl-train:" is the message printed before start-up; after it, "xorl-train (rank r):"
+        assert len(lines) == 1 and lines[0].startswith("xorl-train: ") and \
+            "chat.jsonl:31: messages[1] has role 'gpt'" in lines[0], got.text
+        assert not re.search(r'File ".*/xorl/', got.text), got.text  # no traceback through xorl (torchrun's own: yes)
+        assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("kind", ["llama3", "chatml"])

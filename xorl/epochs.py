@@ -48,6 +48,8 @@ def load_counted_dataset(config: Any):
     try:
         return PackedDataset(config.data, vocab_size=config.model.vocab_size)
     except ValueError as e:  # DataError (a file:line), or a tokenizer larger than the model's vocabulary
+        if config.train.num_epochs is None:  # read before start-up (xorl/preflight.py): the row's own message
+            raise ConfigError(str(e)) from None
         raise ConfigError(f"train.num_epochs: counting the packed sequences of data.dataset="
                           f"{config.data.dataset!r}: {e}") from None
 

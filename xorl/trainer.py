@@ -142,7 +142,7 @@ class Trainer:
                                          config.train.gradient_accumulation_steps, self.state.dp_rank,
                                          self.state.dp_size, vocab_size=config.model.vocab_size)
         else:
-            dataset = self.plan.dataset  # packed by prepare_run when it counted the data (train.num_epochs)
+            dataset = self.plan.dataset  # packed by prepare_run, before start-up (xorl/preflight.py)
             if dataset is None:
                 dataset = PackedDataset(config.data, vocab_size=config.model.vocab_size)
             self.tokenizer = dataset.tokenizer
