@@ -93,6 +93,12 @@ def test_the_command_line_refuses_a_bad_row_in_one_line_before_any_process_group
             "chat.jsonl:31: messages[1] has role 'gpt'" in lines[0], got.text
         assert not re.search(r'File ".*/xorl/', got.text), got.text  # no traceback through xorl (torchrun's own: yes)
         assert not (tmp_path / "out").exists()
+    # The eval set (read by the evaluator after start-up before): the same, through data.eval_dataset.
+    good = write_jsonl(tmp_path / "good.jsonl", [{"messages": m} for m in conversations(8, seed=11)])
+    got = xorl_train(config, *args[1:], f"--data.dataset={good}", f"--data.eval_dataset={data}", "--train.eval_steps=2",
+                     "--check", "--world-size=2", cwd=tmp_path)
+    assert got.code == 2 and "xorl-train: " in got.err and "chat.jsonl:31: messages[1] has role 'gpt'" in got.err, \
+        got.text
 
 
 @pytest.mark.parametrize("kind", ["llama3", "chatml"])

@@ -51,6 +51,7 @@ class RunPlan:
     notes: list[str] = field(default_factory=list)  # what the user should know; rank 0 prints them
     # The packed in-memory data (not data.streaming), read before start-up; the trainer trains on it (read once).
     dataset: Any = None
+    eval_dataset: Any = None  # the eval set (train.eval_steps), read before start-up too; xorl/evaluate.py
 
 
 def prepare_run(config: Any, world_size: int) -> RunPlan:
@@ -74,6 +75,11 @@ def prepare_run(config: Any, world_size: int) -> RunPlan:
         # `--check` finds it), and num_epochs derives max_steps from its length; the trainer trains on it.
         try:
             plan.dataset = load_counted_dataset(config)
+        except ConfigError as e:
+            problems += e.problems
+    if config.train.eval_steps and not problems:
+        try:
+            plan.eval_dataset = load_counted_dataset(config, part="eval")
         except ConfigError as e:
             problems += e.problems
     try:
