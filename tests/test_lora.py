@@ -87,6 +87,7 @@ def test_adapter_loads_in_peft_and_merged_export_in_transformers(name, gloo_worl
     peft = pytest.importorskip("peft")
     model_type, targets, train = RUNS[name]
     config = tiny_config(str(tmp_path / "run"), model_type, max_steps=3, **train)
+    config.train.save_steps = 2  # a checkpoint before the last, for `xorl-export --adapter` below
     base_folder = str(tmp_path / "base")
     if model_type == "llama":
         from xorl.models.pretrained import save_pretrained
@@ -120,6 +121,25 @@ def test_adapter_loads_in_peft_and_merged_export_in_transformers(name, gloo_worl
     names = sorted(os.listdir(tmp_path / "run" / "hf"))
     assert sorted(os.listdir(cli)) == names
     assert filecmp.cmpfiles(tmp_path / "run" / "hf", cli, names, shallow=False)[0] == names
+    # `xorl-export --adapter`: the latest checkpoint's adapter is the run's own adapter folder, tensor for tensor;
+    # an earlier checkpoint's, loaded by peft, gives what transformers gives on that checkpoint's merged export.
+    from safetensors.torch import load_file
+
+    latest = str(tmp_path / "adapter_latest")
+    assert xorl_export([str(tmp_path / "run"), latest, "--adapter"]) == 0
+    ours, run = (load_file(os.path.join(folder, "adapter_model.safetensors"))
+                 for folder in (latest, tmp_path / "run" / "adapter"))
+    assert sorted(ours) == sorted(run) and all(torch.equal(ours[k], run[k]) for k in run)
+    step2 = str(tmp_path / "run" / "checkpoints" / "step_00000002")
+    assert xorl_export([step2, str(tmp_path / "adapter2"), "--adapter"]) == 0
+    assert xorl_export([step2, str(tmp_path / "merged2")]) == 0
+    hf2 = transformers.AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.float32).eval()
+    merged2 = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged2", dtype=torch.float32).eval()
+    with torch.no_grad():
+        reference = merged2(tokens).logits
+        assert rel(reference, got["logits"]) > 1e-4  # step 2 is not the last step: a different adapter
+        assert rel(peft.PeftModel.from_pretrained(hf2, str(tmp_path / "adapter2")).eval()(tokens).logits,
+                   reference) <= 1e-5
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe"])
@@ -446,6 +466,10 @@ def test_overwrite_output_dir_replaces_an_earlier_lora_run_and_its_adapter(tmp_p
     assert full.code == 0, full.text
     assert not (tmp_path / "out" / "adapter").exists()
     assert yaml.safe_load((tmp_path / "out" / "config.yaml").read_text())["model"]["lora"] is None
+    from xorl.cli.export import main as xorl_export  # a checkpoint without LoRA has no adapter to export
+
+    assert xorl_export([str(tmp_path / "out"), str(tmp_path / "adapter"), "--adapter"]) == 2
+    assert not (tmp_path / "adapter").exists()
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
