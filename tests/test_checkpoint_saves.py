@@ -6,6 +6,8 @@ import torch
 
 import xorl.nn.ep_dispatch  # noqa: F401  (defines the EP ops)
 import xorl.nn.ring_attention  # noqa: F401
+import xorl.nn.tp_linear_ops  # noqa: F401  (the TP linears)
+import xorl.nn.tp_regions  # noqa: F401  (the TP collectives)
 import xorl.nn.ulysses_attention  # noqa: F401
 from xorl_kernels.checkpoint_saves import SELECTIVE_CHECKPOINT_SAVES, OpRegistry
 
@@ -14,7 +16,9 @@ def test_the_attention_expert_and_collective_ops_are_saved():
     names = set(SELECTIVE_CHECKPOINT_SAVES.names())
     assert names == {f"xorl::{n}" for n in ("flash_attn", "grouped_gemm", "grouped_gemm_bias", "ring_attention",
                                              "ulysses_seq_to_head",
-                                             "ulysses_head_to_seq", "ep_all_to_all", "ep_exchange_counts")}
+                                             "ulysses_head_to_seq", "ep_all_to_all", "ep_exchange_counts",
+                                             "tp_all_gather", "tp_reduce_scatter", "tp_all_reduce",
+                                             "tp_column_linear", "tp_row_linear")}
     ops = SELECTIVE_CHECKPOINT_SAVES.ops()
     assert torch.ops.xorl.ring_attention.default in ops and torch.ops.xorl.grouped_gemm.default in ops
     assert len(ops) == len(names)
@@ -34,3 +38,15 @@ def test_the_checkpointing_plan_saves_the_registered_ops():
     from xorl.plans.data_parallel import _save_ops
 
     assert SELECTIVE_CHECKPOINT_SAVES.ops() <= _save_ops()
+
+
+def test_the_save_list_does_not_depend_on_what_was_imported_first():
+    # A fresh interpreter that imports only the checkpointing plan: every op module is brought in
+    # by _save_ops itself (else a TP or EP op imported later would be silently recomputed).
+    import subprocess
+    import sys
+
+    code = ("from xorl.plans.data_parallel import _save_ops; ops = _save_ops(); "
+            "print(sorted(str(o) for o in ops if str(o).startswith('xorl.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "xorl.tp_column_linear.default" in out and "xorl.ep_all_to_all.default" in out, out

@@ -156,9 +156,11 @@ def test_a_sliding_window_does_not_change_what_attention_keeps():
                                             ("fsdp2", "every_other_matmul")])
 def test_selective_terms_equal_the_checkpoint_cache(layout, policy, gloo_world, tmp_path):
     # What selective checkpointing keeps, to the byte, on a real run: the SAC cache of every block
-    # (xorl/planner/measure.py) plus the block's input the checkpoint holds. Under TP + SP a row
-    # layer's (o, down) kept matmul output is its [t, h] partial sum before the reduce-scatter: the
-    # planner counted a h / tp per token there until this census (-15 % of a block's cache).
+    # (xorl/planner/measure.py) plus the block's input the checkpoint holds. Under TP each TP linear
+    # is one kept op (xorl/nn/tp_linear_ops.py): a row layer (o, down) keeps its reduced sequence
+    # shard under SP, and every_other_matmul recomputes o alone (q, k, v and gate, up are one op
+    # each). Before those ops the cache held the row layers' [t, h] partial sums (+17 % here) and,
+    # under every_other_matmul, recomputed k and up.
     from xorl.models.spec import ModelSpec
     from xorl.planner.activations import selective_bytes_per_token
     from xorl.planner.measure import selective_cache_bytes

@@ -89,8 +89,8 @@ class MetricsLogger:
 # The console line's keys, in order, with their format; a key the row lacks is left out, a null one
 # (MFU where the device's peak is unknown) shows as n/a. Other keys are in metrics.jsonl and the sinks.
 CONSOLE_KEYS = (("loss", ".4f"), ("eval_loss", ".4f"), ("eval_ppl", ".3g"), ("grad_norm", ".3f"), ("lr", ".2e"),
-                ("router_loss", ".4f"), ("epoch", "d"), ("data_seen", ".3f"), ("tokens_per_s", ".0f"), ("mfu", ".1%"),
-                ("peak_memory_gib", ".2f"))
+                ("router_loss", ".4f"), ("expert_load", ".2f"), ("epoch", "d"), ("data_seen", ".3f"),
+                ("tokens_per_s", ".0f"), ("mfu", ".1%"), ("peak_memory_gib", ".2f"))
 
 
 def format_step_line(step: int, total_steps: int, row: dict) -> str:
@@ -126,6 +126,35 @@ def read_metrics(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def _active_parameters(m, n_params: int, count_of) -> str:
+    """MoE: the parameters one token passes through (its top-k routed experts of each MoE layer, all
+    the rest), as MoE model cards quote them ("A3B"); '' for a dense model."""
+    from xorl.models.spec import ModelSpec
+
+    spec = ModelSpec.from_config(m)
+    if not spec.is_moe or not spec.num_experts:
+        return ""
+    h, inner = spec.hidden_size, spec.moe_intermediate_size
+    per_expert = 3 * h * inner + (2 * inner + h if spec.family.expert_biases else 0)
+    routed = len(spec.moe_layer_indices) * spec.num_experts * per_expert
+    active = n_params - routed * (1 - spec.num_experts_per_tok / spec.num_experts)
+    return f" ({count_of(round(active))} active a token)"
+
+
+def _fp8_phrase(t, m, dtype: str) -> str:
+    """train.fp8: which GEMMs run in FP8 (and, on an MoE model, whether the experts do)."""
+    if t.fp8 == "none":
+        return ""
+    from xorl.nn.moe_experts import experts_run_fp8
+
+    experts, kept = "", "lm_head"
+    if m.num_experts:
+        kept = "lm_head, router, shared expert"
+        experts = (" and the routed experts" if experts_run_fp8(t.fp8) else
+                   f"; the routed experts in {dtype} (only fp8: blockwise has an FP8 grouped GEMM)")
+    return f"; FP8 {t.fp8} GEMMs in the attention and dense MLP projections{experts} ({kept} in {dtype})"
+
+
 def startup_summary(config, parallel, n_params: int, start_step: int, device_type: str,
                     data_sequences: int | None = None, n_trainable: int | None = None) -> str:
     """What the run is about to do, in five lines, and a sixth with the epochs when the number of
@@ -149,7 +178,8 @@ def startup_summary(config, parallel, n_params: int, start_step: int, device_typ
         how = f": LoRA rank {m.lora['rank']} on {', '.join(m.lora['target_modules'])}" if m.lora else ""
         count += f" ({count_of(n_trainable)} trainable{how})"
     lines = [
-        f"xorl: {m.model_type} model, {count}, {dtype} on {device_type}{unlike}",
+        f"xorl: {m.model_type} model, {count}{_active_parameters(m, n_params, count_of)}, {dtype} on "
+        f"{device_type}{unlike}{_fp8_phrase(t, m, dtype)}",
         f"xorl: world size {parallel.world_size} = {dims or 'one process'} ({t.data_parallel_mode}{ep})",
         f"xorl: {sequences} sequences x {d.seq_len} tokens = {sequences * d.seq_len} tokens a step "
         f"(micro batch {d.micro_batch_size} x accumulation {t.gradient_accumulation_steps} x data parallel "

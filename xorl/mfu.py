@@ -38,17 +38,30 @@ def flops_per_token(model_config, seq_len: int) -> float:
         q = h * heads * head_dim if q_rank is None else h * q_rank + q_rank * heads * head_dim
         attn = (q + h * (m.kv_lora_rank + m.qk_rope_head_dim)
                 + m.kv_lora_rank * heads * (m.qk_nope_head_dim + head_dim_v) + heads * head_dim_v * h)
-    if m.num_experts:
-        mlp = 3 * m.hidden_size * m.moe_intermediate_size * m.num_experts_per_tok + m.hidden_size * m.num_experts
-    else:
-        mlp = 3 * m.hidden_size * m.intermediate_size
-    params = m.num_hidden_layers * (attn + mlp) + m.hidden_size * m.vocab_size  # lm_head; embedding is a lookup
+    params = m.num_hidden_layers * attn + mlp_params_per_token(m) + m.hidden_size * m.vocab_size  # + lm_head
     # q.k and p.v: 2 (d_qk + d_v) FLOPs per key forward, 3x with the backward; half the keys (causal)
     attention_scores = 6 * m.num_attention_heads * (head_dim + head_dim_v) * keys_per_query(m, seq_len)
     lora = getattr(m, "lora", None)
     if lora:
         return 4 * params + 6 * lora_params_per_token(m, head_dim, head_dim_v) + attention_scores
     return 6 * params + attention_scores
+
+
+def mlp_params_per_token(m) -> int:
+    """MLP weights a token passes through, summed over the layers. An MoE layer: its top-k routed
+    experts, the router and the shared expert (with its gate) if any; a dense layer (GLM's and
+    DeepSeek's first_k_dense_replace, Qwen-MoE's mlp_only_layers / decoder_sparse_step, every layer
+    of a dense model): the full intermediate_size MLP. Which layer is which is the model's own rule
+    (ModelSpec.is_moe_layer)."""
+    from xorl.models.spec import ModelSpec
+
+    spec = ModelSpec.from_config(m)
+    h = spec.hidden_size
+    dense = 3 * h * spec.intermediate_size
+    moe = 3 * h * spec.moe_intermediate_size * spec.num_experts_per_tok + h * spec.num_experts
+    if spec.shared_expert_intermediate_size:
+        moe += 3 * h * spec.shared_expert_intermediate_size + (h if spec.family.shared_expert_gate else 0)
+    return sum(moe if spec.is_moe_layer(i) else dense for i in range(spec.num_hidden_layers))
 
 
 def lora_params_per_token(m, head_dim: int, head_dim_v: int) -> int:
@@ -60,7 +73,9 @@ def lora_params_per_token(m, head_dim: int, head_dim_v: int) -> int:
               "o_proj": heads * head_dim_v + h}
     if m.num_experts:
         if "experts" in lora["target_modules"]:  # gate_up [h -> 2I] and down [I -> h] per routed expert
-            widths["experts"] = m.num_experts_per_tok * (2 * h + 3 * m.moe_intermediate_size)
+            from xorl.models.spec import ModelSpec  # the experts' width as built (Mixtral's is intermediate_size)
+
+            widths["experts"] = m.num_experts_per_tok * (2 * h + 3 * ModelSpec.from_config(m).moe_intermediate_size)
     else:
         widths.update(gate_proj=h + m.intermediate_size, up_proj=h + m.intermediate_size,
                       down_proj=m.intermediate_size + h)

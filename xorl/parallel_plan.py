@@ -12,7 +12,7 @@ returns; this object answers the step's questions from them and from the Paralle
 * what to reduce once the backward passes are done (``after_backward``: the router-loss shares
   over TP, the loss sums over the data, context and pipeline ranks, the TP partial gradients, the
   DDP gradient sum), the group the gradient norm spans (``grad_norm_group``) and what follows the
-  optimizer step (``after_optimizer_step``: the routers' bias update).
+  optimizer step (``after_optimizer_step``: the routers' loads: bias updates, the expert_load metric).
 
 The order and the arithmetic of each reduction are those the trainer had before this object.
 """
@@ -185,10 +185,13 @@ class ParallelPlan:
         head_copy = tied.head_copy() if tied is not None else None
         return params if head_copy is None else [p for p in params if p is not head_copy]
 
-    def after_optimizer_step(self) -> None:
-        """Auxiliary-loss-free balancing: every router's bias moves by the load of the data x context
-        x tensor ranks (one all-reduce)."""
-        if self.config.model.router_expert_bias:
-            from xorl.plans.expert_parallel import update_router_biases
+    def after_optimizer_step(self, device: torch.device) -> torch.Tensor | None:
+        """MoE: the step's router loads summed over the data x context x tensor ranks (one
+        all-reduce): auxiliary-loss-free balancing moves every router's bias by them, and the
+        returned device scalar is the expert_load metric (None for a dense model)."""
+        if not self.has_router_loss:
+            return None
+        from xorl.plans.expert_parallel import step_router_loads
 
-            update_router_biases(self.modules, self.state.dp_cp_tp_group)
+        pp_group = self.state.pp_group if self.state.pp_size > 1 else None
+        return step_router_loads(self.modules, self.state.dp_cp_tp_group, pp_group, device)

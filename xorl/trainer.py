@@ -66,6 +66,7 @@ class StepResult:
     lr: float
     tokens: int
     aux_loss: float | None = None
+    expert_load: float | None = None  # MoE: the busiest expert's tokens / the mean's, worst layer
 
 
 def initialise_part(part: nn.Module, config: Config) -> None:
@@ -312,17 +313,19 @@ class Trainer:
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-        plan.after_optimizer_step()
+        expert_load = plan.after_optimizer_step(self.device)
         ga = len(microbatches)
-        loss_total, aux_total, norm, tokens = torch.stack(
-            [sums[0], sums[1], grad_norm.double(), n_tok.double()]
+        read = [sums[0], sums[1], grad_norm.double(), n_tok.double()]
+        loss_total, aux_total, norm, tokens, *load = torch.stack(
+            read if expert_load is None else [*read, expert_load]
         ).tolist()  # the step's one host read
         loss_value = loss_total / max(tokens, 1)
         if not (math.isfinite(loss_value) and math.isfinite(norm)):
             raise NonFiniteLossError(
                 f"step {self.step}: loss={loss_value} grad_norm={norm}")  # train() says what is at fault
         result = StepResult(self.step, loss_value, norm, lr, int(tokens),
-                            aux_total / (ga * plan.balance_groups) if plan.has_router_loss else None)
+                            aux_total / (ga * plan.balance_groups) if plan.has_router_loss else None,
+                            load[0] if load else None)
         self.step += 1
         return result
 
@@ -399,6 +402,8 @@ class Trainer:
                            **self._epoch_metrics(), **self._throughput_metrics(result.tokens / dt)}
                 if result.aux_loss is not None:
                     metrics["router_loss"] = result.aux_loss
+                if result.expert_load is not None:
+                    metrics["expert_load"] = result.expert_load
                 if self.evaluator is not None and self.evaluator.due(self.step):
                     with heartbeat.busy(f"evaluating after step {self.step}"):
                         metrics.update(self.evaluator.run(self))

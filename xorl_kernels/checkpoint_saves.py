@@ -7,9 +7,15 @@ says, next to it, that selective checkpointing saves its output (attention, expe
 collectives, which a recompute would run or send again); ``SELECTIVE_CHECKPOINT_SAVES.ops()``
 resolves every name and raises on one that is not a registered op. xorl's own ops (xorl/nn) join
 the same registry: xorl may import xorl_kernels, never the reverse.
+
+An op that runs dense matmuls inside (the tensor-parallel linears: xorl/nn/tp_linear_ops.py) says
+how many (``matmuls``, a function of the op's arguments), so that selective_checkpoint:
+every_other_matmul counts them in the block's order as it counts aten.mm / addmm.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -19,13 +25,23 @@ class OpRegistry:
 
     def __init__(self):
         self._names: list[str] = []
+        self._matmuls: dict[str, Callable] = {}
 
-    def join(self, qualname: str) -> None:
+    def join(self, qualname: str, matmuls: Callable | None = None) -> None:
+        """Keep ``qualname``'s output; ``matmuls(*args)``: how many dense matmuls one call runs."""
         namespace, sep, name = qualname.partition("::")
         if not sep or not namespace or not name:
             raise ValueError(f"{qualname!r}: give a custom op's qualified name, 'namespace::name'")
         if qualname not in self._names:
             self._names.append(qualname)
+        if matmuls is not None:
+            self._matmuls[qualname] = matmuls
+
+    def dense_matmuls(self, op, args) -> int:
+        """How many dense matmuls a call of ``op`` (an OpOverload) with ``args`` runs: 0 for an op that
+        did not say (attention, collectives)."""
+        count = self._matmuls.get(op._schema.name) if hasattr(op, "_schema") else None
+        return 0 if count is None else count(*args)
 
     def names(self) -> tuple[str, ...]:
         return tuple(self._names)

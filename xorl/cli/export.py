@@ -81,6 +81,18 @@ def _check_layout(checkpoint: str, model_config) -> None:
         raise ExportError(problems[0])
 
 
+def _check_exportable(model_config) -> None:
+    """A model the family's transformers class cannot hold (e.g. a Qwen3-MoE trained with a sigmoid
+    router): refused here, before any tensor is read, in one line (it used to end in a traceback
+    from inside the export)."""
+    from xorl.models.families import family
+    from xorl.models.schema import fields_to_hf
+    from xorl.models.spec import ModelSpec
+
+    spec = ModelSpec.from_config(model_config)
+    fields_to_hf(spec, family(spec.model_type))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="xorl-export", description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint_dir", metavar="CHECKPOINT_DIR")
@@ -104,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.adapter and not model_config.lora:
             raise ExportError(f"--adapter: {checkpoint} was trained without model.lora, so it has no adapter; "
                               "export the model without --adapter")
+        _check_exportable(model_config)
     except (ExportError, ValueError) as err:  # ConfigError is a ValueError
         print(f"xorl-export: {err}", file=sys.stderr)
         return 2

@@ -66,5 +66,6 @@ FAMILY = Family(
     fixed={"router_scoring": "sigmoid", "router_expert_bias": True},
     derived=("shared_expert_intermediate_size",), read_hf=_read_hf, write_hf=write_mla,
     weight_names=(("mlp.shared_expert.", "mlp.shared_experts."),), ignore_extra_layers=True,
+    hf_defaults={"max_position_embeddings": 4096},  # the latent-attention and routing keys: HF_DEFAULTS
 )
 MODEL = DecoderForCausalLM

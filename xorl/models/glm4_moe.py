@@ -33,5 +33,7 @@ FAMILY = Family(
     fixed={"router_scoring": "sigmoid", "router_expert_bias": True},
     derived=("shared_expert_intermediate_size",), read_hf=_read_hf, write_hf=_write_hf,
     weight_names=(("mlp.shared_expert.", "mlp.shared_experts."),), ignore_extra_layers=True,
+    hf_defaults={"rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "num_experts_per_tok": 8,
+                 "norm_topk_prob": True, "first_k_dense_replace": 1},
 )
 MODEL = DecoderForCausalLM

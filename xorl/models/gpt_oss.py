@@ -42,5 +42,7 @@ FAMILY = Family(
     derived=("moe_intermediate_size",), same_as={"moe_intermediate_size": "intermediate_size"},
     read_hf=_read_hf, write_hf=_write_hf, weight_names=(("mlp.gate.", "mlp.router."),),
     attention_sinks=True, router_bias=True, expert_biases=True, clamped_swiglu=True, experts_interleaved=True,
+    hf_defaults={"rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "num_experts_per_tok": 4,
+                 "sliding_window": 128, "rope_theta": 150000.0},
 )
 MODEL = DecoderForCausalLM

@@ -18,6 +18,7 @@ FAMILY = Family(
     hf_names={"num_experts": "num_local_experts"}, fixed={"norm_topk_prob": True},
     derived=("moe_intermediate_size",), same_as={"moe_intermediate_size": "intermediate_size"},
     read_hf=_read_hf, hf_extra={"sliding_window": None, "router_jitter_noise": 0.0},
+    hf_defaults={"rms_norm_eps": 1e-5, "rope_theta": 1e6, "max_position_embeddings": 4096 * 32},
     weight_names=(("mlp.experts.{j}.gate_proj.", "block_sparse_moe.experts.{j}.w1."),
                   ("mlp.experts.{j}.up_proj.", "block_sparse_moe.experts.{j}.w3."),
                   ("mlp.experts.{j}.down_proj.", "block_sparse_moe.experts.{j}.w2."),

@@ -15,5 +15,6 @@ def _read_hf(raw: dict, values: dict) -> list[str]:
 
 FAMILY = Family("olmoe", "OlmoeForCausalLM", moe=True, qk_norm="width", derived=("moe_intermediate_size",),
                 same_as={"moe_intermediate_size": "intermediate_size"}, read_hf=_read_hf,
-                hf_extra={"clip_qkv": None})
+                hf_extra={"clip_qkv": None}, hf_defaults={"rms_norm_eps": 1e-5, "max_position_embeddings": 4096,
+                                                          "num_experts_per_tok": 8, "router_aux_loss_coef": 0.01})
 MODEL = DecoderForCausalLM

@@ -6,5 +6,6 @@ from xorl.models.schema import Family
 
 FAMILY = Family("qwen2_moe", "Qwen2MoeForCausalLM", moe=True, o_proj_bias=False,
                 hf_names={"attention_bias": "qkv_bias"},
-                hf_extra={"use_sliding_window": False, "sliding_window": None})
+                hf_extra={"use_sliding_window": False, "sliding_window": None},
+                hf_defaults={"num_experts_per_tok": 4, "max_position_embeddings": 32768})
 MODEL = DecoderForCausalLM

@@ -12,7 +12,8 @@ from xorl.models.schema import Family
 FAMILY = Family("qwen3_moe", "Qwen3MoeForCausalLM", moe=True, qk_norm="head",
                 # hub files say num_experts; transformers 5 writes num_local_experts
                 hf_names={"num_experts": ("num_experts", "num_local_experts")},
-                hf_extra={"use_sliding_window": False, "sliding_window": None})
+                hf_extra={"use_sliding_window": False, "sliding_window": None},
+                hf_defaults={"num_experts_per_tok": 8, "max_position_embeddings": 32768})
 
 
 class Qwen3MoeForCausalLM(DecoderForCausalLM):

@@ -110,7 +110,9 @@ FIELDS: tuple[Field, ...] = (
     _f("swiglu_limit", float, 7.0, families=("gpt_oss",),
        doc="gpt-oss experts: gate clamped above at the limit, up to [-limit, limit]"),
     # Training knobs: config.json may hold them; an explicit YAML / CLI value wins.
-    _f("router_aux_loss_coef", float, 0.001, "knob", families=MOE, doc="weight of the load-balancing loss"),
+    _f("router_aux_loss_coef", float, 0.001, "knob", families=MOE,
+       doc="weight of each MoE layer's Switch load-balancing loss (1 when even), summed over the layers "
+       "(Megatron's convention; transformers' pooled loss is top-k times larger: README)"),
     _f("router_z_loss_coef", float, 0.0, "knob", families=(), doc="weight of the router z-loss (0: off)"),
     _f("router_balance_scope", Literal["microbatch", "global_batch"], "microbatch", "knob", families=(),
        doc="tokens the balancing statistics cover: the microbatch (what one process computes, on every "
@@ -150,6 +152,9 @@ class Family:
     # field -> its config.json key, or keys (the first is written; any is read)
     hf_names: dict[str, str | tuple[str, ...]] = field(default_factory=dict)
     fixed: dict[str, Any] = field(default_factory=dict)  # values the HF class hard-codes
+    # field -> what transformers' config class takes when config.json leaves its key out (where that
+    # differs from the schema default), so a missing key means the same model in xorl as in transformers
+    hf_defaults: dict[str, Any] = field(default_factory=dict)
     # (raw config.json, the fields read so far) -> problems; may fill derived fields in place.
     read_hf: Callable[[dict, dict], list[str]] | None = None
     # (spec, the config.json dict so far) -> None; adds the family's own entries.
@@ -419,7 +424,12 @@ def hf_to_fields(raw: dict, family: Family, where: str) -> tuple[dict[str, Any],
             if raw.get(key) is not None:
                 values[f.name] = raw[key]
                 break
+        else:
+            if f.name in family.hf_defaults and not any(key in raw for key in family.hf_keys(f.name)):
+                values[f.name] = family.hf_defaults[f.name]
     theta, scaling, partial = _rope_from_hf(raw)
+    if theta is None and "rope_theta" in family.hf_defaults:
+        theta = family.hf_defaults["rope_theta"]
     if theta is not None:
         values["rope_theta"] = theta
     values["rope_scaling"] = scaling

@@ -34,6 +34,11 @@ from xorl_kernels.expert_gemm.op import grouped_gemm
 _EXPERT_FP8 = {"none": False, "tensorwise": False, "rowwise": False, "blockwise": True}
 
 
+def experts_run_fp8(recipe: str) -> bool:
+    """Whether train.fp8 = ``recipe`` runs the experts' grouped GEMM in FP8 (the start-up line says so)."""
+    return _EXPERT_FP8[recipe]
+
+
 def _local(weight: torch.Tensor) -> torch.Tensor:
     """This rank's experts: the local shard when the weight is a DTensor sharded over the EP mesh
     (differentiable: the gradient comes back as a DTensor with the same placement)."""

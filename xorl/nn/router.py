@@ -134,7 +134,8 @@ class Router(nn.Module):
             self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, device=device))
         else:
             self.e_score_correction_bias = None
-        # Tokens routed to each expert since the last bias update (expert_bias only). Not a buffer:
+        # Tokens routed to each expert in training forwards since the last bias update / load report
+        # (plans/expert_parallel.step_router_loads: the step's expert_load metric). Not a buffer:
         # a model built on the meta device and materialised with to_empty would leave a buffer
         # uninitialised; this count is made (zeros, on the activations' device) at first use.
         self.load_since_update: torch.Tensor | None = None
@@ -204,7 +205,7 @@ class Router(nn.Module):
             z_terms = z_terms * token_mask
         z_loss = z_terms.sum() / total[0]
 
-        if self.e_score_correction_bias is not None and self.training:
+        if self.training:
             if self.load_since_update is None:
                 self.load_since_update = torch.zeros_like(tokens_per_expert)
             self.load_since_update += tokens_per_expert
@@ -229,7 +230,7 @@ class Router(nn.Module):
 
         Pass the data-parallel ``group`` (all ranks that see different tokens for this router) so
         every rank applies the same update. Returns the load that was used (int64 [E]).
-        (The trainer updates every router in one all-reduce: plans/expert_parallel.update_router_biases.)
+        (The trainer updates every router in one all-reduce: plans/expert_parallel.step_router_loads.)
         """
         if self.e_score_correction_bias is None:
             raise RuntimeError("update_bias() needs Router(expert_bias=True)")
@@ -242,14 +243,16 @@ class Router(nn.Module):
     def pending_load(self) -> torch.Tensor:
         """The tokens routed to each expert since the last update (int64 [E], zeros if none)."""
         if self.load_since_update is None:
-            return torch.zeros(self.num_experts, dtype=torch.int64, device=self.e_score_correction_bias.device)
+            return torch.zeros(self.num_experts, dtype=torch.int64, device=self.weight.device)
         return self.load_since_update.clone()
 
     @torch.no_grad()
     def apply_load(self, load: torch.Tensor) -> None:
-        """bias += rate * sign(mean(load) - load), from an already summed load; resets the count."""
-        error = load.float().mean() - load.float()
-        self.e_score_correction_bias += self.bias_update_rate * torch.sign(error)
+        """With an expert bias: bias += rate * sign(mean(load) - load), from an already summed load.
+        Resets the count either way."""
+        if self.e_score_correction_bias is not None:
+            error = load.float().mean() - load.float()
+            self.e_score_correction_bias += self.bias_update_rate * torch.sign(error)
         self.load_since_update = None
 
     def extra_repr(self) -> str:

@@ -9,10 +9,11 @@ reduce-scatters its output along it. Without it, the column layer takes the repl
 Weights are DTensors on the 1-D TP mesh, ``Shard(0)`` for column (weight [out, in]) and
 ``Shard(1)`` for row, so FSDP2 ``fully_shard`` on a dp mesh composes on top (2-D), clip-grad sees
 the whole norm and DCP checkpoints save the full logical tensor. The forward multiplies the local
-shards (``to_local()``) inside the autograd functions of ``xorl.nn.tp_matmul``, which decompose
-the gather / scatter into TP chunks so each chunk's transfer hides behind the previous chunk's
-GEMM (``overlap=True``, above ``overlap_min_numel`` gathered elements). Gradients land on the
-DTensor parameters (local shard grads wrapped with the parameter's placements).
+shards (``to_local()``) in one dispatcher op per layer (``xorl.nn.tp_linear_ops``, math in
+``xorl.nn.tp_matmul``), which decompose the gather / scatter into TP chunks so each chunk's
+transfer hides behind the previous chunk's GEMM (``overlap=True``, above ``overlap_min_numel``
+gathered elements). Gradients land on the DTensor parameters (local shard grads wrapped with
+the parameter's placements).
 
 Row bias is replicated (added once, after the reduction); under sequence parallel its gradient is
 summed over the TP ranks in backward (each rank sees only its own tokens).
@@ -57,7 +58,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from xorl.nn.linear import check_fp8
 from xorl.nn.lora import adapter_bounds, adapter_input, make_adapters
 from xorl.nn.tp_comm import DEFAULT_OVERLAP_MIN_NUMEL, TPGroup
-from xorl.nn.tp_matmul import ColumnParallelMatmul, RowParallelMatmul, TPMatmulConfig
+from xorl.nn.tp_linear_ops import column_parallel_linear, row_parallel_linear
+from xorl.nn.tp_matmul import TPMatmulConfig
 from xorl.nn.tp_regions import (
     copy_to_region,
     gather_from_shards,
@@ -314,7 +316,7 @@ class ColumnParallelLinear(_TPLinearBase):
         if self.shared_group is not None:
             y = self.shared_group.output_for(self, x)
         else:
-            (y,) = ColumnParallelMatmul.apply(self.config, x, *self.local_params())
+            (y,) = column_parallel_linear(self.config, x, *([p] for p in self.local_params()))
         if self.lora is not None:
             y = y + self._lora_delta(x)
         if self.gather_output:
@@ -371,7 +373,7 @@ class RowParallelLinear(_TPLinearBase):
             )
         weight = self.weight.to_local()
         bias = None if self.bias is None else self.bias.to_local()
-        y = RowParallelMatmul.apply(self.config, x, weight, bias)
+        y = row_parallel_linear(self.config, x, weight, bias)
         if self.lora is None:
             return y
         # sum_r x_r A_r^T over TP (to the sequence shard under SP), then B once (module docstring).
@@ -387,7 +389,7 @@ class SharedInputColumnGroup:
     """Column layers that read the same input tensor (q/k/v, gate/up): gather it once for all.
 
     The first member called with an input computes every member's output in one fused
-    ``ColumnParallelMatmul`` (one ring all-gather forward, one re-gather and one reduce-scatter
+    ``xorl::tp_column_linear`` op (one ring all-gather forward, one re-gather and one reduce-scatter
     backward, instead of one per member) and keeps the others' outputs until they are asked for
     with the same tensor object. A member called with a different tensor recomputes (correct,
     only slower), so code that passes copies still works.
@@ -424,8 +426,8 @@ class SharedInputColumnGroup:
             if not self._ready:
                 self._input = None
             return out
-        params = [t for m in self.members for t in m.local_params()]
-        outs = ColumnParallelMatmul.apply(self.config, x, *params)
+        weights, biases = zip(*(m.local_params() for m in self.members))
+        outs = column_parallel_linear(self.config, x, weights, biases)
         self._ready = {i: o for i, o in enumerate(outs) if i != index}
         self._input = x
         return outs[index]

@@ -2,7 +2,7 @@
 and the plain collectives along the sequence dim. The region boundaries built on them are in
 ``xorl/nn/tp_regions.py``; the overlapped matmuls of the TP linears in ``xorl/nn/tp_matmul.py``.
 
-Two ring primitives carry every overlapped TP matmul (``ColumnParallelMatmul`` / ``RowParallelMatmul``):
+Two ring primitives carry every overlapped TP matmul (``xorl/nn/tp_matmul.py``'s column / row math):
 
 * ``ring_all_gather(local, tp, consume)``: every rank's chunk passes once around the ring; while
   chunk i is handed to ``consume`` (a GEMM), chunk i+1 is already travelling to us. P-1 exchanges.

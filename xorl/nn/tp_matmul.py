@@ -1,5 +1,6 @@
-"""The overlapped TP matmuls: the autograd functions of ColumnParallelLinear / RowParallelLinear
-(xorl/nn/tensor_parallel.py), built on the ring and plain collectives of xorl/nn/tp_comm.py.
+"""The overlapped TP matmuls: the forward and backward math of ColumnParallelLinear /
+RowParallelLinear (xorl/nn/tensor_parallel.py), built on the ring and plain collectives of
+xorl/nn/tp_comm.py. The dispatcher ops (with autograd) that run them: xorl/nn/tp_linear_ops.py.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from xorl.nn.tp_comm import (
     wait_all,
 )
 
-# Autograd functions of the TP linears: all-gather→matmul and matmul→reduce-scatter, chunked.
+# The TP linears' math: all-gather→matmul and matmul→reduce-scatter, chunked.
 #
 # Layout: activations are ``[..., seq, hidden]`` (``[batch, seq, hidden]`` or ``[seq, hidden]``);
 # the sequence dim is always dim -2. Under sequence parallel (SP) rank r of P holds rows
@@ -164,156 +165,145 @@ def _fp32_accumulating_gemm() -> bool:
     return _FP32_GEMM["cuda"]
 
 
-def _bias_grad(grad_out: torch.Tensor) -> torch.Tensor:
+def bias_grad(grad_out: torch.Tensor) -> torch.Tensor:
+    """A bias's gradient: the output gradient summed over every token (all dims but the last)."""
     return grad_out.sum(dim=tuple(range(grad_out.dim() - 1)))
 
 
 # -- column: (all-gather ->) matmul ---------------------------------------------------------------
+# Plain functions of tensors (no autograd here): xorl/nn/tp_linear_ops.py makes each forward and
+# each backward one dispatcher op (so selective checkpointing keeps a TP linear's output whole).
 
-class ColumnParallelMatmul(torch.autograd.Function):
+def column_chunked(cfg: TPMatmulConfig, x: torch.Tensor) -> bool:
+    """Whether the column layer on input ``x`` (this rank's shard) takes the ring path."""
+    return cfg.sequence_sharded and cfg.use_ring(x.numel() * cfg.tp.size)
+
+
+def column_forward(cfg: TPMatmulConfig, x: torch.Tensor, weights, biases) -> list[torch.Tensor]:
     """outputs_j = gather_seq(x) @ W_j^T + b_j for every (W_j, b_j); see the module docstring."""
+    tp, stats = cfg.tp, cfg.stats
+    if not cfg.sequence_sharded:
+        return [_linear(cfg.fp8, x, w, b) for w, b in zip(weights, biases)]
+    shard = x.shape[-2]
+    if not column_chunked(cfg, x):
+        gathered = all_gather_sequence(x, tp, stats)
+        return [_linear(cfg.fp8, gathered, w, b) for w, b in zip(weights, biases)]
+    outs = [x.new_empty(*x.shape[:-2], shard * tp.size, w.shape[0]) for w in weights]
 
-    @staticmethod
-    def forward(ctx, cfg: TPMatmulConfig, x: torch.Tensor, *params):
-        weights, biases = params[0::2], params[1::2]
-        tp, stats = cfg.tp, cfg.stats
-        chunked = False
-        if cfg.sequence_sharded:
-            shard = x.shape[-2]
-            chunked = cfg.use_ring(x.numel() * tp.size)
-            if chunked:
-                outs = [x.new_empty(*x.shape[:-2], shard * tp.size, w.shape[0]) for w in weights]
+    def consume(chunk: torch.Tensor, src: int) -> None:
+        for out, w, b in zip(outs, weights, biases):
+            _linear_into(out.narrow(-2, src * shard, shard), chunk, w, b, cfg.fp8)
 
+    ring_all_gather(x, tp, consume, stats)
+    return outs
+
+
+def column_backward(cfg: TPMatmulConfig, x: torch.Tensor, weights, grads, need_dx: bool, need_dw: list[bool]):
+    """(dx or None, [dW_j or None]) of ``column_forward`` (weight gradients in the weights' dtype)."""
+    tp, stats = cfg.tp, cfg.stats
+    grads = [g.contiguous() for g in grads]
+    dws: list[torch.Tensor | None] = [None] * len(weights)
+    dx = None
+
+    def input_grad(start: int = 0, length: int | None = None) -> torch.Tensor:
+        """sum_j dy_j @ W_j over sequence rows start .. start+length (all rows by default)."""
+        total = None
+        for g, w in zip(grads, weights):
+            part = _dgrad(cfg.fp8, g if length is None else g.narrow(-2, start, length), w)
+            total = part if total is None else total.add_(part)
+        return total
+
+    if cfg.sequence_sharded:
+        shard = x.shape[-2]
+        if column_chunked(cfg, x):
+            if any(need_dw):
                 def consume(chunk: torch.Tensor, src: int) -> None:
-                    for out, w, b in zip(outs, weights, biases):
-                        _linear_into(out.narrow(-2, src * shard, shard), chunk, w, b, cfg.fp8)
+                    for j, g in enumerate(grads):
+                        if need_dw[j]:
+                            dws[j] = _accumulate_wgrad(dws[j], g.narrow(-2, src * shard, shard), chunk, cfg.fp8)
 
                 ring_all_gather(x, tp, consume, stats)
-            else:
-                gathered = all_gather_sequence(x, tp, stats)
-                outs = [_linear(cfg.fp8, gathered, w, b) for w, b in zip(weights, biases)]
-        else:
-            outs = [_linear(cfg.fp8, x, w, b) for w, b in zip(weights, biases)]
-        ctx.cfg, ctx.chunked = cfg, chunked
-        ctx.has_bias = [b is not None for b in biases]
-        ctx.save_for_backward(x, *weights)
-        return tuple(outs)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        cfg, tp, stats = ctx.cfg, ctx.cfg.tp, ctx.cfg.stats
-        x, *weights = ctx.saved_tensors
-        grads = [g.contiguous() for g in grads]
-        need_dx = ctx.needs_input_grad[1]
-        need_dw = [ctx.needs_input_grad[2 + 2 * j] for j in range(len(weights))]
-        dws: list[torch.Tensor | None] = [None] * len(weights)
-        dx = None
-
-        def input_grad(start: int = 0, length: int | None = None) -> torch.Tensor:
-            """sum_j dy_j @ W_j over sequence rows start .. start+length (all rows by default)."""
-            total = None
-            for g, w in zip(grads, weights):
-                part = _dgrad(cfg.fp8, g if length is None else g.narrow(-2, start, length), w)
-                total = part if total is None else total.add_(part)
-            return total
-
-        if cfg.sequence_sharded:
-            shard = x.shape[-2]
-            if ctx.chunked:
-                if any(need_dw):
-                    def consume(chunk: torch.Tensor, src: int) -> None:
-                        for j, g in enumerate(grads):
-                            if need_dw[j]:
-                                dws[j] = _accumulate_wgrad(dws[j], g.narrow(-2, src * shard, shard), chunk,
-                                                           cfg.fp8)
-
-                    ring_all_gather(x, tp, consume, stats)
-                if need_dx:
-                    dx = ring_reduce_scatter(lambda c: input_grad(c * shard, shard), tp, stats)
-            else:
-                if any(need_dw):
-                    gathered = all_gather_sequence(x, tp, stats)
-                    dws = [_accumulate_wgrad(None, g, gathered, cfg.fp8) if need else None
-                           for g, need in zip(grads, need_dw)]
-                if need_dx:
-                    dx = reduce_scatter_sequence(input_grad(), tp, stats)
-        else:
-            work = None
             if need_dx:
-                dx = input_grad()
-                if tp.size > 1:  # replicated input: every rank's dx is a partial sum
-                    work = all_reduce_async(dx, tp, stats)
-            dws = [_accumulate_wgrad(None, g, x, cfg.fp8) if need else None for g, need in zip(grads, need_dw)]
-            if work is not None:
-                wait_all([work], stats, dx.is_cuda)
-        result = [None, dx]
-        for j, (w, g) in enumerate(zip(weights, grads)):
-            result.append(dws[j].to(w.dtype) if dws[j] is not None else None)
-            result.append(_bias_grad(g) if ctx.has_bias[j] and ctx.needs_input_grad[3 + 2 * j] else None)
-        return tuple(result)
+                dx = ring_reduce_scatter(lambda c: input_grad(c * shard, shard), tp, stats)
+        else:
+            if any(need_dw):
+                gathered = all_gather_sequence(x, tp, stats)
+                dws = [_accumulate_wgrad(None, g, gathered, cfg.fp8) if need else None
+                       for g, need in zip(grads, need_dw)]
+            if need_dx:
+                dx = reduce_scatter_sequence(input_grad(), tp, stats)
+    else:
+        work = None
+        if need_dx:
+            dx = input_grad()
+            if tp.size > 1:  # replicated input: every rank's dx is a partial sum
+                work = all_reduce_async(dx, tp, stats)
+        dws = [_accumulate_wgrad(None, g, x, cfg.fp8) if need else None for g, need in zip(grads, need_dw)]
+        if work is not None:
+            wait_all([work], stats, dx.is_cuda)
+    return dx, [dw.to(w.dtype) if dw is not None else None for dw, w in zip(dws, weights)]
 
 
 # -- row: matmul (-> reduce-scatter) --------------------------------------------------------------
 
-class RowParallelMatmul(torch.autograd.Function):
+def row_chunked(cfg: TPMatmulConfig, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the row layer on input ``x`` takes the ring path (checks the sequence divides)."""
+    if not cfg.sequence_sharded:
+        return False
+    check_sequence_divisible(x.shape[-2], cfg.tp, f"{cfg.name} (RowParallelLinear input)")
+    return cfg.use_ring(x.numel() // x.shape[-1] * weight.shape[0])
+
+
+def row_forward(cfg: TPMatmulConfig, x: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
     """y = reduce_scatter_seq(x @ W^T) + b (SP) or all_reduce(x @ W^T) + b; see the module docstring."""
+    tp, stats = cfg.tp, cfg.stats
+    if row_chunked(cfg, x, weight):
+        shard = x.shape[-2] // tp.size
+        y = ring_reduce_scatter(lambda c: _linear(cfg.fp8, x.narrow(-2, c * shard, shard), weight), tp, stats)
+    elif cfg.sequence_sharded:
+        y = reduce_scatter_sequence(_linear(cfg.fp8, x, weight), tp, stats)
+    else:
+        y = _linear(cfg.fp8, x, weight)
+        if tp.size > 1:
+            wait_all([all_reduce_async(y, tp, stats)], stats, y.is_cuda)
+    if bias is not None:
+        y += bias
+    return y
 
-    @staticmethod
-    def forward(ctx, cfg: TPMatmulConfig, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
-        tp, stats = cfg.tp, cfg.stats
-        chunked = False
-        if cfg.sequence_sharded:
-            shard = check_sequence_divisible(x.shape[-2], tp, f"{cfg.name} (RowParallelLinear input)")
-            chunked = cfg.use_ring(x.numel() // x.shape[-1] * weight.shape[0])
-            if chunked:
-                y = ring_reduce_scatter(
-                    lambda c: _linear(cfg.fp8, x.narrow(-2, c * shard, shard), weight), tp, stats
-                )
-            else:
-                y = reduce_scatter_sequence(_linear(cfg.fp8, x, weight), tp, stats)
+
+def row_backward(cfg: TPMatmulConfig, x: torch.Tensor, weight: torch.Tensor, grad_out: torch.Tensor,
+                 need_dx: bool, need_dw: bool, need_db: bool):
+    """(dx, dW, db), each None where not needed, of ``row_forward``."""
+    tp, stats = cfg.tp, cfg.stats
+    grad_out = grad_out.contiguous()
+    dx = dw = db = None
+    bias_work = None
+    if need_db:
+        db = bias_grad(grad_out)
+        if cfg.sequence_sharded:  # each rank summed only its own tokens
+            bias_work = all_reduce_async(db, tp, stats)
+    if cfg.sequence_sharded:
+        shard = x.shape[-2] // tp.size
+        if row_chunked(cfg, x, weight):
+            dx = x.new_empty(x.shape) if need_dx else None
+
+            def consume(chunk: torch.Tensor, src: int) -> None:
+                nonlocal dw
+                if need_dx:
+                    _mm_into(dx.narrow(-2, src * shard, shard), chunk, weight, cfg.fp8)
+                if need_dw:
+                    dw = _accumulate_wgrad(dw, chunk, x.narrow(-2, src * shard, shard), cfg.fp8)
+
+            ring_all_gather(grad_out, tp, consume, stats)
         else:
-            y = _linear(cfg.fp8, x, weight)
-            if tp.size > 1:
-                wait_all([all_reduce_async(y, tp, stats)], stats, y.is_cuda)
-        if bias is not None:
-            y += bias
-        ctx.cfg, ctx.chunked, ctx.has_bias = cfg, chunked, bias is not None
-        ctx.save_for_backward(x, weight)
-        return y
+            gathered = all_gather_sequence(grad_out, tp, stats)
+            dx = _dgrad(cfg.fp8, gathered, weight) if need_dx else None
+            dw = _accumulate_wgrad(None, gathered, x, cfg.fp8) if need_dw else None
+    else:
+        dx = _dgrad(cfg.fp8, grad_out, weight) if need_dx else None
+        dw = _accumulate_wgrad(None, grad_out, x, cfg.fp8) if need_dw else None
+    if bias_work is not None:
+        wait_all([bias_work], stats, db.is_cuda)
+    return dx, dw.to(weight.dtype) if dw is not None else None, db
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        cfg, tp, stats = ctx.cfg, ctx.cfg.tp, ctx.cfg.stats
-        x, weight = ctx.saved_tensors
-        grad_out = grad_out.contiguous()
-        need_dx, need_dw = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        need_db = ctx.has_bias and ctx.needs_input_grad[3]
-        dx = dw = db = None
-        bias_work = None
-        if need_db:
-            db = _bias_grad(grad_out)
-            if cfg.sequence_sharded:  # each rank summed only its own tokens
-                bias_work = all_reduce_async(db, tp, stats)
-        if cfg.sequence_sharded:
-            shard = x.shape[-2] // tp.size
-            if ctx.chunked:
-                dx = x.new_empty(x.shape) if need_dx else None
-
-                def consume(chunk: torch.Tensor, src: int) -> None:
-                    nonlocal dw
-                    if need_dx:
-                        _mm_into(dx.narrow(-2, src * shard, shard), chunk, weight, cfg.fp8)
-                    if need_dw:
-                        dw = _accumulate_wgrad(dw, chunk, x.narrow(-2, src * shard, shard), cfg.fp8)
-
-                ring_all_gather(grad_out, tp, consume, stats)
-            else:
-                gathered = all_gather_sequence(grad_out, tp, stats)
-                dx = _dgrad(cfg.fp8, gathered, weight) if need_dx else None
-                dw = _accumulate_wgrad(None, gathered, x, cfg.fp8) if need_dw else None
-        else:
-            dx = _dgrad(cfg.fp8, grad_out, weight) if need_dx else None
-            dw = _accumulate_wgrad(None, grad_out, x, cfg.fp8) if need_dw else None
-        if bias_work is not None:
-            wait_all([bias_work], stats, db.is_cuda)
-        return None, dx, dw.to(weight.dtype) if dw is not None else None, db

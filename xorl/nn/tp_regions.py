@@ -21,15 +21,82 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from xorl._torch_compat import resolve_process_group
 from xorl.nn.tp_comm import TPGroup, all_gather_single, reduce_scatter_single
+from xorl_kernels.checkpoint_saves import SELECTIVE_CHECKPOINT_SAVES
+
+# The forward collectives of the regions are torch.library custom ops that selective activation
+# checkpointing keeps (xorl/plans/data_parallel.py): a region inside a decoder block (a LoRA
+# adapter's rank-wide activation under TP, MLA's shared RoPE key) is then not sent again by the
+# recompute in backward. Out of place: an all-reduce in place on its input would change a tensor
+# the checkpoint may hold (a kept matmul output), and the recompute would reduce it twice.
+# The process group travels by name (custom ops take no Python objects).
+
+
+SELECTIVE_CHECKPOINT_SAVES.join("xorl::tp_all_gather")  # its output is kept, not recomputed
+
+
+@torch.library.custom_op("xorl::tp_all_gather", mutates_args=())
+def _all_gather_op(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+    group = resolve_process_group(group_name)
+    x = x.contiguous()
+    out = x.new_empty(dist.get_world_size(group), *x.shape)
+    all_gather_single(out.flatten(0, 1), x, group=group)
+    return out.movedim(0, dim).flatten(dim, dim + 1).contiguous()
+
+
+@_all_gather_op.register_fake
+def _(x, dim, group_name):
+    shape = list(x.shape)
+    shape[dim] *= dist.get_world_size(resolve_process_group(group_name))
+    return x.new_empty(shape)
+
+
+SELECTIVE_CHECKPOINT_SAVES.join("xorl::tp_reduce_scatter")  # its output is kept, not recomputed
+
+
+@torch.library.custom_op("xorl::tp_reduce_scatter", mutates_args=())
+def _reduce_scatter_op(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+    group = resolve_process_group(group_name)
+    size = dist.get_world_size(group)  # [.., size*c (dim), ..] -> the rank-stacked [size, .., c, ..]
+    stacked = x.unflatten(dim, (size, x.shape[dim] // size)).movedim(dim, 0).contiguous()
+    out = x.new_empty(stacked.shape[1:])
+    reduce_scatter_single(out, stacked.flatten(0, 1), group=group)
+    return out
+
+
+@_reduce_scatter_op.register_fake
+def _(x, dim, group_name):
+    shape = list(x.shape)
+    shape[dim] //= dist.get_world_size(resolve_process_group(group_name))
+    return x.new_empty(shape)
+
+
+SELECTIVE_CHECKPOINT_SAVES.join("xorl::tp_all_reduce")  # its output is kept, not recomputed
+
+
+@torch.library.custom_op("xorl::tp_all_reduce", mutates_args=())
+def _all_reduce_op(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    out = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, group=resolve_process_group(group_name))
+    return out
+
+
+@_all_reduce_op.register_fake
+def _(x, group_name):
+    return x.new_empty(x.shape)
 
 
 def _all_gather_dim(x: torch.Tensor, tp: TPGroup, dim: int) -> torch.Tensor:
-    dim = dim % x.dim()
-    x = x.contiguous()
-    out = x.new_empty(tp.size, *x.shape)
-    all_gather_single(out.flatten(0, 1), x, group=tp.group)
-    return out.movedim(0, dim).flatten(dim, dim + 1)
+    return torch.ops.xorl.tp_all_gather(x, dim % x.dim(), tp.group.group_name)
+
+
+def _reduce_scatter_dim(x: torch.Tensor, tp: TPGroup, dim: int) -> torch.Tensor:
+    return torch.ops.xorl.tp_reduce_scatter(x, dim % x.dim(), tp.group.group_name)
+
+
+def _all_reduce(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    return torch.ops.xorl.tp_all_reduce(x, tp.group.group_name)
 
 
 def _own_chunk(x: torch.Tensor, tp: TPGroup, dim: int, what: str) -> torch.Tensor:
@@ -88,9 +155,7 @@ def gather_from_shards(x: torch.Tensor, tp: TPGroup, dim: int) -> torch.Tensor:
 class _SumPartials(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, tp: TPGroup):
-        x = x.contiguous()
-        dist.all_reduce(x, group=tp.group)
-        return x
+        return _all_reduce(x, tp)
 
     @staticmethod
     def backward(ctx, grad):
@@ -107,10 +172,7 @@ class _SumPartialsToShard(torch.autograd.Function):
                 f"sum_partials_to_shard: dim {d} has size {x.shape[d]}, not divisible by tensor_parallel_size="
                 f"{tp.size}; under sequence parallel pad every micro-batch to a multiple of the TP size"
             )
-        stacked = x.unflatten(d, (tp.size, x.shape[d] // tp.size)).movedim(d, 0).contiguous()
-        out = x.new_empty(stacked.shape[1:])
-        reduce_scatter_single(out, stacked.flatten(0, 1), group=tp.group)
-        return out
+        return _reduce_scatter_dim(x, tp, d)
 
     @staticmethod
     def backward(ctx, grad):
@@ -125,9 +187,7 @@ class _CopyToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.tp.group)
-        return grad, None
+        return _all_reduce(grad, ctx.tp), None
 
 
 class _GatherSummingGrads(torch.autograd.Function):
@@ -138,11 +198,7 @@ class _GatherSummingGrads(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        d, tp = ctx.dim, ctx.tp
-        stacked = grad.unflatten(d, (tp.size, grad.shape[d] // tp.size)).movedim(d, 0).contiguous()
-        out = grad.new_empty(stacked.shape[1:])
-        reduce_scatter_single(out, stacked.flatten(0, 1), group=tp.group)
-        return out, None, None
+        return _reduce_scatter_dim(grad, ctx.tp, ctx.dim), None, None
 
 
 def copy_to_region(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:

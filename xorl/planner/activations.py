@@ -32,11 +32,11 @@ parallel, else 1; h hidden, hq / hkv query / KV width (heads x head_dim), I inte
   a h / s (every n-th layer with activation_checkpointing_every_n_layers: n; the others keep all),
   and the backward adds one layer's no-recompute activations while it recomputes; selective keeps
   the matmul and attention outputs and the block's input: (a (2hq + 2hkv) + 4 heads) / tp
-  + a h / s + a h + (2 a I / tp + a h dense | (a E + a k h + 2 a k I_moe [+ 2 a I_shared + a h + a]) / tp MoE:
+  + 2 a h / s + (2 a I / tp + a h / s dense | (a E + a k h + 2 a k I_moe [+ 2 a I_shared + a h + a]) / tp MoE:
   the grouped GEMMs' outputs; a saved-cache census equals it, tests/test_activation_checkpointing.py);
   with selective_checkpoint: every_other_matmul less the outputs of the 2nd, 4th, ... dense matmul
-  of the block (block_matmuls: k, o and up of a Llama layer, a (hkv / tp + h + I / tp)), which
-  its recompute runs again.
+  of the block (block_matmuls: k, o and up of a Llama layer, a (hkv + h + I); under TP, where q, k, v
+  and gate, up are one op each, o alone, a h / s), which its recompute runs again.
   Microbatches in flight on pipeline rank r of p (m microbatches, v stages per rank): 1 without
   PP; 1F1B min(m, p - r); GPipe m; interleaved (v-1) p + 2 (p-1-r) + 1 chunks of layers/v
   layers (torch's warm-up count); ZBV min(m, p) (as 1F1B, per the zero-bubble-V paper).
@@ -123,44 +123,59 @@ def every_other_matmul(train) -> bool:
         getattr(train, "selective_checkpoint", "matmuls") == "every_other_matmul"
 
 
-def block_matmuls(spec, moe_layer: bool, tp: int, sp: bool) -> list[tuple[float, float, float, float]]:
-    """The dense matmuls (aten mm / addmm) of one decoder block in the order it runs them, as
-    selective_checkpoint: every_other_matmul counts them (xorl/plans/data_parallel.py): per matmul
+def block_matmuls(spec, moe_layer: bool, tp: int, sp: bool) -> list[list[tuple[float, float, float, float]]]:
+    """The dense matmuls of one decoder block in the order it runs them, grouped in the units
+    selective checkpointing keeps or recomputes whole (xorl/plans/data_parallel.py): per matmul
     (elements its output keeps per token, tokens per token, n, k): the output on this TP rank, in
-    the units of the selective terms below; the GEMM is [t x tokens, k] @ [k, n]. A row layer's
-    matmul (o, down) outputs its partial sum over all t tokens, [t, h], before the reduce(-scatter)
-    that SP shards: that is the tensor the policy keeps (h per token, not h / s; a census of a TP 2 +
-    SP run, tests/test_plan_activations.py). The experts' grouped GEMMs are not dense matmuls
-    (always kept); an MoE block runs on this TP rank's t / tp tokens."""
+    the units of the selective terms below; the GEMM is [t x tokens, k] @ [k, n]. Without TP each
+    aten mm / addmm is a unit. Under TP each TP linear is one op (xorl/nn/tp_linear_ops.py): q, k
+    and v share one (their gathered input), gate and up another, and a row layer's (o, down) kept
+    output is its reduced one, [t / tp, h] under SP (h / s per token), [t, h] without SP. The
+    experts' grouped GEMMs are not dense matmuls (always kept); an MoE block runs on this TP rank's
+    t / tp tokens, its router and shared expert as plain matmuls."""
     h, heads = spec.hidden_size, spec.num_attention_heads
-    if spec.is_mla:  # xorl/models/mla.py: q (or q_a, q_b), kv_a, kv_b, o
+    s = tp if sp else 1
+    if spec.is_mla:  # xorl/models/mla.py: q (or q_a, q_b), kv_a, kv_b, o: one GEMM per unit
         d_qk = spec.qk_nope_head_dim + spec.qk_rope_head_dim
         q = ([(heads * d_qk / tp, 1, heads * d_qk / tp, h)] if spec.q_lora_rank is None
              else [(spec.q_lora_rank, 1, spec.q_lora_rank, h), (heads * d_qk / tp, 1, heads * d_qk / tp,
                                                                 spec.q_lora_rank)])
         kv_a = spec.kv_lora_rank + spec.qk_rope_head_dim
         kv_b = heads * (spec.qk_nope_head_dim + spec.v_head_dim) / tp
-        out = q + [(kv_a, 1, kv_a, h), (kv_b, 1, kv_b, spec.kv_lora_rank), (h, 1, h, heads * spec.v_head_dim / tp)]
+        o = (h / s, 1, h, heads * spec.v_head_dim / tp)
+        units = [[g] for g in q + [(kv_a, 1, kv_a, h), (kv_b, 1, kv_b, spec.kv_lora_rank), o]]
     else:
         hq, hkv = heads * spec.head_dim / tp, spec.num_key_value_heads * spec.head_dim / tp
         widths = [hq + 2 * hkv] if getattr(spec, "merge_qkv", False) else [hq, hkv, hkv]
-        out = [(w, 1, w, h) for w in widths] + [(h, 1, h, hq)]
+        units = _tp_units([(w, 1, w, h) for w in widths], tp) + [[(h / s, 1, h, hq)]]
     if moe_layer:  # the router, then a shared expert's gate, up, down and its sigmoid gate
         shared, e = spec.shared_expert_intermediate_size, spec.num_experts
-        out.append((e / tp, 1 / tp, e, h))
+        units.append([(e / tp, 1 / tp, e, h)])
         if shared:
-            out += [(shared / tp, 1 / tp, shared, h)] * 2 + [(h / tp, 1 / tp, h, shared)]
+            units += [[(shared / tp, 1 / tp, shared, h)]] * 2 + [[(h / tp, 1 / tp, h, shared)]]
             if spec.family.shared_expert_gate:
-                out.append((1 / tp, 1 / tp, 1, h))
-        return out
+                units.append([(1 / tp, 1 / tp, 1, h)])
+        return units
     inter = spec.intermediate_size / tp
     gate_up = [2 * inter] if getattr(spec, "merge_gate_up", False) else [inter, inter]
-    return out + [(w, 1, w, h) for w in gate_up] + [(h, 1, h, inter)]
+    return units + _tp_units([(w, 1, w, h) for w in gate_up], tp) + [[(h / s, 1, h, inter)]]
+
+
+def _tp_units(gemms: list, tp: int) -> list[list]:
+    """Column layers sharing an input: one TP op under TP, one unit per matmul without."""
+    return [gemms] if tp > 1 else [[g] for g in gemms]
 
 
 def recomputed_matmuls(spec, moe_layer: bool, tp: int, sp: bool) -> list[tuple[float, float, float, float]]:
-    """The matmuls every_other_matmul recomputes: the 2nd, 4th, ... of block_matmuls."""
-    return block_matmuls(spec, moe_layer, tp, sp)[1::2]
+    """The matmuls every_other_matmul recomputes: its count runs over the block's matmuls (1, 2, 3,
+    ...) and a unit is recomputed when all of its matmuls fall on even counts (torchtitan's
+    mm_count % 2; xorl/plans/data_parallel.py)."""
+    recomputed, count = [], 0
+    for unit in block_matmuls(spec, moe_layer, tp, sp):
+        if all((count + i) % 2 == 0 for i in range(1, len(unit) + 1)):
+            recomputed += unit
+        count += len(unit)
+    return recomputed
 
 
 def selective_bytes_per_token(spec, moe_layer: bool, a: int, tp: int, sp: bool, every_other: bool = False
@@ -169,14 +184,14 @@ def selective_bytes_per_token(spec, moe_layer: bool, a: int, tp: int, sp: bool, 
     ``every_other`` (selective_checkpoint: every_other_matmul): less the recomputed matmuls' outputs."""
     h, heads = spec.hidden_size, spec.num_attention_heads
     hq, hkv = heads * spec.head_dim, spec.num_key_value_heads * spec.head_dim
-    # q, k, v, the attention's output and log-sum-exp, o_proj's matmul output (the [t, h] partial
-    # sum before the reduce-scatter under SP: block_matmuls), and the block's input, which the
-    # checkpoint keeps (the previous block's residual sum, recomputed there; a sequence shard under SP)
-    kept = (a * (2 * hq + 2 * hkv) + 4 * heads) / tp + a * h + a * h / (tp if sp else 1)
+    # q, k, v, the attention's output and log-sum-exp, o_proj's output (reduced: a sequence shard
+    # under SP, block_matmuls) and the block's input, which the checkpoint keeps (the previous
+    # block's residual sum, recomputed there)
+    kept = (a * (2 * hq + 2 * hkv) + 4 * heads) / tp + 2 * a * h / (tp if sp else 1)
     if moe_layer:
         kept += selective_moe_bytes_per_token(spec, a, tp)
-    else:  # gate, up and down_proj's matmul outputs (down's is a [t, h] partial sum, like o_proj's)
-        kept += 2 * a * spec.intermediate_size / tp + a * h
+    else:  # gate, up and down_proj's outputs
+        kept += 2 * a * spec.intermediate_size / tp + a * h / (tp if sp else 1)
     if every_other:
         kept -= a * sum(elements for elements, *_ in recomputed_matmuls(spec, moe_layer, tp, sp))
     return kept

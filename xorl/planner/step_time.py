@@ -23,7 +23,7 @@ Compute, per decoder layer and microbatch, t tokens on the rank (a = bytes per a
           time (launch_us: eager dispatch of one kernel).
   recompute  full: one more layer forward; selective (xorl's policy keeps matmul, attention and
           collective outputs): the element-wise forward again, and with selective_checkpoint:
-          every_other_matmul the matmuls it did not keep (activations.block_matmuls[1::2]); none: nothing.
+          every_other_matmul the matmuls it did not keep (activations.recomputed_matmuls); none: nothing.
   last stage  lm_head [t, V/tp, h] (vocabulary-parallel under TP) 3x, and the loss: unfused,
           F.cross_entropy on fp32 logits streams (2a + 32) bytes per logit; fused
           (model.fused_loss) about 3a bytes per logit in chunks.
@@ -244,6 +244,9 @@ def _layer(spec, moe: bool, p: ParallelConfig, c: _Cost, t: int, seq: int, sp: b
     if tp > 1:  # around attention and the MLP (MoE blocks run whole: once, before the MoE)
         kind = "all_gather" if sp else "all_reduce"
         per_pass = (2 if sp else 1) * (1 if moe else 2) * c.collective(a * t * h, tp, 1, kind)
+        if mode == "selective" and every_other:  # a recomputed row layer (o) reduces its output again
+            rows = sum(1 for _, tokens, n, _ in recomputed_matmuls(spec, moe, tp, sp) if n == h and tokens == 1)
+            exposed += rows * c.collective(a * t * h, tp, 1, "reduce_scatter" if sp else "all_reduce")
         for _ in range(passes):
             if p.tp_overlap:
                 e, s = c.overlapped(per_pass, gemm)

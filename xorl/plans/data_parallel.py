@@ -79,7 +79,8 @@ def apply_activation_checkpointing(model: nn.Module, mode: str = "full", every_n
     ``selective`` (train.selective_checkpoint): "matmuls" saves every one (no matmul is
     recomputed); "every_other_matmul" saves the 1st, 3rd, ... in the order the block runs them and
     recomputes the others (torchtitan's ``mm_count % 2``: of q, k, v, o, gate, up, down it
-    recomputes k, o and up), trading those outputs' bytes for their FLOPs.
+    recomputes k, o and up; under TP o alone, see ``_every_other_matmul_contexts``), trading those
+    outputs' bytes for their FLOPs.
     """
     from xorl._torch_compat import checkpoint_wrapper
 
@@ -116,7 +117,15 @@ def _save_ops() -> set:
     if functional is not None:
         names += [(functional, n) for n in ("reduce_scatter_tensor", "all_gather_into_tensor", "all_to_all_single")]
     # Our custom ops (xorl_kernels, xorl/nn) join xorl_kernels/checkpoint_saves.py where they are
-    # defined; an op named there but not registered is an error, not skipped.
+    # defined; an op named there but not registered is an error, not skipped. The modules defining
+    # them are imported here so the list does not depend on what the run happened to import first.
+    import xorl.nn.ep_dispatch  # noqa: F401
+    import xorl.nn.ring_attention  # noqa: F401
+    import xorl.nn.tp_linear_ops  # noqa: F401
+    import xorl.nn.tp_regions  # noqa: F401
+    import xorl.nn.ulysses_attention  # noqa: F401
+    import xorl_kernels.attention.op  # noqa: F401
+    import xorl_kernels.expert_gemm.op  # noqa: F401
     from xorl_kernels.checkpoint_saves import SELECTIVE_CHECKPOINT_SAVES
 
     ops = SELECTIVE_CHECKPOINT_SAVES.ops()
@@ -138,17 +147,27 @@ def _every_other_matmul_contexts(save_ops: set):
 
     Called by the checkpoint for every forward of the block, so the counts start at 0 in each
     block. The forward and the recompute count their own dense matmuls: both see the same ops in
-    the same order, so the recompute finds saved exactly the outputs its forward saved."""
+    the same order, so the recompute finds saved exactly the outputs its forward saved.
+
+    A tensor-parallel linear is one op (xorl/nn/tp_linear_ops.py) running one GEMM per weight (q, k
+    and v share one): it advances the count by its GEMMs, in the block's order, and is kept when
+    any of them falls on a kept position (its outputs are kept or recomputed together). Of a TP
+    Llama block's q, k, v | o | gate, up | down it recomputes o alone (torchtitan's k and up ride
+    with q/v and gate, kept)."""
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    from xorl_kernels.checkpoint_saves import SELECTIVE_CHECKPOINT_SAVES
 
     aten = torch.ops.aten
     dense = {aten.mm.default, aten.addmm.default}
     counts = {False: 0, True: 0}  # by ctx.is_recompute
 
     def policy(ctx, op, *args, **kwargs):
-        if op in dense:
-            counts[ctx.is_recompute] += 1
-            if counts[ctx.is_recompute] % 2 == 0:
+        matmuls = 1 if op in dense else SELECTIVE_CHECKPOINT_SAVES.dense_matmuls(op, args)
+        if matmuls:
+            first = counts[ctx.is_recompute] + 1
+            counts[ctx.is_recompute] += matmuls
+            if all(n % 2 == 0 for n in range(first, first + matmuls)):
                 return CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.MUST_SAVE if op in save_ops else CheckpointPolicy.PREFER_RECOMPUTE
 

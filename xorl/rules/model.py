@@ -16,7 +16,31 @@ def model_problems(m: Any) -> list[str]:
     values = field_values(m)
     values["head_dim"], values["rope_scaling"] = m.head_dim, m.rope_scaling
     fam = family(m.model_type)
-    return apply_family(values, fam) + shape_problems(values, fam)
+    problems = apply_family(values, fam) + shape_problems(values, fam)
+    if getattr(m, "model_path", None) and problems:
+        problems = [p + _as_the_folder_spells_it(p, m.model_path, fam) for p in problems]
+    return problems
+
+
+def _as_the_folder_spells_it(problem: str, folder: str, fam: Any) -> str:
+    """Where the fields a problem names come from when the folder's config.json set them, in the
+    file's own keys (Mixtral's num_experts is num_local_experts there, DeepSeek's n_routed_experts):
+    the user fixes the file, not the YAML, which may not set a field the folder defines."""
+    import os
+    import re
+
+    from xorl.model_path import HF_CONFIG_NAME, read_hf_config
+    from xorl.models.schema import FIELD
+
+    raw = read_hf_config(folder)
+    found = []
+    for name in dict.fromkeys(re.findall(r"\b([a-z_]+)=", problem)):
+        key = next((k for k in fam.hf_keys(name) if k in raw), None) if name in FIELD else None
+        if key is not None:
+            found.append(f"{key}={raw[key]}")
+    if not found:
+        return ""
+    return f" ({os.path.join(folder, HF_CONFIG_NAME)} has {', '.join(found)}: correct the folder's config.json)"
 
 
 def attention_problems(m: Any) -> list[str]:
@@ -59,4 +83,7 @@ def router_problems(m: Any) -> list[str]:
         problems.append("model.router_expert_bias=true needs an MoE model (num_experts > 0); remove it")
     if not m.router_bias_update_rate > 0:
         problems.append(f"model.router_bias_update_rate={m.router_bias_update_rate} must be > 0")
+    # A negative weight would reward imbalance (gradient descent then drives tokens onto fewer experts).
+    problems += [f"model.{n}={getattr(m, n)} must be >= 0 (0: off)"
+                 for n in ("router_aux_loss_coef", "router_z_loss_coef") if not getattr(m, n) >= 0]
     return problems

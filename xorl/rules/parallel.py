@@ -76,9 +76,10 @@ def parallel_model_problems(m: Any, p: ParallelConfig) -> list[str]:
             f"num_experts={m.num_experts}): there are no experts to distribute; set expert_parallel_size: 1"
         )
     elif p.ep > 1 and m.num_experts % p.ep:
+        sizes = [d for d in range(1, p.ep_fold + 1) if p.ep_fold % d == 0 and m.num_experts % d == 0]
         problems.append(
             f"model.num_experts={m.num_experts} must be a multiple of train.expert_parallel_size={p.ep} "
-            "(each EP rank holds the same number of experts)"
+            f"(each EP rank holds the same number of experts); use expert_parallel_size one of {sizes}"
         )
     if p.pp > 1:
         stages = p.pp * p.virtual_pipeline_stages
