@@ -97,6 +97,7 @@ def test_rows_that_train_on_nothing_are_counted_and_left_out_and_long_rows_are_c
     assert (ds.counts.rows, ds.counts.untrained_rows, ds.counts.split_rows, ds.counts.untrained_pieces) == (4, 2, 1, 1)
     report = "\n".join(ds.report())
     assert "2 of 4 rows train on no token" in report and "1 rows are longer than data.seq_len=8" in report
+    assert "sees none of the text before it: raise data.seq_len" in report  # a cut chat loses its prompt: said
     kept = [t for s in ds.sequences for t in s.input_ids.tolist() if t != tok_pad(tok)]
     # the first piece (10..17) is all prompt and is left out; the rest of the long row, then [7, 8, 9] whole
     assert kept == list(range(18, 30)) + [7, 8, 9]

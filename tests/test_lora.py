@@ -87,6 +87,7 @@ def test_adapter_loads_in_peft_and_merged_export_in_transformers(name, gloo_worl
     peft = pytest.importorskip("peft")
     model_type, targets, train = RUNS[name]
     config = tiny_config(str(tmp_path / "run"), model_type, max_steps=3, **train)
+    config.train.save_steps = 2  # a checkpoint before the last, for `xorl-export --adapter` below
     base_folder = str(tmp_path / "base")
     if model_type == "llama":
         from xorl.models.pretrained import save_pretrained
@@ -120,6 +121,25 @@ def test_adapter_loads_in_peft_and_merged_export_in_transformers(name, gloo_worl
     names = sorted(os.listdir(tmp_path / "run" / "hf"))
     assert sorted(os.listdir(cli)) == names
     assert filecmp.cmpfiles(tmp_path / "run" / "hf", cli, names, shallow=False)[0] == names
+    # `xorl-export --adapter`: the latest checkpoint's adapter is the run's own adapter folder, tensor for tensor;
+    # an earlier checkpoint's, loaded by peft, gives what transformers gives on that checkpoint's merged export.
+    from safetensors.torch import load_file
+
+    latest = str(tmp_path / "adapter_latest")
+    assert xorl_export([str(tmp_path / "run"), latest, "--adapter"]) == 0
+    ours, run = (load_file(os.path.join(folder, "adapter_model.safetensors"))
+                 for folder in (latest, tmp_path / "run" / "adapter"))
+    assert sorted(ours) == sorted(run) and all(torch.equal(ours[k], run[k]) for k in run)
+    step2 = str(tmp_path / "run" / "checkpoints" / "step_00000002")
+    assert xorl_export([step2, str(tmp_path / "adapter2"), "--adapter"]) == 0
+    assert xorl_export([step2, str(tmp_path / "merged2")]) == 0
+    hf2 = transformers.AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.float32).eval()
+    merged2 = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged2", dtype=torch.float32).eval()
+    with torch.no_grad():
+        reference = merged2(tokens).logits
+        assert rel(reference, got["logits"]) > 1e-4  # step 2 is not the last step: a different adapter
+        assert rel(peft.PeftModel.from_pretrained(hf2, str(tmp_path / "adapter2")).eval()(tokens).logits,
+                   reference) <= 1e-5
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe"])
@@ -421,3 +441,102 @@ def test_the_start_up_line_says_how_many_parameters_train():
     assert trainable < 1e4  # printed whole
     rank = LORA["rank"]
     assert f"{total / 1e6:.2f}M parameters ({trainable} trainable: LoRA rank {rank} on q_proj, down_proj)," in line
+
+
+def test_overwrite_output_dir_replaces_an_earlier_lora_run_and_its_adapter(tmp_path):
+    """A LoRA run writes output_dir/adapter; `--train.overwrite_output_dir=true` on that folder must treat
+    it as xorl's (it refused it as a foreign file before) and leave no adapter of the earlier run behind."""
+    import json
+
+    import yaml
+
+    from tests.cli_runs import write_config, xorl_train
+
+    config = write_config(tmp_path, "out", max_steps=1, save_steps=0, data_parallel_mode="none")
+    first = xorl_train(config, "--model.lora={rank: 2, target_modules: [q_proj]}", cwd=tmp_path)
+    assert first.code == 0, first.text
+    assert json.loads((tmp_path / "out" / "adapter" / "adapter_config.json").read_text())["r"] == 2
+    again = xorl_train(config, "--model.lora={rank: 4, target_modules: [v_proj]}", "--train.overwrite_output_dir=true",
+                       cwd=tmp_path)
+    assert again.code == 0, again.text
+    written = json.loads((tmp_path / "out" / "adapter" / "adapter_config.json").read_text())
+    assert (written["r"], written["target_modules"]) == (4, ["v_proj"])
+    # A full fine-tune over the LoRA run's folder: the old adapter would describe weights this run never had.
+    full = xorl_train(config, "--train.overwrite_output_dir=true", cwd=tmp_path)
+    assert full.code == 0, full.text
+    assert not (tmp_path / "out" / "adapter").exists()
+    assert yaml.safe_load((tmp_path / "out" / "config.yaml").read_text())["model"]["lora"] is None
+    from xorl.cli.export import main as xorl_export  # a checkpoint without LoRA has no adapter to export
+
+    assert xorl_export([str(tmp_path / "out"), str(tmp_path / "adapter"), "--adapter"]) == 2
+    assert not (tmp_path / "adapter").exists()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_all_linear_is_the_set_peft_resolves_on_the_transformers_model(family, tmp_path):
+    """`target_modules: all-linear` (peft's shorthand; refused before) adapts what peft's own "all-linear"
+    adapts on the transformers model of the folder, and the saved adapter_config lists those names."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from xorl.config import load_config
+    from xorl.models.pretrained import save_pretrained
+    from xorl.models.registry import build_model
+
+    config = tiny_config(str(tmp_path / "run"), family)
+    save_pretrained(build_model(config.model), str(tmp_path / "base"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    theirs = peft.get_peft_model(hf, peft.LoraConfig(r=2, target_modules="all-linear"))
+    peft_targets = {name.rpartition(".")[2] for name in theirs.peft_config["default"].target_modules}
+    for written in ("all-linear", "[all-linear]"):
+        ours = load_config(None, [f"--model.model_path={tmp_path / 'base'}",
+                                  f"--model.lora={{rank: 2, target_modules: {written}}}"])
+        validate_config(ours, 1)
+        assert set(ours.model.lora["target_modules"]) == peft_targets
+        from xorl.lora_io import adapter_config
+
+        assert set(adapter_config(ours.model.lora, None)["target_modules"]) == peft_targets
+
+
+def test_all_linear_on_an_moe_model_and_peft_s_key_names_are_refused_with_the_fix():
+    from xorl.config import load_config
+
+    moe = load_config(None, ["--model.model_type=qwen3_moe", "--model.num_experts=4", "--model.num_experts_per_tok=2",
+                             "--model.lora={rank: 2, target_modules: all-linear}"])
+    with pytest.raises(ConfigError, match=r"'all-linear' is written out for dense models only; with "
+                                          r"model_type='qwen3_moe' .* list the modules"):
+        validate_config(moe, 1)
+    message = _problems(r=4, lora_alpha=8, target_modules=["q_proj"])
+    assert "peft's LoraConfig names: lora_alpha -> alpha, r -> rank" in message
+
+
+def test_a_resume_compares_the_adapter_not_how_its_setting_is_written():
+    """Writing a default out (dropout: 0.0, alpha = rank) or the targets in another order is the same
+    adapter (it was refused as 'another architecture'); another rank, alpha or target set is not."""
+    from xorl.resume import config_changes
+
+    stored = Config()
+    stored.model.lora = {"rank": 8, "target_modules": ["q_proj", "v_proj"]}
+    stored = stored.to_dict()
+    for same in ({"rank": 8, "alpha": 8, "dropout": 0.0, "target_modules": ["v_proj", "q_proj"]},
+                 {"rank": 8, "alpha": 8.0, "init_lora_weights": True, "target_modules": ["q_proj", "v_proj"]}):
+        config = Config()
+        config.model.lora = same
+        assert [c for c in config_changes(stored, config) if c[0] == "model.lora"] == []
+    for other in ({"rank": 4, "target_modules": ["q_proj", "v_proj"]}, {"rank": 8, "alpha": 16, "target_modules":
+                  ["q_proj", "v_proj"]}, {"rank": 8, "target_modules": ["q_proj"]}, None):
+        config = Config()
+        config.model.lora = other
+        assert [c[0] for c in config_changes(stored, config) if c[0] == "model.lora"] == ["model.lora"]
+
+
+def test_the_adapter_names_its_base_folder_by_an_absolute_path(tmp_path, monkeypatch):
+    """peft's AutoPeftModelForCausalLM loads the base from base_model_name_or_path; a model_path given
+    relative to the training's cwd (it was written as given) would be looked up on the hub elsewhere."""
+    from xorl.lora_io import adapter_config
+
+    (tmp_path / "models" / "base").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    lora = {"rank": 2, "target_modules": ["q_proj"]}
+    assert adapter_config(lora, "models/base")["base_model_name_or_path"] == str(tmp_path / "models" / "base")
+    assert adapter_config(lora, "org/hub-name")["base_model_name_or_path"] == "org/hub-name"  # not a folder here
+    assert adapter_config(lora, None)["base_model_name_or_path"] is None

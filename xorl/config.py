@@ -270,6 +270,10 @@ def load_config(path: str | None = None, overrides: list[str] | None = None) -> 
         from xorl.model_path import apply_model_path
 
         problems += apply_model_path(config)
+    if not problems and config.model.lora:  # peft's target_modules "all-linear", once the family is known
+        from xorl.nn.lora import expand_all_linear
+
+        config.model.lora = expand_all_linear(config.model.lora, config.model.num_experts)
     if problems:
         raise ConfigError(problems)
     return config

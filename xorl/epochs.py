@@ -40,14 +40,16 @@ def epoch_metrics(consumed: int, data_sequences: int) -> dict[str, float]:
     return {"epoch": (max(consumed, 1) - 1) // data_sequences + 1, "data_seen": consumed / data_sequences}
 
 
-def load_counted_dataset(config: Any):
+def load_counted_dataset(config: Any, part: str = "train"):
     """The packed in-memory dataset of ``config`` (what the trainer trains on), its errors as ConfigError
     (one message, no traceback: this runs before start-up)."""
     from xorl.data.loader import PackedDataset
 
     try:
-        return PackedDataset(config.data, vocab_size=config.model.vocab_size)
+        return PackedDataset(config.data, vocab_size=config.model.vocab_size, part=part)
     except ValueError as e:  # DataError (a file:line), or a tokenizer larger than the model's vocabulary
+        if config.train.num_epochs is None or part == "eval":  # read before start-up: the row's own message
+            raise ConfigError(str(e)) from None
         raise ConfigError(f"train.num_epochs: counting the packed sequences of data.dataset="
                           f"{config.data.dataset!r}: {e}") from None
 

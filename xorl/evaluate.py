@@ -38,8 +38,11 @@ def _empty_sequence(seq_len: int, pad_id: int) -> PackedSequence:
 
 
 class Evaluator:
-    def __init__(self, config, state, pad_id: int):
-        self.dataset = PackedDataset(config.data, vocab_size=config.model.vocab_size, part="eval")
+    def __init__(self, config, state, pad_id: int, dataset: PackedDataset | None = None):
+        # ``dataset``: the eval set prepare_run read before start-up (xorl/preflight.py), else read here
+        if dataset is None:
+            dataset = PackedDataset(config.data, vocab_size=config.model.vocab_size, part="eval")
+        self.dataset = dataset
         data, train = config.data, config.train
         self.every, self.last_step = train.eval_steps, train.max_steps
         self.mbs, self.ga = data.micro_batch_size, train.gradient_accumulation_steps

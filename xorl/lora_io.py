@@ -28,8 +28,8 @@ from torch.distributed.tensor import DTensor
 from xorl.export import _swap_into_place
 from xorl.models.param_names import clean_name
 from xorl.nn.lora import is_adapter_name
+from xorl.run_dir import ADAPTER_DIR  # noqa: F401 - in the run folder: the adapter of the latest checkpoint
 
-ADAPTER_DIR = "adapter"  # in the run folder: the adapter of the latest checkpoint
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
@@ -85,6 +85,8 @@ def adapter_config(lora: dict, model_path: str | None) -> dict:
     """peft's LoraConfig fields for ``model.lora`` (what ``PeftConfig.from_pretrained`` reads)."""
     rank = int(lora["rank"])
     experts = "experts" in lora["target_modules"]
+    if model_path and os.path.isdir(model_path):  # peft's AutoPeftModel loads the base from here, from any cwd
+        model_path = os.path.abspath(model_path)
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": model_path,
         "r": rank, "lora_alpha": float(lora.get("alpha", rank)), "lora_dropout": float(lora.get("dropout", 0.0)),
@@ -98,11 +100,35 @@ def adapter_config(lora: dict, model_path: str | None) -> dict:
 
 def save_adapter(parts: list[nn.Module], model_config, folder: str, pp_group=None) -> None:
     """Write the adapter of ``parts`` to ``folder`` in peft's format (collective; rank 0 writes)."""
-    from safetensors.torch import save_file
-
     state = adapter_state_dict(parts, pp_group)
     if dist.is_initialized() and dist.get_rank() != 0:
         return
+    write_adapter(state, model_config, folder)
+
+
+def export_adapter(checkpoint: str, folder: str, model_config) -> int:
+    """The adapter of a DCP checkpoint (any step, not only the run's latest in output_dir/adapter) in peft's
+    format, one process, tensor by tensor (``xorl-export --adapter``); returns how many tensors."""
+    from xorl.export import CheckpointTensors
+
+    source = CheckpointTensors(checkpoint)  # no model_config: the base weights are not merged or read
+    # The model's tensors are stored under "model." (xorl/checkpoint.py; xorl/export.py reads them the same way).
+    keys = [key for key in source.metadata.state_dict_metadata if key.startswith("model.") and is_adapter_name(key)]
+    if not keys:
+        raise ValueError(f"{checkpoint} holds no LoRA adapter (model.lora was not set): export the model without "
+                         "--adapter")
+    state = {}
+    for key in keys:
+        name = key.removeprefix("model.")
+        state[peft_key(name)] = peft_tensor(name, source.get(key).to(torch.float32)).contiguous()
+    write_adapter(state, model_config, folder)
+    return len(state)
+
+
+def write_adapter(state: dict[str, torch.Tensor], model_config, folder: str) -> None:
+    """adapter_model.safetensors + adapter_config.json into ``folder``, atomically (``.partial``, renamed)."""
+    from safetensors.torch import save_file
+
     folder = os.path.normpath(folder)
     partial = folder + ".partial"
     shutil.rmtree(partial, ignore_errors=True)

@@ -49,8 +49,9 @@ class RunPlan:
     finished: bool = False  # the checkpoint is at max_steps: nothing to train
     discard_later: bool = False  # rank 0 moves the checkpoints after ``resume`` aside (train.discard_later)
     notes: list[str] = field(default_factory=list)  # what the user should know; rank 0 prints them
-    # train.num_epochs: the packed data, counted here to derive max_steps; the trainer trains on it (read once).
+    # The packed in-memory data (not data.streaming), read before start-up; the trainer trains on it (read once).
     dataset: Any = None
+    eval_dataset: Any = None  # the eval set (train.eval_steps), read before start-up too; xorl/evaluate.py
 
 
 def prepare_run(config: Any, world_size: int) -> RunPlan:
@@ -69,16 +70,23 @@ def prepare_run(config: Any, world_size: int) -> RunPlan:
     except ConfigError as e:
         problems += e.problems
     plan = RunPlan()
-    if config.train.num_epochs is not None and not problems:
+    if (config.train.num_epochs is not None or not config.data.streaming) and not problems:
+        # In-memory data is read here, before any process group: a bad row is one message up front (and
+        # `--check` finds it), and num_epochs derives max_steps from its length; the trainer trains on it.
         try:
-            plan.dataset = load_counted_dataset(config)  # max_steps from the data's length (xorl/epochs.py)
+            plan.dataset = load_counted_dataset(config)
+        except ConfigError as e:
+            problems += e.problems
+    if config.train.eval_steps and not problems:
+        try:
+            plan.eval_dataset = load_counted_dataset(config, part="eval")
         except ConfigError as e:
             problems += e.problems
     try:
         problems += _plan_run_dir(config, world_size, plan)  # derives max_steps when it resumes
     except ConfigError as e:  # e.g. sizes that do not fit world_size, already listed above
         problems += [p for p in e.problems if p not in problems]
-    if plan.dataset is not None and plan.resume is None and not problems:
+    if config.train.num_epochs is not None and plan.dataset is not None and plan.resume is None and not problems:
         problems += _resolve_epochs(config, world_size, plan)
     if config.train.warmup_steps > config.train.max_steps:  # xorl/optim.py's lr_factor cuts it
         plan.notes.append(f"train.warmup_steps={config.train.warmup_steps} is more than train.max_steps="
@@ -167,7 +175,7 @@ def _plan_run_dir(config: Any, world_size: int, plan: RunPlan) -> list[str]:
         return e.problems
     except (KeyError, TypeError, ValueError) as e:
         return [f"checkpoint {checkpoint}: {run_dir.TRAINER_STATE_NAME} lacks or garbles {e}"]
-    if plan.dataset is not None:  # the steps the epochs still need, at this run's global batch
+    if config.train.num_epochs is not None and plan.dataset is not None:  # the steps the epochs still need
         problems += _resolve_epochs(config, world_size, plan, step, consumed)
         if problems:
             return problems

@@ -42,9 +42,16 @@ def config_changes(stored: dict[str, Any], config: Any) -> list[tuple[str, Any, 
         old_values = stored.get(section) or {}
         for key, value in values.items():
             name = f"{section}.{key}"
-            if name not in NOT_COMPARED and key in old_values and old_values[key] != value:
+            if name not in NOT_COMPARED and key in old_values and old_values[key] != value \
+                    and not (name == "model.lora" and _same_adapter(old_values[key], value)):
                 changes.append((name, old_values[key], value))
     return changes
+
+
+def _same_adapter(old: Any, new: Any) -> bool:
+    from xorl.nn.lora import adapter_identity
+
+    return adapter_identity(old) == adapter_identity(new)
 
 
 def _kind(name: str) -> str:

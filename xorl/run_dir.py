@@ -39,11 +39,12 @@ LOCK_NAME = ".lock"  # xorl/run_lock.py
 DISCARDED_DIR = "discarded"  # checkpoints moved aside by train.discard_later
 TENSORBOARD_DIR, WANDB_DIR = "tensorboard", "wandb"
 PROFILE_DIR, MEMORY_SNAPSHOT_DIR = "profile", "memory_snapshot"
+ADAPTER_DIR = "adapter"  # a LoRA run's adapter in peft's format (xorl/lora_io.py), written as adapter.partial
 # Everything xorl may write into an output_dir; overwrite_output_dir removes only these.
 # What xorl writes into output_dir (export: hf, written as hf.partial, the previous one moved aside).
 XORL_ENTRIES = frozenset({CONFIG_NAME, METRICS_NAME, PLOT_NAME, CHECKPOINTS_DIR, TENSORBOARD_DIR, WANDB_DIR,
                           PROFILE_DIR, MEMORY_SNAPSHOT_DIR, "hf", "hf.partial", "hf.old", "startup.json",
-                          "export.json"})
+                          "export.json", ADAPTER_DIR, ADAPTER_DIR + ".partial", ADAPTER_DIR + ".old"})
 
 
 def checkpoint_root(output_dir: str) -> str:

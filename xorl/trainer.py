@@ -143,7 +143,7 @@ class Trainer:
                                          config.train.gradient_accumulation_steps, self.state.dp_rank,
                                          self.state.dp_size, vocab_size=config.model.vocab_size)
         else:
-            dataset = self.plan.dataset  # packed by prepare_run when it counted the data (train.num_epochs)
+            dataset = self.plan.dataset  # packed by prepare_run, before start-up (xorl/preflight.py)
             if dataset is None:
                 dataset = PackedDataset(config.data, vocab_size=config.model.vocab_size)
             self.tokenizer = dataset.tokenizer
@@ -152,7 +152,8 @@ class Trainer:
                 dp_rank=self.state.dp_rank, dp_size=self.state.dp_size,
             )
         # Validation (xorl/evaluate.py): the eval set, evaluated every train.eval_steps.
-        self.evaluator = Evaluator(config, self.state, self.tokenizer.pad_id) if config.train.eval_steps else None
+        self.evaluator = Evaluator(config, self.state, self.tokenizer.pad_id, self.plan.eval_dataset) \
+            if config.train.eval_steps else None
         self.step = 0
         self.elapsed_offset_s = 0.0  # training time before this start (metrics' ``time`` is cumulative)
         self._clock: float | None = None

@@ -102,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="cast floating-point weights (default: as saved, fp32 master weights)")
     parser.add_argument("--config", help="the run's YAML, for a checkpoint without model_config.json")
     parser.add_argument("--report", metavar="JSON", help="also write the export's peak host memory and time here")
+    parser.add_argument("--adapter", action="store_true",
+                        help="a LoRA checkpoint's adapter alone, in peft's format (adapter_config.json + "
+                             "adapter_model.safetensors), instead of the merged model")
     args = parser.parse_args(argv)
     try:
         max_shard_bytes = parse_size(args.max_shard_size)
@@ -110,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ExportError(f"OUT_DIR={args.out_dir!r} exists: give a new folder (an export never overwrites one)")
         model_config = model_config_for(checkpoint, args.config)
         _check_layout(checkpoint, model_config)
+        if args.adapter and not model_config.lora:
+            raise ExportError(f"--adapter: {checkpoint} was trained without model.lora, so it has no adapter; "
+                              "export the model without --adapter")
         _check_exportable(model_config)
     except (ExportError, ValueError) as err:  # ConfigError is a ValueError
         print(f"xorl-export: {err}", file=sys.stderr)
@@ -120,6 +126,15 @@ def main(argv: list[str] | None = None) -> int:
 
     if os.path.isdir(args.out_dir):
         os.rmdir(args.out_dir)  # empty (checked above): the export moves a complete folder here
+    if args.adapter:
+        from xorl.lora_io import export_adapter
+
+        try:
+            export_adapter(checkpoint, args.out_dir, model_config)
+        except ValueError as err:
+            print(f"xorl-export: {err}", file=sys.stderr)
+            return 2
+        return 0
     dtype = getattr(torch, args.dtype) if args.dtype else None
     export_checkpoint(checkpoint, args.out_dir, model_config, max_shard_bytes=max_shard_bytes, dtype=dtype,
                       report_path=args.report)

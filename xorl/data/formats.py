@@ -67,7 +67,7 @@ class RowEncoder:
                 raise DataError(
                     f"{where}: data.format auto cannot tell this row's format (keys: {keys}); rows need "
                     f"{self.text_key!r} (text, data.text_key), 'messages', 'prompt' + 'completion' or 'input_ids', "
-                    "or set data.format")
+                    f"or set data.format{_other_trainers_rows(row)}")
             self.format, self.chosen_from = fmt, str(where)
             if fmt == "messages":
                 self._chat = ChatRenderer(getattr(self.tokenizer, "hf", None), self.tokenizer_name)
@@ -98,7 +98,7 @@ class RowEncoder:
         if missing:
             how = " (detected from the first row)" if self.chosen_from else ""
             raise DataError(f"{where}: no key {missing[0]!r} (keys: {sorted(row)}); data.format is "
-                            f"{self.format}{how}")
+                            f"{self.format}{how}{_other_trainers_rows(row)}")
 
     def _text(self, row, where) -> Document:
         return self.tokenizer.encode(text_of(row, self.text_key, where)), None
@@ -112,12 +112,26 @@ class RowEncoder:
 
     def _prompt_completion(self, row, where) -> Document:
         self._need(row, where, ("prompt", "completion"))
+        if isinstance(row["prompt"], list) and isinstance(row["completion"], list):  # TRL's conversational form
+            return self._conversational(row, where)
         prompt = self.tokenizer.encode(_string(row["prompt"], f"{where}: 'prompt'"), add_eos=False)
-        completion = self.tokenizer.encode(_string(row["completion"], f"{where}: 'completion'"))
+        completion = self.tokenizer.encode(_string(row["completion"], f"{where}: 'completion'"), add_bos=False)
         ids = prompt + completion
         if not self.assistant_only:
             return ids, None
         return ids, [IGNORE_INDEX] * len(prompt) + completion
+
+    def _conversational(self, row, where) -> Document:
+        """``{"prompt": [messages], "completion": [messages]}``, rendered with the chat template; the loss on
+        the completion (after the prompt's generation prompt), as TRL's conversational prompt-completion."""
+        if self._chat is None:
+            self._chat = ChatRenderer(getattr(self.tokenizer, "hf", None), self.tokenizer_name)
+        prompt = check_messages(row["prompt"], where, "prompt")
+        completion = check_messages(row["completion"], where, "completion")
+        ids, mask = self._chat.encode_completion(prompt, completion, where, self.assistant_only)
+        if mask is None:
+            return ids, None
+        return ids, [t if m else IGNORE_INDEX for t, m in zip(ids, mask)]
 
     def _input_ids(self, row, where) -> Document:
         self._need(row, where, ("input_ids",))
@@ -134,6 +148,21 @@ class RowEncoder:
             raise DataError(f"{where}: 'labels' has {len(labels)} entries and 'input_ids' {len(ids)}; they must "
                             "be aligned (Hugging Face's convention: -100 where a token is not a target)")
         return ids, labels
+
+
+def _other_trainers_rows(row) -> str:
+    """How to give xorl the row shapes other trainers read (axolotl's alpaca and ShareGPT types), which
+    xorl does not guess: both would need a prompt wording or a role mapping xorl would make up."""
+    if not isinstance(row, dict):
+        return ""
+    if "instruction" in row and "output" in row:
+        return ("; these are alpaca rows (instruction / input / output): write each as 'prompt' (the "
+                "instruction, and the input if any, in the prompt wording you want) + 'completion' (the output), "
+                "or as 'messages' [{'role': 'user', ...}, {'role': 'assistant', ...}] for the chat template")
+    if isinstance(row.get("conversations"), list):
+        return ("; these are ShareGPT rows ('conversations' of {'from', 'value'}): write them as 'messages' of "
+                "{'role', 'content'} ('human' -> 'user', 'gpt' -> 'assistant', 'system' stays)")
+    return ""
 
 
 def _int_list(value, where: str) -> list[int]:

@@ -74,7 +74,10 @@ def _rows(dataset, name: str) -> Iterator[tuple[dict, str]]:
 
 
 def saved_dataset_rows(path: str, split: str | None, default: str = "train") -> Iterator[tuple[dict, str]]:
-    yield from _rows(load(path, split, default=default), f"{path}[{split}]" if split else path)
+    # A DatasetDict's rows are named with the split read, also the default one: the train and eval data of
+    # one folder must not both read "folder row 0" in the log and in errors.
+    is_dict = os.path.isfile(os.path.join(path, "dataset_dict.json"))
+    yield from _rows(load(path, split, default=default), f"{path}[{split or default}]" if split or is_dict else path)
 
 
 def file_rows(path: str) -> Iterator[tuple[dict, str]]:

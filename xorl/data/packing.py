@@ -55,7 +55,8 @@ class DataCounts:
                          "and are left out")
         if self.split_rows:
             parts.append(f"{self.split_rows} rows are longer than data.seq_len={seq_len} and are cut into pieces of "
-                         f"seq_len tokens (positions restart in each piece)"
+                         "seq_len tokens (positions restart in each piece, which sees none of the text before it: "
+                         "raise data.seq_len to keep them whole)"
                          + (f", {self.untrained_pieces} pieces with no trained token left out"
                             if self.untrained_pieces else ""))
         return "; ".join(parts) or None

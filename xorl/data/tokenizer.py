@@ -22,7 +22,9 @@ class ByteTokenizer:
         self.pad_id = 258
         self.vocab_size = 259
 
-    def encode(self, text: str, add_eos: bool = True) -> list[int]:
+    bos_ids: list[int] = []  # a document is its bytes and the end-of-text token, nothing before them
+
+    def encode(self, text: str, add_eos: bool = True, add_bos: bool = True) -> list[int]:
         ids = list(text.encode("utf-8"))
         return ids + [self.eos_id] if add_eos else ids
 
@@ -72,6 +74,22 @@ class HFTokenizer:
         if pad is None:
             pad = config_ids.get("pad_token_id")
         self.pad_id = self.eos_id if pad is None else int(pad)
+        self.bos_ids = self._leading_specials()
+
+    def _raw(self, text: str, special: bool) -> list[int]:
+        if self._hf is not None:
+            return list(self._hf.encode(text, add_special_tokens=special))
+        return self._tok.encode(text, add_special_tokens=special).ids
+
+    def _leading_specials(self) -> list[int]:
+        """The tokens the tokenizer itself puts before a text (Llama 3's <|begin_of_text|>, Mistral's <s>;
+        none for Qwen): a document starts with them, as ``tokenizer(text)`` and so inference start it.
+        Read from the tokenizer's own post-processing of a probe text, not from a list of names."""
+        plain, full = self._raw("a", False), self._raw("a", True)
+        for start in range(len(full) - len(plain) + 1):
+            if full[start:start + len(plain)] == plain:
+                return full[:start]
+        return []
 
     @property
     def hf(self):
@@ -85,12 +103,13 @@ class HFTokenizer:
                 return idx
         return None
 
-    def encode(self, text: str, add_eos: bool = True) -> list[int]:
-        if self._hf is not None:
-            ids = self._hf.encode(text, add_special_tokens=False)
-        else:
-            ids = self._tok.encode(text, add_special_tokens=False).ids
-        return ids + [self.eos_id] if add_eos else ids
+    def encode(self, text: str, add_eos: bool = True, add_bos: bool = True) -> list[int]:
+        """A document's ids: the tokenizer's leading special tokens (``add_bos``; not twice when the text
+        already starts with them, e.g. a pre-rendered chat), the text's, then end-of-text (``add_eos``).
+        A completion that continues a prompt passes add_bos=False."""
+        ids = self._raw(text, False)
+        bos = self.bos_ids if add_bos and ids[:len(self.bos_ids)] != self.bos_ids else []
+        return bos + ids + ([self.eos_id] if add_eos else [])
 
     def decode(self, ids) -> str:
         if self._hf is not None:

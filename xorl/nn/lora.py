@@ -38,6 +38,18 @@ ADAPTER_NAMES = ("lora_A", "lora_B")
 # against peft by tests/test_lora.py. A new MoE family is refused until it is added here and there.
 EXPERT_LORA_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe")
 LORA_KEYS = ("rank", "alpha", "dropout", "target_modules", "init_lora_weights")
+# peft's shorthand for "every nn.Linear but the output layer": on a dense family exactly LINEAR_TARGETS
+# (tests/test_lora.py resolves it with peft); on an MoE family peft's set depends on how transformers
+# builds its router and shared experts, so there it is refused and the names must be listed.
+ALL_LINEAR = "all-linear"
+
+
+def expand_all_linear(lora: dict | None, num_experts: int) -> dict | None:
+    """``model.lora`` with ``target_modules: all-linear`` (or ``[all-linear]``) written out as the dense
+    projections on a dense model; anything else unchanged (xorl/rules/lora.py judges it)."""
+    if not lora or num_experts or lora.get("target_modules") not in (ALL_LINEAR, [ALL_LINEAR]):
+        return lora
+    return {**lora, "target_modules": list(LINEAR_TARGETS)}
 
 
 @dataclass(frozen=True)
@@ -61,6 +73,18 @@ def lora_spec(lora: dict | None, module_name: str) -> LoRASpec | None:
         return None
     return LoRASpec(int(lora["rank"]), float(lora.get("alpha", lora["rank"])), float(lora.get("dropout", 0.0)),
                     bool(lora.get("init_lora_weights", True)))
+
+
+def adapter_identity(lora: dict | None) -> tuple | None:
+    """What ``model.lora`` builds and trains, with its defaults filled and its targets as a set: two
+    settings with the same identity are the same adapter (a resume compares these, so writing
+    ``dropout: 0.0`` or listing the targets in another order is not a change)."""
+    if not isinstance(lora, dict):
+        return lora
+    targets = lora.get("target_modules")
+    return (lora.get("rank"), float(lora.get("alpha", lora.get("rank") or 0)), float(lora.get("dropout", 0.0)),
+            bool(lora.get("init_lora_weights", True)),
+            frozenset(targets) if isinstance(targets, list) else targets)
 
 
 def is_adapter_name(name: str) -> bool:

@@ -4,18 +4,23 @@ from __future__ import annotations
 
 from typing import Any
 
+# peft's LoraConfig field -> model.lora key (a user's adapter_config habits, named in the refusal).
+PEFT_KEYS = {"r": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout"}
+
 
 def lora_problems(m: Any, t: Any) -> list[str]:
     """model.lora: {rank >= 1, alpha > 0, dropout in [0, 1), target_modules: the family's projections}."""
     lora = m.lora
     if lora is None:
         return []
-    from xorl.nn.lora import EXPERT_LORA_FAMILIES, LINEAR_TARGETS, LORA_KEYS
+    from xorl.nn.lora import ALL_LINEAR, EXPERT_LORA_FAMILIES, LINEAR_TARGETS, LORA_KEYS
 
     unknown = sorted(set(lora) - set(LORA_KEYS))
     if unknown or "rank" not in lora or "target_modules" not in lora:
+        peft_names = [f"{k} -> {PEFT_KEYS[k]}" for k in unknown if k in PEFT_KEYS]
         return [f"model.lora={lora!r}: give rank and target_modules (alpha, dropout, init_lora_weights optional)"
-                + (f"; unknown keys {unknown}, the keys are {list(LORA_KEYS)}" if unknown else "")]
+                + (f"; unknown keys {unknown}, the keys are {list(LORA_KEYS)}" if unknown else "")
+                + (f" (peft's LoraConfig names: {', '.join(peft_names)})" if peft_names else "")]
     problems = []
     rank, alpha, dropout = lora["rank"], lora.get("alpha", lora["rank"]), lora.get("dropout", 0.0)
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
@@ -33,6 +38,10 @@ def lora_problems(m: Any, t: Any) -> list[str]:
                            "(xorl/models/mla.py) are not supported yet; fine-tune it without model.lora"]
     targets = lora["target_modules"]
     valid = list(LINEAR_TARGETS) + (["experts"] if m.num_experts else [])
+    if targets in (ALL_LINEAR, [ALL_LINEAR]):  # left by expand_all_linear on an MoE model
+        return problems + [f"model.lora.target_modules={targets!r}: peft's 'all-linear' is written out for dense "
+                           f"models only; with model_type={m.model_type!r} (an MoE model) list the modules, "
+                           f"from {valid} (e.g. [q_proj, k_proj, v_proj, o_proj, experts])"]
     if not isinstance(targets, list) or not targets or not all(isinstance(x, str) for x in targets):
         return problems + [f"model.lora.target_modules={targets!r}: give a non-empty list of module names from "
                            f"{valid}"]
