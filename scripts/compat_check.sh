@@ -13,10 +13,11 @@
 # "not slow and not gpu"), e.g. `bash scripts/compat_check.sh tests/test_fp8.py -m "not gpu"`.
 # Last checked 2026-11-25: torch 2.11.0+cu130, triton 3.6.0, transformers 5.17.0, numpy 2.3.5,
 # torchao 0.18.0 on Python 3.11 (the image's numpy 2.5 needs Python 3.12). Quick tier: 954 passed,
-# 1 xfailed under both. Known under torch 2.11, left as is: the split-backward pipeline schedule
-# (ZBVZeroBubble) fails (gloo self-pair at warm-up, freed Python autograd nodes in the weight pass,
-# the fused loss's replay with a copied gradient; with all three worked around its step-2 loss is
-# still off by ~2e-5 where torch 2.13's matches to 1e-10), e.g. tests/test_tied_pipeline.py[zbv pp2].
+# 1 xfailed under both. Under torch 2.11 the split-backward pipeline schedules (ZBVZeroBubble) fail
+# (gloo self-pair at warm-up, freed Python autograd nodes in the weight pass, the fused loss's replay
+# with a copied gradient; with all three worked around its step-2 loss is still off by ~2e-5 where
+# torch 2.13's matches to 1e-10): xorl/rules/train.py refuses them below torch 2.13 and the tests
+# that run them skip there (tests/conftest.py, marker zero_bubble).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 say() { echo "xorl compat: $*" >&2; }

@@ -27,12 +27,33 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gloo_world" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
+    from xorl.rules.train import SPLIT_BACKWARD_TORCH, installed_torch, installed_torch_text
+
+    if installed_torch() < SPLIT_BACKWARD_TORCH:  # the rules refuse zero-bubble schedules there
+        old_torch = pytest.mark.skip(reason=f"zero-bubble schedules are refused on torch {installed_torch_text()}")
+        for item in items:
+            params = getattr(getattr(item, "callspec", None), "params", {})
+            if "zero_bubble" in item.keywords or _names_a_zero_bubble_schedule(list(params.values())):
+                item.add_marker(old_torch)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _names_a_zero_bubble_schedule(value) -> bool:
+    """Whether a test's parameters (a layout's train dict, CLI overrides) name a zero-bubble schedule."""
+    from xorl.distributed.parallel_config import PIPELINE_SCHEDULES
+
+    if isinstance(value, str):
+        return any(name in value for name, info in PIPELINE_SCHEDULES.items() if info.split_backward)
+    if isinstance(value, dict):
+        return _names_a_zero_bubble_schedule(list(value.values()))
+    if isinstance(value, (list, tuple)):
+        return any(_names_a_zero_bubble_schedule(v) for v in value)
+    return False
 
 
 # How long before pytest-timeout fires the harness gives up on a call: enough to kill the ranks

@@ -36,3 +36,27 @@ def test_cpu_scaled_mm_row_scales_match_the_formula_either_way():
     out = _scaled_mm(qa, qb.t(), sa, sb, torch.float32)
     ref = (qa.double() * sa.double()) @ (qb.double() * sb.double().t()).t()
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-6
+
+
+def test_zero_bubble_schedules_are_refused_on_a_torch_that_breaks_them(monkeypatch):
+    """torch 2.11's zero-bubble weight pass crashes on xorl's custom ops and trains off one process
+    (xorl/rules/train.py): refused up front there, naming the schedule, the torch and the fix;
+    accepted from 2.13. The installed version is read from package metadata (faked here)."""
+    import pytest
+
+    import xorl.rules.train as rules
+    from xorl.config import ConfigError, load_config, validate_config
+
+    config = load_config(None, ["--train.pipeline_parallel_size=2", "--train.gradient_accumulation_steps=2",
+                                "--train.pipeline_parallel_schedule=ZBVZeroBubble", "--train.virtual_pipeline_stages=2",
+                                "--model.num_hidden_layers=4"])
+    monkeypatch.setattr(rules, "installed_torch_text", lambda: "2.11.0+cu130")
+    with pytest.raises(ConfigError, match=r"pipeline_parallel_schedule: ZBVZeroBubble with torch 2.11.0\+cu130.*"
+                                          r"use 1F1B or Interleaved1F1B"):
+        validate_config(config, 2)
+    monkeypatch.setattr(rules, "installed_torch_text", lambda: "2.13.0+cpu")
+    validate_config(config, 2)
+    one_f_one_b = load_config(None, ["--train.pipeline_parallel_size=2", "--train.gradient_accumulation_steps=2",
+                                     "--model.num_hidden_layers=4"])
+    monkeypatch.setattr(rules, "installed_torch_text", lambda: "2.11.0+cu130")
+    validate_config(one_f_one_b, 2)

@@ -13,6 +13,28 @@ from typing import Any
 from xorl.distributed.parallel_config import PIPELINE_SCHEDULES
 from xorl.rules.common import at_least
 
+# Zero-bubble schedules (ZBVZeroBubble, InterleavedZeroBubble) split each block's backward into an
+# input pass and a later weight pass. Under torch 2.11 (the GPU image's) that weight pass crashes on
+# xorl's custom ops ('_input_metadata' is invalid: their backward nodes are freed in between) and,
+# patched past that, trains 1.9e-5 off one process where 2.13 matches to 1e-10 (2.13 guards a
+# double-counted gradient there). Read from the package metadata: the rules do not import torch.
+SPLIT_BACKWARD_TORCH = (2, 13)
+
+
+def installed_torch_text() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torch")
+    except PackageNotFoundError:
+        return "0"
+
+
+def installed_torch() -> tuple[int, int]:
+    """(major, minor) of the installed torch, from its package metadata."""
+    parts = installed_torch_text().split("+")[0].split(".")
+    return tuple(int(p) if p.isdigit() else 0 for p in (parts + ["0", "0"])[:2])
+
 
 def train_problems(t: Any) -> list[str]:
     problems = at_least("train", t, 0, "warmup_steps", "save_steps")
@@ -60,6 +82,15 @@ def train_problems(t: Any) -> list[str]:
             "zero-bubble schedules run each microbatch's weight gradients in a later pass that needs the stage's "
             "parameters still gathered; use fsdp_reshard_after_forward: default (or never), or the 1F1B / "
             "Interleaved1F1B schedule"
+        )
+    if t.pipeline_parallel_size > 1 and \
+            getattr(PIPELINE_SCHEDULES.get(t.pipeline_parallel_schedule), "split_backward", False) and \
+            installed_torch() < SPLIT_BACKWARD_TORCH:
+        problems.append(
+            f"train.pipeline_parallel_schedule: {t.pipeline_parallel_schedule} with torch {installed_torch_text()}: "
+            "its zero-bubble weight pass frees the backward nodes of xorl's custom ops after the input pass "
+            "(and hands the loss a copy of its gradient), verified to train like one process from torch "
+            f"{'.'.join(map(str, SPLIT_BACKWARD_TORCH))}; use 1F1B or Interleaved1F1B, or a newer torch"
         )
     if t.fsdp_reshard_after_forward != "default" and t.data_parallel_mode != "fsdp2":
         problems.append(
