@@ -529,6 +529,23 @@ def test_a_resume_compares_the_adapter_not_how_its_setting_is_written():
         assert [c[0] for c in config_changes(stored, config) if c[0] == "model.lora"] == ["model.lora"]
 
 
+def test_a_resume_applies_another_lora_dropout_and_refuses_another_adapter():
+    """Dropout is a training knob, not what the adapter's weights mean: a resume with another dropout
+    goes on with it (a note says so); another rank, alpha or target set is refused as another model."""
+    from xorl.resume import check_resume
+
+    stored = Config()
+    stored.model.lora = {"rank": 8, "dropout": 0.1, "target_modules": ["q_proj", "v_proj"]}
+    stored = stored.to_dict()
+    config = Config()
+    config.model.lora = {"rank": 8, "dropout": 0.0, "init_lora_weights": False, "target_modules": ["q_proj", "v_proj"]}
+    problems, notes, _ = check_resume(config, stored, "ckpt", 3)
+    assert problems == [] and any("model.lora" in note and "'dropout': 0.0" in note for note in notes), notes
+    config.model.lora = {"rank": 8, "alpha": 16, "dropout": 0.1, "target_modules": ["q_proj", "v_proj"]}
+    problems, _, _ = check_resume(config, stored, "ckpt", 3)
+    assert len(problems) == 1 and "cannot resume ckpt with model.lora" in problems[0] and "architecture" in problems[0]
+
+
 def test_the_adapter_names_its_base_folder_by_an_absolute_path(tmp_path, monkeypatch):
     """peft's AutoPeftModelForCausalLM loads the base from base_model_name_or_path; a model_path given
     relative to the training's cwd (it was written as given) would be looked up on the hub elsewhere."""

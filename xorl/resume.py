@@ -54,7 +54,11 @@ def _same_adapter(old: Any, new: Any) -> bool:
     return adapter_identity(old) == adapter_identity(new)
 
 
-def _kind(name: str) -> str:
+def _kind(name: str, old: Any = None, new: Any = None) -> str:
+    if name == "model.lora":  # another dropout (or init, which the loaded weights replace) trains on
+        from xorl.nn.lora import adapter_architecture
+
+        return "applied" if adapter_architecture(old) == adapter_architecture(new) else "fixed"
     section, key = name.split(".")
     if section == "train" and key in HPARAM_FIELDS:
         return "hparam"
@@ -75,7 +79,7 @@ def check_resume(config: Any, stored: dict[str, Any], checkpoint: str, step: int
     changes = config_changes(stored, config)
     by_kind: dict[str, list] = {"hparam": [], "fixed": [], "applied": []}
     for change in changes:
-        by_kind[_kind(change[0])].append(change)
+        by_kind[_kind(*change)].append(change)
     problems, notes = [], []
     for name, old, new in by_kind["fixed"]:
         why = ("the checkpoint's weights have that architecture; train another model in a new run "

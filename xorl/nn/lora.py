@@ -87,6 +87,13 @@ def adapter_identity(lora: dict | None) -> tuple | None:
             frozenset(targets) if isinstance(targets, list) else targets)
 
 
+def adapter_architecture(lora: dict | None) -> tuple | None:
+    """What the trained adapter weights mean: rank, alpha (their scaling) and the targets. Dropout
+    (a training knob) and init_lora_weights (the initial values a resume replaces) are not part of it."""
+    identity = adapter_identity(lora)
+    return identity if not isinstance(identity, tuple) else (identity[0], identity[1], identity[4])
+
+
 def is_adapter_name(name: str) -> bool:
     """True for an adapter parameter's name (``...q_proj.lora_A``)."""
     return name.rpartition(".")[2] in ADAPTER_NAMES
