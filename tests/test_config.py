@@ -96,6 +96,10 @@ def test_malformed_override_is_an_error(override, expected):
         ("--train.seq_len=64", "'seq_len' is in the 'data' section: use data.seq_len"),
         ("--model.hiden_size=8", "did you mean 'hidden_size'?"),
         ("--train.learning_rate=1", "unknown key train.learning_rate (did you mean 'lr'?)"),
+        # bare words meaning a different field in each section
+        ("--data.path=x.jsonl", "unknown key data.path (did you mean 'dataset'?)"),
+        ("--model.path=folder", "unknown key model.path (did you mean 'model_path'?)"),
+        ("--train.path=x", "unknown key train.path; `xorl-train --help`"),
     ],
 )
 def test_unknown_names_in_overrides_are_named(override, expected):

@@ -450,13 +450,23 @@ KEY_ALIASES = {
 }
 
 
+# Bare words whose meaning depends on the section they were written under (axolotl's datasets[].path,
+# a data or model "path"): suggested only there.
+SECTION_KEY_ALIASES = {
+    ("data", "path"): "data.dataset", ("data", "file"): "data.dataset", ("data", "files"): "data.dataset",
+    ("data", "data_files"): "data.dataset", ("data", "train_path"): "data.dataset",
+    ("data", "datasets"): "data.dataset", ("model", "path"): "model.model_path",
+    ("model", "name"): "model.model_path", ("model", "name_or_path"): "model.model_path",
+}
+
+
 def unknown_key_hint(section: str, key: str) -> str:
     """What follows ``unknown key section.key``: the section that has it, the xorl name of another
     trainer's key, or the close matches; then a pointer to ``--help`` (not every key of the section)."""
     others = [s for s, cls in SECTIONS.items() if s != section and key in _type_hints(cls)]
     if others:
         return f"; {key!r} is in the {others[0]!r} section: use {others[0]}.{key}"
-    target = KEY_ALIASES.get(key.lower())
+    target = SECTION_KEY_ALIASES.get((section, key.lower())) or KEY_ALIASES.get(key.lower())
     if target is not None:
         target_section, target_key = target.split(".")
         return f" (did you mean {repr(target_key) if target_section == section else target}?)"
