@@ -43,6 +43,10 @@ class Efficiency:
     latency_nvlink_s: float
     latency_net_s: float
     overlap_interference: float
+    p2p_fraction: float  # NCCL send/recv between two GPUs (the TP ring), of --nvlink-gbps
+    sms: int  # streaming multiprocessors: a GEMM runs in waves of this many tiles
+    tile_m: int  # a large bf16 GEMM's output tile
+    tile_n: int
 
     def gemm(self, m: float, n: float, k: float) -> float:
         """Fraction of peak a [m, k] x [k, n] GEMM reaches."""
@@ -65,7 +69,8 @@ class Efficiency:
             hbm_fraction=d["hbm_fraction"], launch_s=d["launch_us"] * 1e-6,
             nvlink_fraction=nccl["nvlink_fraction"], net_fraction=nccl["net_fraction"],
             latency_nvlink_s=nccl["latency_nvlink_us"] * 1e-6, latency_net_s=nccl["latency_net_us"] * 1e-6,
-            overlap_interference=nccl["overlap_interference"],
+            overlap_interference=nccl["overlap_interference"], p2p_fraction=nccl["p2p_fraction"],
+            sms=d["gemm"]["waves"]["sms"], tile_m=d["gemm"]["waves"]["tile"][0], tile_n=d["gemm"]["waves"]["tile"][1],
         )
 
 

@@ -45,9 +45,11 @@ Which collectives overlap compute in xorl:
           copy-out of each all-gather (2a bytes per element) and the cast of the gradients into the
           fp32 reduce-scatter input (a + 4) stream through HBM on the compute stream. The root
           group (embedding, norm, lm_head) and ddp's gradient all-reduce are exposed.
-  TP      an all-gather / reduce-scatter of [t, h] around attention and the MLP (all-reduce
-          without sequence parallel), forward, backward and recompute; with tp_overlap the
-          collective matmuls hide it behind the layer's GEMMs (interference as above), else exposed.
+  TP      each TP linear's collectives (xorl/planner/tp_time.py): the column op's all-gather and
+          the row op's reduce-scatter of [t, h] (all-reduce without sequence parallel), forward,
+          backward (where the column op gathers its input again) and recompute, exposed with their
+          layout copies; under tp_overlap the P2P ring hides each behind its own op's chunk GEMMs,
+          at NCCL send/recv's rate, with the ring's interference, partial sums and chunk tails.
   Ulysses all-to-all of q, k, v and the output: exposed.
   Ring    ring - 1 K/V block transfers per layer forward (twice in backward), each overlapped with
           that step's attention.
@@ -65,6 +67,7 @@ from dataclasses import dataclass
 
 from xorl.distributed.parallel_config import ParallelConfig
 from xorl.mfu import keys_per_query
+from xorl.planner import tp_time
 from xorl.planner.activations import checkpointing, every_other_matmul, fused_loss, recomputed_matmuls, vocab_split
 from xorl.planner.efficiency import Efficiency, load
 from xorl.planner.memory import SPLIT_BACKWARD_SCHEDULES, reshards_after_forward
@@ -107,6 +110,7 @@ class _Cost:
         self.flops = hw.peak_tflops * 1e12
         self.hbm = hw.hbm_gbps * 1e9 * eff.hbm_fraction
         self.nvlink = hw.nvlink_gbps * 1e9 * eff.nvlink_fraction
+        self.p2p = hw.nvlink_gbps * 1e9 * eff.p2p_fraction
         self.net = hw.net_gbps_per_gpu * 1e9 * eff.net_fraction
 
     def gemm(self, m: float, n: float, k: float, weight_elems: float | None = None, fraction: float | None = None):
@@ -203,9 +207,9 @@ class _Layer:
     forward: float  # compute of one forward
     backward: float
     recompute: float
-    gemm: float  # of the forward: what TP overlap hides behind
+    gemm: float  # of the forward
     exposed: float  # exposed communication, forward + backward + recompute
-    slowdown: float  # compute lost to overlapped communication
+    slowdown: float  # compute lost to overlapped communication, and what TP adds (tp_time.TPTime.compute)
 
 
 def _layer(spec, moe: bool, p: ParallelConfig, c: _Cost, t: int, seq: int, sp: bool, mode: str,
@@ -241,18 +245,12 @@ def _layer(spec, moe: bool, p: ParallelConfig, c: _Cost, t: int, seq: int, sp: b
         recompute += sum(c.gemm(t * tokens, n, k) for _, tokens, n, k in recomputed_matmuls(spec, moe, tp, sp))
     passes = 3 if mode == "full" else 2  # forward, backward (and the recomputed forward)
     exposed = slowdown = 0.0
-    if tp > 1:  # around attention and the MLP (MoE blocks run whole: once, before the MoE)
-        kind = "all_gather" if sp else "all_reduce"
-        per_pass = (2 if sp else 1) * (1 if moe else 2) * c.collective(a * t * h, tp, 1, kind)
-        if mode == "selective" and every_other:  # a recomputed row layer (o) reduces its output again
-            rows = sum(1 for _, tokens, n, _ in recomputed_matmuls(spec, moe, tp, sp) if n == h and tokens == 1)
-            exposed += rows * c.collective(a * t * h, tp, 1, "reduce_scatter" if sp else "all_reduce")
-        for _ in range(passes):
-            if p.tp_overlap:
-                e, s = c.overlapped(per_pass, gemm)
-                exposed, slowdown = exposed + e, slowdown + s
-            else:
-                exposed += per_pass
+    if tp > 1:  # the TP linears' collectives (xorl/planner/tp_time.py)
+        rows = {k for _, tokens, n, k in recomputed_matmuls(spec, moe, tp, sp) if n == h and tokens == 1
+                } if mode == "selective" and every_other else set()
+        batch = max(1, round(t * p.cp / seq))  # micro_batch_size: t = batch x seq / cp
+        tp_cost = tp_time.layer_time(c, spec, moe, t, tp, batch, sp, p.tp_overlap, mode, rows)
+        exposed, slowdown = tp_cost.exposed, tp_cost.compute
     exposed += passes * 2 * c.collective(a * t * (q_width + kv_width) / tp, p.ulysses, tp, "all_to_all")
     if moe and p.ep > 1:
         a2a = 2 * c.collective(a * t / tp * spec.num_experts_per_tok * h, p.ep, 1, "all_to_all")
@@ -309,6 +307,10 @@ def step_time(config, p: ParallelConfig, shapes: ModelShapes, hw: Hardware) -> S
         if rp.has_last:
             loss_bytes = 3 * a if fused_loss(config.model) else 2 * a + 32
             compute += 3 * c.gemm(t, vocab, spec.hidden_size) + c.elementwise(t * vocab * loss_bytes, 12)
+        if p.tp > 1 and (rp.has_first or rp.has_last):  # the embedding's and lm_head's collectives
+            root = tp_time.root_time(c, spec.hidden_size, vocab, t, p.tp, data.micro_batch_size, sp, p.tp_overlap,
+                                     rp.has_first, rp.has_last)
+            compute, exposed = compute + root.compute, exposed + root.exposed
         if fsdp and zero_bubble:
             per_step += c.collective(rp.stage_unsharded * (a + 4), p.dp_shard_cp, p.tp)
         elif fsdp:
