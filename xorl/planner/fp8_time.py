@@ -27,8 +27,8 @@ to a dispatch-level trace of the real call):
   blockwise on a dim that is no multiple of 128: a zero pad (a n + a n_pad) and a crop (2 n);
   launches: 16 (14 on fp32), + 1 for the transposed copy, + 2 for a pad.
 The experts' wgrad quantises x and dy in 1 x 128 token tiles that never straddle experts
-(quantize_token_tiles: 49 bytes an element on bf16, 41 on fp32, 120 a tile and column; the tile map
-group_token_tiles 112 a row). Around the GEMMs: a bias is an add of its own (bf16's addmm fuses it);
+(quantize_token_tiles: 49 bytes an element on bf16, 41 on fp32, 120 a tile and column, 16 a row; the
+tile map, group_token_tiles: 128 a row). Around the GEMMs: a bias is an add of its own (bf16's addmm fuses it);
 the wgrad of a linear outside TP comes back fp32 and is cast to the weight's dtype (4 + a a weight
 element: bf16's F.linear writes it directly; the TP linears cast in both); rowwise pads its two scale
 vectors, blockwise builds its group-size tensor. With train.fp8_all_gather FSDP2 hands the GEMMs the
@@ -84,12 +84,12 @@ def token_tiles_cost(rows: float, cols: float, groups: int, a: int) -> tuple[flo
     """(bytes, launches) of quantize_token_tiles on [rows, cols] sorted over ``groups`` experts."""
     tiles = math.ceil(rows / BLOCK) + groups
     per_element = 49 if a != 4 else 41
-    return per_element * rows * cols + 120 * tiles * cols + 8 * rows, 18 if a != 4 else 16
+    return per_element * rows * cols + 120 * tiles * cols + 16 * rows, 18 if a != 4 else 16
 
 
-def group_tiles_cost(rows: float) -> tuple[float, int]:
-    """(bytes, launches) of group_token_tiles over ``rows`` sorted rows (int64 index maps)."""
-    return 112 * rows, 17
+def group_tiles_cost(rows: float, groups: int) -> tuple[float, int]:
+    """(bytes, launches) of group_token_tiles over ``rows`` rows sorted into ``groups`` (int64 index maps)."""
+    return 128 * rows + 184 * groups, 17
 
 
 @dataclass(frozen=True)
@@ -156,7 +156,7 @@ class Fp8Layer:
     recompute: float = 0.0
 
 
-class _Pricer:
+class Fp8Pricer:
     """Times of one group's three FP8 passes, and of the bf16 GEMM step_time priced for it."""
 
     def __init__(self, c, recipe: str, tp: int, ring: bool, all_gathered: bool):
@@ -197,6 +197,14 @@ class _Pricer:
         return chunks * nbytes, chunks * launches
 
     def forward(self, g: Fp8Gemm, casts_only: bool = False) -> float:
+        casts = self.c.elementwise(*self.forward_casts(g))
+        if casts_only:
+            return casts
+        weights = g.experts * g.n * g.k if g.kind == "experts" else g.n * g.k
+        return casts + self._gemm(g, g.m, g.n, g.k, g.m * g.k + weights, self.a * g.m * g.n)
+
+    def forward_casts(self, g: Fp8Gemm) -> tuple[float, int]:
+        """(bytes, launches) of the forward's work beside its GEMM."""
         a, c = self.a, self._chunks(g)
         if g.kind == "experts":
             x = quantize_cost(g.m, g.k, self.block["x"], a)
@@ -211,13 +219,14 @@ class _Pricer:
                     work[0] += nbytes
                     work[1] += launches
                 work[1] += c * self.gemm_launches
-        casts = self.c.elementwise(*work)
-        if casts_only:
-            return casts
-        weights = g.experts * g.n * g.k if g.kind == "experts" else g.n * g.k
-        return casts + self._gemm(g, g.m, g.n, g.k, g.m * g.k + weights, a * g.m * g.n)
+        return tuple(work)
 
     def dgrad(self, g: Fp8Gemm) -> float:
+        weights = g.experts * g.n * g.k if g.kind == "experts" else g.n * g.k
+        return (self.c.elementwise(*self.dgrad_casts(g))
+                + self._gemm(g, g.m, g.k, g.n, g.m * g.n + weights, self.a * g.m * g.k))
+
+    def dgrad_casts(self, g: Fp8Gemm) -> tuple[float, int]:
         a, c = self.a, self._chunks(g)
         if g.kind == "experts":
             dy = quantize_cost(g.m, g.n, self.block["dy"], a)
@@ -231,16 +240,18 @@ class _Pricer:
                     work[0] += nbytes
                     work[1] += launches
                 work[1] += c * self.gemm_launches
-        weights = g.experts * g.n * g.k if g.kind == "experts" else g.n * g.k
-        return self.c.elementwise(*work) + self._gemm(g, g.m, g.k, g.n, g.m * g.n + weights, a * g.m * g.k)
+        return tuple(work)
 
     def wgrad(self, g: Fp8Gemm) -> float:
+        out = self.a * g.experts * g.k * g.n if g.kind == "experts" else 4 * g.n * g.k  # weight dtype / fp32
+        return self.c.elementwise(*self.wgrad_casts(g)) + self._gemm(g, g.n, g.k, g.m, g.m * (g.n + g.k), out)
+
+    def wgrad_casts(self, g: Fp8Gemm) -> tuple[float, int]:
         a, c = self.a, self._chunks(g)
         if g.kind == "experts":
-            parts = (group_tiles_cost(g.m), token_tiles_cost(g.m, g.k, g.experts, a),
+            parts = (group_tiles_cost(g.m, g.experts), token_tiles_cost(g.m, g.k, g.experts, a),
                      token_tiles_cost(g.m, g.n, g.experts, a))
             work = (sum(p[0] for p in parts), sum(p[1] for p in parts) + self.gemm_launches)
-            out = a * g.experts * g.k * g.n  # in the weight's dtype
         else:
             work = [0.0, 0]
             for _, n, _ in g.modules:
@@ -250,8 +261,7 @@ class _Pricer:
                     work[0] += nbytes
                     work[1] += launches
                 work[1] += c * self.gemm_launches
-            out = 4 * g.n * g.k  # fp32
-        return self.c.elementwise(*work) + self._gemm(g, g.n, g.k, g.m, g.m * (g.n + g.k), out)
+        return tuple(work)
 
 
 def fp8_layer(spec, moe: bool, p, c, t: float, sp: bool, mode: str, every_other: bool, recipe: str,
@@ -263,7 +273,7 @@ def fp8_layer(spec, moe: bool, p, c, t: float, sp: bool, mode: str, every_other:
     from xorl.nn.tp_comm import DEFAULT_OVERLAP_MIN_NUMEL
 
     ring = p.tp > 1 and sp and p.tp_overlap and t * spec.hidden_size >= DEFAULT_OVERLAP_MIN_NUMEL
-    price = _Pricer(c, recipe, p.tp, ring, all_gathered and recipe == "tensorwise")
+    price = Fp8Pricer(c, recipe, p.tp, ring, all_gathered and recipe == "tensorwise")
     trainable = not spec.lora  # LoRA freezes the base weights: no wgrad
     forward = backward = recompute = 0.0
     for g in groups:
@@ -277,7 +287,7 @@ def fp8_layer(spec, moe: bool, p, c, t: float, sp: bool, mode: str, every_other:
     return Fp8Layer(forward, backward, recompute)
 
 
-def _every_other(spec, moe: bool, tp: int, sp: bool, c, t: float, groups: list[Fp8Gemm], price: _Pricer) -> float:
+def _every_other(spec, moe: bool, tp: int, sp: bool, c, t: float, groups: list[Fp8Gemm], price: Fp8Pricer) -> float:
     """every_other_matmul under FP8 less what step_time priced: its count runs over the matmuls the policy
     sees (mm / addmm and the TP linear ops; not _scaled_mm nor a Triton GEMM), and a recomputed TP linear
     runs in FP8."""
