@@ -337,3 +337,25 @@ def test_the_cli_says_the_recipe_it_priced(tmp_path, capsys):
     assert "GEMMs priced in FP8 blockwise" in capsys.readouterr().out
     assert main([str(path), "--gpus", "2", "--layout", "", "--fp8", "none"]) == 0
     assert "FP8" not in capsys.readouterr().out
+
+
+def test_refit_learns_the_fp8_fractions_from_bench_fp8_rows(tmp_path):
+    import json
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "scripts"))
+    from plan_calibrate import refit
+
+    from xorl.planner.efficiency import DEFAULT_PATH
+
+    rows = [{"name": "fp8 linear tensorwise gemm 8192^3", "value": 1200.0, "unit": "TFLOP/s",
+             "params": {"M": 8192, "K": 8192, "N": 8192, "recipe": "tensorwise", "dtype": "bfloat16"}},
+            {"name": "fp8 linear tensorwise fwd+bwd incl. quantisation 8192^3", "value": 300.0, "unit": "TFLOP/s",
+             "params": {"M": 8192, "K": 8192, "N": 8192, "recipe": "tensorwise", "dtype": "bfloat16"}}]
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps({"device": {"type": "cuda"}, "peaks": {}, "results": rows}))
+    eff = refit(str(path), 989.0, 3350.0)
+    with open(DEFAULT_PATH) as f:
+        shipped = json.load(f)["fp8"]["max_fraction"]
+    assert eff["fp8"]["max_fraction"] == {**shipped, "tensorwise": round(1200 / 1978, 4)}
+    assert refit(str(path), 989.0, 3350.0, fp8_peak_tflops=2400.0)["fp8"]["max_fraction"]["tensorwise"] == 0.5

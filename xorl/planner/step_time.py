@@ -13,6 +13,8 @@ Compute, per decoder layer and microbatch, t tokens on the rank (a = bytes per a
           Each runs at peak x gemm(m, n, k) (the efficiency curve by its smallest dimension; grouped
           GEMMs by tokens per expert), or at the HBM roofline of its bytes if that is slower, or
           the launch time if that is longer. Backward: two GEMMs of the same shape per forward GEMM.
+          train.fp8: the GEMMs xorl runs in FP8 at the FP8 peak, with their operands' casts
+          (xorl/planner/fp8_time.py: a difference added to the layer, nothing under fp8: none).
   attention  causal, 2 t (seq / 2) heads (d_qk + d_v) / tp FLOPs forward (seq / 2: the keys a query
           sees, fewer on gpt-oss's sliding-window layers, averaged over the layers) (documents as long
           as the row; an upper bound for packed data), 2.5x that backward, at the attention kernel's own efficiency.
