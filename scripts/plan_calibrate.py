@@ -11,7 +11,9 @@
 (peaks.matmul_tflops) over the datasheet --peak-tflops becomes gemm.max_fraction; the flash_attn
 rows (forward, and forward+backward at 3.5x the forward FLOPs) give attention.fwd_fraction and
 bwd_fraction; the grouped-GEMM rows (xorl_kernels' grouped GEMM against dense cuBLAS at equal
-FLOPs) give grouped_gemm.by_tokens_per_expert; peaks.hbm_gbps over --hbm-gbps gives hbm_fraction.
+FLOPs) give grouped_gemm.by_tokens_per_expert; peaks.hbm_gbps over --hbm-gbps gives hbm_fraction;
+bench_fp8's GEMM rows (``fp8 linear RECIPE gemm``, operands quantised beforehand) over the FP8 peak
+(--fp8-peak-tflops, default 2 x --peak-tflops) and fp8.by_min_dim at their size give fp8.max_fraction.
 Entries it has no rows for keep their value and source.
 
 --cpu-activations trains one step of a small Llama and a small MoE at FSDP 2, TP 2 + SP and
@@ -104,7 +106,8 @@ def measure(config) -> dict:
     return {"steady": steady, "peak": peak, "time": elapsed}
 
 
-def refit(bench_path: str, peak_tflops: float, hbm_gbps: float, base_path: str | None = None) -> dict:
+def refit(bench_path: str, peak_tflops: float, hbm_gbps: float, base_path: str | None = None,
+          fp8_peak_tflops: float | None = None) -> dict:
     """New efficiency.json contents from a GPU bench result file (see the module docstring)."""
     import statistics
 
@@ -143,8 +146,29 @@ def refit(bench_path: str, peak_tflops: float, hbm_gbps: float, base_path: str |
         eff["grouped_gemm"]["by_tokens_per_expert"] = [[x, round(min(1.0, statistics.median(v)), 4)]
                                                       for x, v in sorted(grouped.items())]
         eff["grouped_gemm"]["source"] = f"{where} (bench_grouped_gemm forward, against dense cuBLAS at equal FLOPs)"
+    _refit_fp8(eff, rows, fp8_peak_tflops or 2 * peak_tflops, where)
     eff["fitted_by"] = where
     return eff
+
+
+def _refit_fp8(eff: dict, rows: list, fp8_peak_tflops: float, where: str) -> None:
+    """fp8.max_fraction per recipe from bench_fp8's dense GEMM rows (xorl/planner/fp8_time.py prices with it)."""
+    import statistics
+
+    from xorl.planner.efficiency import interpolate
+
+    curve = tuple(tuple(x) for x in eff["fp8"]["by_min_dim"])
+    fits = {}
+    for r in rows:
+        params = r.get("params", {})
+        if r.get("name", "").startswith("fp8 linear ") and " gemm " in r["name"] and params.get("recipe"):
+            size = min(params["M"], params["N"], params["K"])
+            fits.setdefault(params["recipe"], []).append(r["value"] / fp8_peak_tflops / interpolate(curve, size))
+    for recipe, values in fits.items():
+        eff["fp8"]["max_fraction"][recipe] = round(statistics.median(values), 4)
+    if fits:
+        eff["fp8"]["source"] = (f"max_fraction of {', '.join(sorted(fits))} {where} (bench_fp8 GEMM rows over "
+                                f"{fp8_peak_tflops:g} TFLOP/s); " + eff["fp8"]["source"])
 
 
 # A small Llama and a small MoE, 2 gloo ranks: (model, layout) x recompute policies.
@@ -210,12 +234,13 @@ def main() -> int:
     ap.add_argument("--out", help="also write the rows as JSON here")
     ap.add_argument("--refit", metavar="BENCH.json", help="refit the efficiency curves from a GPU bench run")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="--refit: the device's datasheet bf16 peak")
+    ap.add_argument("--fp8-peak-tflops", type=float, help="--refit: the dense FP8 peak (default 2 x --peak-tflops)")
     ap.add_argument("--hbm-gbps", type=float, default=3350.0, help="--refit: the device's datasheet HBM bandwidth")
     ap.add_argument("--write", metavar="EFFICIENCY.json", help="--refit: write here (default: print)")
     ap.add_argument("--cpu-activations", action="store_true", help="allocator peak vs prediction on 2 gloo ranks")
     args = ap.parse_args()
     if args.refit:
-        eff = refit(args.refit, args.peak_tflops, args.hbm_gbps)
+        eff = refit(args.refit, args.peak_tflops, args.hbm_gbps, fp8_peak_tflops=args.fp8_peak_tflops)
         text = json.dumps(eff, indent=1) + "\n"
         if args.write:
             with open(args.write, "w") as f:

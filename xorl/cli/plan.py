@@ -2,8 +2,8 @@
 
     xorl-plan MODEL --gpus N [--gpus-per-node 8] [--gpu-memory-gb 80] [--seq-len S]
               [--global-batch-tokens T] [--layout field=size,...] [--precision fp32-master|fp16]
-              [--peak-tflops F] [--hbm-gbps B] [--nvlink-gbps B] [--nic-gbps B] [--nics-per-node K]
-              [--efficiency FILE.json] [--top K]
+              [--peak-tflops F] [--fp8-peak-tflops F] [--hbm-gbps B] [--nvlink-gbps B] [--nic-gbps B]
+              [--nics-per-node K] [--fp8 none|tensorwise|rowwise|blockwise] [--efficiency FILE.json] [--top K]
               [--json] [--write-config OUT.yaml]
 
 MODEL: an xorl YAML, a local Hugging Face folder (its config.json), or a parameter count such as
@@ -11,7 +11,8 @@ MODEL: an xorl YAML, a local Hugging Face folder (its config.json), or a paramet
 is the recommendation); --layout evaluates one (a bare --layout: the YAML's own). Memory per GPU
 is the peak pipeline rank's: parameters, gradients and optimizer state exactly as the trainer
 shards them, activations and other buffers from a stated model (xorl/planner/memory.py); the
-step time is a roofline with the link bandwidths given (xorl/planner/step_time.py).
+step time is a roofline with the link bandwidths given (xorl/planner/step_time.py), its GEMMs in FP8
+where train.fp8 (or --fp8) puts them (xorl/planner/fp8_time.py).
 """
 
 from __future__ import annotations
@@ -43,7 +44,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--layout", nargs="?", const="", help="evaluate field=size,... (bare: the YAML's own layout)")
     ap.add_argument("--precision", choices=list(PRECISIONS), default="fp32-master",
                     help="bytes per parameter: fp32-master 4/4/8 (xorl-train), fp16 2/2/4 (published tables)")
-    ap.add_argument("--peak-tflops", type=float, default=hw.peak_tflops)
+    ap.add_argument("--peak-tflops", type=float, default=hw.peak_tflops, help="dense bf16 TFLOP/s per GPU")
+    ap.add_argument("--fp8-peak-tflops", type=float,
+                    help="dense FP8 TFLOP/s per GPU, for train.fp8 (default: 2 x --peak-tflops, Hopper's ratio)")
+    ap.add_argument("--fp8", choices=["none", "tensorwise", "rowwise", "blockwise"],
+                    help="train.fp8 to plan with (default: the config's; a HF folder or count: none)")
     ap.add_argument("--hbm-gbps", type=float, default=hw.hbm_gbps)
     ap.add_argument("--nvlink-gbps", type=float, default=hw.nvlink_gbps, help="per GPU, inside a node")
     ap.add_argument("--nic-gbps", "--ib-gbps", dest="nic_gbps", type=float, default=hw.nic_gbps,
@@ -60,11 +65,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def _check_numbers(args: argparse.Namespace) -> None:
     problems = [f"--{name.replace('_', '-')}={getattr(args, name)} must be > 0"
-                for name in ("gpus", "gpus_per_node", "gpu_memory_gb", "peak_tflops", "hbm_gbps", "nvlink_gbps",
-                             "nic_gbps", "nics_per_node", "top", "seq_len", "global_batch_tokens")
+                for name in ("gpus", "gpus_per_node", "gpu_memory_gb", "peak_tflops", "fp8_peak_tflops", "hbm_gbps",
+                             "nvlink_gbps", "nic_gbps", "nics_per_node", "top", "seq_len", "global_batch_tokens")
                 if getattr(args, name) is not None and not getattr(args, name) > 0]
     if problems:
         raise ConfigError(problems)
+
+
+def fp8_what(recipe: str) -> str:
+    """Which GEMMs the step time prices in FP8 under ``recipe`` (xorl/planner/fp8_time.py)."""
+    from xorl.nn.moe_experts import experts_run_fp8
+
+    experts = ", routed experts" if experts_run_fp8(recipe) else ""
+    return (f"attention and dense MLP linears{experts}, forward, dgrad and wgrad, with their casts; lm_head, "
+            "router and shared expert in train.dtype")
 
 
 def parse_layout(text: str) -> dict:
@@ -80,7 +94,7 @@ def parse_layout(text: str) -> dict:
 def run(args: argparse.Namespace) -> tuple[list[Candidate], dict]:
     _check_numbers(args)
     hw = Hardware(args.gpus_per_node, args.gpu_memory_gb, args.peak_tflops, args.hbm_gbps, args.nvlink_gbps,
-                  args.nic_gbps, args.nics_per_node, args.efficiency)
+                  args.nic_gbps, args.nics_per_node, args.efficiency, args.fp8_peak_tflops)
     opts = Options(args.gpus, hw, args.global_batch_tokens, args.precision)
     source = read_model_source(args.model)
     layout = parse_layout(args.layout) if args.layout else {}
@@ -91,6 +105,8 @@ def run(args: argparse.Namespace) -> tuple[list[Candidate], dict]:
         return [evaluate_count(source.num_params, layout, opts)], {"model": source.label}
     config = source.config
     notes = list(source.notes)
+    if args.fp8 is not None:
+        config = with_layout(config, {"fp8": args.fp8}, "--fp8")
     if args.seq_len:
         config.data.seq_len = args.seq_len
         if args.seq_len > config.model.max_position_embeddings:
@@ -101,7 +117,7 @@ def run(args: argparse.Namespace) -> tuple[list[Candidate], dict]:
             config.model.max_position_embeddings = args.seq_len
     tokens = opts.global_batch_tokens or default_global_batch(config, args.gpus)
     header = {"model": source.label, "gpus": args.gpus, "seq_len": config.data.seq_len,
-              "global_batch_tokens": tokens, "notes": notes}
+              "global_batch_tokens": tokens, "fp8": config.train.fp8, "notes": notes}
     if args.layout is None:
         return plan(config, opts), header
     if layout and "data_parallel_shard_size" not in layout:
@@ -197,7 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     gpus = header.get("gpus", args.gpus)
     print(f"xorl-plan {args.model} on {gpus} GPUs ({args.gpus_per_node} per node, {args.gpu_memory_gb:g} GiB each), "
           f"precision {args.precision}" + (f", seq_len {header['seq_len']}, {header['global_batch_tokens']} tokens per "
-                                            "step" if "seq_len" in header else ""))
+                                            "step" if "seq_len" in header else "")
+          + (f", GEMMs priced in FP8 {header['fp8']} ({fp8_what(header['fp8'])})" if header.get("fp8", "none") != "none"
+             else ""))
     for note in header.get("notes", []):
         print(f"note: {note}")
     print(table(candidates, args.top))

@@ -47,6 +47,10 @@ class Efficiency:
     sms: int  # streaming multiprocessors: a GEMM runs in waves of this many tiles
     tile_m: int  # a large bf16 GEMM's output tile
     tile_n: int
+    # FP8 GEMMs (train.fp8; xorl/planner/fp8_time.py): fractions of the FP8 peak by recipe, and their
+    # curve by the smallest dimension (a refit file without an "fp8" entry keeps the shipped one's)
+    fp8_max: tuple[tuple[str, float], ...] = ()
+    fp8_by_min_dim: tuple[tuple[float, float], ...] = ()
 
     def gemm(self, m: float, n: float, k: float) -> float:
         """Fraction of peak a [m, k] x [k, n] GEMM reaches."""
@@ -58,9 +62,21 @@ class Efficiency:
         return (self.gemm_max * interpolate(self.gemm_by_min_dim, max(1.0, min(n, k)))
                 * interpolate(self.grouped_by_tokens_per_expert, max(1.0, tokens_per_expert)))
 
+    def fp8_gemm(self, recipe: str, m: float, n: float, k: float) -> float:
+        """Fraction of the FP8 peak a [m, k] x [k, n] GEMM of ``recipe`` reaches."""
+        return dict(self.fp8_max)[recipe] * interpolate(self.fp8_by_min_dim, max(1.0, min(m, n, k)))
+
+    def fp8_grouped(self, recipe: str, tokens_per_expert: float, n: float, k: float) -> float:
+        """Fraction of the FP8 peak of an FP8 grouped GEMM: ``grouped`` with the FP8 curves."""
+        return self.fp8_gemm(recipe, n, n, k) * interpolate(self.grouped_by_tokens_per_expert,
+                                                            max(1.0, tokens_per_expert))
+
     @classmethod
     def from_dict(cls, d: dict) -> Efficiency:
         nccl = d["nccl"]
+        if "fp8" not in d:  # an older refit file: the shipped FP8 entries
+            with open(DEFAULT_PATH) as f:
+                d = {**d, "fp8": json.load(f)["fp8"]}
         return cls(
             gemm_max=d["gemm"]["max_fraction"],
             gemm_by_min_dim=tuple(tuple(x) for x in d["gemm"]["by_min_dim"]),
@@ -71,6 +87,8 @@ class Efficiency:
             latency_nvlink_s=nccl["latency_nvlink_us"] * 1e-6, latency_net_s=nccl["latency_net_us"] * 1e-6,
             overlap_interference=nccl["overlap_interference"], p2p_fraction=nccl["p2p_fraction"],
             sms=d["gemm"]["waves"]["sms"], tile_m=d["gemm"]["waves"]["tile"][0], tile_n=d["gemm"]["waves"]["tile"][1],
+            fp8_max=tuple(d["fp8"]["max_fraction"].items()),
+            fp8_by_min_dim=tuple(tuple(x) for x in d["fp8"]["by_min_dim"]),
         )
 
 

@@ -72,6 +72,7 @@ class Candidate:
                 "memory_pp_rank": self.memory.pp_rank,
                 "step_time_s": None if self.time is None else self.time.total,
                 "step_time_split_s": None if self.time is None else self.time.as_dict(),
+                "fp8": None if self.config is None else self.config.train.fp8,  # the recipe the step time priced
                 "fits": self.fits, "warnings": self.deviations + self.warnings, "why": self.why}
 
 

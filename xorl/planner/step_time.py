@@ -13,6 +13,8 @@ Compute, per decoder layer and microbatch, t tokens on the rank (a = bytes per a
           Each runs at peak x gemm(m, n, k) (the efficiency curve by its smallest dimension; grouped
           GEMMs by tokens per expert), or at the HBM roofline of its bytes if that is slower, or
           the launch time if that is longer. Backward: two GEMMs of the same shape per forward GEMM.
+          train.fp8: the GEMMs xorl runs in FP8 at the FP8 peak, with their operands' casts
+          (xorl/planner/fp8_time.py: a difference added to the layer, nothing under fp8: none).
   attention  causal, 2 t (seq / 2) heads (d_qk + d_v) / tp FLOPs forward (seq / 2: the keys a query
           sees, fewer on gpt-oss's sliding-window layers, averaged over the layers) (documents as long
           as the row; an upper bound for packed data), 2.5x that backward, at the attention kernel's own efficiency.
@@ -70,6 +72,7 @@ from xorl.mfu import keys_per_query
 from xorl.planner import tp_time
 from xorl.planner.activations import checkpointing, every_other_matmul, fused_loss, recomputed_matmuls, vocab_split
 from xorl.planner.efficiency import Efficiency, load
+from xorl.planner.fp8_time import fp8_layer
 from xorl.planner.memory import SPLIT_BACKWARD_SCHEDULES, reshards_after_forward
 from xorl.planner.shapes import ModelShapes, kind_numel, rank_params
 
@@ -84,6 +87,7 @@ class Hardware:
     nic_gbps: float = 50.0  # per NIC: 400 Gb/s
     nics_per_node: int = 8
     efficiency: str | None = None  # an efficiency.json other than the shipped one
+    fp8_peak_tflops: float | None = None  # dense FP8; None: fp8_time.FP8_PEAK_RATIO x peak_tflops
 
     @property
     def net_gbps_per_gpu(self) -> float:
@@ -213,7 +217,7 @@ class _Layer:
 
 
 def _layer(spec, moe: bool, p: ParallelConfig, c: _Cost, t: int, seq: int, sp: bool, mode: str,
-           compiled: bool, every_other: bool = False) -> _Layer:
+           compiled: bool, every_other: bool = False, fp8: str = "none", fp8_gathered: bool = False) -> _Layer:
     a, tp = c.a, p.tp
     h, heads = spec.hidden_size, spec.num_attention_heads
     gemm, d_qk, d_v = _attention_projections(spec, c, t, tp)
@@ -232,6 +236,9 @@ def _layer(spec, moe: bool, p: ParallelConfig, c: _Cost, t: int, seq: int, sp: b
             gemm += shared
     else:
         gemm += c.gemm(t, 2 * spec.intermediate_size / tp, h) + c.gemm(t, h, spec.intermediate_size / tp)
+    # train.fp8: its GEMMs and their casts in place of the bf16 GEMMs above (xorl/planner/fp8_time.py)
+    f8 = fp8_layer(spec, moe, p, c, t, sp, mode, every_other, fp8, fp8_gathered)
+    gemm += f8.forward
     # keys per query: seq / 2 (causal), fewer on sliding-window layers (the layers' mean; xorl/mfu.py)
     # q.k (d_qk) and p.v (d_v): 2 FLOPs per dim, key and query head forward
     attn_flops = 2 * t * (keys_per_query(spec, seq) / spec.num_hidden_layers) * heads * (d_qk + d_v) / tp
@@ -243,6 +250,8 @@ def _layer(spec, moe: bool, p: ParallelConfig, c: _Cost, t: int, seq: int, sp: b
     recompute = {"full": forward, "selective": ew}.get(mode, 0.0)
     if mode == "selective" and every_other:  # and the matmuls whose outputs it did not keep
         recompute += sum(c.gemm(t * tokens, n, k) for _, tokens, n, k in recomputed_matmuls(spec, moe, tp, sp))
+    backward += f8.backward - 2 * f8.forward  # FP8's backward is not twice its forward (its own casts)
+    recompute += f8.recompute if mode == "selective" else 0.0  # full recompute's forward has it
     passes = 3 if mode == "full" else 2  # forward, backward (and the recomputed forward)
     exposed = slowdown = 0.0
     if tp > 1:  # the TP linears' collectives (xorl/planner/tp_time.py)
@@ -278,7 +287,7 @@ def step_time(config, p: ParallelConfig, shapes: ModelShapes, hw: Hardware) -> S
     per_kind = []  # (compute, exposed communication) of one layer of each kind, per microbatch
     for k, kind in enumerate(shapes.kinds):
         layer = _layer(spec, shapes.is_moe_kind(k), p, c, t, data.seq_len, sp, mode, compiled,
-                       every_other_matmul(train))
+                       every_other_matmul(train), train.fp8, train.fp8_all_gather)
         compute = layer.forward + layer.backward + layer.recompute + layer.slowdown
         exposed = layer.exposed
         if fsdp and not zero_bubble:

@@ -1,0 +1,361 @@
+"""xorl-plan's FP8 model (xorl/planner/fp8_time.py) held to the code it prices.
+
+- the GEMMs it prices in FP8 per recipe are the modules a model built with that train.fp8 runs in FP8
+  (their fp8 attributes, as the start-up line reads them), with the same shapes;
+- the bytes and launches of each quantisation are those of the ops the real call dispatches (a
+  TorchDispatchMode counts every op's reads and writes), per recipe, operand role, dtype and shape;
+- a large GEMM speeds up by the stated factor (FP8 peak ratio x the efficiency ratio), the casts eat
+  more of it the smaller the GEMM, and small ones lose;
+- fp8: none adds nothing (the published rows, tests/test_plan_published.py, hold as before).
+
+Sanity, not asserted (torchtitan's compiled torchao Float8 against xorl's eager FP8, whose casts are
+unfused PyTorch ops, 33+ bytes an element against a fused cast's ~5): the planner's rows of
+tests/test_plan_published.py with train.fp8 set (Grand Teton flags), against torchtitan's bf16 ->
+Float8 speed-ups (benchmarks/llama3_h100_202412_torchtitan.md, asyncTP_llama3_h100_2025-06_torchtitan.md):
+  8B FSDP 8 (compile, seq 8192, mb 2)   torchtitan 1.28x tensorwise  planner (selective every-other, eager)
+                                        tensorwise 0.59x, rowwise 0.58x, blockwise 0.53x
+  70B FSDP 32 x TP 8 vanilla TP         torchtitan 1.36x tensorwise, 1.00x rowwise; planner (full AC)
+                                        tensorwise 0.46x, rowwise 0.45x, blockwise 0.44x
+  8B FSDP 8 x TP 8 (64 GPUs)            torchtitan 1.16x tensorwise, 0.85x rowwise; planner 0.41x, 0.40x, 0.40x
+torchao's eager float8 prototype with fused Triton casts (torchao/prototype/float8nocompile/README.md,
+8B on 8 H100s) gained only 6-10% over bf16 eager; xorl's casts move ~6x those bytes, and under TP each of
+q, k, v quantises the same gathered input again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from xorl.planner.fp8_time import (
+    FP8_PEAK_RATIO,
+    Fp8Gemm,
+    Fp8Pricer,
+    fp8_gemms,
+    group_tiles_cost,
+    quantize_cost,
+    token_tiles_cost,
+)
+
+RECIPES = ("tensorwise", "rowwise", "blockwise")
+_FACTORIES = {"new_zeros", "new_empty", "new_full", "new_ones", "empty_like", "zeros_like", "ones_like", "full_like",
+              "empty", "zeros", "ones", "full"}
+
+
+class _Traffic(TorchDispatchMode):
+    """Every dispatched op's bytes: each tensor argument read once (a broadcast one: its storage), the
+    outputs written; views and aliases move nothing; factories only write; in-place ops read and write."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        ins = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+        outs = [x for x in tree_flatten(out)[0] if isinstance(x, torch.Tensor)]
+        storages = {x.untyped_storage().data_ptr() for x in ins}
+        mutable = func._schema.is_mutable
+        if not mutable and outs and all(o.untyped_storage().data_ptr() in storages for o in outs):
+            return out  # a view or alias
+        name = func._schema.name.split("::")[-1]
+        read = 0 if name in _FACTORIES else sum(min(x.numel() * x.element_size(), x.untyped_storage().nbytes())
+                                                for x in ins)
+        self.ops.append((name, read + sum(x.numel() * x.element_size() for x in outs)))
+        return out
+
+
+def traffic(fn) -> tuple[int, int, list]:
+    mode = _Traffic()
+    with mode:
+        fn()
+    return sum(b for _, b in mode.ops), len(mode.ops), mode.ops
+
+
+# -- which GEMMs -----------------------------------------------------------------------------------
+TINY_DENSE = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+MODELS = {
+    "llama": TINY_DENSE,
+    "llama merged": {**TINY_DENSE, "merge_qkv": True, "merge_gate_up": True},
+    "qwen2 bias": {**TINY_DENSE, "model_type": "qwen2"},
+    "qwen3_moe": {**TINY_DENSE, "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 32, "mlp_only_layers": [0]},
+    "qwen2_moe shared": {**TINY_DENSE, "model_type": "qwen2_moe", "num_experts": 4, "num_experts_per_tok": 2,
+                         "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48},
+    "deepseek_v3 latent": {**TINY_DENSE, "model_type": "deepseek_v3", "num_experts": 4, "num_experts_per_tok": 2,
+                           "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+                           "first_k_dense_replace": 1, "num_key_value_heads": 4, "q_lora_rank": 48, "kv_lora_rank": 32,
+                           "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "head_dim": 24},
+}
+
+
+def _built_fp8_modules(model_fields: dict, recipe: str) -> dict[int, dict[str, tuple]]:
+    """Per decoder layer: {module name: (out features, in features)} of what runs in FP8 in a model
+    built with train.fp8 = recipe (the modules' own fp8 attributes: xorl/nn/linear.py, moe_experts.py)."""
+    from xorl.config import ModelConfig
+    from xorl.models.registry import build_model
+    from xorl.nn.linear import Linear
+    from xorl.nn.moe_experts import GroupedExperts, experts_run_fp8
+
+    with torch.device("meta"):
+        model = build_model(ModelConfig(**model_fields), fp8=recipe)
+    found = {}
+    for name, module in model.named_modules():
+        runs_fp8 = (isinstance(module, Linear) and module.fp8 != "none") or (
+            isinstance(module, GroupedExperts) and experts_run_fp8(module.fp8))
+        if not runs_fp8:
+            assert getattr(module, "fp8", "none") == "none" or isinstance(module, GroupedExperts), name
+            continue
+        assert name.startswith("model.layers."), f"{name} runs FP8 outside the decoder layers"
+        layer, rest = name[len("model.layers."):].split(".", 1)
+        if isinstance(module, Linear):
+            found.setdefault(int(layer), {})[rest] = (module.out_features, module.in_features)
+        else:
+            for w in ("gate_up_proj", "down_proj"):  # [experts, in, out]
+                shape = getattr(module, w).shape
+                found.setdefault(int(layer), {})[f"{rest}.{w}"] = (shape[2], shape[1])
+    return found
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("model", list(MODELS))
+def test_the_fp8_gemms_are_the_modules_a_built_model_runs_in_fp8(model, recipe):
+    from xorl.config import ModelConfig
+    from xorl.models.spec import ModelSpec
+
+    fields = MODELS[model]
+    spec = ModelSpec.from_config(ModelConfig(**fields))
+    built = _built_fp8_modules(fields, recipe)
+    for layer in range(spec.num_hidden_layers):
+        planned = {name: (n, g.k) for g in fp8_gemms(spec, spec.is_moe_layer(layer), recipe, 1, 1, 128)
+                   for name, n, _ in g.modules}
+        assert planned == built.get(layer, {}), (model, recipe, layer)
+    if spec.is_moe:  # the experts only under blockwise; router and shared expert never
+        moe_layer = next(i for i in range(spec.num_hidden_layers) if spec.is_moe_layer(i))
+        assert any(".experts." in n for n in built[moe_layer]) == (recipe == "blockwise")
+
+
+def test_no_fp8_no_gemms():
+    from xorl.config import ModelConfig
+    from xorl.models.spec import ModelSpec
+
+    assert fp8_gemms(ModelSpec.from_config(ModelConfig(**TINY_DENSE)), False, "none", 1, 1, 128) == []
+    assert _built_fp8_modules(TINY_DENSE, "none") == {}
+
+
+# -- the casts' bytes ------------------------------------------------------------------------------
+SHAPES = [(256, 384), (200, 300), (64, 130)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"{r}x{c}" for r, c in SHAPES])
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_quantisation_bytes_are_the_ops_it_runs(recipe, shape, dtype):
+    from xorl_kernels.fp8.linear import OPERANDS, quantize_operand
+
+    a = torch.finfo(dtype).bits // 8
+    for role, (block, _) in OPERANDS[recipe].items():
+        transposed = role in ("w_t", "dy_t", "x_t")  # the GEMMs pass views of transposes (linear.py)
+        x = torch.randn(shape[::-1] if transposed else shape, dtype=dtype)
+        operand = x.t() if transposed else x
+        nbytes, launches, ops = traffic(lambda operand=operand, role=role: quantize_operand(operand, recipe, role))
+        assert (nbytes, launches) == quantize_cost(*shape, block, a, transposed), (role, ops)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_the_experts_quantisation_bytes_are_the_ops_they_run(dtype):
+    # fp8_grouped_gemm (xorl_kernels/fp8/grouped.py): the stacked weights in 128 x 128 blocks, and the
+    # wgrad's token tiles over experts of uneven sizes (one empty, one not a multiple of 128).
+    from xorl_kernels.fp8.quantize import BLOCK, E4M3, group_token_tiles, quantize_blocks, quantize_token_tiles
+
+    a = torch.finfo(dtype).bits // 8
+    w = torch.randn(3, 256, 384, dtype=dtype)
+    assert traffic(lambda: quantize_blocks(w, BLOCK, BLOCK, E4M3))[:2] == quantize_cost(256, 384, (128, 128), a,
+                                                                                          lead=3)
+    sizes = torch.tensor([300, 0, 129, 211])
+    rows = int(sizes.sum())
+    assert traffic(lambda: group_token_tiles(sizes, rows))[:2] == group_tiles_cost(rows, 4)
+    tile_of_row, _, _, tiles = group_token_tiles(sizes, rows)
+    x = torch.randn(rows, 192, dtype=dtype)
+    assert tiles == math.ceil(rows / 128) + 4
+    assert traffic(lambda: quantize_token_tiles(x, tile_of_row, tiles))[:2] == token_tiles_cost(rows, 192, 4, a)
+
+
+def _cost(a: int = 2, peak: float = 989.0, hbm: float = 3350.0):
+    from xorl.planner.efficiency import load
+    from xorl.planner.step_time import Hardware, _Cost
+
+    return _Cost(Hardware(peak_tflops=peak, hbm_gbps=hbm), a, load())
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_tensorwise_linear_moves_the_modelled_bytes_beside_its_gemms(bias):
+    # The whole op (xorl_kernels/fp8/linear.py fp8_linear) forward and backward on bf16: every op but the
+    # GEMMs and the bias gradient (which bf16's F.linear runs too) is the model's casts and extras.
+    from xorl_kernels.fp8.linear import fp8_linear
+
+    m, k, n = 256, 384, 128
+    x = torch.randn(m, k, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(n, k, dtype=torch.bfloat16, requires_grad=True)
+    b = torch.randn(n, dtype=torch.bfloat16, requires_grad=True) if bias else None
+    dy = torch.randn(m, n, dtype=torch.bfloat16)
+    _, _, ops = traffic(lambda: fp8_linear(x, w, b, "tensorwise").backward(dy))
+    beside = [(op, nbytes) for op, nbytes in ops if op not in ("_scaled_mm", "sum")]
+    price = Fp8Pricer(_cost(), "tensorwise", 1, False, False)
+    g = Fp8Gemm((("proj", n, bias),), m, k, "plain")
+    work = [price.forward_casts(g), price.dgrad_casts(g), price.wgrad_casts(g)]
+    assert (sum(nbytes for _, nbytes in beside), len(beside)) == (sum(w_[0] for w_ in work),
+                                                                  sum(w_[1] for w_ in work))
+
+
+# -- speed-ups -------------------------------------------------------------------------------------
+def _linear_times(recipe: str, size: int, casts: bool = True) -> tuple[float, float]:
+    """(bf16, FP8) seconds of a [size, size] x [size, size] linear's forward + backward."""
+    c = _cost()
+    price = Fp8Pricer(c, recipe, 1, False, False)
+    g = Fp8Gemm((("proj", size, False),), size, size, "plain")
+    fp8 = price.forward(g) + price.dgrad(g) + price.wgrad(g)
+    if not casts:
+        fp8 -= sum(c.elementwise(*w) for w in (price.forward_casts(g), price.dgrad_casts(g), price.wgrad_casts(g)))
+    return 3 * price.bf16(g), fp8
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_large_gemms_speed_up_by_the_stated_factor_and_casts_take_more_of_smaller_ones(recipe):
+    from xorl.planner.efficiency import load
+
+    eff = load()
+    stated = FP8_PEAK_RATIO * dict(eff.fp8_max)[recipe] / eff.gemm_max  # both curves at 1.0 from 8192
+    bf16, fp8 = _linear_times(recipe, 16384, casts=False)
+    assert bf16 / fp8 == pytest.approx(stated, rel=1e-9)
+    # m = n = k = 2^8 ... 2^17 (H100: tensorwise 0.03x up to 1024, launch-bound, then 0.14, 0.35, 0.57, 0.86
+    # at 4096, 1.15 at 8192, 1.38, 1.53; the GEMMs alone 1.72x)
+    speedups = [(lambda t: t[0] / t[1])(_linear_times(recipe, 2**e)) for e in range(8, 18)]
+    assert all(x <= y for x, y in zip(speedups, speedups[1:])), speedups  # the casts' share shrinks with size
+    assert all(x < y for x, y in zip(speedups[3:], speedups[4:])), speedups  # once they are bandwidth-bound
+    assert 0.85 * stated < speedups[-1] < stated  # 2^17: near the GEMMs' own factor
+    assert speedups[0] < speedups[3] < 1  # small ones lose: the casts' launches and passes exceed the saving
+
+
+def test_the_fp8_peak_is_twice_the_bf16_peak_unless_given():
+    from xorl.planner.efficiency import load as eff_load
+    from xorl.planner.step_time import Hardware, _Cost
+
+    g = Fp8Gemm((("proj", 8192, False),), 8192, 8192, "plain")
+    default = Fp8Pricer(_Cost(Hardware(peak_tflops=500.0), 2, eff_load()), "tensorwise", 1, False, False)
+    given = Fp8Pricer(_Cost(Hardware(peak_tflops=500.0, fp8_peak_tflops=2000.0), 2, eff_load()), "tensorwise", 1,
+                      False, False)
+    assert default.flops == 1000e12 and given.flops == 2000e12
+    assert given.forward(g) < default.forward(g)
+
+
+# -- in step_time ----------------------------------------------------------------------------------
+def _config(train: dict, model: dict | None = None):
+    from xorl.config import Config
+
+    return Config.from_dict({"model": model or {**TINY_DENSE, "vocab_size": 4096, "hidden_size": 1024,
+                                                "intermediate_size": 3584, "num_attention_heads": 8,
+                                                "num_key_value_heads": 4, "max_position_embeddings": 4096},
+                             "data": {"seq_len": 4096, "micro_batch_size": 1},
+                             "train": {"data_parallel_mode": "fsdp2", "dtype": "bfloat16", **train}})
+
+
+def test_the_bf16_gemms_it_replaces_are_the_ones_step_time_priced():
+    # A dense layer's GEMMs are all FP8 modules: what fp8_time subtracts is step_time's whole GEMM sum.
+    from xorl.distributed.parallel_config import ParallelConfig
+    from xorl.models.spec import ModelSpec
+    from xorl.planner.step_time import _layer
+
+    for tp, model in ((1, None), (2, None), (2, {**MODELS["deepseek_v3 latent"], "first_k_dense_replace": 2})):
+        config = _config({"tensor_parallel_size": tp, "sequence_parallel": tp > 1}, model)
+        p, spec, c = ParallelConfig.from_config(config, 2 * tp), ModelSpec.from_config(config.model), _cost()
+        layer = _layer(spec, False, p, c, 4096, 4096, tp > 1, "none", False)
+        price = Fp8Pricer(c, "tensorwise", tp, False, False)
+        assert sum(price.bf16(g) for g in fp8_gemms(spec, False, "tensorwise", tp, 1, 4096)) == \
+            pytest.approx(layer.gemm, rel=1e-12)
+
+
+def test_fp8_none_adds_nothing_and_a_recipe_changes_the_step():
+    from xorl.planner.guide import Options, evaluate
+
+    times = {fp8: evaluate(_config({"fp8": fp8}), Options(2)).time for fp8 in ("none", *RECIPES)}
+    none = times.pop("none")
+    config = _config({})
+    assert evaluate(config, Options(2)).time == none  # the default is none
+    for recipe, t in times.items():
+        assert t.compute != none.compute and t.exposed_comm == none.exposed_comm, recipe
+
+
+def test_selective_recompute_reruns_the_casts_outside_tp():
+    from xorl.distributed.parallel_config import ParallelConfig
+    from xorl.models.spec import ModelSpec
+    from xorl.planner.fp8_time import fp8_layer
+
+    config = _config({})
+    p, spec, c = ParallelConfig.from_config(config, 2), ModelSpec.from_config(config.model), _cost()
+    none = fp8_layer(spec, False, p, c, 4096, False, "none", False, "tensorwise")
+    selective = fp8_layer(spec, False, p, c, 4096, False, "selective", False, "tensorwise")
+    every_other = fp8_layer(spec, False, p, c, 4096, False, "selective", True, "tensorwise")
+    blockwise = fp8_layer(spec, False, p, c, 4096, False, "selective", False, "blockwise")
+    assert none.recompute == 0 and selective.recompute > 0
+    # every_other_matmul's k, o and up (step_time priced them in bf16) are kept under FP8: _scaled_mm is no mm
+    assert every_other.recompute < selective.recompute
+    assert blockwise.recompute > selective.recompute  # the Triton GEMMs run again, not only the casts
+
+
+def test_lora_has_no_wgrad():
+    from xorl.distributed.parallel_config import ParallelConfig
+    from xorl.models.spec import ModelSpec
+    from xorl.planner.fp8_time import fp8_layer
+
+    config = _config({})
+    p, c = ParallelConfig.from_config(config, 2), _cost()
+    spec = ModelSpec.from_config(config.model)
+    full = fp8_layer(spec, False, p, c, 4096, False, "none", False, "tensorwise")
+    frozen = dataclasses.replace(spec, lora={"rank": 8, "alpha": 16, "target_modules": ["q_proj"]})
+    lora = fp8_layer(frozen, False, p, c, 4096, False, "none", False, "tensorwise")
+    assert lora.forward == full.forward and lora.backward < full.backward
+
+
+def test_the_cli_says_the_recipe_it_priced(tmp_path, capsys):
+    import json
+
+    from xorl.cli.plan import main
+
+    path = tmp_path / "run.yaml"
+    path.write_text(_config({"fp8": "rowwise"}).to_yaml())
+    assert main([str(path), "--gpus", "2", "--layout", "", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fp8"] == "rowwise" and out["candidates"][0]["fp8"] == "rowwise"
+    assert main([str(path), "--gpus", "2", "--layout", "", "--fp8", "blockwise"]) == 0
+    assert "GEMMs priced in FP8 blockwise" in capsys.readouterr().out
+    assert main([str(path), "--gpus", "2", "--layout", "", "--fp8", "none"]) == 0
+    assert "FP8" not in capsys.readouterr().out
+
+
+def test_refit_learns_the_fp8_fractions_from_bench_fp8_rows(tmp_path):
+    import json
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "scripts"))
+    from plan_calibrate import refit
+
+    from xorl.planner.efficiency import DEFAULT_PATH
+
+    rows = [{"name": "fp8 linear tensorwise gemm 8192^3", "value": 1200.0, "unit": "TFLOP/s",
+             "params": {"M": 8192, "K": 8192, "N": 8192, "recipe": "tensorwise", "dtype": "bfloat16"}},
+            {"name": "fp8 linear tensorwise fwd+bwd incl. quantisation 8192^3", "value": 300.0, "unit": "TFLOP/s",
+             "params": {"M": 8192, "K": 8192, "N": 8192, "recipe": "tensorwise", "dtype": "bfloat16"}}]
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps({"device": {"type": "cuda"}, "peaks": {}, "results": rows}))
+    eff = refit(str(path), 989.0, 3350.0)
+    with open(DEFAULT_PATH) as f:
+        shipped = json.load(f)["fp8"]["max_fraction"]
+    assert eff["fp8"]["max_fraction"] == {**shipped, "tensorwise": round(1200 / 1978, 4)}
+    assert refit(str(path), 989.0, 3350.0, fp8_peak_tflops=2400.0)["fp8"]["max_fraction"]["tensorwise"] == 0.5

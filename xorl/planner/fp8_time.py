@@ -1,0 +1,312 @@
+"""FP8 GEMMs in xorl-plan's step time (train.fp8): which GEMMs run in FP8, at what rate, and their casts.
+
+Which (read from xorl's code, not torchao's): each xorl.nn.linear.Linear a decoder layer builds runs its
+forward, input-gradient (dgrad) and weight-gradient (wgrad) GEMM in FP8 (xorl_kernels/fp8/linear.py
+``_FP8Linear``; the TP linears the same three, xorl/nn/tp_matmul.py): the attention projections (q, k, v
+or merge_qkv's qkv, o; latent attention's q or q_a / q_b, kv_a, kv_b) and a dense layer's gate, up (or
+gate_up) and down. The routed experts' grouped GEMMs are FP8 under blockwise only (xorl/nn/moe_experts.py
+experts_run_fp8). lm_head, the router, a shared expert and its gate are nn.Linear: train.dtype. A frozen
+base weight (LoRA) has no wgrad, in FP8 as in bf16.
+
+Rate: the FP8 peak (--fp8-peak-tflops; default FP8_PEAK_RATIO x --peak-tflops) times efficiency.json's
+"fp8" fraction of the recipe by smallest dimension (experts: times the grouped curve), or the HBM time of
+the GEMM's bytes (1 byte an fp8 operand element; outputs in their dtype, the dense wgrad's fp32), or one
+launch, whichever is longest: step_time.py's rule for bf16 GEMMs.
+
+Casts, bandwidth-bound at hbm_fraction of --hbm-gbps, each pass's ops at least a launch each (step_time's
+rule for element-wise work). Every GEMM quantises both operands on the fly with plain PyTorch ops
+(xorl_kernels/fp8/quantize.py quantize_blocks), the weight in forward and again in backward (nothing FP8
+is saved between them). One quantisation of an [R, C] operand in br x bc blocks (OPERANDS of
+xorl_kernels/fp8/linear.py: tensorwise one block; rowwise 1 x C; blockwise 1 x 128 activations and
+gradients, 128 x 128 weights), its bytes counted from the ops it runs (tests/test_plan_fp8.py holds them
+to a dispatch-level trace of the real call):
+  33 an element: |x| (2a), its amax (a), x.float() (a + 4; none on fp32), x * scale (8), the saturating
+     clamp (8), the cast to fp8 (5), a = the operand's bytes per element;
+  108 + (2a + 4, or 4 on fp32) a block: torchao's amax_to_scale rounded to a power of 2, the reciprocal;
+  a transposed operand (dgrad's w^T, wgrad's dy^T and x^T) is copied contiguous first: 2a an element;
+  blockwise on a dim that is no multiple of 128: a zero pad (a n + a n_pad) and a crop (2 n);
+  launches: 16 (14 on fp32), + 1 for the transposed copy, + 2 for a pad.
+The experts' wgrad quantises x and dy in 1 x 128 token tiles that never straddle experts
+(quantize_token_tiles: 49 bytes an element on bf16, 41 on fp32, 120 a tile and column, 16 a row; the
+tile map, group_token_tiles: 128 a row). Around the GEMMs: a bias is an add of its own (bf16's addmm fuses it);
+the wgrad of a linear outside TP comes back fp32 and is cast to the weight's dtype (4 + a a weight
+element: bf16's F.linear writes it directly; the TP linears cast in both); rowwise pads its two scale
+vectors, blockwise builds its group-size tensor. With train.fp8_all_gather FSDP2 hands the GEMMs the
+weight already cast (xorl/nn/fp8_all_gather.py): its forward operand costs one launch, dgrad's w^T a
+contiguous copy of the fp8 bytes. TP with tp_overlap and sequence parallel above the ring threshold
+(t h >= DEFAULT_OVERLAP_MIN_NUMEL, xorl/nn/tp_comm.py): each of the tp sequence chunks runs its own
+GEMMs, so the weight is quantised tp times a pass, the column forward and row dgrad copy each chunk's
+result into place (2a an element) and the wgrad adds tp - 1 fp32 partials (12 a weight element).
+
+Recompute. Full: the forward again, FP8 included (step_time's recompute = forward). Selective
+(xorl/plans/data_parallel.py): outside TP torch._scaled_mm's outputs are kept and the quantisations
+before it run again; _scaled_mm is no mm / addmm, so every_other_matmul counts only the layer's other
+matmuls (router, shared expert); blockwise's Triton GEMMs are no dispatched op, so their whole forward
+(the experts' too) runs again. A TP linear is one op: kept or recomputed as in bf16, in FP8.
+
+The result is a difference added to step_time.py's layer: the FP8 GEMMs and their casts in place of
+the bf16 GEMMs step_time priced for the same modules, grouped as it groups them (q, k, v as one GEMM
+of their summed width, gate and up as one; the casts per module), so fp8: none adds nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from xorl.planner.activations import block_matmuls, recomputed_matmuls
+
+# NVIDIA H100 SXM datasheet (nvidia.com/en-us/data-center/h100): FP8 tensor core 3,958 TFLOPS and BF16
+# 1,979 "with sparsity", i.e. 1,979 and 989 dense. H200 and H800 share the H100's tensor cores.
+FP8_PEAK_RATIO = 2.0
+BLOCK = 128  # xorl_kernels/fp8/quantize.py BLOCK
+_TRANSPOSED = {"x": False, "w": False, "dy": False, "w_t": True, "dy_t": True, "x_t": True}
+
+
+def quantize_cost(rows: float, cols: float, block: tuple, a: int, transposed: bool = False,
+                  lead: int = 1) -> tuple[float, int]:
+    """(bytes, launches) of quantize_blocks on ``lead`` stacked [rows, cols] operands of ``a`` bytes an
+    element in ``block`` = (block_rows, block_cols) blocks, None for a whole dim (module docstring)."""
+    br = rows if block[0] is None else min(block[0], rows)
+    bc = cols if block[1] is None else min(block[1], cols)
+    nr, nc = math.ceil(rows / br), math.ceil(cols / bc)
+    n, padded, blocks = lead * rows * cols, lead * nr * br * nc * bc, lead * nr * nc
+    nbytes = 33 * padded + blocks * (108 + (2 * a + 4 if a != 4 else 4))
+    launches = 16 if a != 4 else 14
+    if transposed:
+        nbytes, launches = nbytes + 2 * a * n, launches + 1
+    if padded != n:
+        nbytes, launches = nbytes + a * n + a * padded + 2 * n, launches + 2
+    return nbytes, launches
+
+
+def token_tiles_cost(rows: float, cols: float, groups: int, a: int) -> tuple[float, int]:
+    """(bytes, launches) of quantize_token_tiles on [rows, cols] sorted over ``groups`` experts."""
+    tiles = math.ceil(rows / BLOCK) + groups
+    per_element = 49 if a != 4 else 41
+    return per_element * rows * cols + 120 * tiles * cols + 16 * rows, 18 if a != 4 else 16
+
+
+def group_tiles_cost(rows: float, groups: int) -> tuple[float, int]:
+    """(bytes, launches) of group_token_tiles over ``rows`` rows sorted into ``groups`` (int64 index maps)."""
+    return 128 * rows + 184 * groups, 17
+
+
+@dataclass(frozen=True)
+class Fp8Gemm:
+    """FP8 modules priced as one GEMM, grouped as step_time.py groups the bf16 ones."""
+
+    modules: tuple[tuple[str, float, bool], ...]  # (name in the layer, output features on this rank, bias)
+    m: float  # rows: tokens (the experts: routed copies)
+    k: float  # input features
+    kind: str  # "column" / "row": TP linears; "plain": a Linear outside TP; "experts": the grouped GEMMs
+    experts: int = 0  # local experts of a grouped GEMM
+    per_expert: float = 0.0  # tokens per local expert
+
+    @property
+    def n(self) -> float:
+        return sum(n for _, n, _ in self.modules)
+
+
+def fp8_gemms(spec, moe: bool, recipe: str, tp: int, ep: int, t: float) -> list[Fp8Gemm]:
+    """The GEMMs one decoder layer runs in FP8 under ``recipe`` on a rank with t tokens (module docstring)."""
+    if recipe == "none":
+        return []
+    from xorl.nn.moe_experts import experts_run_fp8
+
+    h, heads, bias = spec.hidden_size, spec.num_attention_heads, spec.attention_bias
+    col, row = ("column", "row") if tp > 1 else ("plain", "plain")
+
+    def one(name, n, k, kind, has_bias=False, m=t):
+        return Fp8Gemm(((name, n, has_bias),), m, k, kind)
+
+    if spec.kv_lora_rank:  # latent attention: the down-projections replicated (plain Linears under TP)
+        d_qk, d_v, rank = spec.qk_nope_head_dim + spec.qk_rope_head_dim, spec.v_head_dim, spec.q_lora_rank
+        out = ([one("self_attn.q_proj", heads * d_qk / tp, h, col)] if rank is None else
+               [one("self_attn.q_a_proj", rank, h, "plain", bias),
+                one("self_attn.q_b_proj", heads * d_qk / tp, rank, col)])
+        out += [one("self_attn.kv_a_proj_with_mqa", spec.kv_lora_rank + spec.qk_rope_head_dim, h, "plain", bias),
+                one("self_attn.kv_b_proj", heads * (spec.qk_nope_head_dim + d_v) / tp, spec.kv_lora_rank, col),
+                one("self_attn.o_proj", h, heads * d_v / tp, row, bias)]
+    else:
+        hq, hkv = heads * spec.head_dim / tp, spec.num_key_value_heads * spec.head_dim / tp
+        qkv = ((("self_attn.qkv_proj", hq + 2 * hkv, bias),) if spec.merge_qkv else
+               tuple((f"self_attn.{x}_proj", w, bias) for x, w in (("q", hq), ("k", hkv), ("v", hkv))))
+        out = [Fp8Gemm(qkv, t, h, col), one("self_attn.o_proj", h, hq, row, spec.o_proj_bias)]
+    if moe:
+        if experts_run_fp8(recipe):  # on this TP rank's token shard, the E / ep local experts
+            k, inter, experts = spec.num_experts_per_tok, spec.moe_intermediate_size, spec.num_experts
+            tokens, local = t / tp * k, experts // ep
+            out += [Fp8Gemm((("mlp.experts.gate_up_proj", 2 * inter, False),), tokens, h, "experts", local,
+                            tokens / local),
+                    Fp8Gemm((("mlp.experts.down_proj", h, False),), tokens, inter, "experts", local, tokens / local)]
+        return out
+    inter, b = spec.intermediate_size / tp, spec.mlp_bias
+    gate_up = ((("mlp.gate_up_proj", 2 * inter, b),) if spec.merge_gate_up else
+               (("mlp.gate_proj", inter, b), ("mlp.up_proj", inter, b)))
+    return out + [Fp8Gemm(gate_up, t, h, col), one("mlp.down_proj", h, inter, row, b)]
+
+
+@dataclass(frozen=True)
+class Fp8Layer:
+    """Seconds to add to one decoder layer's forward, backward and recompute (step_time.py _Layer)."""
+
+    forward: float = 0.0
+    backward: float = 0.0
+    recompute: float = 0.0
+
+
+class Fp8Pricer:
+    """Times of one group's three FP8 passes, and of the bf16 GEMM step_time priced for it."""
+
+    def __init__(self, c, recipe: str, tp: int, ring: bool, all_gathered: bool):
+        from xorl_kernels.fp8.linear import OPERANDS
+
+        self.c, self.recipe, self.a, self.tp, self.ring, self.all_gathered = c, recipe, c.a, tp, ring, all_gathered
+        self.block = {role: block for role, (block, _) in OPERANDS[recipe].items()}
+        hw = c.hw
+        self.flops = (getattr(hw, "fp8_peak_tflops", None) or FP8_PEAK_RATIO * hw.peak_tflops) * 1e12
+        self.gemm_launches = {"tensorwise": 0, "rowwise": 2, "blockwise": 1}[recipe]  # beside the GEMM's own
+
+    def bf16(self, g: Fp8Gemm) -> float:
+        if g.kind == "experts":
+            return self.c.gemm(g.m, g.n, g.k, weight_elems=g.experts * g.n * g.k,
+                               fraction=self.c.eff.grouped(g.per_expert, g.n, g.k))
+        return self.c.gemm(g.m, g.n, g.k)
+
+    def _gemm(self, g: Fp8Gemm, m, n, k, read: float, out_bytes: float) -> float:
+        eff = self.c.eff
+        fraction = (eff.fp8_grouped(self.recipe, g.per_expert, n, k) if g.kind == "experts"
+                    else eff.fp8_gemm(self.recipe, m, n, k))
+        return max(2 * m * n * k / (self.flops * fraction), (read + out_bytes) / self.c.hbm, eff.launch_s)
+
+    def _chunks(self, g: Fp8Gemm) -> int:
+        return self.tp if self.ring and g.kind in ("column", "row") else 1
+
+    def _weight(self, role: str, n: float, k: float, chunks: int) -> tuple[float, int]:
+        if self.all_gathered:  # already float8 (xorl_kernels/fp8/linear.py weight_operand)
+            return (0, 1) if role == "w" else (2 * n * k, 2)
+        rows, cols = (n, k) if role == "w" else (k, n)
+        nbytes, launches = quantize_cost(rows, cols, self.block[role], self.a, _TRANSPOSED[role])
+        return chunks * nbytes, chunks * launches
+
+    def _act(self, role: str, rows: float, cols: float, chunks: int) -> tuple[float, int]:
+        nbytes, launches = quantize_cost(rows / chunks if not _TRANSPOSED[role] else rows,
+                                         cols / chunks if _TRANSPOSED[role] else cols,
+                                         self.block[role], self.a, _TRANSPOSED[role])
+        return chunks * nbytes, chunks * launches
+
+    def forward(self, g: Fp8Gemm, casts_only: bool = False) -> float:
+        casts = self.c.elementwise(*self.forward_casts(g))
+        if casts_only:
+            return casts
+        weights = g.experts * g.n * g.k if g.kind == "experts" else g.n * g.k
+        return casts + self._gemm(g, g.m, g.n, g.k, g.m * g.k + weights, self.a * g.m * g.n)
+
+    def forward_casts(self, g: Fp8Gemm) -> tuple[float, int]:
+        """(bytes, launches) of the forward's work beside its GEMM."""
+        a, c = self.a, self._chunks(g)
+        if g.kind == "experts":
+            x = quantize_cost(g.m, g.k, self.block["x"], a)
+            w = quantize_cost(g.k, g.n, self.block["w"], a, lead=g.experts)
+            work = (x[0] + w[0], x[1] + w[1] + self.gemm_launches)
+        else:
+            work = [0.0, 0]
+            for _, n, bias in g.modules:
+                for nbytes, launches in (self._act("x", g.m, g.k, c), self._weight("w", n, g.k, c),
+                                         ((2 * a * g.m * n + a * n, c) if bias else (0, 0)),
+                                         ((2 * a * g.m * n, c) if c > 1 and g.kind == "column" else (0, 0))):
+                    work[0] += nbytes
+                    work[1] += launches
+                work[1] += c * self.gemm_launches
+        return tuple(work)
+
+    def dgrad(self, g: Fp8Gemm) -> float:
+        weights = g.experts * g.n * g.k if g.kind == "experts" else g.n * g.k
+        return (self.c.elementwise(*self.dgrad_casts(g))
+                + self._gemm(g, g.m, g.k, g.n, g.m * g.n + weights, self.a * g.m * g.k))
+
+    def dgrad_casts(self, g: Fp8Gemm) -> tuple[float, int]:
+        a, c = self.a, self._chunks(g)
+        if g.kind == "experts":
+            dy = quantize_cost(g.m, g.n, self.block["dy"], a)
+            w = quantize_cost(g.k, g.n, self.block["w"], a, lead=g.experts)  # w again; its transpose is a view
+            work = (dy[0] + w[0], dy[1] + w[1] + self.gemm_launches)
+        else:
+            work = [0.0, 0]
+            for _, n, _ in g.modules:
+                for nbytes, launches in (self._act("dy", g.m, n, c), self._weight("w_t", n, g.k, c),
+                                         ((2 * a * g.m * g.k, c) if c > 1 and g.kind == "row" else (0, 0))):
+                    work[0] += nbytes
+                    work[1] += launches
+                work[1] += c * self.gemm_launches
+        return tuple(work)
+
+    def wgrad(self, g: Fp8Gemm) -> float:
+        out = self.a * g.experts * g.k * g.n if g.kind == "experts" else 4 * g.n * g.k  # weight dtype / fp32
+        return self.c.elementwise(*self.wgrad_casts(g)) + self._gemm(g, g.n, g.k, g.m, g.m * (g.n + g.k), out)
+
+    def wgrad_casts(self, g: Fp8Gemm) -> tuple[float, int]:
+        a, c = self.a, self._chunks(g)
+        if g.kind == "experts":
+            parts = (group_tiles_cost(g.m, g.experts), token_tiles_cost(g.m, g.k, g.experts, a),
+                     token_tiles_cost(g.m, g.n, g.experts, a))
+            work = (sum(p[0] for p in parts), sum(p[1] for p in parts) + self.gemm_launches)
+        else:
+            work = [0.0, 0]
+            for _, n, _ in g.modules:
+                for nbytes, launches in (self._act("dy_t", n, g.m, c), self._act("x_t", g.k, g.m, c),
+                                         ((4 + a) * n * g.k, 1) if g.kind == "plain" and a != 4 else (0, 0),
+                                         (12 * n * g.k * (c - 1), c - 1)):
+                    work[0] += nbytes
+                    work[1] += launches
+                work[1] += c * self.gemm_launches
+        return tuple(work)
+
+
+def fp8_layer(spec, moe: bool, p, c, t: float, sp: bool, mode: str, every_other: bool, recipe: str,
+              all_gathered: bool = False) -> Fp8Layer:
+    """What ``recipe`` adds to one decoder layer's times in step_time.py (negative where FP8 is faster)."""
+    groups = fp8_gemms(spec, moe, recipe, p.tp, p.ep, t)
+    if not groups:
+        return Fp8Layer()
+    from xorl.nn.tp_comm import DEFAULT_OVERLAP_MIN_NUMEL
+
+    ring = p.tp > 1 and sp and p.tp_overlap and t * spec.hidden_size >= DEFAULT_OVERLAP_MIN_NUMEL
+    price = Fp8Pricer(c, recipe, p.tp, ring, all_gathered and recipe == "tensorwise")
+    trainable = not spec.lora  # LoRA freezes the base weights: no wgrad
+    forward = backward = recompute = 0.0
+    for g in groups:
+        bf16, fwd = price.bf16(g), price.forward(g)
+        forward += fwd - bf16
+        backward += price.dgrad(g) - bf16 + (price.wgrad(g) - bf16 if trainable else 0.0)
+        if mode == "selective" and g.kind not in ("column", "row"):  # no TP op: not kept whole (docstring)
+            recompute += fwd if recipe == "blockwise" else price.forward(g, casts_only=True)
+    if mode == "selective" and every_other:
+        recompute += _every_other(spec, moe, p.tp, sp, c, t, groups, price)
+    return Fp8Layer(forward, backward, recompute)
+
+
+def _every_other(spec, moe: bool, tp: int, sp: bool, c, t: float, groups: list[Fp8Gemm], price: Fp8Pricer) -> float:
+    """every_other_matmul under FP8 less what step_time priced: its count runs over the matmuls the policy
+    sees (mm / addmm and the TP linear ops; not _scaled_mm nor a Triton GEMM), and a recomputed TP linear
+    runs in FP8."""
+    units = block_matmuls(spec, moe, tp, sp)
+    # block_matmuls lists attention's units, then the MLP's: a dense MLP's gate / up (one unit under TP
+    # or merged, else two) and down; the FP8 units are attention's and a dense MLP's.
+    mlp = (1 if tp > 1 or spec.merge_gate_up else 2) + 1
+    attention = len(block_matmuls(spec, False, tp, sp)) - mlp
+    fp8_units = len(units) if not moe else attention
+    linear = [g for g in groups if g.kind != "experts"]
+    aligned = tp > 1 and len(linear) == fp8_units  # one TP op per group (module docstring)
+    priced = sum(c.gemm(t * tokens, n, k) for _, tokens, n, k in recomputed_matmuls(spec, moe, tp, sp))
+    actual, count = 0.0, 0
+    for i, unit in enumerate(units):
+        fp8 = i < fp8_units
+        if fp8 and not (aligned and linear[i].kind in ("column", "row")):
+            continue  # an FP8 Linear outside TP: _scaled_mm / Triton, not counted
+        if all((count + j) % 2 == 0 for j in range(1, len(unit) + 1)):
+            actual += (price.forward(linear[i]) if fp8 else
+                       sum(c.gemm(t * tokens, n, k) for _, tokens, n, k in unit))
+        count += len(unit)
+    return actual - priced
