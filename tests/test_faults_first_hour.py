@@ -365,7 +365,22 @@ def test_a_first_hour_run(tmp_path):
     assert run.code == 0, run.text
     assert "train.warmup_steps=10 is more than train.max_steps=4: warming up over 4 steps" in run.out
     assert [ln.split()[1] for ln in run.out.splitlines() if ln.startswith("step ")] == ["2/4", "4/4"]
-    assert [r["step"] for r in read_metrics(tmp_path / "out" / "metrics.jsonl")] == [0, 1, 2, 3]
+    assert [r["step"] for r in read_metrics(tmp_path / "out" / "metrics.jsonl")] == [1, 2, 3, 4]
     assert "xorl: saved checkpoint out/checkpoints/step_00000004" in run.out
     again = xorl_train(config, "--train.resume=true", cwd=tmp_path)
     assert again.code == 0 and "the run is finished" in again.out, again.text
+
+
+@pytest.mark.slow
+def test_xorl_train_turns_on_expandable_segments_unless_the_user_set_the_allocator():
+    # Before torch is imported (the allocator reads its setting once), and never over a user's own.
+    probe = ("import os, sys; import xorl.cli.train; "
+             "print('torch' in sys.modules, os.environ.get('PYTORCH_ALLOC_CONF'), "
+             "os.environ.get('PYTORCH_CUDA_ALLOC_CONF'))")
+    base = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
+    for extra, expected in (({}, "False expandable_segments:True None"),
+                            ({"PYTORCH_ALLOC_CONF": "max_split_size_mb:64"}, "False max_split_size_mb:64 None"),
+                            ({"PYTORCH_CUDA_ALLOC_CONF": "backend:native"}, "False None backend:native")):
+        got = subprocess.run([sys.executable, "-c", probe], env={**base, **extra}, capture_output=True, text=True,
+                             timeout=120, cwd=ROOT)
+        assert got.returncode == 0 and got.stdout.strip() == expected, (extra, got.stdout, got.stderr)

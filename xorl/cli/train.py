@@ -25,11 +25,20 @@ import sys
 import time
 from typing import NoReturn
 
-from xorl.config import load_config
-from xorl.config_error import ConfigError
-from xorl.data.corpus import DataError
-from xorl.preflight import prepare_run
-from xorl.watchdog import exit_with_launcher
+# The CUDA caching allocator with expandable segments (torchtitan's launch script sets the same): a
+# step allocates and frees buffers of very different sizes (a layer's working set, then the loss's
+# [tokens, vocab] buffers, then the backward's), and fixed segments cached for one size cannot hold the
+# next, so without it reserved memory grows well past what is allocated (fragmentation) and a layout
+# that fits by xorl-plan's count can run out. Read once, when torch initialises CUDA: set before
+# torch is imported (nothing above imports it); a user's own setting, under either name, wins.
+if "PYTORCH_ALLOC_CONF" not in os.environ and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
+    os.environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
+
+from xorl.config import load_config  # noqa: E402
+from xorl.config_error import ConfigError  # noqa: E402
+from xorl.data.corpus import DataError  # noqa: E402
+from xorl.preflight import prepare_run  # noqa: E402
+from xorl.watchdog import exit_with_launcher  # noqa: E402
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "default_config.yaml")
 CONFIG_ERROR_EXIT = 2
