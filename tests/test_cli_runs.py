@@ -67,7 +67,7 @@ def test_a_run_folder_from_start_to_resume_to_overwrite(tmp_path):
     assert "xorl: saving checkpoint out/checkpoints/step_00000002 (in the background)" in first.out, first.out
     assert "xorl: saved checkpoint out/checkpoints/step_00000004" in first.out, first.out
     rows = read_metrics(metrics)
-    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # the console's steps, the checkpoints' names
 
     # The same command again would mix two runs: refused, once, exit 2, nothing touched.
     again = xorl_train(config, cwd=tmp_path)
@@ -90,11 +90,11 @@ def test_a_run_folder_from_start_to_resume_to_overwrite(tmp_path):
     resumed = xorl_train(config, *changed, "--train.resume_hparams=config", cwd=tmp_path)
     assert resumed.code == 0, resumed.text
     rows = read_metrics(metrics)
-    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5]  # each step once
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]  # each step once
     times = [r["time"] for r in rows]
     assert times == sorted(times) and times[4] >= times[3]  # cumulative across the restart
     for row in rows[4:]:  # the new lr and schedule (warmup 1, cosine to 0.1 x lr over 6 steps)
-        assert row["lr"] == pytest.approx(0.02 * lr_factor(row["step"], 1, 6, 0.1), rel=1e-12)
+        assert row["lr"] == pytest.approx(0.02 * lr_factor(row["step"] - 1, 1, 6, 0.1), rel=1e-12)
     state = json.loads((tmp_path / "out" / "checkpoints" / "step_00000006" / "trainer_state.json").read_text())
     assert state["step"] == 6 and state["consumed_sequences"] == 6
 
@@ -103,7 +103,7 @@ def test_a_run_folder_from_start_to_resume_to_overwrite(tmp_path):
                        cwd=tmp_path)
     assert fresh.code == 0, fresh.text
     assert sorted(os.listdir(tmp_path / "out" / "checkpoints")) == ["latest", "step_00000002"]
-    assert [r["step"] for r in read_metrics(metrics)] == [0, 1]
+    assert [r["step"] for r in read_metrics(metrics)] == [1, 2]
 
     # A checkpoint that cannot load names the file: damaged bytes (found by DCP), a short file (up front).
     shard = tmp_path / "out" / "checkpoints" / "step_00000002" / "__0_0.distcp"
@@ -176,7 +176,7 @@ def test_resuming_on_more_ranks_continues_at_the_next_unseen_sequence(tmp_path):
                     cwd=tmp_path)
     assert more.code == 0, more.text
     assert "the global batch changed from 4 to 8 sequences a step; the data continues at sequence 12" in more.out
-    assert [r["step"] for r in read_metrics(tmp_path / "out" / "metrics.jsonl")] == [0, 1, 2, 3, 4]
+    assert [r["step"] for r in read_metrics(tmp_path / "out" / "metrics.jsonl")] == [1, 2, 3, 4, 5]
     state = json.loads((tmp_path / "out" / "checkpoints" / "step_00000005" / "trainer_state.json").read_text())
     assert (state["consumed_sequences"], state["global_batch"], state["world_size"]) == (12 + 2 * 8, 8, 4)
 

@@ -253,14 +253,14 @@ def test_the_plot_draws_the_eval_curve_and_the_console_line_shows_it(tmp_path):
     from xorl.cli.plot_metrics import main
     from xorl.metrics import format_step_line
 
-    rows = [{"step": s, "time": s, "loss": 3.0 - 0.1 * s, "grad_norm": 1.0, "lr": 1e-3} for s in range(6)]
+    rows = [{"step": s, "time": s, "loss": 3.0 - 0.1 * s, "grad_norm": 1.0, "lr": 1e-3} for s in range(1, 7)]
     for row in rows[1::2]:
         row.update(eval_loss=row["loss"] + 0.2, eval_ppl=2.718281828 ** (row["loss"] + 0.2))
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     main([str(tmp_path), "--out", str(tmp_path / "plot.png")])
     assert (tmp_path / "plot.png").stat().st_size > 1000
-    line = format_step_line(1, 6, rows[1])
-    assert "loss 2.9000 eval_loss 3.1000 eval_ppl 22.2" in line, line
+    line = format_step_line(rows[1], 6)
+    assert line.startswith("step 2/6 ") and "loss 2.8000 eval_loss 3.0000 eval_ppl 20.1" in line, line
     main([str(tmp_path), "--keys", "eval_loss", "--out", str(tmp_path / "eval.png")])  # the eval curve alone
     assert (tmp_path / "eval.png").is_file()
 

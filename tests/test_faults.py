@@ -133,7 +133,7 @@ def test_a_data_error_ends_the_job_with_one_message(tmp_path, where):
     assert "exitcode  : 2" in text  # the data error's code, in torchrun's summary
     # nothing earlier lost: every logged step once, and the checkpoints saved before it are complete
     rows = read_metrics(tmp_path / "out" / "metrics.jsonl")
-    assert [r["step"] for r in rows] == list(range(len(rows)))
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
     latest = (tmp_path / "out" / "checkpoints" / "latest").read_text().strip()
     assert (tmp_path / "out" / "checkpoints" / latest / "manifest.json").is_file()
 
@@ -318,7 +318,7 @@ def test_sigterm_during_a_step_saves_that_step_and_resumes_exactly(tmp_path):
     checkpoint = tmp_path / "out" / "checkpoints" / f"step_{step:08d}"
     assert (checkpoint / "manifest.json").is_file()
     assert (tmp_path / "out" / "checkpoints" / "latest").read_text().strip() == checkpoint.name
-    assert [r["step"] for r in read_metrics(tmp_path / "out" / "metrics.jsonl")] == list(range(step))
+    assert [r["step"] for r in read_metrics(tmp_path / "out" / "metrics.jsonl")] == list(range(1, step + 1))
 
     resumed = Job(torchrun_command(2, config, "--train.resume=true"), tmp_path)
     assert resumed.finish(limit_s=400) == 0, resumed.text
@@ -376,7 +376,7 @@ def test_a_full_disk_is_named_before_the_save_and_stale_saves_are_removed_on_res
                          .values())
     assert (root / "latest").read_text().strip() == "step_00000002"
     assert sorted(os.listdir(root)) == ["latest", "step_00000002"]  # no partial folder left
-    assert [r["step"] for r in read_metrics(tiny_disk / "out" / "metrics.jsonl")] == [0, 1, 2, 3]
+    assert [r["step"] for r in read_metrics(tiny_disk / "out" / "metrics.jsonl")] == [1, 2, 3, 4]
 
     # A save that died half-way (kill -9, ...) leaves step_N.tmp: removed on resume (on a disk with room).
     copy = tmp_path / "copy"
@@ -388,7 +388,7 @@ def test_a_full_disk_is_named_before_the_save_and_stale_saves_are_removed_on_res
     assert resumed.code == 0, resumed.text
     assert f"xorl: removed step_00000004.tmp from {copy / 'checkpoints'}: saves that did not finish" in resumed.out
     assert not stale.exists()
-    assert [r["step"] for r in read_metrics(copy / "metrics.jsonl")] == [0, 1, 2, 3, 4, 5]
+    assert [r["step"] for r in read_metrics(copy / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
 
 
 def _save_with_disk_full_midway(output_dir: str) -> str:
@@ -529,7 +529,7 @@ def test_a_flipped_byte_is_refused_and_the_suggested_resume_works(tmp_path):
     resumed = xorl_train(config, *more[1:], *hint.split(), cwd=tmp_path, timeout=300)
     assert resumed.code == 0, resumed.text
     assert (root / "discarded" / "step_00000004" / "__0_0.distcp").read_bytes() == bytes(data)
-    assert [r["step"] for r in read_metrics(tmp_path / "out" / "metrics.jsonl")] == [0, 1, 2, 3, 4, 5]
+    assert [r["step"] for r in read_metrics(tmp_path / "out" / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
     assert (root / "latest").read_text().strip() == "step_00000006"
 
     # A damaged small file is found before start-up.

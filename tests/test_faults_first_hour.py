@@ -233,7 +233,7 @@ def test_metrics_jsonl_gets_every_step_and_the_console_every_log_steps(tmp_path,
     for step in range(4):
         logger.log(step, {"loss": 1.0 / (step + 1)}, elapsed_s=float(step), show=step % 2 == 1)
     logger.close()
-    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1, 2, 3]
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
     assert [ln.split()[1] for ln in capsys.readouterr().out.splitlines() if ln.startswith("step")] == ["2/4", "4/4"]
 
 
@@ -269,8 +269,8 @@ def test_plot_metrics_reads_a_run_folder_and_refuses_what_it_cannot_plot(tmp_pat
     pytest.importorskip("matplotlib")
     run = tmp_path / "out"
     run.mkdir()
-    rows = [{"step": s, "time": s * 0.5, "loss": 3.0 - s, "lr": 1e-3} for s in range(3)]
-    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 3, "lo')
+    rows = [{"step": s, "time": s * 0.5, "loss": 3.0 - s, "lr": 1e-3} for s in range(1, 4)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "lo')
     ok = _plot("out", cwd=tmp_path)
     assert ok.returncode == 0 and ok.stdout.strip() == os.path.join("out", "metrics.png"), ok.stderr
     assert (run / "metrics.png").stat().st_size > 0
@@ -288,19 +288,20 @@ def test_plot_metrics_reads_a_run_folder_and_refuses_what_it_cannot_plot(tmp_pat
     assert prepare_run(config, 1).overwrite
 
 
-def test_plot_metrics_counts_steps_from_1(tmp_path, monkeypatch):
+def test_plot_metrics_x_axis_is_the_rows_step(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     import matplotlib.axes
 
     from xorl.cli import plot_metrics
 
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0 + s}) + "\n" for s in range(3)))
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0 + s}) + "\n"
+                                                    for s in range(1, 4)))
     plotted = []
     original = matplotlib.axes.Axes.plot
     monkeypatch.setattr(matplotlib.axes.Axes, "plot", lambda self, x, y, *a, **k: (plotted.append(list(x)),
                                                                                      original(self, x, y, *a, **k)))
     plot_metrics.main([str(tmp_path), "--keys", "loss"])
-    assert plotted == [[1, 2, 3]]  # the console's "step 1/3" is the first point
+    assert plotted == [[1, 2, 3]]  # row 1 (the console's "step 1/3") is the first point
 
 
 # -- 15. the first set-up says what it does ---------------------------------------------------------------

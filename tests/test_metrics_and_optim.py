@@ -38,14 +38,14 @@ def test_lr_schedule_warmup_then_cosine_to_min():
 def test_a_resumed_logger_keeps_each_step_once_and_time_cumulative(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(sys, "stderr", io.StringIO())  # not a terminal, even under pytest -s
     path = tmp_path / "metrics.jsonl"
-    rows = [{"step": s, "time": 2.0 * s, "loss": 1.0} for s in range(5)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 5, "ti')  # cut short by a kill
+    rows = [{"step": s, "time": 2.0 * s, "loss": 1.0} for s in range(1, 6)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 6, "ti')  # cut short by a kill
     logger = MetricsLogger(str(tmp_path), total_steps=8, start_step=3, time_offset=10.0)
-    logger.log(3, {"loss": 0.5, "lr": 1e-3})
+    logger.log(3, {"loss": 0.5, "lr": 1e-3})  # the 4th step (index 3), after checkpoint step_00000003
     logger.note("xorl: saved checkpoint somewhere")
     logger.close()
     got = read_metrics(str(path))
-    assert [r["step"] for r in got] == [0, 1, 2, 3]
+    assert [r["step"] for r in got] == [1, 2, 3, 4]  # counted from 1, as the console and checkpoints
     assert got[:3] == rows[:3] and got[3]["time"] >= 10.0
     out = capsys.readouterr().out  # stderr is not a terminal here: plain lines, no bar
     assert "step 4/8 loss 0.5000 lr 1.00e-03 time 10." in out and "xorl: saved checkpoint somewhere" in out
@@ -84,3 +84,24 @@ def test_adamw_is_fused_on_cuda_and_matches_foreach():
         results.append([p.detach().cpu() for p in params])
     for a, b in zip(*results):
         assert ((a - b).norm() / b.norm()).item() < 1e-5
+
+
+def test_a_resumed_tensorboard_sink_replaces_the_steps_after_its_checkpoint(tmp_path):
+    # A run logged steps 1-4 and was resumed from checkpoint step_00000002: TensorBoard must show
+    # steps 1-2 of the first run and 3-4 of the resumed one, as metrics.jsonl keeps them.
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from xorl.log_sinks import TensorBoardSink
+
+    first = TensorBoardSink(str(tmp_path), start_step=0)
+    for step in (1, 2, 3, 4):
+        first.log(step, {"loss": float(step)})
+    first.close()
+    resumed = TensorBoardSink(str(tmp_path), start_step=2)
+    for step in (3, 4):
+        resumed.log(step, {"loss": 10.0 * step})
+    resumed.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(s.step, s.value) for s in events.Scalars("loss")] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]

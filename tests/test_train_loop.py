@@ -365,13 +365,13 @@ def test_the_console_line_and_the_bar_show_throughput_mfu_and_memory(tmp_path, m
 
     from xorl.metrics import MetricsLogger, format_step_line
 
-    row = {"step": 4, "time": 12.25, "loss": 2.5, "grad_norm": 0.75, "lr": 1e-3, "epoch": 2, "data_seen": 1.25,
+    row = {"step": 5, "time": 12.25, "loss": 2.5, "grad_norm": 0.75, "lr": 1e-3, "epoch": 2, "data_seen": 1.25,
            "tokens_per_s": 1234.4, "mfu": 0.4123, "peak_memory_gib": 61.2, "eval_loss": 2.0}
     # An eval step's line carries its eval loss (issue 23: the progress line shows validation).
-    assert format_step_line(4, 10, row) == ("step 5/10 loss 2.5000 eval_loss 2.0000 grad_norm 0.750 lr 1.00e-03 "
+    assert format_step_line(row, 10) == ("step 5/10 loss 2.5000 eval_loss 2.0000 grad_norm 0.750 lr 1.00e-03 "
                                             "epoch 2 data_seen 1.250 tokens/s 1234 mfu 41.2% peak_memory_gib 61.20 "
                                             "time 12.2s")
-    assert "mfu n/a" in format_step_line(4, 10, {**row, "mfu": None})
+    assert "mfu n/a" in format_step_line({**row, "mfu": None}, 10)
 
     class Terminal(io.StringIO):
         def isatty(self):
@@ -381,7 +381,7 @@ def test_the_console_line_and_the_bar_show_throughput_mfu_and_memory(tmp_path, m
     monkeypatch.setattr(sys, "stderr", terminal)
     logger = MetricsLogger(str(tmp_path), total_steps=10, start_step=4)
     metrics = {k: v for k, v in row.items() if k not in ("step", "time")}
-    logger.log(4, metrics, elapsed_s=12.25)
+    logger.log(4, metrics, elapsed_s=12.25)  # the 5th step (index 4): row step 5
     logger.close()
     assert "tokens/s 1234 mfu 41.2% peak_memory_gib 61.20" in terminal.getvalue()
     from xorl.metrics import read_metrics

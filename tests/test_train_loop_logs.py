@@ -40,7 +40,7 @@ def test_tensorboard_wandb_offline_and_profiler_hold_every_step(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     out = tmp_path / "out"
     rows = read_metrics(str(out / "metrics.jsonl"))
-    assert [r["step"] for r in rows] == [0, 1, 2, 3]  # every step, though the console shows every 2nd
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # every step, though the console shows every 2nd
     assert [line.split()[1] for line in done.stdout.splitlines() if line.startswith("step ")] == ["2/4", "4/4"]
     logged = ("loss", "grad_norm", "lr", "epoch", "data_seen", "tokens_per_s", "peak_memory_gib")
     for row in rows:
@@ -52,7 +52,7 @@ def test_tensorboard_wandb_offline_and_profiler_hold_every_step(tmp_path):
     assert set(logged) <= set(events.Tags()["scalars"])
     for key in logged:
         scalars = events.Scalars(key)
-        assert [s.step for s in scalars] == [0, 1, 2, 3]
+        assert [s.step for s in scalars] == [1, 2, 3, 4]  # metrics.jsonl's steps
         assert [s.value for s in scalars] == pytest.approx([r[key] for r in rows], rel=1e-6)  # stored as float32
 
     # W&B offline: one run (rank 0 only), in the run folder, holding every row exactly.
@@ -62,7 +62,7 @@ def test_tensorboard_wandb_offline_and_profiler_hold_every_step(tmp_path):
     assert (info["project"], info["name"]) == ("xorl-tests", "logs-test")
     assert info["config"]["train"]["wandb_project"] == "xorl-tests" and info["config"]["start_step"] == 0
     got = history(files[0])
-    assert [h["_step"] for h in got] == [0, 1, 2, 3]
+    assert [h["_step"] for h in got] == [1, 2, 3, 4]
     for h, row in zip(got, rows):
         assert {k: h[k] for k in logged} == {k: row[k] for k in logged}  # JSON floats: exact
 

@@ -4,7 +4,7 @@ Both come from the ``logging`` extra (``pip install -e .[logging]``); a config t
 whose package is missing is refused before start-up, naming the extra (``missing_logging_packages``,
 called by xorl/config_rules.py). A sink gets every row metrics.jsonl gets (every step), with every
 numeric key in it, whatever code added it (loss, lr, tokens/s, MFU, eval metrics, ...), at the same
-0-based ``step`` as metrics.jsonl.
+``step`` as metrics.jsonl (from 1: the optimizer steps done, as the console and checkpoint names count).
 
 - ``train.tensorboard: true``: ``output_dir/tensorboard`` (torch's SummaryWriter). A resumed run
   purges the events the stopped run wrote after its checkpoint, as metrics.jsonl drops those rows.
@@ -50,8 +50,9 @@ class TensorBoardSink:
     def __init__(self, output_dir: str, start_step: int):
         from torch.utils.tensorboard import SummaryWriter
 
-        # purge_step drops the events the stopped run logged after the checkpoint.
-        self.writer = SummaryWriter(os.path.join(output_dir, TENSORBOARD_DIR), purge_step=start_step or None)
+        # purge_step drops the events the stopped run logged after the checkpoint (steps > start_step).
+        purge = start_step + 1 if start_step else None
+        self.writer = SummaryWriter(os.path.join(output_dir, TENSORBOARD_DIR), purge_step=purge)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         for key, value in _numbers(metrics).items():

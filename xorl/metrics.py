@@ -1,8 +1,10 @@
 """Run logging: a progress bar on terminals, plain lines elsewhere, a JSONL metrics file, and the
 sinks the config asks for (TensorBoard, Weights & Biases: xorl/log_sinks.py).
 
-metrics.jsonl holds each step once across resumes: a run resumed at step N first drops the rows
-of steps >= N (logged after the checkpoint by the run that stopped), and ``time`` is training
+A row's ``step`` counts the optimizer steps done, from 1: the console line's step, the name of the
+checkpoint saved after it (``step_00000020`` holds the state of row 20) and the sinks' step.
+metrics.jsonl holds each step once across resumes: a run resumed from checkpoint N first drops the
+rows of steps > N (logged after the checkpoint by the run that stopped), and ``time`` is training
 time accumulated over every start (the checkpoint carries it). Every row goes to every sink with
 all its keys, so a metric added by any caller (eval loss, ...) reaches TensorBoard and W&B too.
 """
@@ -38,7 +40,7 @@ class MetricsLogger:
         if not enabled:
             return
         os.makedirs(output_dir, exist_ok=True)
-        keep_rows_before(self.path, start_step)
+        keep_rows_through(self.path, start_step)
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
         self._bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True,
                          disable=None)  # None: off when stderr is not a terminal (CI logs)
@@ -49,23 +51,24 @@ class MetricsLogger:
         return self._bar is None or self._bar.disable
 
     def log(self, step: int, metrics: dict[str, float], elapsed_s: float | None = None, show: bool = True) -> None:
-        """One row of metrics.jsonl (and of each sink) for ``step``; a console line too when ``show``."""
+        """One row of metrics.jsonl (and of each sink) for the step of 0-based index ``step``; a
+        console line too when ``show``. The row and the sinks count it from 1 (the module docstring)."""
         if not self.enabled:
             return
         elapsed = time.time() - self._t_start if elapsed_s is None else elapsed_s
-        row = {"step": step, "time": round(elapsed, 3), **metrics}
+        row = {"step": step + 1, "time": round(elapsed, 3), **metrics}
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
         for sink in self._sinks:
-            sink.log(step, metrics)
+            sink.log(step + 1, metrics)
         if not show:
             return
         if self.plain_lines:
-            print(format_step_line(step, self.total_steps, row), flush=True)
+            print(format_step_line(row, self.total_steps), flush=True)
         else:
             self._bar.update(step + 1 - self._bar.n)
             # The bar's postfix: the console line's figures, in its format (tokens/s, MFU and memory too).
-            self._bar.set_postfix_str(format_step_line(step, self.total_steps, row).split(" ", 2)[2])
+            self._bar.set_postfix_str(format_step_line(row, self.total_steps).split(" ", 2)[2])
 
     def note(self, text: str) -> None:
         """A line for the user (a checkpoint saved), beside the bar or among the plain lines."""
@@ -93,10 +96,10 @@ CONSOLE_KEYS = (("loss", ".4f"), ("eval_loss", ".4f"), ("eval_ppl", ".3g"), ("gr
                 ("tokens_per_s", ".0f"), ("mfu", ".1%"), ("peak_memory_gib", ".2f"))
 
 
-def format_step_line(step: int, total_steps: int, row: dict) -> str:
+def format_step_line(row: dict, total_steps: int) -> str:
     """``step 10/150 loss 2.3456 grad_norm 0.812 lr 1.00e-03 epoch 1 data_seen 0.270 tokens/s 1234 mfu 41.2%
-    peak_memory_gib 61.20 time 12.3s`` (steps 1-based)."""
-    parts = [f"step {step + 1}/{total_steps}"]
+    peak_memory_gib 61.20 time 12.3s`` for a metrics.jsonl row (its step counted from 1)."""
+    parts = [f"step {row['step']}/{total_steps}"]
     for key, fmt in CONSOLE_KEYS:
         if key in row:
             value = "n/a" if row[key] is None else f"{row[key]:{fmt}}"
@@ -105,8 +108,9 @@ def format_step_line(step: int, total_steps: int, row: dict) -> str:
     return " ".join(parts)
 
 
-def keep_rows_before(path: str, step: int) -> None:
-    """Rewrite ``path`` keeping only rows of steps < ``step`` (all gone for 0), atomically."""
+def keep_rows_through(path: str, step: int) -> None:
+    """Rewrite ``path`` keeping only the rows of steps 1 .. ``step`` (the checkpoint resumed from; all
+    gone for 0), atomically."""
     if not os.path.exists(path):
         return
     kept = []
@@ -116,7 +120,7 @@ def keep_rows_before(path: str, step: int) -> None:
                 row = json.loads(line)
             except ValueError:
                 continue  # a line cut short by a kill
-            if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] < step:
+            if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
                 kept.append(json.dumps(row) + "\n")
     write_text_atomic(path, "".join(kept))
 

@@ -50,10 +50,10 @@ def main(argv: list[str] | None = None) -> None:
         _fail("plotting needs matplotlib: pip install matplotlib", code=1)
     fig, axes = plt.subplots(len(keys), 1, figsize=(7, 2.5 * len(keys)), sharex=True, squeeze=False)
     for ax, key in zip(axes[:, 0], keys):
-        # steps from 1, as the console counts; a null (MFU where the peak FLOP/s is unknown) is not a point
-        pts = [(r["step"] + 1, r[key]) for r in rows if r.get(key) is not None]
+        # a null (MFU where the peak FLOP/s is unknown) is not a point
+        pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
         ax.plot([p[0] for p in pts], [p[1] for p in pts], label=key)
-        evals = [(r["step"] + 1, r["eval_loss"]) for r in rows if "eval_loss" in r] if key == "loss" else []
+        evals = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r] if key == "loss" else []
         if evals:  # the validation curve beside the training loss, on the steps it was measured
             ax.plot([p[0] for p in evals], [p[1] for p in evals], "o-", label="eval_loss")
             ax.legend()
