@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.triton_helpers import to_triton
-from xorl_kernels.dispatch import TRITON
+from xorl_kernels.dispatch import REFERENCE, TRITON
 from xorl_kernels.fp8 import quantize
 from xorl_kernels.fp8.linear import OPERANDS, RECIPES, fp8_linear
 from xorl_kernels.fp8.quantize import (
@@ -175,33 +175,46 @@ def test_cpu_tensors_dispatch_to_the_reference_and_cuda_ones_to_the_kernels(monk
 
 
 # -- the FP8 paths with every cast on the kernels -----------------------------------------------------
-# Each test runs the path with the reference casts, then again with every automatic cast pick
-# (quantize.py ``_backend``) routed to the Triton kernels, CPU tensors included: equal, not close.
+# Each test runs the path on triton_device() (CUDA, or the CPU under the interpreter) twice: every
+# automatic cast pick (quantize.py ``_backend``) routed to the reference casts, then to the Triton
+# kernels; the GEMMs are the same both times, so the results are equal, not close.
+def casts_on(monkeypatch, backend: str, picks: list | None = None) -> None:
+    def pick(x, requested):
+        if picks is not None:
+            picks.append(tuple(x.shape))
+        return requested or backend
+
+    monkeypatch.setattr(quantize, "_backend", pick)
+
+
 def _linear_run(recipe: str, dtype: torch.dtype):
     g = torch.Generator().manual_seed(4)
-    x = (torch.randn(2, 37, 200, generator=g)).to(dtype).requires_grad_()
-    w = (torch.randn(72, 200, generator=g) / 14).to(dtype).requires_grad_()
-    b = torch.randn(72, generator=g).to(dtype).requires_grad_()
+    x, w, b, dy = to_triton(torch.randn(2, 37, 200, generator=g).to(dtype),
+                            (torch.randn(72, 200, generator=g) / 14).to(dtype),
+                            torch.randn(72, generator=g).to(dtype), torch.randn(2, 37, 72, generator=g).to(dtype))
+    x, w, b = x.requires_grad_(), w.requires_grad_(), b.requires_grad_()
     y = fp8_linear(x, w, b, recipe)
-    y.backward(torch.randn(2, 37, 72, generator=g).to(dtype))
+    y.backward(dy)
     return y.detach(), x.grad, w.grad, b.grad
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_fp8_linear_forward_and_gradients_equal_with_the_kernel_casts(recipe, monkeypatch):
+    casts_on(monkeypatch, REFERENCE)
     ref = _linear_run(recipe, torch.float32)
-    monkeypatch.setattr(quantize, "_backend", lambda x, backend: backend or TRITON)
+    picks = []
+    casts_on(monkeypatch, TRITON, picks)
     got = _linear_run(recipe, torch.float32)
+    assert len(picks) == 6  # two operands of each of the three GEMMs
     assert all(torch.equal(a, b) for a, b in zip(got, ref))
 
 
 def test_fp8_grouped_gemm_forward_and_gradients_equal_with_the_kernel_casts(monkeypatch):
     from xorl_kernels.fp8.grouped import fp8_grouped_gemm
 
-    sizes = torch.tensor([129, 0, 21, 9])
     g = torch.Generator().manual_seed(8)
-    x0, w0 = torch.randn(159, 200, generator=g), torch.randn(4, 200, 136, generator=g) / 14
-    dy = torch.randn(159, 136, generator=g)
+    sizes, x0, w0, dy = to_triton(torch.tensor([129, 0, 21, 9]), torch.randn(159, 200, generator=g),
+                                  torch.randn(4, 200, 136, generator=g) / 14, torch.randn(159, 136, generator=g))
 
     def run():
         x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
@@ -209,9 +222,12 @@ def test_fp8_grouped_gemm_forward_and_gradients_equal_with_the_kernel_casts(monk
         y.backward(dy)
         return y.detach(), x.grad, w.grad
 
+    casts_on(monkeypatch, REFERENCE)
     ref = run()
-    monkeypatch.setattr(quantize, "_backend", lambda x, backend: backend or TRITON)
+    picks = []
+    casts_on(monkeypatch, TRITON, picks)
     assert all(torch.equal(a, b) for a, b in zip(run(), ref))
+    assert len(picks) == 2 + 2 + 2  # forward x, w; dgrad dy, w; wgrad's token tiles of x, dy
 
 
 def _model_step(model_type: str, recipe: str) -> tuple[float, dict]:
@@ -223,7 +239,8 @@ def _model_step(model_type: str, recipe: str) -> tuple[float, dict]:
         m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size, m.norm_topk_prob = 4, 2, 32, True
     model = build_model(m, fp8=recipe)
     model.init_weights(seed=1)
-    rows = torch.randint(0, m.vocab_size, (2, 17), generator=torch.Generator().manual_seed(2))
+    model.to(to_triton(torch.zeros(())).device)
+    rows = to_triton(torch.randint(0, m.vocab_size, (2, 17), generator=torch.Generator().manual_seed(2)))
     out = model(rows[:, :-1], labels=rows[:, 1:])
     (out.loss if out.router_loss is None else out.loss + out.router_loss).backward()
     return float(out.loss.detach()), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
@@ -231,9 +248,10 @@ def _model_step(model_type: str, recipe: str) -> tuple[float, dict]:
 
 @pytest.mark.parametrize("model_type,recipe", [("llama", r) for r in RECIPES] + [("qwen3_moe", "blockwise")])
 def test_a_model_step_with_the_kernel_casts_equals_the_reference_casts(model_type, recipe, monkeypatch):
+    casts_on(monkeypatch, REFERENCE)
     ref_loss, ref_grads = _model_step(model_type, recipe)
     picks = []
-    monkeypatch.setattr(quantize, "_backend", lambda x, backend: picks.append(x.shape) or backend or TRITON)
+    casts_on(monkeypatch, TRITON, picks)
     loss, grads = _model_step(model_type, recipe)
     # the casts of every FP8 GEMM ran on the kernels: 2 layers x (4 attention + 3 MLP / 2 expert) GEMMs
     # x 3 passes x 2 operands (+ the experts' dgrad re-casts w; the token tiles are one pick per operand)

@@ -8,7 +8,7 @@ operand's logical layout and the DEQUANTISATION scale; partial blocks are masked
 - 1 x 128 tiles (``_TILE``) and rowwise rows that fit one 128-column chunk: a [64, 128] tile per
   program, one amax per row (3 bytes an element on bf16: read 2, write 1; + 4 a scale);
 - 128 x 128 blocks (``_BLOCK``): a [128, 128] tile per program, one amax;
-- rowwise on longer rows (``_ROW``): a strip of 64 rows per program, its columns walked twice in
+- rowwise on longer rows (``_ROW``): a strip of 16 rows per program, its columns walked twice in
   128-wide chunks, once for the per-row amax and once for the cast (the operand is read twice);
 - tensorwise: ``_amax_kernel`` folds each [64, 128] tile's amax into a zeroed device scalar per
   stacked tensor with ``atomic_max`` (no host sync), then the cast kernel (``_GIVEN``) reads it;
@@ -43,6 +43,7 @@ from xorl_kernels.dispatch import triton_interpreting
 from xorl_kernels.expert_gemm.triton_kernels import _block_g, _group_of_tile
 
 TILE_R, TILE_C = 64, 128  # an element-wise tile: 64 rows x one 128-column scale tile
+ROW_STRIP = 16  # rows a rowwise program walks: wgrad's x^T has only K rows, so keep the grid wide
 WEIGHT_BLOCK = 128
 TOKEN_TILE, TOKEN_COLS = 128, 64  # one 128-token scale tile x 64 columns
 _TILE, _BLOCK, _ROW, _GIVEN = 0, 1, 2, 3  # the cast kernel's modes (module docstring)
@@ -197,7 +198,7 @@ def _store_target(q: torch.Tensor) -> torch.Tensor:
 
 def _launch_cast(x3, q3, s3, amax, mode: int, dtype, store_qscale: bool = False) -> None:
     lead, rows, cols = x3.shape
-    block_r = WEIGHT_BLOCK if mode == _BLOCK else TILE_R
+    block_r = {_BLOCK: WEIGHT_BLOCK, _ROW: ROW_STRIP}.get(mode, TILE_R)
     grid = (triton.cdiv(rows, block_r), 1 if mode == _ROW else triton.cdiv(cols, TILE_C), lead)
     _cast_kernel[grid](
         x3, _store_target(q3), s3, amax if amax is not None else s3, rows, cols,
