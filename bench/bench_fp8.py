@@ -8,6 +8,12 @@
 - grouped: ``fp8_grouped_gemm`` (blockwise, Triton) on the expert GEMMs of bench_grouped_gemm's
   models at 16K tokens (balanced routing), anchored on bf16 ``torch._grouped_mm``; GEMM alone and
   forward with quantisation. Goal >= 1.5x.
+- casts: each recipe's quantisation of a Llama-3.1-8B-sized activation (16K tokens x 4096) and weight
+  (gate / up, 14336 x 4096), plain and as the transposed view the backward GEMMs pass, through
+  ``quantize_operand`` (the fused Triton kernels on GPU, xorl_kernels/fp8/triton_quantize.py). GB/s of
+  the bytes a cast must move (read the operand once, write the fp8 copy) against a device-to-device copy
+  of the same bytes: ~1.0 for the one-pass casts, ~0.6 where the operand is read twice (tensorwise's amax
+  pass, rowwise's long rows). The eager plain-torch casts of the same operand in params.
 
 GPU figures only: on CPU (no GPU, or --quick) tiny shapes run once as a smoke test of the code
 path, anchored on fp32 torch matmul / xorl's grouped_gemm, and are not performance figures.
@@ -18,12 +24,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from bench.bench_data_movement import _copy_gbps
 from bench.bench_grouped_gemm import CPU_SHAPES, GPU_SHAPES, GPU_TOKENS, route
 from bench.context import BenchContext, Result
 from xorl_kernels.expert_gemm.op import grouped_gemm
 from xorl_kernels.fp8.grouped import blockwise_grouped_mm, fp8_grouped_gemm
-from xorl_kernels.fp8.linear import RECIPES, fp8_linear, quantize_operand, scaled_mm_nt
-from xorl_kernels.fp8.quantize import BLOCK, E4M3, quantize_blocks
+from xorl_kernels.fp8.linear import OPERANDS, RECIPES, fp8_linear, quantize_operand, scaled_mm_nt
+from xorl_kernels.fp8.quantize import BLOCK, E4M3, quantize_blocks, quantize_blocks_reference
 
 
 def _tflops(flops: float, seconds: float) -> float:
@@ -95,10 +102,39 @@ def _grouped(ctx: BenchContext, shape, gemm_kind: str, num_tokens: int, dtype: t
     ]
 
 
+def _casts(ctx: BenchContext, tokens: int, hidden: int, ffn: int, dtype: torch.dtype) -> list[Result]:
+    gen = torch.Generator(device=ctx.device).manual_seed(11)
+    activation = torch.randn(tokens, hidden, device=ctx.device, dtype=dtype, generator=gen)
+    weight = torch.randn(ffn, hidden, device=ctx.device, dtype=dtype, generator=gen) / hidden**0.5
+    iters = 20 if ctx.on_gpu else 2
+    a = activation.element_size()
+    peak = ctx.peaks.get("copy_gbps")
+    results = []
+    for recipe in RECIPES:
+        for label, role, operand in (("activation", "x", activation), ("activation^T", "x_t", activation.t()),
+                                     ("weight", "w", weight), ("weight^T", "w_t", weight.t())):
+            moved = (a + 1) * operand.numel()  # read once, write the fp8 copy
+            block, fp8 = OPERANDS[recipe][role]
+            fused = lambda o=operand, r=role, rc=recipe: quantize_operand(o, rc, r)  # noqa: E731
+            plain = lambda o=operand, b=block, f=fp8: quantize_blocks_reference(o, *b, f)  # noqa: E731
+            gbps = moved / ctx.time(fused, iters=iters) / 1e9
+            eager = moved / ctx.time(plain, iters=iters) / 1e9
+            rows, cols = operand.shape
+            results.append(Result(
+                name=f"fp8 cast {recipe} {label} {rows}x{cols}", value=gbps, unit="GB/s",
+                anchor="device copy of the same bytes", anchor_value=_copy_gbps(ctx, moved // 2),
+                peak_fraction=gbps / peak if peak else None,
+                params={"recipe": recipe, "role": role, "rows": rows, "cols": cols, "block": str(block),
+                        "fp8": str(fp8).removeprefix("torch."), "dtype": str(dtype).removeprefix("torch."),
+                        "eager_reference_gbps": eager, "speedup_vs_eager": gbps / eager}))
+    return results
+
+
 def run(ctx: BenchContext) -> list[Result]:
     small = ctx.quick or not ctx.on_gpu
     dtype = torch.bfloat16 if ctx.on_gpu else torch.float32
-    results = _dense(ctx, 256 if small else 8192, dtype)
+    results = _casts(ctx, *((256, 192, 320) if small else (16384, 4096, 14336)), dtype)
+    results += _dense(ctx, 256 if small else 8192, dtype)
     shapes, tokens = (CPU_SHAPES[:1], 128) if small else (GPU_SHAPES, GPU_TOKENS)
     for shape in shapes:
         for gemm_kind in ("up", "down"):

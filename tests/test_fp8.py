@@ -161,8 +161,8 @@ def test_fp8_wgrad_kernel_against_the_float64_formula_with_poisoned_output():
     tile_of_row, row_start, first_tile, num_tiles = group_token_tiles(sizes, m)
     assert tile_of_row.tolist() == [0] * 128 + [1] * 128 + [2] * 44 + [3] * 7 + [4] * 60
     assert num_tiles == 3 + 4  # the static bound: ceil(367 / 128) + G
-    qx, sx = quantize_token_tiles(x, tile_of_row, num_tiles)
-    qdy, sdy = quantize_token_tiles(dy, tile_of_row, num_tiles)
+    qx, sx = quantize_token_tiles(x, sizes, tile_of_row, num_tiles)
+    qdy, sdy = quantize_token_tiles(dy, sizes, tile_of_row, num_tiles)
     out = torch.full((4, k, n), float("nan"))
     tensors = to_triton(qx, sx, qdy, sdy, sizes.to(torch.int32), row_start, first_tile, out)
     fp8_blockwise_grouped_wgrad(*tensors[:7], torch.float32, out=tensors[7])

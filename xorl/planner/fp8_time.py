@@ -13,25 +13,32 @@ Rate: the FP8 peak (--fp8-peak-tflops; default FP8_PEAK_RATIO x --peak-tflops) t
 the GEMM's bytes (1 byte an fp8 operand element; outputs in their dtype, the dense wgrad's fp32), or one
 launch, whichever is longest: step_time.py's rule for bf16 GEMMs.
 
-Casts, bandwidth-bound at hbm_fraction of --hbm-gbps, each pass's ops at least a launch each (step_time's
-rule for element-wise work). Every GEMM quantises both operands on the fly with plain PyTorch ops
-(xorl_kernels/fp8/quantize.py quantize_blocks), the weight in forward and again in backward (nothing FP8
-is saved between them). One quantisation of an [R, C] operand in br x bc blocks (OPERANDS of
-xorl_kernels/fp8/linear.py: tensorwise one block; rowwise 1 x C; blockwise 1 x 128 activations and
-gradients, 128 x 128 weights), its bytes counted from the ops it runs (tests/test_plan_fp8.py holds them
-to a dispatch-level trace of the real call):
-  33 an element: |x| (2a), its amax (a), x.float() (a + 4; none on fp32), x * scale (8), the saturating
-     clamp (8), the cast to fp8 (5), a = the operand's bytes per element;
-  108 + (2a + 4, or 4 on fp32) a block: torchao's amax_to_scale rounded to a power of 2, the reciprocal;
-  a transposed operand (dgrad's w^T, wgrad's dy^T and x^T) is copied contiguous first: 2a an element;
-  blockwise on a dim that is no multiple of 128: a zero pad (a n + a n_pad) and a crop (2 n);
-  launches: 16 (14 on fp32), + 1 for the transposed copy, + 2 for a pad.
+Casts, bandwidth-bound at hbm_fraction of --hbm-gbps, each kernel at least a launch (step_time's rule
+for element-wise work). Every GEMM quantises both operands on the fly, the weight in forward and again in
+backward (nothing FP8 is saved between them), on a GPU with the fused Triton kernels of
+xorl_kernels/fp8/triton_quantize.py: each loads its tiles through the operand's strides (a transposed
+operand, dgrad's w^T and wgrad's dy^T / x^T, costs what the operand itself does: no copy), masks partial
+blocks (no pad, no crop) and writes q and the scales. One quantisation of n = lead x R x C elements of a
+bytes in br x bc blocks (OPERANDS of xorl_kernels/fp8/linear.py), its bytes those the kernels load and
+store (tests/test_plan_fp8.py holds them to an interpreter trace of the real call):
+  blockwise (1 x 128 activations and gradients, 128 x 128 weights): one pass, a n + n + 4 a block's
+     scale; 1 launch;
+  rowwise (1 x C): a n + n + 4 R when a row fits one 128-column chunk, else the row strip is read twice
+     (amax pass, cast pass): 2 a n + n + 4 R; 1 launch;
+  tensorwise: a zero fill of the amax (4 bytes), the amax kernel (a n, and an atomic max of 8 bytes per
+     64 x 128 tile), the cast (a n + n, the amax loaded once per tile: 4, the scale: 4): 2 a n + n +
+     12 tiles + 8; 3 launches.
+The 4-byte amax and the 8 G bytes of sizes every program loads are L2 hits on a GPU; they are counted
+as loaded (under 0.3% of the bytes on the modelled shapes), so the count is the kernels' own.
 The experts' wgrad quantises x and dy in 1 x 128 token tiles that never straddle experts
-(quantize_token_tiles: 49 bytes an element on bf16, 41 on fp32, 120 a tile and column, 16 a row; the
-tile map, group_token_tiles: 128 a row). Around the GEMMs: a bias is an add of its own (bf16's addmm fuses it);
-the wgrad of a linear outside TP comes back fp32 and is cast to the weight's dtype (4 + a a weight
-element: bf16's F.linear writes it directly; the TP linears cast in both); rowwise pads its two scale
-vectors, blockwise builds its group-size tensor. With train.fp8_all_gather FSDP2 hands the GEMMs the
+(quantize_token_tiles: one kernel over the static tile bound ceil(rows / 128) + experts x 64-column
+chunks, each loading the experts' int64 sizes to find its tile: (a + 1) an element, 4 a tile and column,
+8 experts a program; the tile map, group_token_tiles, still plain torch ops: 128 a row).
+
+Around the GEMMs: a bias is an add of its own (bf16's addmm fuses it); the wgrad of a linear outside
+TP comes back fp32 and is cast to the weight's dtype (4 + a a weight element: bf16's F.linear writes it
+directly; the TP linears cast in both); rowwise pads its two scale vectors, blockwise builds its
+group-size tensor. With train.fp8_all_gather FSDP2 hands the GEMMs the
 weight already cast (xorl/nn/fp8_all_gather.py): its forward operand costs one launch, dgrad's w^T a
 contiguous copy of the fp8 bytes. TP with tp_overlap and sequence parallel above the ring threshold
 (t h >= DEFAULT_OVERLAP_MIN_NUMEL, xorl/nn/tp_comm.py): each of the tp sequence chunks runs its own
@@ -59,32 +66,39 @@ from xorl.planner.activations import block_matmuls, recomputed_matmuls
 # NVIDIA H100 SXM datasheet (nvidia.com/en-us/data-center/h100): FP8 tensor core 3,958 TFLOPS and BF16
 # 1,979 "with sparsity", i.e. 1,979 and 989 dense. H200 and H800 share the H100's tensor cores.
 FP8_PEAK_RATIO = 2.0
-BLOCK = 128  # xorl_kernels/fp8/quantize.py BLOCK
 _TRANSPOSED = {"x": False, "w": False, "dy": False, "w_t": True, "dy_t": True, "x_t": True}
 
 
-def quantize_cost(rows: float, cols: float, block: tuple, a: int, transposed: bool = False,
-                  lead: int = 1) -> tuple[float, int]:
-    """(bytes, launches) of quantize_blocks on ``lead`` stacked [rows, cols] operands of ``a`` bytes an
-    element in ``block`` = (block_rows, block_cols) blocks, None for a whole dim (module docstring)."""
+def _tiles() -> tuple[int, int, int, int]:
+    """The kernels' tile shapes: (rows, columns) of an element-wise tile, the token tile, its columns."""
+    from xorl_kernels.fp8.triton_quantize import TILE_C, TILE_R, TOKEN_COLS, TOKEN_TILE
+
+    return TILE_R, TILE_C, TOKEN_TILE, TOKEN_COLS
+
+
+def quantize_cost(rows: float, cols: float, block: tuple, a: int, lead: int = 1) -> tuple[float, int]:
+    """(bytes, launches) of quantize_blocks' Triton kernels on ``lead`` stacked [rows, cols] operands of
+    ``a`` bytes an element in ``block`` = (block_rows, block_cols) blocks, None for a whole dim (module
+    docstring); a transposed operand is read in place and costs the same."""
+    tile_r, tile_c, _, _ = _tiles()
+    n = lead * rows * cols
+    if block == (None, None):
+        tiles = lead * math.ceil(rows / tile_r) * math.ceil(cols / tile_c)
+        return 2 * a * n + n + 12 * tiles + 8 * lead, 3
+    if block == (1, None):
+        passes = 1 if cols <= tile_c else 2
+        return passes * a * n + n + 4 * lead * rows, 1
     br = rows if block[0] is None else min(block[0], rows)
     bc = cols if block[1] is None else min(block[1], cols)
-    nr, nc = math.ceil(rows / br), math.ceil(cols / bc)
-    n, padded, blocks = lead * rows * cols, lead * nr * br * nc * bc, lead * nr * nc
-    nbytes = 33 * padded + blocks * (108 + (2 * a + 4 if a != 4 else 4))
-    launches = 16 if a != 4 else 14
-    if transposed:
-        nbytes, launches = nbytes + 2 * a * n, launches + 1
-    if padded != n:
-        nbytes, launches = nbytes + a * n + a * padded + 2 * n, launches + 2
-    return nbytes, launches
+    return a * n + n + 4 * lead * math.ceil(rows / br) * math.ceil(cols / bc), 1
 
 
 def token_tiles_cost(rows: float, cols: float, groups: int, a: int) -> tuple[float, int]:
-    """(bytes, launches) of quantize_token_tiles on [rows, cols] sorted over ``groups`` experts."""
-    tiles = math.ceil(rows / BLOCK) + groups
-    per_element = 49 if a != 4 else 41
-    return per_element * rows * cols + 120 * tiles * cols + 16 * rows, 18 if a != 4 else 16
+    """(bytes, launches) of quantize_token_tiles' kernel on [rows, cols] sorted over ``groups`` experts."""
+    _, _, token_tile, token_cols = _tiles()
+    tiles = math.ceil(rows / token_tile) + groups
+    programs = tiles * math.ceil(cols / token_cols)
+    return (a + 1) * rows * cols + 4 * tiles * cols + 8 * groups * programs, 1
 
 
 def group_tiles_cost(rows: float, groups: int) -> tuple[float, int]:
@@ -187,13 +201,13 @@ class Fp8Pricer:
         if self.all_gathered:  # already float8 (xorl_kernels/fp8/linear.py weight_operand)
             return (0, 1) if role == "w" else (2 * n * k, 2)
         rows, cols = (n, k) if role == "w" else (k, n)
-        nbytes, launches = quantize_cost(rows, cols, self.block[role], self.a, _TRANSPOSED[role])
+        nbytes, launches = quantize_cost(rows, cols, self.block[role], self.a)
         return chunks * nbytes, chunks * launches
 
     def _act(self, role: str, rows: float, cols: float, chunks: int) -> tuple[float, int]:
         nbytes, launches = quantize_cost(rows / chunks if not _TRANSPOSED[role] else rows,
                                          cols / chunks if _TRANSPOSED[role] else cols,
-                                         self.block[role], self.a, _TRANSPOSED[role])
+                                         self.block[role], self.a)
         return chunks * nbytes, chunks * launches
 
     def forward(self, g: Fp8Gemm, casts_only: bool = False) -> float:

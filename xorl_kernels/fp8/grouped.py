@@ -62,8 +62,8 @@ def blockwise_grouped_wgrad(x: torch.Tensor, dy: torch.Tensor, group_sizes: torc
     """``dw[g] = x[rows of g]^T @ dy[rows of g]`` -> [G, K, N] in FP8: x and dy quantised in 1 x 128
     token tiles that start at each group's first row (``group_token_tiles``), products in float32."""
     tile_of_row, row_start, first_tile, num_tiles = group_token_tiles(group_sizes, x.shape[0])
-    qx, sx = quantize_token_tiles(x, tile_of_row, num_tiles, E4M3)
-    qdy, sdy = quantize_token_tiles(dy, tile_of_row, num_tiles, E4M3)
+    qx, sx = quantize_token_tiles(x, group_sizes, tile_of_row, num_tiles, E4M3)
+    qdy, sdy = quantize_token_tiles(dy, group_sizes, tile_of_row, num_tiles, E4M3)
     if backend == TRITON:
         from xorl_kernels.fp8.triton_blockwise import fp8_blockwise_grouped_wgrad
 

@@ -27,7 +27,10 @@ no activation memory. The non-autograd pieces (``linear_forward``, ``linear_dgra
 ``linear_wgrad``) are public so the tensor-parallel matmuls (``xorl.nn.tp_comm``) run the same
 GEMMs inside their own autograd functions.
 
-What comes from torchao and what does not: the scale arithmetic is torchao's (quantize.py).
+The casts (``quantize_operand``) are fused Triton kernels on CUDA tensors (``triton_quantize.py``: a
+transposed operand read in place, one pass per block), the plain-torch reference on CPU, bit for bit
+the same q and scales. What comes from torchao and what does not: the scale arithmetic is torchao's
+(quantize.py).
 torchao's ``Float8Linear`` is not used: ``convert_to_float8_training`` swaps the model's
 nn.Linear modules after they are built (xorl builds each module once, with its recipe), its
 layer multiplies whole (DTensor) weights where xorl's TP layers run their own overlapped chunked

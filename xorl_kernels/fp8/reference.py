@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from xorl_kernels.fp8.quantize import expand_block_scale, quantize_blocks
+from xorl_kernels.fp8.quantize import expand_block_scale, quantize_blocks_reference
 
 
 def dequantize_reference(q: torch.Tensor, scale: torch.Tensor, block_rows: int | None,
@@ -40,7 +40,7 @@ def fp8_linear_reference(x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor | No
 
     def operand(t, role):
         block, dtype = OPERANDS[recipe][role]
-        q, s = quantize_blocks(t, *block, dtype)
+        q, s = quantize_blocks_reference(t, *block, dtype)
         return q, s, block
 
     y = scaled_mm_nt_reference(*operand(x, "x"), *operand(w, "w"))
@@ -72,15 +72,15 @@ def blockwise_grouped_wgrad_reference(x: torch.Tensor, dy: torch.Tensor, group_s
     ``tile``-token tiles from its first row (the last one partial), each tile's x^T and dy^T
     quantised to e4m3 with one scale per row (per feature, over the tile's tokens), the dequantised
     products summed in float64. Independent of the kernels' tile bookkeeping
-    (``quantize.group_token_tiles``): only ``quantize_blocks`` is shared.
+    (``quantize.group_token_tiles``): only ``quantize_blocks_reference`` is shared.
     """
     dw = torch.zeros(group_sizes.numel(), x.shape[1], dy.shape[1], dtype=torch.float64, device=x.device)
     start = 0
     for g, rows in enumerate(group_sizes.tolist()):
         for first in range(0, rows, tile):
             tokens = slice(start + first, start + min(first + tile, rows))
-            qa, sa = quantize_blocks(x[tokens].t(), 1, None)
-            qb, sb = quantize_blocks(dy[tokens].t(), 1, None)
+            qa, sa = quantize_blocks_reference(x[tokens].t(), 1, None)
+            qb, sb = quantize_blocks_reference(dy[tokens].t(), 1, None)
             dw[g] += dequantize_reference(qa, sa, 1, None) @ dequantize_reference(qb, sb, 1, None).t()
         start += rows
     return dw
