@@ -85,6 +85,27 @@ def test_the_profiler_peak_is_exact():
     assert profiled_peak(step) == 8_000_000
 
 
+def test_the_profiler_peak_sees_frees_on_other_threads():
+    # gloo frees a collective's input on its worker thread when the training thread has dropped it
+    # first (xorl/planner/measure.py). Here a thread frees the 12 MB block the step allocated before
+    # it allocates 4 MB more: 12 MB at the peak, and the step ends where it began. Read on the
+    # profiled thread alone, the running total missed that free: 16 MB, and the step ended 12 MB up.
+    import threading
+
+    import torch
+
+    from xorl.planner.measure import profiled_peak
+
+    def step():
+        held = [torch.empty(3_000_000, dtype=torch.float32)]  # 12 MB
+        worker = threading.Thread(target=held.clear)
+        worker.start()
+        worker.join()
+        torch.empty(1_000_000, dtype=torch.float32)  # 4 MB, allocated and freed
+
+    assert profiled_peak(step, steady=True) == 12_000_000
+
+
 @pytest.mark.parametrize("tokens, vocab, hidden", [(1024, 4096, 64), (1000, 3001, 48), (300, 50000, 16)])
 def test_fused_loss_term_matches_the_allocator(tokens, vocab, hidden):
     # The fused linear cross-entropy's forward + backward alone, fp32, outside FSDP (so its d_weight
