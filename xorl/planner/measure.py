@@ -71,6 +71,12 @@ def profiled_peak(step, steady: bool = False) -> int:
     """Profile two steps and read the second: blocks allocated before profiling began (whose frees the
     profiler cannot size) are freed in the first, so the second's running total is exact. ``steady``:
     the step ends holding what it began with (a training step), checked."""
+    return profiled_step(step, steady)["peak"]
+
+
+def profiled_step(step, steady: bool = False) -> dict[str, int]:
+    """profiled_peak's reading, and the bytes held above the step's start where ``mark(name)`` was
+    first called inside it (the running total at the last allocator event before the mark)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     with _EveryThread(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -93,27 +99,62 @@ def profiled_peak(step, steady: bool = False) -> int:
     if steady and inside and abs(inside[-1] - start) > STEADY_DRIFT * peak:
         raise RuntimeError(f"xorl.planner.measure: the step ended {inside[-1] - start} bytes away from its "
                            "start; the allocator's running total missed frees or the step is not steady")
-    return peak
+    readings = {"peak": peak}
+    for e in sorted(events, key=lambda e: -e.get("ts", 0)):  # the first mark of each name wins
+        name = e.get("name", "")
+        if e.get("ph") == "X" and name.startswith(_MARK) and begin <= e["ts"] <= end:
+            readings[name[len(_MARK):]] = max([start] + [m["args"]["Total Allocated"] for m in memory
+                                                         if begin <= m["ts"] <= e["ts"]][-1:]) - start
+    return readings
+
+
+_MARK = "xorl_mark:"
+
+
+def mark(name: str) -> None:
+    """A point of the profiled step whose held bytes profiled_step reads."""
+    from torch.profiler import record_function
+
+    with record_function(_MARK + name):
+        pass
 
 
 def step_transient_peak(config) -> int:
     """Peak bytes allocated during one training step above those held at its start (see the docstring)."""
+    return step_readings(config)["peak"]
+
+
+def step_readings(config) -> dict[str, int]:
+    """One training step (the second of a Trainer) above its start: ``peak``, and ``after_forward``, what
+    the step holds when its last decoder layer's forward has returned (every block's kept tensors; under
+    full recompute the hook fires again in the backward's recompute: the first is read)."""
     import torch
 
+    from xorl.plans.data_parallel import decoder_layers
     from xorl.trainer import Trainer
 
     trainer = Trainer(config)
     trainer.train_step()  # AdamW's state now exists: the baseline of every later step
-    if torch.cuda.is_available() and trainer.device.type == "cuda":
+    cuda = torch.cuda.is_available() and trainer.device.type == "cuda"
+    after_forward: list[int] = []
+
+    def forward_end(*_):
+        if cuda and not after_forward:
+            after_forward.append(torch.cuda.memory_allocated())
+        elif not cuda:
+            mark("after_forward")
+
+    layers = [layer for part in trainer.parts for layer in decoder_layers(part)]
+    if layers:  # a pipeline stage may hold none
+        layers[-1].register_forward_hook(forward_end)
+    if cuda:
         torch.cuda.synchronize()
         start = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         trainer.train_step()
         torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - start
-    else:
-        peak = profiled_peak(trainer.train_step, steady=True)
-    return peak
+        return {"peak": torch.cuda.max_memory_allocated() - start, "after_forward": after_forward[0] - start}
+    return profiled_step(trainer.train_step, steady=True)
 
 
 def selective_cache_bytes(config) -> list[int]:
