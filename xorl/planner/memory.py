@@ -18,27 +18,29 @@ model's frozen base in the compute dtype, see shapes.py):
 ESTIMATED (a stated model; scripts/plan_calibrate.py compares it with torch.cuda.max_memory_allocated
 on one GPU; t, a, s, h, hq, hkv as in xorl/planner/activations.py):
 
-  other: FSDP2's unsharded blocks in flight: the largest decoder layer (TP/EP-local size) x (2 p_u
-  + g_u + 4 [fp32 reduce-scatter input, with bf16 gradients] + 4 [the previous layer's reduce-
-  scatter]) with p_u = g_u = a, i.e. the running and the prefetched layer, its gradient and the
-  reduce-scatters; the root group (embedding, final norm, lm_head) stays gathered through the
-  forward and the backward (its module wraps both) and holds lm_head's gradient from the start of
-  backward: x (p_u + g_u); zero-bubble schedules keep the whole stage unsharded with fp32
-  gradients: x (p_u + 4); fsdp_reshard_after_forward: never keeps every layer's gathered weights
-  to its backward: the stage x p_u plus one layer's gradient buffers. Communication buffers: TP 2
-  a t h, Ulysses 2 a t (hq + 2 hkv) / tp, ring 2 a t 2hkv / tp + 4 t hq / tp (fp32 merge), EP 2 a
-  t k h / tp (under TP the MoE block runs on t / tp tokens), PP 2 a t h per microbatch in flight,
-  ddp 128 MiB buckets; 256 MiB of kernel workspace.
+  other: FSDP2's unsharded blocks in flight: the largest decoder layer (TP/EP-local size) x 2 p_u
+  (p_u = a), the running and the prefetched layer (only the running one where the FSDP group is one
+  rank: torch makes a one-rank group's unsharded copy at its wait, not at the prefetch), and in the
+  backward the layer's gradients as they are made and the previous layer's reduce-scatter input (4
+  bytes a parameter) in flight, moment by moment (estimate); the root group (embedding, final norm,
+  lm_head) stays gathered through the forward and the backward (its module wraps both) and holds
+  lm_head's gradient from the start of backward: x (p_u + g_u); zero-bubble schedules keep the whole
+  stage unsharded with fp32 gradients: x (p_u + 4); fsdp_reshard_after_forward: never keeps every
+  layer's gathered weights to its backward: the stage x p_u plus one layer's gradient buffers.
+  Communication buffers: TP 2 a t h, Ulysses 2 a t (hq + 2 hkv) / tp, ring 2 a t 2hkv / tp + 4 t hq
+  / tp (fp32 merge), EP 2 a t k h / tp (under TP the MoE block runs on t / tp tokens), PP 2 a t h
+  per microbatch in flight, ddp 128 MiB buckets; 256 MiB of kernel workspace.
   The optimizer step's foreach temporaries (4 bytes per local parameter) come when activations are
   freed.
 
   The peak is one moment (step_peak): the largest of the loss's backward (kept activations, the
-  loss's buffers, the gathered blocks), the first layer's backward (kept activations, its recompute
-  and gradient working set, the gathered blocks and one layer's gradient buffers) and the end of the
-  step (gradients and the optimizer's temporaries), plus what is held throughout (workspace,
-  communication buffers). Buckets: activations at the peak; other, the buffers at the peak or
-  what the peak holds beyond activations and gradients, whichever is larger. Held to the CPU
-  allocator by tests/test_plan_activations.py; the whole grid in bench/results/plan-cpu-activations.json.
+  loss's buffers, the gathered blocks), each layer's backward in turn (kept activations, its
+  recompute and gradient working set, the gathered blocks, the gradients made so far and the
+  previous layer's reduce-scatter) and the end of the step (gradients and the optimizer's
+  temporaries), plus what is held throughout (workspace, communication buffers). Buckets:
+  activations at the peak; other, the buffers at the peak or what the peak holds beyond activations
+  and gradients, whichever is larger. Held to the CPU allocator by tests/test_plan_activations.py;
+  the whole grid in bench/results/plan-cpu-activations.json.
   The CPU references of the element-wise ops allocate fp32 temporaries the Triton kernels do not
   (SwiGLU's backward two [t, I] more, where a layer's backward peaks), which this GPU model leaves out.
   Reserved (what torch.cuda.max_memory_reserved reports): the total plus ALLOCATOR_OVERHEAD of the
@@ -54,6 +56,7 @@ from xorl.planner.activations import (
     activation_bytes_per_token,
     backward_bytes_per_token,
     checkpointing,
+    compiled_unread_bytes_per_token,
     every_other_matmul,
     inflight_microbatches,
     loss_bytes,
@@ -61,7 +64,7 @@ from xorl.planner.activations import (
     selective_bytes_per_token,
     selective_moe_bytes_per_token,
 )
-from xorl.planner.shapes import EXPERT_PARAMS, ModelShapes, RankParams, local_numel, rank_params
+from xorl.planner.shapes import EXPERT_PARAMS, ModelShapes, RankParams, is_adapter_name, local_numel, rank_params
 
 # Zero-bubble schedules: the stage stays gathered (xorl/plans/pipeline_parallel.py).
 SPLIT_BACKWARD_SCHEDULES = tuple(name for name, info in PIPELINE_SCHEDULES.items() if info.split_backward)
@@ -159,9 +162,12 @@ def estimate(config, p: ParallelConfig, shapes: ModelShapes, pp_rank: int, preci
         moe_kept = 0.0 if last_recomputed else moe_none
         attn_recompute = per_layer[-1] - moe_none if last_recomputed else 0.0
     elif mode == "selective":
-        selective = [selective_bytes_per_token(spec, shapes.is_moe_kind(shapes.layer_kind[i]), a, p.tp, sp,
-                                               every_other_matmul(train)) for i in rp.layers]
-        per_kept, kept = selective, sum(selective)
+        moe_layers = [shapes.is_moe_kind(shapes.layer_kind[i]) for i in rp.layers]
+        selective = [selective_bytes_per_token(spec, moe, a, p.tp, sp, every_other_matmul(train)) for moe in moe_layers]
+        # train.compile: the outputs the backward never reads are not kept (activations.py)
+        per_kept = [x - (compiled_unread_bytes_per_token(spec, moe, a, p.tp, sp, every_other_matmul(train))
+                         if train.compile else 0) for x, moe in zip(selective, moe_layers)]
+        kept = sum(per_kept)
         # one layer's element-wise outputs recomputed at a time: what it keeps without recompute, less the saved
         working = max((x - y for x, y in zip(per_layer, selective)), default=0)
         moe_kept = selective_moe_bytes_per_token(spec, a, p.tp) if moe_last else 0.0
@@ -173,7 +179,8 @@ def estimate(config, p: ParallelConfig, shapes: ModelShapes, pp_rank: int, preci
     work = t * (working + max(backward_bytes_per_token(spec, shapes.is_moe_kind(k), a, p.tp, sp)
                               for k in range(len(shapes.kinds))))
     fixed = WORKSPACE_BYTES + _comm_buffers(spec, p, a, t, inflight)  # held throughout
-    gathered = grad_buffers = grad_copy = experts = 0  # FSDP2: gathered parameters; one layer's gradient buffers
+    # FSDP2: gathered parameters (of them the prefetched layer); one layer's gradient buffers
+    gathered = grad_buffers = grad_copy = experts = prefetched = 0
     head_grad_counted = False  # whether those hold lm_head's gradient (the fused loss makes it in its forward)
     # The experts' own FSDP unit (under EP, or TP: xorl/plans/data_parallel.py experts_have_own_mesh)
     # reduce-scatters their gradients when the MoE block's backward ends, the layer's attention later.
@@ -189,7 +196,12 @@ def estimate(config, p: ParallelConfig, shapes: ModelShapes, pp_rank: int, preci
         elif not reshards_after_forward(train, p.pp):
             gathered = rp.stage_unsharded * a
         else:
-            gathered = rp.largest_layer_unsharded * 2 * a + rp.root_unsharded * (a + a)
+            # The running layer and the one its backward prefetches; a one-rank FSDP group gathers
+            # nothing, and makes the prefetched layer's unsharded copy only at its own wait (the
+            # experts' own unit is sharded over dp_shard x cp x tp / ep ranks).
+            ep_fsdp = p.dp_shard_cp * p.tp // p.ep
+            prefetched = a * ((rp.largest_layer_unsharded - experts) * (p.dp_shard_cp > 1) + experts * (ep_fsdp > 1))
+            gathered = rp.largest_layer_unsharded * a + prefetched + rp.root_unsharded * (a + a)
             head_grad_counted = True
     elif p.dp_cp > 1:
         fixed += DDP_BUCKET_BYTES
@@ -200,9 +212,8 @@ def estimate(config, p: ParallelConfig, shapes: ModelShapes, pp_rank: int, preci
     # loss's buffers), the first layer's backward and the end of the step (every gradient and the
     # optimizer's foreach temporaries, 4 bytes per local parameter, once the activations are freed).
     # The first layer's backward: its compute (its recompute and gradient working set on top of
-    # every kept activation), with one layer's gradient buffers (its unsharded gradients as they
-    # are made, the previous unit's reduce-scatter in flight: for a dense layer, their sum is what
-    # the allocator measures). The experts' own FSDP unit splits the layer in two (the CPU
+    # every kept activation), and the layers after it with the gradient buffers of their moment
+    # (below). The experts' own FSDP unit splits the layer in two (the CPU
     # allocator's timeline shows it): the MoE block's backward (compute), its experts'
     # post-backward reduce-scatter once the block has freed its own kept activations (while the
     # layer's attention part, kept or recomputed, is alive), then the attention's backward with
@@ -218,10 +229,35 @@ def estimate(config, p: ParallelConfig, shapes: ModelShapes, pp_rank: int, preci
         attn_backward = 2 * a * spec.hidden_size / (p.tp if sp else 1)  # gradients of its output and input
         at_attention = alive + t * attn_backward + experts * 4 + rest * (a + grad_copy + 4)
         layer_buffers = max(at_reduce, at_attention) - at_compute  # beyond the compute moment, when larger
-        at_layer = max(at_compute, at_reduce, at_attention)
+        # with gradient accumulation every sharded gradient is held from the first microbatch on
+        at_layer = max(at_compute, at_reduce, at_attention) + (grads if m > 1 else 0)
+    elif grad_buffers:
+        # The layers are FSDP units, each met in turn by the backward (this rank's last first). A
+        # layer's compute moment (its MLP's backward) holds the gradients its backward has made by
+        # then, the MLP's down projection's (its first GEMM backward), not yet the layer's others:
+        # they and the layer's reduce-scatter come at its end, once its activations are freed.
+        # FSDP2 keeps that reduce-scatter's input (4 bytes a parameter: fp32 gradients, or their
+        # fp32 copy) until the next unit's post-backward, so every later layer computes beside one
+        # in flight, with one layer's kept activations fewer and one more layer's sharded
+        # gradients than the layer before it (every layer's, from the first microbatch on, with
+        # gradient accumulation: each microbatch reduce-scatters into them); the last has no
+        # layer to prefetch. None of this overlaps the first layer's compute, where the whole
+        # layer's buffers and a reduce-scatter were charged: 6-7 % of the CPU grid's peaks
+        # (bench/results/plan-cpu-activations.json) that the CPU references' fp32 temporaries hid.
+        kinds = [shapes.kinds[shapes.layer_kind[i]] for i in rp.layers]
+        grad_bytes = PRECISIONS[precision][1]
+        alive, done = at_compute, grads if m > 1 else 0
+        moments = [(alive + a * down_projection_numel(kinds[-1], p) + done, done)]
+        for k in range(1, len(kinds)):
+            alive -= t * per_kept[-k]
+            done += grad_bytes * sharded_trainable_numel(kinds[-k], p) if m == 1 else 0
+            last = k == len(kinds) - 1
+            moments.append((alive + a * down_projection_numel(kinds[-1 - k], p) + 4 * rp.largest_layer_unsharded
+                            - (prefetched if last else 0) + done, done))
+        at_layer, done = max(moments)
+        layer_buffers = at_layer - at_compute - done  # the sharded gradients are the grads bucket's
     else:
-        at_layer = at_compute + grad_buffers
-        layer_buffers = grad_buffers
+        at_layer, layer_buffers = at_compute, 0
     at_end = grads + 4 * rp.trainable
     activations = held + (loss if at_loss >= at_layer else logits_held + work)
     peak = max(at_loss, at_layer, at_end) + fixed
@@ -231,6 +267,20 @@ def estimate(config, p: ParallelConfig, shapes: ModelShapes, pp_rank: int, preci
     other = max(fixed + (gathered + (max(0, layer_buffers) if at_layer > at_loss else 0) if fsdp else 0),
                 peak - activations - grads)
     return Memory(params, grads, optimizer, int(activations), int(other), pp_rank, int(peak))
+
+
+def down_projection_numel(kind, p: ParallelConfig) -> int:
+    """The trainable TP/EP-local elements of a layer's MLP down projections (dense, shared expert,
+    routed experts): the gradients the layer's backward makes first (see estimate)."""
+    lora = any(is_adapter_name(n) for n, _ in kind)
+    return sum(local_numel(n, sh, p, False, 0) for n, sh in kind
+               if n.startswith("mlp.") and "down_proj" in n and (not lora or is_adapter_name(n)))
+
+
+def sharded_trainable_numel(kind, p: ParallelConfig) -> int:
+    """The trainable elements of one layer this rank holds (FSDP-sharded): its sharded gradient."""
+    lora = any(is_adapter_name(n) for n, _ in kind)
+    return sum(local_numel(n, sh, p, True, 0) for n, sh in kind if not lora or is_adapter_name(n))
 
 
 def _stage_starts(rp: RankParams) -> list[tuple[int, int]]:
