@@ -288,3 +288,47 @@ def test_step_time_counts_latent_attention_projections_and_its_two_head_dims(q_l
     weights = sum(p.numel() for p in attention.parameters() if p.ndim == 2)  # the matmuls (norms are 1-D)
     assert flops == 2 * t * weights
     assert (d_qk, d_v) == (192, 128)
+
+
+def _cluster_yaml(tmp_path, seq_len: int) -> str:
+    """An xorl YAML written for a cluster: its data, tokenizer and packages live there, not here."""
+    import yaml
+
+    config = {"model": {"model_type": "llama", "vocab_size": 32000, "hidden_size": 512, "intermediate_size": 1408,
+                        "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
+                        "attn_implementation": "flash_attn"},
+              "data": {"dataset": "/cluster/data/train.jsonl", "tokenizer": "/cluster/tokenizer", "seq_len": seq_len},
+              "train": {"fp8": "tensorwise", "tensorboard": True, "wandb_project": "p"}}
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def test_a_layout_is_judged_not_the_planning_machine(tmp_path, capsys, monkeypatch):
+    # xorl-train on this machine refuses the config for its files and packages; xorl-plan plans it, as
+    # it will run where they are. Packages are made missing here whatever this venv holds.
+    import importlib.util
+
+    from xorl.config import ConfigError, validate_config
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in (
+        "torchao", "flash_attn", "tensorboard", "wandb") else real(name, *a))
+    path = _cluster_yaml(tmp_path, 1024)
+    with pytest.raises(ConfigError) as refused:
+        validate_config(load_config(path), 8)
+    for what in ("data.dataset=", "data.tokenizer=", "torchao", "flash-attn", "tensorboard", "wandb"):
+        assert what in str(refused.value), (what, str(refused.value))
+    out = _plan_json(capsys, path, "--gpus", "8")
+    assert out["candidates"] and out["candidates"][0]["fits"]
+    assert main([path, "--gpus", "8", "--write-config", str(tmp_path / "run.yaml")]) == 0
+    assert load_config(str(tmp_path / "run.yaml")).data.dataset == "/cluster/data/train.jsonl"
+
+
+def test_no_valid_layout_names_what_refuses_them(tmp_path, capsys):
+    # A problem of the config itself, whatever the layout: the message xorl-train gives, not
+    # "no layout is valid".
+    assert main([_cluster_yaml(tmp_path, 4096), "--gpus", "8"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == ("xorl-plan: data.seq_len=4096 is longer than model.max_position_embeddings=2048; "
+                           "use seq_len <= 2048"), err

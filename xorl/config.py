@@ -198,8 +198,8 @@ class Config:
             raise ConfigError(problems)
         return config
 
-    def validate(self, world_size: int) -> Config:
-        validate_config(self, world_size)
+    def validate(self, world_size: int, *, local: bool = True) -> Config:
+        validate_config(self, world_size, local=local)
         return self
 
 

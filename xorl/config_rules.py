@@ -34,22 +34,27 @@ from xorl.rules.parallel import (
 from xorl.rules.train import compile_problems, export_problems, train_problems, training_loop_problems
 
 
-def validate_config(config: Any, world_size: int) -> None:
-    """Raise ConfigError naming every problem of ``config`` on ``world_size`` ranks."""
+def validate_config(config: Any, world_size: int, *, local: bool = True) -> None:
+    """Raise ConfigError naming every problem of ``config`` on ``world_size`` ranks.
+
+    ``local``: also what this machine must have for the run (the data and tokenizer files, the
+    packages the config names: torchao, flash-attn, the logging sinks). xorl-plan passes False: it
+    judges a layout for a cluster from a laptop, where the files and packages may live elsewhere
+    (the model folder's config.json it reads itself, so model.model_path is still checked)."""
     parallel = ParallelConfig.from_config(config, world_size)
     problems = parallel.problems()
     problems += model_problems(config.model)
-    problems += attention_problems(config.model)
+    problems += attention_problems(config.model, local)
     problems += router_problems(config.model)
-    problems += data_problems(config.data, config.model)
+    problems += data_problems(config.data, config.model, local)
     problems += eval_problems(config.data, config.train)
     problems += train_problems(config.train)
     problems += export_problems(config.model, config.train)
     problems += compile_problems(config.train, config.model)
-    problems += fp8_problems(config.train, config.model)
+    problems += fp8_problems(config.train, config.model, local)
     problems += lora_problems(config.model, config.train)
-    problems += training_loop_problems(config.train, config.data)
-    if not problems:
+    problems += training_loop_problems(config.train, config.data, local)
+    if not problems and local:
         from xorl.model_path import model_path_conflicts
 
         problems += model_path_conflicts(config.model)

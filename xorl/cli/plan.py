@@ -193,7 +193,7 @@ def write_config(candidate: Candidate, path: str, header: dict) -> None:
         for note in header.get("notes", []):
             f.write(f"# note: {note}\n")
         f.write(candidate.config.to_yaml())
-    load_config(path).validate(gpus)  # what xorl-train will do with it
+    load_config(path).validate(gpus, local=False)  # what xorl-train will check of it (bar this machine's files)
 
 
 def main(argv: list[str] | None = None) -> int:

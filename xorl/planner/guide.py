@@ -101,11 +101,11 @@ def with_layout(config: Config, layout: dict[str, Any], source: str = "--layout"
 
 def refusals(config: Config, opts: Options) -> list[str]:
     """Why this layout cannot run on ``opts.gpus`` GPUs (empty when it can)."""
-    # Judge the layout, not this machine: the flash-attn package may live on the GPU machine only.
-    probe = config if config.model.attn_implementation == "xorl" else _xorl_attention(config)
+    # Judge the layout, not this machine: the data, the tokenizer and packages such as flash-attn or
+    # torchao may live on the cluster only (local=False).
     problems = []
     try:
-        validate_config(probe, opts.gpus)
+        validate_config(config, opts.gpus, local=False)
     except ConfigError as e:
         problems += e.problems
     tp, per_node = config.train.tensor_parallel_size, opts.hardware.gpus_per_node
@@ -116,12 +116,6 @@ def refusals(config: Config, opts: Options) -> list[str]:
             "across nodes"
         )
     return problems
-
-
-def _xorl_attention(config: Config) -> Config:
-    config = copy.deepcopy(config)
-    config.model.attn_implementation = "xorl"
-    return config
 
 
 def evaluate(config: Config, opts: Options, shapes: ModelShapes | None = None) -> Candidate:
@@ -149,7 +143,7 @@ def evaluate_count(num_params: int, layout: dict[str, Any], opts: Options) -> Ca
     config = with_layout(_count_stand_in(), {"gradient_accumulation_steps": pp if isinstance(pp, int) else 1,
                                              **layout})
     try:  # xorl-train's own rules: what it refuses, the shorthand refuses
-        validate_config(config, opts.gpus)
+        validate_config(config, opts.gpus, local=False)
     except ConfigError as e:
         raise ConfigError(e.problems) from None
     p = ParallelConfig.from_config(config, opts.gpus)

@@ -38,7 +38,7 @@ def default_global_batch(config: Config, gpus: int) -> int:
     """The config's own batch when its layout is valid on ``gpus``; else one row per GPU."""
     d = config.data
     try:
-        config.validate(gpus)
+        config.validate(gpus, local=False)
     except ConfigError:
         return d.micro_batch_size * d.seq_len * gpus
     p = ParallelConfig.from_config(config, gpus)
@@ -97,16 +97,33 @@ def _ep_sizes(experts: int, fold: int, tp: int, per_node: int) -> list[int]:
 
 
 def plan(config: Config, opts: Options) -> list[Candidate]:
-    """Every valid enumerated layout, ranked (the first is the recommendation)."""
+    """Every valid enumerated layout, ranked (the first is the recommendation). When none is valid,
+    a ConfigError with what refused them: the problems every layout shares (the config's own,
+    whatever the layout), else the most frequent."""
     tokens = opts.global_batch_tokens or default_global_batch(config, opts.gpus)
     shapes = model_shapes(config.model)
-    candidates = []
+    candidates, refused = [], []
     for layout in candidate_layouts(config, opts, tokens):
         try:
             candidates.append(evaluate(with_layout(config, layout, "layout"), opts, shapes))
-        except ConfigError:
-            continue  # refused: not a layout xorl can run here
+        except ConfigError as e:
+            refused.append(e.problems)  # not a layout xorl can run here
+    if not candidates and refused:
+        raise ConfigError(_why_none(refused, opts.gpus))
     return rank(candidates, config, opts)
+
+
+def _why_none(refused: list[list[str]], gpus: int) -> list[str]:
+    shared = [p for p in refused[0] if all(p in problems for problems in refused[1:])]
+    if shared:  # the config's own problems: the same message xorl-train gives
+        return shared
+    counts: dict[str, int] = {}
+    for problems in refused:
+        for p in problems:
+            counts[p] = counts.get(p, 0) + 1
+    common = sorted(counts, key=lambda p: -counts[p])[:3]
+    reasons = "; ".join(f"{p} ({counts[p]} of {len(refused)} layouts)" for p in common)
+    return [f"no layout is valid on {gpus} GPUs (try another --gpus); the most frequent reasons: {reasons}"]
 
 
 def fitting_simple_layout(config: Config, opts: Options, tokens: int) -> Candidate | None:

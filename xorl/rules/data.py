@@ -10,7 +10,8 @@ from xorl.distributed.parallel_config import PIPELINE_SCHEDULES
 from xorl.rules.common import at_least, next_multiple
 
 
-def data_problems(d: Any, m: Any) -> list[str]:
+def data_problems(d: Any, m: Any, local: bool = True) -> list[str]:
+    """``local``: also the data, eval data and tokenizer files on this machine (validate_config)."""
     problems = at_least("data", d, 2, "seq_len")  # one input and its next-token label
     problems += at_least("data", d, 1, "micro_batch_size")
     problems += at_least("data", d, 0, "num_workers")
@@ -19,7 +20,18 @@ def data_problems(d: Any, m: Any) -> list[str]:
             f"data.seq_len={d.seq_len} is longer than model.max_position_embeddings="
             f"{m.max_position_embeddings}; use seq_len <= {m.max_position_embeddings}"
         )
-    problems += _dataset_problems(d.dataset, "data.dataset")
+    if local:
+        problems += _local_data_problems(d, m)
+    if m.model_path is not None and not os.path.isfile(os.path.join(m.model_path, "config.json")):
+        problems.append(
+            f"model.model_path={m.model_path!r} has no config.json; point it at a local HF model folder"
+        )
+    return problems
+
+
+def _local_data_problems(d: Any, m: Any) -> list[str]:
+    """The data, eval data and tokenizer as this machine has them."""
+    problems = _dataset_problems(d.dataset, "data.dataset")
     if d.eval_dataset is not None:
         problems += _dataset_problems(d.eval_dataset, "data.eval_dataset")
     problems += _split_problems(d)
@@ -35,10 +47,6 @@ def data_problems(d: Any, m: Any) -> list[str]:
     problems += _tokenizer_problems(d.tokenizer, m.vocab_size)
     if not problems:
         problems += _format_problems(d)
-    if m.model_path is not None and not os.path.isfile(os.path.join(m.model_path, "config.json")):
-        problems.append(
-            f"model.model_path={m.model_path!r} has no config.json; point it at a local HF model folder"
-        )
     return problems
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 
-def fp8_problems(t: Any, m: Any) -> list[str]:
+def fp8_problems(t: Any, m: Any, local: bool = True) -> list[str]:
     """train.fp8 (xorl_kernels/fp8): what it needs, and the combinations it does not cover.
 
     Every parallel layout composes: the FP8 GEMMs are local to each linear (TP shards quantise
@@ -17,7 +17,7 @@ def fp8_problems(t: Any, m: Any) -> list[str]:
         return problems
     import importlib.util
 
-    if importlib.util.find_spec("torchao") is None:
+    if local and importlib.util.find_spec("torchao") is None:  # local: this machine (validate_config)
         problems.append(
             f"train.fp8: {t.fp8} quantises with torchao's float8 scaling helpers, and torchao is not installed; "
             "pip install torchao (the 'fp8' extra), or set fp8: none"

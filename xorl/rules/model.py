@@ -43,11 +43,12 @@ def _as_the_folder_spells_it(problem: str, folder: str, fam: Any) -> str:
     return f" ({os.path.join(folder, HF_CONFIG_NAME)} has {', '.join(found)}: correct the folder's config.json)"
 
 
-def attention_problems(m: Any) -> list[str]:
+def attention_problems(m: Any, local: bool = True) -> list[str]:
+    """``local``: also whether this machine has the attention package (validate_config)."""
     from xorl.nn.attention_backends import FLASH_ATTN, attention_backend, missing_package
 
     problems = []
-    package = missing_package(m.attn_implementation)
+    package = missing_package(m.attn_implementation) if local else None
     if package is not None:
         pip_name = package.replace("_", "-")
         problems.append(
