@@ -197,8 +197,7 @@ def test_fp8_config_rules_and_resume_with_another_fp8():
     config.train.fp8 = "rowwise"
     validate_config(config, 1)
     config.train.compile = True
-    with pytest.raises(ConfigError, match="train.fp8: rowwise with train.compile"):
-        validate_config(config, 1)
+    validate_config(config, 1)  # the FP8 GEMMs are custom ops: compiled blocks trace them (test_compile_fp8.py)
     with pytest.raises(ConfigError, match="fp8"):
         Config.from_dict({"train": {"fp8": "e4m3"}})
     # fp8_all_gather: tensorwise under FSDP2 without TP only, refused up front naming the field and the fix

@@ -130,7 +130,11 @@ def float8_all_gather_linears(model: nn.Module) -> list[nn.Module]:
 def cast_weights_for_float8_all_gather(model: nn.Module) -> int:
     """Give each tensorwise-FP8 linear's weight the float8 all-gather hooks (before fully_shard);
     returns how many weights. The parameter keeps its name, shape, dtype and values."""
+    from xorl_kernels.fp8.linear import register_float8_weight_kernels
+
     linears = float8_all_gather_linears(model)
+    if linears:
+        register_float8_weight_kernels()
     for linear in linears:
         weight = linear.weight
         linear.weight = nn.Parameter(Float8AllGatherWeight(weight.data), requires_grad=weight.requires_grad)
