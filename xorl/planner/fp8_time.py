@@ -2,11 +2,11 @@
 
 Which (read from xorl's code, not torchao's): each xorl.nn.linear.Linear a decoder layer builds runs its
 forward, input-gradient (dgrad) and weight-gradient (wgrad) GEMM in FP8 (xorl_kernels/fp8/linear.py, the
-ops xorl::fp8_linear and its backward; the TP linears the same three, xorl/nn/tp_matmul.py): the attention projections (q, k, v
-or merge_qkv's qkv, o; latent attention's q or q_a / q_b, kv_a, kv_b) and a dense layer's gate, up (or
-gate_up) and down. The routed experts' grouped GEMMs are FP8 under blockwise only (xorl/nn/moe_experts.py
-experts_run_fp8). lm_head, the router, a shared expert and its gate are nn.Linear: train.dtype. A frozen
-base weight (LoRA) has no wgrad, in FP8 as in bf16.
+ops xorl::fp8_linear and its backward; the TP linears the same three, xorl/nn/tp_matmul.py): the
+attention projections (q, k, v or merge_qkv's qkv, o; latent attention's q or q_a / q_b, kv_a, kv_b) and a
+dense layer's gate, up (or gate_up) and down. The routed experts' grouped GEMMs are FP8 under blockwise
+only (xorl/nn/moe_experts.py experts_run_fp8). lm_head, the router, a shared expert and its gate are
+nn.Linear: train.dtype. A frozen base weight (LoRA) has no wgrad, in FP8 as in bf16.
 
 Rate: the FP8 peak (--fp8-peak-tflops; default FP8_PEAK_RATIO x --peak-tflops) times efficiency.json's
 "fp8" fraction of the recipe by smallest dimension (experts: times the grouped curve), or the HBM time of
