@@ -61,6 +61,7 @@ PARALLEL_CASES = {
     "dense ulysses": dict(model_type="llama", ulysses=True),
     "moe ep": dict(model_type="qwen3_moe", ep=True),
     "moe ep ring": dict(model_type="qwen3_moe", ep=True, ring=True),
+    "moe ep fp8 blockwise": dict(model_type="qwen3_moe", ep=True, fp8="blockwise"),  # unbacked expert rows
 }
 
 

@@ -214,6 +214,8 @@ def test_fp8_config_rules_and_resume_with_another_fp8():
     good = Config()
     good.train.fp8, good.train.fp8_all_gather, good.train.data_parallel_shard_size = "tensorwise", True, 2
     validate_config(good, 2)
+    good.train.compile = True  # the float8-gathered weights reach the FP8 ops in a compiled block too
+    validate_config(good, 2)
     # FP8 is a compute choice: a checkpoint written with one value resumes with another.
     old, new = Config(), Config()
     old.train.fp8, new.train.fp8 = "none", "blockwise"

@@ -381,6 +381,31 @@ def test_fp8_none_adds_nothing_and_a_recipe_changes_the_step():
         assert t.compute != none.compute and t.exposed_comm == none.exposed_comm, recipe
 
 
+def test_a_compiled_fp8_run_keeps_its_casts_and_compiles_the_elementwise_work_around_them():
+    # train.fp8 with train.compile plans (no refusal). The FP8 GEMMs are custom ops, their casts Triton
+    # kernels inside them: compile changes what FP8 adds to a layer by nothing, and the element-wise work
+    # between the ops is priced compiled (step_time's elementwise_forward), as for bf16.
+    from xorl.distributed.parallel_config import ParallelConfig
+    from xorl.models.spec import ModelSpec
+    from xorl.planner.guide import Options, evaluate
+    from xorl.planner.step_time import _layer
+
+    for recipe in RECIPES:
+        eager, compiled = (evaluate(_config({"fp8": recipe, "compile": c}), Options(2)).time for c in (False, True))
+        assert compiled.compute < eager.compute, recipe
+    for tp, mode in ((1, "selective"), (2, "full")):
+        config = _config({"tensor_parallel_size": tp, "sequence_parallel": tp > 1})
+        p, spec, c = ParallelConfig.from_config(config, 2 * tp), ModelSpec.from_config(config.model), _cost()
+        layers = {(fp8, compiled): _layer(spec, False, p, c, 4096, 4096, tp > 1, mode, compiled, True, fp8)
+                  for fp8 in ("none", *RECIPES) for compiled in (False, True)}
+        for recipe in RECIPES:
+            for part in ("forward", "backward", "recompute"):
+                added = [getattr(layers[(recipe, on)], part) - getattr(layers[("none", on)], part)
+                         for on in (False, True)]
+                assert added[0] != 0 and added[1] == pytest.approx(added[0], rel=1e-12), (tp, recipe, part)
+            assert layers[(recipe, True)].forward < layers[(recipe, False)].forward
+
+
 def test_selective_keeps_the_fp8_ops_and_every_other_matmul_reruns_its_units_in_fp8():
     # Every FP8 GEMM is one op that selective checkpointing keeps (xorl::fp8_linear, xorl::fp8_grouped_gemm,
     # the TP linear ops): nothing FP8 runs again. every_other_matmul recomputes the units it recomputes in

@@ -23,9 +23,11 @@ that slice's scales as row / column scales, summed in float32: the same formula.
 
 Backward re-quantises the saved high-precision x and w rather than saving FP8 copies: the saved
 tensors are what a bf16 linear saves (under FSDP2 the weight is re-gathered anyway), so FP8 adds
-no activation memory. The non-autograd pieces (``linear_forward``, ``linear_dgrad``,
-``linear_wgrad``) are public so the tensor-parallel matmuls (``xorl.nn.tp_comm``) run the same
-GEMMs inside their own autograd functions.
+no activation memory. ``fp8_linear`` is the op ``xorl::fp8_linear`` (and ``xorl::fp8_linear_backward``):
+torch custom ops, so a compiled block (train.compile) holds each as one node and selective checkpointing
+keeps its output (the section "the dispatcher ops" below). The non-autograd pieces (``linear_forward``,
+``linear_dgrad``, ``linear_wgrad``) are public so the tensor-parallel matmuls (``xorl.nn.tp_matmul``) run
+the same GEMMs inside their own ops.
 
 The casts (``quantize_operand``) are fused Triton kernels on CUDA tensors (``triton_quantize.py``: a
 transposed operand read in place, one pass per block), the plain-torch reference on CPU, bit for bit
@@ -37,8 +39,8 @@ layer multiplies whole (DTensor) weights where xorl's TP layers run their own ov
 GEMMs on local shards (``tp_comm``), and it has no 1 x 128 / 128 x 128 blockwise training recipe.
 For the same reason ``train.fp8_all_gather`` is xorl's own (xorl/nn/fp8_all_gather.py, which
 says why torchao's weight wrapper is not used as is): FSDP2 then gathers each tensorwise weight as
-its float8 cast, torchao's ``Float8TrainingTensor``, which ``weight_operand`` takes as the GEMMs'
-weight; otherwise FSDP2 gathers the weights in ``train.dtype`` and each GEMM quantises its
+its float8 cast, torchao's ``Float8TrainingTensor``, whose bytes and scale the ops take as the GEMMs'
+weight (``register_float8_weight_kernels``, ``weight_operand``); otherwise FSDP2 gathers the weights in ``train.dtype`` and each GEMM quantises its
 gathered weight.
 """
 
@@ -244,8 +246,9 @@ def _(x, weight, bias, recipe, weight_qscale=None):
 def _fp8_linear_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, recipe: str, need_dx: bool,
                             need_dw: bool, weight_qscale: torch.Tensor | None = None
                             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dx in dy's dtype, dw in float32: the FP8 GEMM's accumulator, cast to the weight's dtype by
-    the autograd formula, where a compiled graph fuses the cast); an empty tensor for one not needed."""
+    """(dx in dy's dtype, dw in float32: the FP8 GEMM's accumulator, which the autograd formula casts
+    to the weight's dtype: a float8-gathered weight's bytes, all this op sees, do not carry it); an
+    empty tensor for one not needed."""
     dy2d = dy.reshape(-1, dy.shape[-1])
     dx = dw = dy.new_empty(0)
     if need_dx:
