@@ -4,7 +4,8 @@ with FP8 projections (and blockwise FP8 experts) compiles as one graph.
 
 - The four ops pass torch.library.opcheck (schema, fake kernel against the real one, autograd
   registration, AOT autograd tracing), the float8-gathered weight's form (``weight_qscale``) too.
-- A decoder block traces with 0 graph breaks under torch._dynamo.explain, every recipe.
+- A decoder block traces with 0 graph breaks under torch._dynamo.explain, every recipe, each FP8 GEMM
+  one node of the traced forward and backward graphs (no cast, _scaled_mm or Triton kernel traced).
 - One process, 3 steps of AdamW on a tiny Llama per recipe and a tiny Qwen3-MoE under blockwise,
   each block compiled as xorl/parallelize.py compiles it (fullgraph=True): the losses and every
   parameter's gradient at every step equal eager FP8 training's. aot_eager runs the traced aten ops
@@ -70,12 +71,42 @@ def test_fp8_ops_pass_opcheck():
                               (rand(300, 136, grad=False), xg.detach(), wg.detach(), sizes, None, need_dx, need_dw))
 
 
+def traced_ops(layer, inputs) -> list[list]:
+    """The call_function targets of the forward and backward graphs AOT autograd traces of one
+    fullgraph compile of ``layer(*inputs)`` and its backward."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append([n.target for n in gm.graph.nodes if n.op == "call_function"])
+        return gm
+
+    compiled = torch.compile(layer, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep), fullgraph=True)
+    try:
+        out, _ = compiled(*inputs)
+        out.sum().backward()
+    finally:
+        torch._dynamo.reset()
+    return graphs
+
+
 @pytest.mark.parametrize("model_type,fp8", [("llama", r) for r in RECIPES] + [("qwen3_moe", "blockwise")])
 def test_an_fp8_decoder_block_traces_without_graph_breaks(model_type, fp8):
     layer, inputs = decoder_block(model_type, fp8=fp8)
     assert layer.self_attn.q_proj.fp8 == fp8
     count, reasons = graph_breaks(layer, inputs)
     assert count == 0, reasons
+    # ... with each FP8 GEMM one node, forward and backward: nothing of its casts, torch._scaled_mm or
+    # Triton kernels traced (on CPU the old autograd Function traced into its plain-torch casts and
+    # _scaled_mm with no break either; on CUDA its Triton launches were what a graph could not hold).
+    forward, backward = traced_ops(layer, inputs)
+    ops, aten = torch.ops.xorl, torch.ops.aten
+    linears, grouped = (4, 2) if model_type == "qwen3_moe" else (7, 0)  # q, k, v, o (gate, up, down); experts
+    assert forward.count(ops.fp8_linear.default) == backward.count(ops.fp8_linear_backward.default) == linears
+    assert forward.count(ops.fp8_grouped_gemm.default) == backward.count(ops.fp8_grouped_gemm_backward.default) \
+        == grouped
+    assert not {aten._scaled_mm.default, aten.abs.default, aten.amax.default} & set(forward + backward)
 
 
 def train_steps(model_type: str, fp8: str, backend: str | None, steps: int = 3, selective: str | None = None):
