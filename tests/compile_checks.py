@@ -16,9 +16,10 @@ SEQ = 16  # tokens per rank
 
 
 def decoder_block(model_type: str, attn: str = "xorl", ring=None, ulysses=None, ep=None, moe_plan: bool = True,
-                  lora: dict | None = None):
+                  lora: dict | None = None, fp8: str = "none"):
     """(layer 0 of a tiny model with the given parallel plans, its inputs). With ring / Ulysses the
-    inputs are this rank's SEQ tokens and cu_seqlens the GLOBAL boundaries (documents of 8 and the rest)."""
+    inputs are this rank's SEQ tokens and cu_seqlens the GLOBAL boundaries (documents of 8 and the rest).
+    ``fp8``: the model's train.fp8 recipe (its projections, and under blockwise its experts, in FP8)."""
     from xorl.config import ModelConfig
     from xorl.models.registry import build_model
     from xorl.plans.context_parallel import apply_context_parallel
@@ -27,7 +28,7 @@ def decoder_block(model_type: str, attn: str = "xorl", ring=None, ulysses=None, 
     torch.manual_seed(0)
     moe = model_type == "qwen3_moe"
     config = ModelConfig(model_type=model_type, attn_implementation=attn, num_experts=4 if moe else 0, lora=lora)
-    model = build_model(config)
+    model = build_model(config, fp8=fp8)
     if moe and moe_plan:
         ep_mesh = None
         if ep is not None:  # the experts become DTensors over an "ep" mesh of ep's ranks
@@ -60,6 +61,7 @@ PARALLEL_CASES = {
     "dense ulysses": dict(model_type="llama", ulysses=True),
     "moe ep": dict(model_type="qwen3_moe", ep=True),
     "moe ep ring": dict(model_type="qwen3_moe", ep=True, ring=True),
+    "moe ep fp8 blockwise": dict(model_type="qwen3_moe", ep=True, fp8="blockwise"),  # unbacked expert rows
 }
 
 

@@ -127,23 +127,30 @@ class _SavedOutputs:
 
     def matmul_widths(self, storage: dict) -> list[int]:
         """The kept dense-matmul outputs' widths, in the order the block ran them."""
+        import xorl_kernels.fp8.linear  # noqa: F401  (registers xorl::fp8_linear)
+
         aten = torch.ops.aten
-        outs = [(op, t) for op in (aten.mm.default, aten.addmm.default)
+        outs = [(op, t) for op in (torch.ops.xorl.fp8_linear.default, aten.mm.default, aten.addmm.default)
                 for out in self.entries(storage.get(op, {})) for t in self.tensors(out)]
-        return [t.shape[-1] for _, t in outs]  # mm and addmm each in call order; a block uses one of them
+        # each op in call order; a block runs its FP8 projections (FP8 runs) before its plain matmuls
+        # (the router), and uses one of mm / addmm
+        return [t.shape[-1] for _, t in outs]
 
     def kept_bytes(self, storage: dict) -> int:
         return sum(t.numel() * t.element_size() for out in storage.values() for saved in self.entries(out)
                    for t in self.tensors(saved))
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe"])
-def test_every_other_matmul_keeps_the_odd_matmuls_and_the_gradients(model_type, monkeypatch):
+@pytest.mark.parametrize("model_type,fp8", [("llama", "none"), ("qwen3_moe", "none"), ("llama", "rowwise"),
+                                            ("qwen3_moe", "blockwise")])
+def test_every_other_matmul_keeps_the_odd_matmuls_and_the_gradients(model_type, fp8, monkeypatch):
     # selective_checkpoint: every_other_matmul (torchtitan's op SAC, mm_count % 2): of a Llama block's
     # q, k, v, o, gate, up, down it keeps q, v, gate and down; of a Qwen3-MoE block's q, k, v, o and
     # router it keeps q, v and the router (the experts' grouped GEMMs are always kept). The cache
     # holds exactly those outputs, the planner's term (xorl/planner/activations.py) is their bytes to
-    # the byte, and losses and gradients equal no checkpointing's exactly.
+    # the byte, and losses and gradients equal no checkpointing's exactly. With train.fp8 the same:
+    # each FP8 projection is one op (xorl::fp8_linear) kept and counted as the matmul it replaces, the
+    # blockwise experts' FP8 grouped GEMM kept as the bf16 one is.
     import torch.utils.checkpoint as torch_checkpoint
 
     from xorl.models.spec import ModelSpec
@@ -151,7 +158,7 @@ def test_every_other_matmul_keeps_the_odd_matmuls_and_the_gradients(model_type, 
 
     torch.manual_seed(1)
     config = _model_config(model_type)
-    base = build_model(config)
+    base = build_model(config, fp8=fp8)
     with torch.no_grad():
         for p in base.parameters():
             p.normal_(0, 0.3 if p.ndim > 1 else 1.0)

@@ -11,20 +11,22 @@
 - fp8: none adds nothing (the published rows, tests/test_plan_published.py, hold as before).
 
 Sanity, not asserted: the planner's rows of tests/test_plan_published.py with train.fp8 set (Grand Teton
-flags; xorl runs FP8 eager, the bf16 row as published), FP8 / bf16 tokens/s, against torchtitan's bf16 ->
-compiled Float8 speed-ups (benchmarks/llama3_h100_202412_torchtitan.md,
-asyncTP_llama3_h100_2025-06_torchtitan.md). Before: each cast ~16 eager PyTorch ops, 33+ bytes an
-element (+ a copy for a transposed operand); now the fused casts, 3 bytes an element block-local, 5 for
-rowwise's long rows and tensorwise:
-                                 torchtitan                       planner before           planner now
+flags), FP8 / bf16 tokens/s, against torchtitan's compiled bf16 -> compiled Float8 speed-ups
+(benchmarks/llama3_h100_202412_torchtitan.md, asyncTP_llama3_h100_2025-06_torchtitan.md). Until the FP8
+GEMMs became custom ops xorl refused fp8 with compile, so its FP8 run was eager against the compiled bf16
+row ("before", with the fused casts; with the eager casts before them 0.59, 0.46, 0.38 tensorwise); now
+both compile, as torchtitan's runs did (selective every-other also reruns k, o and up in FP8 now, where
+the casts of every linear ran again before):
+                                 torchtitan                       before: FP8 eager        now: both compiled
                                                                   (tensor/row/block)       (tensor/row/block)
-  8B FSDP 8 (selective every-other) 1.28x tensorwise              0.59 / 0.58 / 0.54       1.09 / 1.05 / 0.99
-  70B FSDP 32 x TP 8 vanilla (full AC) 1.36x tensorwise, 1.00x row 0.46 / 0.45 / 0.44       0.94 / 0.91 / 0.95
-  8B FSDP 8 x TP 8 (64 GPUs)        1.16x tensorwise, 0.85x row   0.38 / 0.38 / 0.37       0.81 / 0.79 / 0.84
+  8B FSDP 8 (selective every-other) 1.28x tensorwise              0.90 / 0.87 / 0.82       1.09 / 1.04 / 1.08
+  70B FSDP 32 x TP 8 vanilla (full AC) 1.36x tensorwise, 1.00x row 0.94 / 0.91 / 0.95       1.01 / 0.98 / 1.03
+  8B FSDP 8 x TP 8 (64 GPUs)        1.16x tensorwise, 0.85x row   0.81 / 0.79 / 0.84       0.90 / 0.88 / 0.94
 Beside the casts' bytes the model prices what xorl does differently from that run: under TP each of q, k, v
 (and gate, up) quantises the same gathered input again, the weights are quantised again in backward, and
-no cast is fused into a neighbouring element-wise op (compiled Float8 fuses them; xorl refuses fp8 with
-torch.compile), each cast kernel paying its own launch.
+no cast is fused into a neighbouring element-wise op (torchao's compiled Float8 traces its casts and fuses
+them; xorl's FP8 GEMMs are custom ops, so under train.compile too the casts stay these kernels, each paying
+its own launch, and compile fuses the element-wise work around them: step_time's compiled branch).
 """
 
 from __future__ import annotations
@@ -167,6 +169,11 @@ class _KernelTraffic(_Traffic):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func._schema.name.split("::")[-1] in _EMPTY:
             return func(*args, **(kwargs or {}))
+        if func.namespace == "xorl":  # an FP8 GEMM op (xorl::fp8_linear ...): count what its kernel runs
+            from torch._library.custom_ops import _maybe_get_opdef
+
+            with self:  # its Python kernel, with this mode on again: its ops and the Triton casts inside
+                return _maybe_get_opdef(func._schema.name)._init_fn(*args, **(kwargs or {}))
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
@@ -374,21 +381,57 @@ def test_fp8_none_adds_nothing_and_a_recipe_changes_the_step():
         assert t.compute != none.compute and t.exposed_comm == none.exposed_comm, recipe
 
 
-def test_selective_recompute_reruns_the_casts_outside_tp():
+def test_a_compiled_fp8_run_keeps_its_casts_and_compiles_the_elementwise_work_around_them():
+    # train.fp8 with train.compile plans (no refusal). The FP8 GEMMs are custom ops, their casts Triton
+    # kernels inside them: compile changes what FP8 adds to a layer by nothing, and the element-wise work
+    # between the ops is priced compiled (step_time's elementwise_forward), as for bf16.
     from xorl.distributed.parallel_config import ParallelConfig
     from xorl.models.spec import ModelSpec
+    from xorl.planner.guide import Options, evaluate
+    from xorl.planner.step_time import _layer
+
+    for recipe in RECIPES:
+        eager, compiled = (evaluate(_config({"fp8": recipe, "compile": c}), Options(2)).time for c in (False, True))
+        assert compiled.compute < eager.compute, recipe
+    for tp, mode in ((1, "selective"), (2, "full")):
+        config = _config({"tensor_parallel_size": tp, "sequence_parallel": tp > 1})
+        p, spec, c = ParallelConfig.from_config(config, 2 * tp), ModelSpec.from_config(config.model), _cost()
+        layers = {(fp8, compiled): _layer(spec, False, p, c, 4096, 4096, tp > 1, mode, compiled, True, fp8)
+                  for fp8 in ("none", *RECIPES) for compiled in (False, True)}
+        for recipe in RECIPES:
+            for part in ("forward", "backward", "recompute"):
+                added = [getattr(layers[(recipe, on)], part) - getattr(layers[("none", on)], part)
+                         for on in (False, True)]
+                assert added[0] != 0 and added[1] == pytest.approx(added[0], rel=1e-12), (tp, recipe, part)
+            assert layers[(recipe, True)].forward < layers[(recipe, False)].forward
+
+
+def test_selective_keeps_the_fp8_ops_and_every_other_matmul_reruns_its_units_in_fp8():
+    # Every FP8 GEMM is one op that selective checkpointing keeps (xorl::fp8_linear, xorl::fp8_grouped_gemm,
+    # the TP linear ops): nothing FP8 runs again. every_other_matmul recomputes the units it recomputes in
+    # bf16 (a Llama block's k, o and up; under TP, o alone), each now in FP8: its casts and FP8 GEMM in
+    # place of the bf16 GEMM step_time priced.
+    from xorl.distributed.parallel_config import ParallelConfig
+    from xorl.models.spec import ModelSpec
+    from xorl.nn.tp_comm import DEFAULT_OVERLAP_MIN_NUMEL
     from xorl.planner.fp8_time import fp8_layer
 
-    config = _config({})
-    p, spec, c = ParallelConfig.from_config(config, 2), ModelSpec.from_config(config.model), _cost()
-    none = fp8_layer(spec, False, p, c, 4096, False, "none", False, "tensorwise")
-    selective = fp8_layer(spec, False, p, c, 4096, False, "selective", False, "tensorwise")
-    every_other = fp8_layer(spec, False, p, c, 4096, False, "selective", True, "tensorwise")
-    blockwise = fp8_layer(spec, False, p, c, 4096, False, "selective", False, "blockwise")
-    assert none.recompute == 0 and selective.recompute > 0
-    # every_other_matmul's k, o and up (step_time priced them in bf16) are kept under FP8: _scaled_mm is no mm
-    assert every_other.recompute < selective.recompute
-    assert blockwise.recompute > selective.recompute  # the Triton GEMMs run again, not only the casts
+    t = 4096
+    for tp, recomputed in ((1, {"self_attn.k_proj", "self_attn.o_proj", "mlp.up_proj"}), (2, {"self_attn.o_proj"})):
+        config = _config({"tensor_parallel_size": tp, "sequence_parallel": tp > 1})
+        p, spec, c = ParallelConfig.from_config(config, 2 * tp), ModelSpec.from_config(config.model), _cost()
+        for recipe in RECIPES:
+            none = fp8_layer(spec, False, p, c, t, tp > 1, "none", False, recipe)
+            selective = fp8_layer(spec, False, p, c, t, tp > 1, "selective", False, recipe)
+            every_other = fp8_layer(spec, False, p, c, t, tp > 1, "selective", True, recipe)
+            assert none.recompute == selective.recompute == 0, recipe
+            ring = tp > 1 and p.tp_overlap and t * spec.hidden_size >= DEFAULT_OVERLAP_MIN_NUMEL  # as fp8_layer
+            price = Fp8Pricer(c, recipe, tp, ring, False)
+            modules = [Fp8Gemm((module,), g.m, g.k, g.kind) for g in fp8_gemms(spec, False, recipe, tp, 1, t)
+                       for module in g.modules if module[0] in recomputed]
+            assert {g.modules[0][0] for g in modules} == recomputed
+            expected = sum(price.forward(g) - price.bf16(g) for g in modules)
+            assert every_other.recompute == pytest.approx(expected, rel=1e-12), (tp, recipe)
 
 
 def test_lora_has_no_wgrad():

@@ -13,8 +13,10 @@ all-gather runs through FSDP2's extension hooks:
   as the un-sharded path), so the gathered bytes are exactly the un-sharded cast: 1 byte per
   element where bf16 sends 2;
 - ``fsdp_post_all_gather``: the gathered bytes and the scale become torchao's
-  ``Float8TrainingTensor``, which the linear's GEMMs take as their weight operand as it is
-  (``xorl_kernels.fp8.linear.weight_operand``; the input gradient uses its transpose).
+  ``Float8TrainingTensor``, whose bytes and scale the linear's GEMMs take as their weight operand as
+  they are (``xorl_kernels.fp8.linear.weight_operand``; the input gradient uses its transpose): a
+  torch_dispatch rule (``register_float8_weight_kernels``, registered by
+  ``cast_weights_for_float8_all_gather``) hands them to the FP8 ops, eager and in a compiled block.
 
 Master weights, optimizer state, gradients (reduce-scattered in their usual dtype) and
 checkpoints are unchanged: every op other than FSDP's own shard handling unwraps the subclass.
@@ -130,7 +132,11 @@ def float8_all_gather_linears(model: nn.Module) -> list[nn.Module]:
 def cast_weights_for_float8_all_gather(model: nn.Module) -> int:
     """Give each tensorwise-FP8 linear's weight the float8 all-gather hooks (before fully_shard);
     returns how many weights. The parameter keeps its name, shape, dtype and values."""
+    from xorl_kernels.fp8.linear import register_float8_weight_kernels
+
     linears = float8_all_gather_linears(model)
+    if linears:
+        register_float8_weight_kernels()
     for linear in linears:
         weight = linear.weight
         linear.weight = nn.Parameter(Float8AllGatherWeight(weight.data), requires_grad=weight.requires_grad)

@@ -1,12 +1,12 @@
 """FP8 GEMMs in xorl-plan's step time (train.fp8): which GEMMs run in FP8, at what rate, and their casts.
 
 Which (read from xorl's code, not torchao's): each xorl.nn.linear.Linear a decoder layer builds runs its
-forward, input-gradient (dgrad) and weight-gradient (wgrad) GEMM in FP8 (xorl_kernels/fp8/linear.py
-``_FP8Linear``; the TP linears the same three, xorl/nn/tp_matmul.py): the attention projections (q, k, v
-or merge_qkv's qkv, o; latent attention's q or q_a / q_b, kv_a, kv_b) and a dense layer's gate, up (or
-gate_up) and down. The routed experts' grouped GEMMs are FP8 under blockwise only (xorl/nn/moe_experts.py
-experts_run_fp8). lm_head, the router, a shared expert and its gate are nn.Linear: train.dtype. A frozen
-base weight (LoRA) has no wgrad, in FP8 as in bf16.
+forward, input-gradient (dgrad) and weight-gradient (wgrad) GEMM in FP8 (xorl_kernels/fp8/linear.py, the
+ops xorl::fp8_linear and its backward; the TP linears the same three, xorl/nn/tp_matmul.py): the
+attention projections (q, k, v or merge_qkv's qkv, o; latent attention's q or q_a / q_b, kv_a, kv_b) and a
+dense layer's gate, up (or gate_up) and down. The routed experts' grouped GEMMs are FP8 under blockwise
+only (xorl/nn/moe_experts.py experts_run_fp8). lm_head, the router, a shared expert and its gate are
+nn.Linear: train.dtype. A frozen base weight (LoRA) has no wgrad, in FP8 as in bf16.
 
 Rate: the FP8 peak (--fp8-peak-tflops; default FP8_PEAK_RATIO x --peak-tflops) times efficiency.json's
 "fp8" fraction of the recipe by smallest dimension (experts: times the grouped curve), or the HBM time of
@@ -46,10 +46,16 @@ GEMMs, so the weight is quantised tp times a pass, the column forward and row dg
 result into place (2a an element) and the wgrad adds tp - 1 fp32 partials (12 a weight element).
 
 Recompute. Full: the forward again, FP8 included (step_time's recompute = forward). Selective
-(xorl/plans/data_parallel.py): outside TP torch._scaled_mm's outputs are kept and the quantisations
-before it run again; _scaled_mm is no mm / addmm, so every_other_matmul counts only the layer's other
-matmuls (router, shared expert); blockwise's Triton GEMMs are no dispatched op, so their whole forward
-(the experts' too) runs again. A TP linear is one op: kept or recomputed as in bf16, in FP8.
+(xorl/plans/data_parallel.py): every FP8 GEMM is one op whose output the policy keeps (xorl::fp8_linear,
+xorl::fp8_grouped_gemm, a TP linear op), its casts inside it, so nothing FP8 runs again; under
+every_other_matmul an FP8 linear counts as the one dense matmul it is (a TP linear as its GEMMs), and a
+recomputed one runs its casts and FP8 GEMM again in place of step_time's bf16 GEMM.
+
+Compiled (train.compile): the FP8 GEMMs are custom ops, one node each in a block's graph, so the casts
+stay the Triton kernels above (compile fuses no cast into a neighbouring element-wise op: torchao's
+compiled Float8, whose casts are traced ops, does) and what compile fuses is the element-wise work
+around them, step_time.py's compiled branch (elementwise_forward). The wgrad's cast to the weight's dtype
+runs outside the op, its own kernel either way.
 
 The result is a difference added to step_time.py's layer: the FP8 GEMMs and their casts in place of
 the bf16 GEMMs step_time priced for the same modules, grouped as it groups them (q, k, v as one GEMM
@@ -210,10 +216,8 @@ class Fp8Pricer:
                                          self.block[role], self.a)
         return chunks * nbytes, chunks * launches
 
-    def forward(self, g: Fp8Gemm, casts_only: bool = False) -> float:
+    def forward(self, g: Fp8Gemm) -> float:
         casts = self.c.elementwise(*self.forward_casts(g))
-        if casts_only:
-            return casts
         weights = g.experts * g.n * g.k if g.kind == "experts" else g.n * g.k
         return casts + self._gemm(g, g.m, g.n, g.k, g.m * g.k + weights, self.a * g.m * g.n)
 
@@ -291,36 +295,33 @@ def fp8_layer(spec, moe: bool, p, c, t: float, sp: bool, mode: str, every_other:
     trainable = not spec.lora  # LoRA freezes the base weights: no wgrad
     forward = backward = recompute = 0.0
     for g in groups:
-        bf16, fwd = price.bf16(g), price.forward(g)
-        forward += fwd - bf16
+        bf16 = price.bf16(g)
+        forward += price.forward(g) - bf16
         backward += price.dgrad(g) - bf16 + (price.wgrad(g) - bf16 if trainable else 0.0)
-        if mode == "selective" and g.kind not in ("column", "row"):  # no TP op: not kept whole (docstring)
-            recompute += fwd if recipe == "blockwise" else price.forward(g, casts_only=True)
+    # selective keeps every FP8 op's output (docstring): only every_other_matmul recomputes FP8 GEMMs
     if mode == "selective" and every_other:
         recompute += _every_other(spec, moe, p.tp, sp, c, t, groups, price)
     return Fp8Layer(forward, backward, recompute)
 
 
 def _every_other(spec, moe: bool, tp: int, sp: bool, c, t: float, groups: list[Fp8Gemm], price: Fp8Pricer) -> float:
-    """every_other_matmul under FP8 less what step_time priced: its count runs over the matmuls the policy
-    sees (mm / addmm and the TP linear ops; not _scaled_mm nor a Triton GEMM), and a recomputed TP linear
-    runs in FP8."""
+    """every_other_matmul under FP8 less what step_time priced: the same units recomputed (an FP8 linear
+    is one matmul to the policy, a TP linear its GEMMs), a recomputed FP8 unit in FP8."""
     units = block_matmuls(spec, moe, tp, sp)
-    # block_matmuls lists attention's units, then the MLP's: a dense MLP's gate / up (one unit under TP
-    # or merged, else two) and down; the FP8 units are attention's and a dense MLP's.
-    mlp = (1 if tp > 1 or spec.merge_gate_up else 2) + 1
-    attention = len(block_matmuls(spec, False, tp, sp)) - mlp
-    fp8_units = len(units) if not moe else attention
+    # One FP8 op per unit of block_matmuls, in its order: under TP a group is one op (q, k, v; gate,
+    # up), without TP each module is its own xorl::fp8_linear. The FP8 units are the attention's and a
+    # dense MLP's, listed first; the experts' grouped GEMMs are no dense matmul (always kept).
     linear = [g for g in groups if g.kind != "experts"]
-    aligned = tp > 1 and len(linear) == fp8_units  # one TP op per group (module docstring)
+    if tp == 1:
+        linear = [Fp8Gemm((module,), g.m, g.k, g.kind) for g in linear for module in g.modules]
+    widths = [sum(n for _, _, n, _ in unit) for unit in units[:len(linear)]]
+    if len(widths) != len(linear) or not all(math.isclose(w, g.n) for w, g in zip(widths, linear)):
+        raise RuntimeError("fp8_time: the FP8 GEMMs do not line up with activations.block_matmuls' units")
     priced = sum(c.gemm(t * tokens, n, k) for _, tokens, n, k in recomputed_matmuls(spec, moe, tp, sp))
     actual, count = 0.0, 0
     for i, unit in enumerate(units):
-        fp8 = i < fp8_units
-        if fp8 and not (aligned and linear[i].kind in ("column", "row")):
-            continue  # an FP8 Linear outside TP: _scaled_mm / Triton, not counted
         if all((count + j) % 2 == 0 for j in range(1, len(unit) + 1)):
-            actual += (price.forward(linear[i]) if fp8 else
+            actual += (price.forward(linear[i]) if i < len(linear) else
                        sum(c.gemm(t * tokens, n, k) for _, tokens, n, k in unit))
         count += len(unit)
     return actual - priced

@@ -126,6 +126,8 @@ def _save_ops() -> set:
     import xorl.nn.ulysses_attention  # noqa: F401
     import xorl_kernels.attention.op  # noqa: F401
     import xorl_kernels.expert_gemm.op  # noqa: F401
+    import xorl_kernels.fp8.grouped  # noqa: F401
+    import xorl_kernels.fp8.linear  # noqa: F401
     from xorl_kernels.checkpoint_saves import SELECTIVE_CHECKPOINT_SAVES
 
     ops = SELECTIVE_CHECKPOINT_SAVES.ops()

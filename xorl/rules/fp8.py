@@ -11,7 +11,9 @@ def fp8_problems(t: Any, m: Any, local: bool = True) -> list[str]:
     Every parallel layout composes: the FP8 GEMMs are local to each linear (TP shards quantise
     their own shards, the ring-overlapped TP paths each chunk), FSDP2 / HSDP gather the
     high-precision weights as before (or, with fp8_all_gather, their tensorwise float8 cast), and
-    EP / PP / CP do not touch the linears' maths."""
+    EP / PP / CP do not touch the linears' maths. train.compile composes too: the FP8 GEMMs are torch
+    custom ops (xorl::fp8_linear, xorl::fp8_grouped_gemm, their backward ops), one node each in a
+    compiled block's graph, the float8 all-gathered weight included (tests/test_compile_fp8.py)."""
     problems = _fp8_all_gather_problems(t) if t.fp8_all_gather else []
     if t.fp8 == "none":
         return problems
@@ -21,12 +23,6 @@ def fp8_problems(t: Any, m: Any, local: bool = True) -> list[str]:
         problems.append(
             f"train.fp8: {t.fp8} quantises with torchao's float8 scaling helpers, and torchao is not installed; "
             "pip install torchao (the 'fp8' extra), or set fp8: none"
-        )
-    if t.compile:
-        problems.append(
-            f"train.fp8: {t.fp8} with train.compile: the FP8 GEMMs are autograd Functions around torch._scaled_mm "
-            "and a Triton kernel that are not registered as torch custom ops, so a compiled block would break "
-            "its graph (and fullgraph is on); set compile: false, or fp8: none"
         )
     from xorl.models.families import MODEL_TYPES, family
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from xorl_kernels.checkpoint_saves import SELECTIVE_CHECKPOINT_SAVES
 from xorl_kernels.dispatch import REFERENCE, TRITON, pick_backend
 from xorl_kernels.expert_gemm.op import _check_inputs
 from xorl_kernels.expert_gemm.reference import grouped_gemm_reference, grouped_gemm_weight_grad_reference
@@ -74,35 +75,74 @@ def blockwise_grouped_wgrad(x: torch.Tensor, dy: torch.Tensor, group_sizes: torc
     return grouped_gemm_weight_grad_reference(a, b, group_sizes, out_dtype)
 
 
-class _FP8GroupedGemm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, w, group_sizes, backend):
-        qx, sx = quantize_blocks(x, 1, BLOCK, E4M3)
-        qw, sw = quantize_blocks(w, BLOCK, BLOCK, E4M3)
-        ctx.save_for_backward(x, w, group_sizes)
-        ctx.backend = backend
-        return blockwise_grouped_mm(qx, sx, qw, sw, group_sizes, x.dtype, backend)
+# -- the dispatcher ops (as the bf16 xorl::grouped_gemm: torch.compile traces an MoE block through
+# them as one node each, and selective activation checkpointing keeps the output, not recomputing it)
 
-    @staticmethod
-    def backward(ctx, dy):
-        x, w, group_sizes = ctx.saved_tensors
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            qdy, sdy = quantize_blocks(dy, 1, BLOCK, E4M3)
-            qw, sw = quantize_blocks(w, BLOCK, BLOCK, E4M3)
-            dx = blockwise_grouped_mm(qdy, sdy, qw.transpose(1, 2), sw.transpose(1, 2), group_sizes, dy.dtype,
-                                      ctx.backend)
-        if ctx.needs_input_grad[1]:
-            dw = blockwise_grouped_wgrad(x, dy, group_sizes, w.dtype, ctx.backend)
-        return dx, dw, None, None
+SELECTIVE_CHECKPOINT_SAVES.join("xorl::fp8_grouped_gemm")
+
+
+def _backend(backend: str | None, x: torch.Tensor) -> str:
+    return pick_backend("fp8_grouped_gemm", [x], _AVAILABLE, backend)
+
+
+@torch.library.custom_op("xorl::fp8_grouped_gemm", mutates_args=())
+def _fp8_grouped_gemm_op(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor,
+                         backend: str | None) -> torch.Tensor:
+    qx, sx = quantize_blocks(x, 1, BLOCK, E4M3)
+    qw, sw = quantize_blocks(w, BLOCK, BLOCK, E4M3)
+    return blockwise_grouped_mm(qx, sx, qw, sw, group_sizes, x.dtype, _backend(backend, x))
+
+
+@_fp8_grouped_gemm_op.register_fake
+def _(x, w, group_sizes, backend):
+    return x.new_empty(x.shape[0], w.shape[2])
+
+
+@torch.library.custom_op("xorl::fp8_grouped_gemm_backward", mutates_args=())
+def _fp8_grouped_gemm_backward_op(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor,
+                                  backend: str | None, need_dx: bool, need_dw: bool
+                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx in dy's dtype, dw in w's dtype); an empty tensor for one not needed."""
+    backend = _backend(backend, x)
+    dx, dw = dy.new_empty(0), w.new_empty(0)
+    if need_dx:
+        qdy, sdy = quantize_blocks(dy, 1, BLOCK, E4M3)
+        qw, sw = quantize_blocks(w, BLOCK, BLOCK, E4M3)
+        dx = blockwise_grouped_mm(qdy, sdy, qw.transpose(1, 2), sw.transpose(1, 2), group_sizes, dy.dtype, backend)
+    if need_dw:
+        dw = blockwise_grouped_wgrad(x, dy, group_sizes, w.dtype, backend)
+    return dx, dw
+
+
+@_fp8_grouped_gemm_backward_op.register_fake
+def _(dy, x, w, group_sizes, backend, need_dx, need_dw):
+    return dy.new_empty(x.shape if need_dx else 0), w.new_empty(w.shape if need_dw else 0)
+
+
+def _setup_context(ctx, inputs, output):
+    x, w, group_sizes, backend = inputs
+    ctx.save_for_backward(x, w, group_sizes)
+    ctx.backend = backend
+
+
+def _backward(ctx, dy):
+    x, w, group_sizes = ctx.saved_tensors
+    need_dx, need_dw = ctx.needs_input_grad[:2]
+    dx, dw = torch.ops.xorl.fp8_grouped_gemm_backward(dy, x, w, group_sizes, ctx.backend, need_dx, need_dw)
+    return dx if need_dx else None, dw if need_dw else None, None, None
+
+
+_fp8_grouped_gemm_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def fp8_grouped_gemm(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor, *,
                      backend: str | None = None) -> torch.Tensor:
     """``y[rows of g] = x[rows of g] @ w[g]`` in blockwise FP8 (module docstring); differentiable.
 
-    ``backend``: None (CUDA -> Triton, CPU -> plain torch), "triton" (CPU needs TRITON_INTERPRET=1)
-    or "reference".
+    ``backend``: None (CUDA -> Triton, CPU -> plain torch; picked where the op runs), "triton" (CPU
+    needs TRITON_INTERPRET=1) or "reference". The op ``xorl::fp8_grouped_gemm``.
     """
     _check_inputs(x, w, group_sizes)
-    return _FP8GroupedGemm.apply(x, w, group_sizes, pick_backend("fp8_grouped_gemm", [x], _AVAILABLE, backend))
+    if backend is not None:
+        _backend(backend, x)  # a wrong name is an error here, before any tracing
+    return torch.ops.xorl.fp8_grouped_gemm(x, w, group_sizes, backend)

@@ -23,9 +23,11 @@ that slice's scales as row / column scales, summed in float32: the same formula.
 
 Backward re-quantises the saved high-precision x and w rather than saving FP8 copies: the saved
 tensors are what a bf16 linear saves (under FSDP2 the weight is re-gathered anyway), so FP8 adds
-no activation memory. The non-autograd pieces (``linear_forward``, ``linear_dgrad``,
-``linear_wgrad``) are public so the tensor-parallel matmuls (``xorl.nn.tp_comm``) run the same
-GEMMs inside their own autograd functions.
+no activation memory. ``fp8_linear`` is the op ``xorl::fp8_linear`` (and ``xorl::fp8_linear_backward``):
+torch custom ops, so a compiled block (train.compile) holds each as one node and selective checkpointing
+keeps its output (the section "the dispatcher ops" below). The non-autograd pieces (``linear_forward``,
+``linear_dgrad``, ``linear_wgrad``) are public so the tensor-parallel matmuls (``xorl.nn.tp_matmul``) run
+the same GEMMs inside their own ops.
 
 The casts (``quantize_operand``) are fused Triton kernels on CUDA tensors (``triton_quantize.py``: a
 transposed operand read in place, one pass per block), the plain-torch reference on CPU, bit for bit
@@ -37,8 +39,8 @@ layer multiplies whole (DTensor) weights where xorl's TP layers run their own ov
 GEMMs on local shards (``tp_comm``), and it has no 1 x 128 / 128 x 128 blockwise training recipe.
 For the same reason ``train.fp8_all_gather`` is xorl's own (xorl/nn/fp8_all_gather.py, which
 says why torchao's weight wrapper is not used as is): FSDP2 then gathers each tensorwise weight as
-its float8 cast, torchao's ``Float8TrainingTensor``, which ``weight_operand`` takes as the GEMMs'
-weight; otherwise FSDP2 gathers the weights in ``train.dtype`` and each GEMM quantises its
+its float8 cast, torchao's ``Float8TrainingTensor``, whose bytes and scale the ops take as the GEMMs'
+weight (``register_float8_weight_kernels``, ``weight_operand``); otherwise FSDP2 gathers the weights in ``train.dtype`` and each GEMM quantises its
 gathered weight.
 """
 
@@ -48,7 +50,9 @@ import functools
 
 import torch
 import torch.nn.functional as F
+from torch.utils.flop_counter import register_flop_formula
 
+from xorl_kernels.checkpoint_saves import SELECTIVE_CHECKPOINT_SAVES
 from xorl_kernels.fp8.quantize import BLOCK, E4M3, E5M2, expand_block_scale, quantize_blocks
 
 RECIPES = ("tensorwise", "rowwise", "blockwise")
@@ -87,21 +91,23 @@ def gathered_float8_weight(weight: torch.Tensor) -> bool:
     return isinstance(weight, Float8TrainingTensor)
 
 
-def weight_operand(weight: torch.Tensor, recipe: str, role: str):
+def weight_operand(weight: torch.Tensor, recipe: str, role: str, weight_qscale: torch.Tensor | None = None):
     """The weight [N, K] quantised as operand "w" (or its transpose, "w_t") of ``recipe``.
 
-    A weight that arrives already cast (``gathered_float8_weight``) is used as it is: it is the
-    tensorwise e4m3 cast of the whole weight with the whole weight's amax, and the tensorwise cast
-    of w^T is the transpose of w's (the same amax, the same elementwise cast), so the bits equal
-    ``quantize_operand`` of the gathered high-precision weight.
+    ``weight_qscale`` given: ``weight`` arrives already cast, the e4m3 bytes of the tensorwise cast of
+    the whole weight with the whole weight's amax (train.fp8_all_gather: the fields of torchao's
+    ``Float8TrainingTensor``, whose ``_scale`` is this quantisation factor), used as it is: the
+    tensorwise cast of w^T is the transpose of w's (the same amax, the same elementwise cast), so
+    the bits equal ``quantize_operand`` of the gathered high-precision weight.
     """
-    if not gathered_float8_weight(weight):
+    if weight_qscale is None:
         return quantize_operand(weight if role == "w" else weight.t(), recipe, role)
-    if OPERANDS[recipe][role] != (_TENSOR, E4M3):
-        raise ValueError(f"a float8 all-gathered weight serves the tensorwise recipe only, not {recipe!r}")
-    data = weight._data if role == "w" else weight._data.t()
+    if OPERANDS[recipe][role] != (_TENSOR, E4M3) or weight.dtype != E4M3:
+        raise ValueError(f"a float8 all-gathered weight ({weight.dtype}) serves the tensorwise recipe's e4m3 weight "
+                         f"only, not {recipe!r}")
+    data = weight if role == "w" else weight.t()
     # torchao keeps the quantisation factor (a power of 2 here); the GEMM takes its exact reciprocal.
-    return data.contiguous(), weight._scale.float().reciprocal().reshape(1, 1), _TENSOR
+    return data.contiguous(), weight_qscale.float().reciprocal().reshape(1, 1), _TENSOR
 
 
 def _pad16(q: torch.Tensor) -> torch.Tensor:
@@ -182,14 +188,18 @@ def scaled_mm_nt(qa, sa, a_block, qb, sb, b_block, out_dtype: torch.dtype, backe
     return out.to(out_dtype)
 
 
-def linear_forward(x2d: torch.Tensor, weight: torch.Tensor, recipe: str) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T in FP8 -> [M, N] in x's dtype."""
-    return scaled_mm_nt(*quantize_operand(x2d, recipe, "x"), *weight_operand(weight, recipe, "w"), x2d.dtype)
+def linear_forward(x2d: torch.Tensor, weight: torch.Tensor, recipe: str,
+                   weight_qscale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K]^T in FP8 -> [M, N] in x's dtype (``weight_qscale``: ``weight_operand``)."""
+    w = weight_operand(weight, recipe, "w", weight_qscale)
+    return scaled_mm_nt(*quantize_operand(x2d, recipe, "x"), *w, x2d.dtype)
 
 
-def linear_dgrad(dy2d: torch.Tensor, weight: torch.Tensor, recipe: str) -> torch.Tensor:
-    """dy [M, N] @ weight [N, K] in FP8 -> dx [M, K] in dy's dtype."""
-    return scaled_mm_nt(*quantize_operand(dy2d, recipe, "dy"), *weight_operand(weight, recipe, "w_t"), dy2d.dtype)
+def linear_dgrad(dy2d: torch.Tensor, weight: torch.Tensor, recipe: str,
+                 weight_qscale: torch.Tensor | None = None) -> torch.Tensor:
+    """dy [M, N] @ weight [N, K] in FP8 -> dx [M, K] in dy's dtype (``weight_qscale``: ``weight_operand``)."""
+    w_t = weight_operand(weight, recipe, "w_t", weight_qscale)
+    return scaled_mm_nt(*quantize_operand(dy2d, recipe, "dy"), *w_t, dy2d.dtype)
 
 
 def linear_wgrad(dy2d: torch.Tensor, x2d: torch.Tensor, recipe: str) -> torch.Tensor:
@@ -198,28 +208,116 @@ def linear_wgrad(dy2d: torch.Tensor, x2d: torch.Tensor, recipe: str) -> torch.Te
                         torch.float32)
 
 
-class _FP8Linear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, recipe):
-        y = linear_forward(x.reshape(-1, x.shape[-1]), weight, recipe)
-        if bias is not None:
-            y = y + bias
-        ctx.save_for_backward(x, weight)
-        ctx.recipe, ctx.has_bias = recipe, bias is not None
-        return y.view(*x.shape[:-1], weight.shape[0])
+# -- the dispatcher ops: forward and backward, each one node in a compiled block's graph ------------
+# Why ops and not an autograd Function: torch.compile (train.compile, fullgraph) cannot trace into a
+# Triton launch on fake tensors; an op with a fake kernel is one node, its real kernel the eager code
+# above. And selective activation checkpointing (xorl/plans/data_parallel.py) decides op by op: as
+# one op the FP8 linear's output is kept whole and counted as the one dense matmul it is
+# (selective_checkpoint: every_other_matmul), exactly as a bf16 linear's mm / addmm, so the
+# planner's selective terms (a matmul output priced by its shape, not its recipe) hold for FP8. As
+# an autograd Function its casts, its _scaled_mm calls (blockwise on CPU: one per 128 columns of K,
+# each kept) or its Triton kernel (on CUDA: recomputed) were what the policy saw.
+#
+# ``weight_qscale``: None, or ``weight`` is already the tensorwise e4m3 cast and this its
+# quantisation factor (``weight_operand``); only the Float8TrainingTensor rule below passes it.
 
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
-        dy2d = dy.reshape(-1, dy.shape[-1])
-        dx = dw = db = None
-        if ctx.needs_input_grad[0]:
-            dx = linear_dgrad(dy2d, weight, ctx.recipe).view(x.shape)
-        if ctx.needs_input_grad[1]:
-            dw = linear_wgrad(dy2d, x.reshape(-1, x.shape[-1]), ctx.recipe).to(weight.dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = dy2d.sum(0)
-        return dx, dw, db, None
+SELECTIVE_CHECKPOINT_SAVES.join("xorl::fp8_linear", matmuls=lambda *_: 1)
+
+
+def _out_dtype(x: torch.Tensor, bias: torch.Tensor | None) -> torch.dtype:
+    return x.dtype if bias is None else torch.promote_types(x.dtype, bias.dtype)
+
+
+@torch.library.custom_op("xorl::fp8_linear", mutates_args=())
+def _fp8_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: str,
+                   weight_qscale: torch.Tensor | None = None) -> torch.Tensor:
+    y = linear_forward(x.reshape(-1, x.shape[-1]), weight, recipe, weight_qscale)
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], weight.shape[0]).contiguous()
+
+
+@_fp8_linear_op.register_fake
+def _(x, weight, bias, recipe, weight_qscale=None):
+    return x.new_empty(*x.shape[:-1], weight.shape[0], dtype=_out_dtype(x, bias))
+
+
+@torch.library.custom_op("xorl::fp8_linear_backward", mutates_args=())
+def _fp8_linear_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, recipe: str, need_dx: bool,
+                            need_dw: bool, weight_qscale: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx in dy's dtype, dw in float32: the FP8 GEMM's accumulator, which the autograd formula casts
+    to the weight's dtype: a float8-gathered weight's bytes, all this op sees, do not carry it); an
+    empty tensor for one not needed."""
+    dy2d = dy.reshape(-1, dy.shape[-1])
+    dx = dw = dy.new_empty(0)
+    if need_dx:
+        dx = linear_dgrad(dy2d, weight, recipe, weight_qscale).reshape(x.shape).contiguous()
+    if need_dw:
+        dw = linear_wgrad(dy2d, x.reshape(-1, x.shape[-1]), recipe).contiguous()
+    return dx, dw
+
+
+@_fp8_linear_backward_op.register_fake
+def _(dy, x, weight, recipe, need_dx, need_dw, weight_qscale=None):
+    return dy.new_empty(x.shape if need_dx else 0), dy.new_empty(weight.shape if need_dw else 0, dtype=torch.float32)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, recipe, weight_qscale = inputs
+    ctx.save_for_backward(x, weight, weight_qscale)
+    ctx.recipe, ctx.has_bias = recipe, bias is not None
+
+
+def _backward(ctx, dy):
+    x, weight, weight_qscale = ctx.saved_tensors
+    need_dx, need_dw = ctx.needs_input_grad[:2]
+    dx, dw = torch.ops.xorl.fp8_linear_backward(dy, x, weight, ctx.recipe, need_dx, need_dw, weight_qscale)
+    db = dy.reshape(-1, dy.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    return dx if need_dx else None, dw.to(weight.dtype) if need_dw else None, db, None, None
+
+
+_fp8_linear_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+@register_flop_formula(torch.ops.xorl.fp8_linear, get_raw=True)
+def _fp8_linear_flops(x, weight, *args, out_val=None, **kwargs) -> int:
+    return 2 * (x.numel() // x.shape[-1]) * weight.shape[0] * weight.shape[1]
+
+
+@register_flop_formula(torch.ops.xorl.fp8_linear_backward, get_raw=True)
+def _fp8_linear_backward_flops(dy, x, weight, recipe, need_dx, need_dw, *args, out_val=None, **kwargs) -> int:
+    return 2 * (x.numel() // x.shape[-1]) * weight.shape[0] * weight.shape[1] * (int(need_dx) + int(need_dw))
+
+
+@functools.cache
+def register_float8_weight_kernels() -> None:
+    """Let the ops take torchao's ``Float8TrainingTensor`` as their weight (train.fp8_all_gather:
+    xorl/nn/fp8_all_gather.py calls this when it gives the weights their float8 all-gather).
+
+    The tensor's __torch_dispatch__ knows torchao's ops only; for these two, this rule calls the same
+    op on its fields, the float8 bytes and the quantisation factor (``weight_qscale``). It runs below
+    autograd (the op's autograd formula saw the Float8TrainingTensor, so its gradient goes to that
+    parameter, FSDP2's all-gathered one), and under torch.compile the tracer meets it the same way,
+    so the compiled graph holds the op on the fields: one node, as for a plain weight. Called there,
+    not on first sight of such a weight, so a run without one never imports torchao and a traced
+    block registers nothing."""
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor
+
+    def fields(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return weight._data, weight._scale
+
+    @torch.library.register_torch_dispatch("xorl::fp8_linear", Float8TrainingTensor)
+    def _(cls, func, types, args, kwargs):
+        x, weight, bias, recipe, *_ = args
+        data, qscale = fields(weight)
+        return func(x, data, bias, recipe, qscale)
+
+    @torch.library.register_torch_dispatch("xorl::fp8_linear_backward", Float8TrainingTensor)
+    def _(cls, func, types, args, kwargs):
+        dy, x, weight, recipe, need_dx, need_dw, *_ = args
+        data, qscale = fields(weight)
+        return func(dy, x, data, recipe, need_dx, need_dw, qscale)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -227,9 +325,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     """``x @ weight^T + bias`` with FP8 GEMMs (forward and both backward GEMMs); x [..., K], weight [N, K].
 
     ``recipe``: "tensorwise", "rowwise" or "blockwise" (module docstring). Differentiable in x,
-    weight and bias; gradients come back in their dtypes.
+    weight and bias; gradients come back in their dtypes. The op ``xorl::fp8_linear``.
     """
     check_recipe(recipe)
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"fp8_linear: x has {x.shape[-1]} features, weight {tuple(weight.shape)} expects {weight.shape[1]}")
-    return _FP8Linear.apply(x, weight, bias, recipe)
+    return torch.ops.xorl.fp8_linear(x, weight, bias, recipe)
