@@ -111,7 +111,9 @@ def train_compiled_and_eager(output_dir: str, model_type: str, steps: int, compi
         config.model.num_hidden_layers = 2
         config.model.lora = lora
         start = time.perf_counter()
-        with torch._dynamo.config.patch(capture_scalar_outputs=False):  # apply_compile may turn it on
+        # apply_compile may turn these on, process-wide
+        with torch._dynamo.config.patch(capture_scalar_outputs=False,
+                                        skip_fwd_side_effects_in_bwd_under_checkpoint=False):
             try:
                 result[str(setting)] = train_losses(config)
             finally:
@@ -148,8 +150,9 @@ def train_and_count(output_dir: str, model_type: str, steps: int, backend: str, 
                     result["graphs"] = counters["stats"]["unique_graphs"]
                     result["breaks"] = [reason.splitlines()[0] for reason in counters["graph_break"]]
                     result["ran_eager"] = sorted(i for part in trainer.parallel.parts for i in part.compiled.ran_eager)
-                    result["block_kinds"] = len({type(getattr(getattr(layer, "_checkpoint_wrapped_module", layer),
-                                                              "mlp")) for layer in decoder_layers(trainer.model)})
+                    blocks = [getattr(layer, "_checkpoint_wrapped_module", layer)
+                              for layer in decoder_layers(trainer.model)]
+                    result["block_kinds"] = len({type(block.mlp) for block in blocks})
             finally:
                 torch._dynamo.reset()
     return result

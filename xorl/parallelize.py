@@ -28,7 +28,6 @@ from xorl.plans.data_parallel import (
     apply_activation_checkpointing,
     apply_fsdp,
     checkpointing_mode,
-    decoder_layers,
     reshard_after_forward,
 )
 
