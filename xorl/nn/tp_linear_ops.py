@@ -44,7 +44,7 @@ def with_compiled_twin(cfg: TPMatmulConfig) -> TPMatmulConfig:
     settings = (cfg.tp.group.group_name, cfg.sequence_parallel, cfg.overlap, cfg.overlap_min_numel, cfg.fp8)
     key = "compiled tp_linear " + "/".join(map(str, settings))
     twin = _CONFIGS.get(key)
-    if twin is None:
+    if twin is None or twin.tp.group is not cfg.tp.group:  # a new group may reuse a destroyed one's name
         twin = _CONFIGS[key] = dataclasses.replace(cfg, name=key, compiled=None)
     cfg.compiled = twin  # the layers keep it alive; the registry holds it weakly
     return cfg
