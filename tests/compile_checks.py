@@ -113,10 +113,48 @@ def train_compiled_and_eager(output_dir: str, model_type: str, steps: int, compi
         config.model.num_hidden_layers = 2
         config.model.lora = lora
         start = time.perf_counter()
-        with torch._dynamo.config.patch(capture_scalar_outputs=False):  # apply_compile may turn it on
+        # apply_compile may turn these on, process-wide
+        with torch._dynamo.config.patch(capture_scalar_outputs=False,
+                                        skip_fwd_side_effects_in_bwd_under_checkpoint=False):
             try:
                 result[str(setting)] = train_losses(config)
             finally:
                 torch._dynamo.reset()
         result[f"{setting} seconds"] = time.perf_counter() - start
+    return result
+
+
+def train_and_count(output_dir: str, model_type: str, steps: int, backend: str, lora: dict | None = None,
+                    layers: int = 2, eager: bool = True, **train) -> dict:
+    """The real Trainer eager (if ``eager``) and compiled: each run's losses, and what dynamo did in the
+    compiled one: graphs made, graph breaks (their reasons), the blocks that ran outside a graph
+    (xorl/parallelize.py CompileRecord), and how many kinds of block (dense / MoE) the model has."""
+    from torch._dynamo.utils import counters
+
+    from tests.parity_runs import tiny_config
+    from xorl.plans.data_parallel import decoder_layers
+    from xorl.trainer import Trainer
+
+    result = {}
+    for setting in ((False,) if eager else ()) + (backend,):
+        config = tiny_config(f"{output_dir}/{setting}", model_type, max_steps=steps, compile=setting, **train)
+        config.model.num_hidden_layers = layers
+        config.model.lora = lora
+        torch._dynamo.reset()
+        counters.clear()
+        # apply_compile sets these process-wide; the shared world gets them back as they were.
+        with torch._dynamo.config.patch(capture_scalar_outputs=False,
+                                        skip_fwd_side_effects_in_bwd_under_checkpoint=False):
+            try:
+                trainer = Trainer(config)
+                result[str(setting)] = [r.loss for r in trainer.train()]
+                if setting:
+                    result["graphs"] = counters["stats"]["unique_graphs"]
+                    result["breaks"] = [reason.splitlines()[0] for reason in counters["graph_break"]]
+                    result["ran_eager"] = sorted(i for part in trainer.parallel.parts for i in part.compiled.ran_eager)
+                    blocks = [getattr(layer, "_checkpoint_wrapped_module", layer)
+                              for layer in decoder_layers(trainer.model)]
+                    result["block_kinds"] = len({type(block.mlp) for block in blocks})
+            finally:
+                torch._dynamo.reset()
     return result

@@ -14,7 +14,8 @@ no parallelism.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -27,8 +28,6 @@ from xorl.plans.data_parallel import (
     apply_activation_checkpointing,
     apply_fsdp,
     checkpointing_mode,
-    decoder_layers,
-    experts_have_own_mesh,
     reshard_after_forward,
 )
 
@@ -43,6 +42,7 @@ class PartPlan:
     expert: object | None = None  # plans.expert_parallel.ExpertParallelRecord
     router_balance: object | None = None  # plans.expert_parallel.RouterBalanceRecord
     checkpointing: CheckpointingRecord | None = None
+    compiled: CompileRecord | None = None
     fsdp: FSDPRecord | None = None
 
 
@@ -89,11 +89,10 @@ def parallelize_model(model: nn.Module, state, config) -> PartPlan:
         part.checkpointing = apply_activation_checkpointing(model, mode, train.activation_checkpointing_every_n_layers,
                                                             train.selective_checkpoint)
     if train.compile:
-        # Experts FSDP-sharded on their own mesh are an FSDP unit inside the block, whose hooks
-        # dynamo does not trace: the block then compiles as the graphs around them.
-        nested_fsdp = experts_have_own_mesh(state) and train.data_parallel_mode == "fsdp2"
-        apply_compile(model, "inductor" if train.compile is True else train.compile,
-                      capture_scalar_outputs=state.ep_size > 1, fullgraph=not nested_fsdp)
+        # Layouts whose blocks cannot compile whole (experts an FSDP unit of their own inside each
+        # block) are refused before start-up: xorl/rules/train.py compile_problems.
+        part.compiled = apply_compile(model, "inductor" if train.compile is True else train.compile,
+                                      capture_scalar_outputs=state.ep_size > 1)
     if train.data_parallel_mode == "fsdp2":
         bf16 = compute_dtype(train, "cuda" if torch.cuda.is_available() else "cpu") == "bfloat16"
         part.fsdp = apply_fsdp(model, state, reshard_after_forward=reshard_after_forward(train, state.pp_size),
@@ -109,22 +108,85 @@ def router_balance_group(state, config):
     return state.cp_tp_group
 
 
-def apply_compile(
-    model: nn.Module, backend: str = "inductor", capture_scalar_outputs: bool = False, fullgraph: bool = True
-) -> None:
+@dataclass
+class CompileRecord:
+    """What ``apply_compile`` did, and what the blocks did since: ``ran_eager`` collects the indices
+    of compiled blocks whose forward ran as plain Python (dynamo made no graph for that call)."""
+
+    backend: str
+    layers: list[int]  # the compiled decoder blocks' indices
+    ran_eager: set[int] = field(default_factory=set)
+
+
+def apply_compile(model: nn.Module, backend: str = "inductor", capture_scalar_outputs: bool = False) -> CompileRecord:
     """torch.compile each decoder block's forward in place, as torchtitan's apply_compile does.
 
     Per block, not the whole model: every block has the same code, so one compilation serves them
-    all, and FSDP's per-block hooks stay outside the graphs (they run in the module's __call__,
-    which is not compiled; only ``forward`` is, which keeps parameter names unchanged). A
-    checkpointed block compiles with its checkpoint wrapper, so selective checkpointing's policy is
-    part of the graph. ``fullgraph``: a graph break is an error, never a silent slow path (the
-    combinations that would break are refused in xorl/config_rules.py); the caller turns it off
-    only around FSDP units nested in a block, whose hooks dynamo skips. ``capture_scalar_outputs``:
-    expert parallelism reads its all_to_all split sizes on the host (the one sync of a step); dynamo
-    then traces them as unbacked symbolic sizes instead of breaking the graph there.
+    all (nothing a block's graph reads is specific to one layer: the TP linears' op key is one per
+    TP group and settings, xorl/nn/tp_linear_ops.py), and FSDP's per-block hooks stay outside the
+    graphs (they run in the module's __call__, which is not compiled; only ``forward`` is, which
+    keeps parameter names unchanged). A checkpointed block compiles with its checkpoint wrapper,
+    so selective checkpointing's policy is part of the graph.
+
+    Never a silent slow path: ``fullgraph=True`` makes a graph break, and dynamo's recompile limit,
+    an error; each block's forward also notes in the returned record when it runs outside a graph
+    (dynamo disabled, its errors suppressed), which ``check_compiled`` turns into an error after
+    the first step. ``capture_scalar_outputs``: expert parallelism reads its all_to_all split sizes
+    on the host (the one sync of a step); dynamo then traces them as unbacked symbolic sizes
+    instead of breaking the graph there.
     """
     if capture_scalar_outputs:
         torch._dynamo.config.capture_scalar_outputs = True
-    for layer in decoder_layers(model):
-        layer.forward = torch.compile(layer.forward, backend=backend, fullgraph=fullgraph)
+    # Inside an activation-checkpoint region dynamo refuses Python side effects, because eager
+    # checkpointing replays them in the recompute and a compiled recompute cannot. A block's are
+    # undone within its own forward: TPReplicated swaps a module's local tensors into its parameter
+    # slots and back (xorl/nn/tp_replicated.py); SharedInputColumnGroup keeps its members' outputs
+    # until each has asked (xorl/nn/tensor_parallel.py). So they need no replay: the recompute is the
+    # traced graph. (Tensor state, the routers' load count, is traced as a graph mutation anyway.)
+    # torchtitan's apply_compile sets the same.
+    if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+    layers = model.model.layers
+    record = CompileRecord(backend, [i for i, layer in enumerate(layers) if layer is not None])
+    for i in record.layers:
+        layers[i].forward = torch.compile(_noting_eager_runs(layers[i].forward, record.ran_eager, i),
+                                          backend=backend, fullgraph=True)
+    return record
+
+
+def _noting_eager_runs(forward, ran_eager: set[int], index: int):
+    """``forward``, adding ``index`` to ``ran_eager`` whenever it runs as plain Python. Traced by
+    dynamo, the test is False and the branch leaves no trace in the graph; a host-side set, no
+    device work."""
+
+    @functools.wraps(forward)
+    def block_forward(*args, **kwargs):
+        if not torch.compiler.is_compiling():
+            ran_eager.add(index)
+        return forward(*args, **kwargs)
+
+    return block_forward
+
+
+class CompileFellBackError(RuntimeError):
+    """train.compile is on and a compiled decoder block ran eager."""
+
+
+def check_compiled(records: list[CompileRecord]) -> None:
+    """Raise CompileFellBackError if a compiled block ran eager (call after the first step)."""
+    eager = sorted({i for r in records for i in r.ran_eager})
+    if not eager:
+        return
+    from torch._dynamo.utils import counters
+
+    dynamo = torch._dynamo.config
+    reasons = [r.splitlines()[0] for r in counters["graph_break"]][:3]
+    if dynamo.disable:
+        reasons.insert(0, "dynamo is disabled (TORCHDYNAMO_DISABLE or torch._dynamo.config.disable)")
+    if dynamo.suppress_errors:
+        reasons.insert(0, "dynamo's errors are suppressed (TORCHDYNAMO_SUPPRESS_ERRORS), so a block it failed to "
+                          "compile ran eager: unset it to see the error")
+    why = "; ".join(reasons) or "unknown: rerun with TORCH_LOGS=graph_breaks,recompiles to see why"
+    raise CompileFellBackError(
+        f"train.compile={records[0].backend}: decoder blocks {eager} ran eager, outside any compiled graph, in the "
+        f"first step ({why}); fix the cause, or set train.compile: false to train eager on purpose")

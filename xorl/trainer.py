@@ -46,7 +46,7 @@ from xorl.models.spec import EXPERTS_LAYOUT, QKV_LAYOUT
 from xorl.nn.lora import cast_frozen_, frozen_dtype
 from xorl.nonfinite import explain_nonfinite
 from xorl.optim import build_optimizer, set_schedule_step
-from xorl.parallelize import build_parallel_plan
+from xorl.parallelize import build_parallel_plan, check_compiled
 from xorl.preemption import PreemptionGuard
 from xorl.preflight import RunPlan, prepare_run
 from xorl.profiling import StepProfiler
@@ -155,6 +155,7 @@ class Trainer:
         self.evaluator = Evaluator(config, self.state, self.tokenizer.pad_id, self.plan.eval_dataset) \
             if config.train.eval_steps else None
         self.step = 0
+        self._compile_unchecked = bool(config.train.compile)  # until the first step has run
         self.elapsed_offset_s = 0.0  # training time before this start (metrics' ``time`` is cumulative)
         self._clock: float | None = None
         self._maybe_resume()
@@ -323,6 +324,9 @@ class Trainer:
         if not (math.isfinite(loss_value) and math.isfinite(norm)):
             raise NonFiniteLossError(
                 f"step {self.step}: loss={loss_value} grad_norm={norm}")  # train() says what is at fault
+        if self._compile_unchecked:  # train.compile: every compiled block ran its graph, none eager
+            check_compiled([part.compiled for part in plan.parts if part.compiled is not None])
+            self._compile_unchecked = False
         result = StepResult(self.step, loss_value, norm, lr, int(tokens),
                             aux_total / (ga * plan.balance_groups) if plan.has_router_loss else None,
                             load[0] if load else None)

@@ -135,10 +135,17 @@ class Router(nn.Module):
         else:
             self.e_score_correction_bias = None
         # Tokens routed to each expert in training forwards since the last bias update / load report
-        # (plans/expert_parallel.step_router_loads: the step's expert_load metric). Not a buffer:
-        # a model built on the meta device and materialised with to_empty would leave a buffer
-        # uninitialised; this count is made (zeros, on the activations' device) at first use.
-        self.load_since_update: torch.Tensor | None = None
+        # (plans/expert_parallel.step_router_loads: the step's expert_load metric). A buffer counted
+        # in place, so torch.compile traces the count as a mutation of a graph input, inside an
+        # activation-checkpoint region too (rebinding an attribute there is a side effect dynamo
+        # refuses). Not persistent: the count restarts at every step. A model built on the meta
+        # device and materialised with to_empty gets it zeroed with every buffer
+        # (xorl/models/seeded_init.py; the trainer's load from an HF folder zeroes buffers too).
+        # An eager checkpointed block counts its tokens again in the recompute, a compiled one does
+        # not (the recompute is part of its graph); both readers are ratios or signs of the counts
+        # (expert_load = max / mean, the bias moves by sign(mean - load)), so either count serves.
+        self.register_buffer("load_since_update", torch.zeros(num_experts, dtype=torch.int64, device=device),
+                             persistent=False)
         self.init_weights(hidden_size**-0.5)
 
     def set_balance_group(self, group: dist.ProcessGroup | None) -> None:
@@ -152,7 +159,7 @@ class Router(nn.Module):
             self.bias.zero_()
         if self.e_score_correction_bias is not None:
             self.e_score_correction_bias.zero_()
-        self.load_since_update = None
+        self.load_since_update.zero_()
 
     def forward(self, hidden_states: torch.Tensor, token_mask: torch.Tensor | None = None) -> RouterOutput:
         """``token_mask`` [T] bool: tokens that count in the balancing statistics and the load (all
@@ -206,9 +213,7 @@ class Router(nn.Module):
         z_loss = z_terms.sum() / total[0]
 
         if self.training:
-            if self.load_since_update is None:
-                self.load_since_update = torch.zeros_like(tokens_per_expert)
-            self.load_since_update += tokens_per_expert
+            self.load_since_update.add_(tokens_per_expert)
         return RouterOutput(weights, expert_ids, logits, tokens_per_expert, load_balancing_loss, z_loss)
 
     def _limit_to_groups(self, selection: torch.Tensor) -> torch.Tensor:
@@ -242,8 +247,6 @@ class Router(nn.Module):
 
     def pending_load(self) -> torch.Tensor:
         """The tokens routed to each expert since the last update (int64 [E], zeros if none)."""
-        if self.load_since_update is None:
-            return torch.zeros(self.num_experts, dtype=torch.int64, device=self.weight.device)
         return self.load_since_update.clone()
 
     @torch.no_grad()
@@ -253,7 +256,7 @@ class Router(nn.Module):
         if self.e_score_correction_bias is not None:
             error = load.float().mean() - load.float()
             self.e_score_correction_bias += self.bias_update_rate * torch.sign(error)
-        self.load_since_update = None
+        self.load_since_update.zero_()
 
     def extra_repr(self) -> str:
         bias = ", expert_bias=True" if self.e_score_correction_bias is not None else ""

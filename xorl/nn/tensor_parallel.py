@@ -58,7 +58,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from xorl.nn.linear import check_fp8
 from xorl.nn.lora import adapter_bounds, adapter_input, make_adapters
 from xorl.nn.tp_comm import DEFAULT_OVERLAP_MIN_NUMEL, TPGroup
-from xorl.nn.tp_linear_ops import column_parallel_linear, row_parallel_linear
+from xorl.nn.tp_linear_ops import column_parallel_linear, row_parallel_linear, with_compiled_twin
 from xorl.nn.tp_matmul import TPMatmulConfig
 from xorl.nn.tp_regions import (
     copy_to_region,
@@ -113,8 +113,9 @@ class _TPLinearBase(nn.Module):
         self.tp_mesh = tp_mesh
         self.tp = TPGroup.from_mesh(tp_mesh)
         self.in_features, self.out_features = in_features, out_features
-        self.config = TPMatmulConfig(self.tp, bool(sequence_parallel), bool(overlap), int(overlap_min_numel),
-                                     name=name or f"{type(self).__name__}@{id(self):x}", fp8=check_fp8(fp8))
+        self.config = with_compiled_twin(TPMatmulConfig(
+            self.tp, bool(sequence_parallel), bool(overlap), int(overlap_min_numel),
+            name=name or f"{type(self).__name__}@{id(self):x}", fp8=check_fp8(fp8)))
         local_w = torch.empty(self._local_weight_shape(), device=device, dtype=dtype)
         self.weight = dtensor_parameter(local_w, tp_mesh, self.weight_placement)
         if bias:
@@ -412,8 +413,9 @@ class SharedInputColumnGroup:
             if m.shared_group is not None:
                 raise ValueError(f"SharedInputColumnGroup {name!r}: a member already belongs to a group")
         self.members = list(members)
-        self.config = TPMatmulConfig(first.tp, first.config.sequence_parallel, first.config.overlap,
-                                     first.config.overlap_min_numel, name=name, fp8=first.config.fp8)
+        self.config = with_compiled_twin(TPMatmulConfig(first.tp, first.config.sequence_parallel, first.config.overlap,
+                                                        first.config.overlap_min_numel, name=name,
+                                                        fp8=first.config.fp8))
         self._input: torch.Tensor | None = None
         self._ready: dict[int, torch.Tensor] = {}
         for m in members:

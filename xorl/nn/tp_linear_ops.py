@@ -9,17 +9,26 @@ all-reduce, to rebuild what the cache already held or what nothing used. As one 
 layer's forward (all-gather + its GEMMs, ring or plain, fp8 or not) and a row layer's (GEMM +
 reduce-scatter / all-reduce) is kept whole: the row layer keeps its reduced output ([t/P, h] under
 sequence parallel), and the recompute runs neither its matmuls nor its collectives. The backward
-is an op too, so a compiled block holds both whole (train.compile: tests/test_compile.py; with
+is an op too, so a traced block holds both whole (train.compile: tests/test_compile_layouts.py; with
 train.fp8 the FP8 GEMMs run inside, per ring chunk: tests/test_compile_fp8.py). The math is
 xorl/nn/tp_matmul.py's, once.
 
 A ProcessGroup (and the layer's communication record) cannot be an op argument: the op takes the
-key of the layer's ``TPMatmulConfig``, registered here (weakly: a dropped layer drops its entry)
-each time the layer calls the op, so a copied model's layers find their own config.
+key of a ``TPMatmulConfig`` registered here (weakly: a dropped layer drops its entry).
+
+* Eager: the layer's own config, registered each time the layer calls the op (so a copied model's
+  layers find their own), and its communication goes to the layer's own record (overlap_report).
+* Under torch.compile (train.compile): the config's compiled twin (``with_compiled_twin``), one per
+  TP group and settings, made and registered when the layer is BUILT. Dynamo then neither mutates
+  a Python registry while it traces (refused inside an activation-checkpoint region, a graph break
+  outside one) nor specialises a graph on a per-layer key: every block of a model shares one
+  graph, where a per-layer key recompiled each block and hit dynamo's recompile limit past 8. The
+  communication of compiled blocks is recorded under the twin's key, all layers together.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 
 import torch
@@ -31,7 +40,25 @@ from xorl_kernels.checkpoint_saves import SELECTIVE_CHECKPOINT_SAVES
 _CONFIGS: weakref.WeakValueDictionary[str, TPMatmulConfig] = weakref.WeakValueDictionary()
 
 
+def with_compiled_twin(cfg: TPMatmulConfig) -> TPMatmulConfig:
+    """``cfg``, holding (``cfg.compiled``) the registered config its layer's ops take in a compiled
+    block: shared by every layer of the same TP group and settings. Call it when the layer is built."""
+    settings = (cfg.tp.group.group_name, cfg.sequence_parallel, cfg.overlap, cfg.overlap_min_numel, cfg.fp8)
+    key = "compiled tp_linear " + "/".join(map(str, settings))
+    twin = _CONFIGS.get(key)
+    if twin is None or twin.tp.group is not cfg.tp.group:  # a new group may reuse a destroyed one's name
+        twin = _CONFIGS[key] = dataclasses.replace(cfg, name=key, compiled=None)
+    cfg.compiled = twin  # the layers keep it alive; the registry holds it weakly
+    return cfg
+
+
 def _key(cfg: TPMatmulConfig) -> str:
+    if torch.compiler.is_compiling():
+        # Read, never written, while dynamo traces: registered at construction (with_compiled_twin).
+        if cfg.compiled is None:
+            raise RuntimeError(f"TP linear {cfg.name!r} under torch.compile: its config was built without "
+                               "xorl.nn.tp_linear_ops.with_compiled_twin")
+        return cfg.compiled.name
     key = f"{cfg.name}@{id(cfg):x}"
     _CONFIGS[key] = cfg
     return key

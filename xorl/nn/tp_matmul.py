@@ -5,7 +5,7 @@ xorl/nn/tp_comm.py. The dispatcher ops (with autograd) that run them: xorl/nn/tp
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +59,9 @@ class TPMatmulConfig:
     overlap_min_numel: int = DEFAULT_OVERLAP_MIN_NUMEL
     name: str = "tp_linear"  # key of this layer in overlap_report()
     fp8: str = "none"  # train.fp8: every GEMM below runs in FP8 (xorl_kernels/fp8/linear.py), chunks too
+    # The config a compiled block's op takes in this layer's place: one per TP group and settings,
+    # set when the layer is built (xorl/nn/tp_linear_ops.py with_compiled_twin).
+    compiled: TPMatmulConfig | None = field(default=None, repr=False, compare=False)
 
     @property
     def stats(self) -> LayerCommStats:

@@ -37,8 +37,9 @@ parallel, else 1; h hidden, hq / hkv query / KV width (heads x head_dim), I inte
   with selective_checkpoint: every_other_matmul less the outputs of the 2nd, 4th, ... dense matmul
   of the block (block_matmuls: k, o and up of a Llama layer, a (hkv + h + I); under TP, where q, k, v
   and gate, up are one op each, o alone, a h / s), which its recompute runs again. Under
-  train.compile a dense block keeps no down_proj output (a h / s less): the compiled backward never
-  reads it (compiled_unread_bytes_per_token). none and full keep the same compiled as eager.
+  train.compile a dense block keeps no down_proj output (a h / s less, under TP too): the compiled
+  backward never reads it (compiled_unread_bytes_per_token). none and full keep the same compiled as
+  eager.
   Microbatches in flight on pipeline rank r of p (m microbatches, v stages per rank): 1 without
   PP; 1F1B min(m, p - r); GPipe m; interleaved (v-1) p + 2 (p-1-r) + 1 chunks of layers/v
   layers (torch's warm-up count); ZBV min(m, p) (as 1F1B, per the zero-bubble-V paper).
@@ -205,13 +206,12 @@ def compiled_unread_bytes_per_token(spec, moe_layer: bool, a: int, tp: int, sp: 
     block's partitioner saves only what the backward graph reads. In a dense block that is
     down_proj's output (its one consumer is the residual add, whose backward reads no input), a h /
     s when the policy saves it. Measured on the allocator (tests/test_plan_activations.py, FSDP 2,
-    both policies): a compiled block keeps exactly [t, h] less each. An MoE block's routed output is
-    read (the combine's weight gradient), so nothing is counted there; not measured: a checkpointed
-    MoE block does not compile today (dynamo stops at the router's attribute write). Under TP the
-    checkpointed block does not compile today (the TP ops register their config in a weak
-    dictionary, a side effect dynamo refuses inside checkpoint, and the block runs eager), so
-    nothing is dropped there."""
-    if moe_layer or tp > 1:
+    both policies): a compiled block keeps exactly [t, h] less each. Under TP down_proj is a row
+    layer whose kept output is its reduced one (block_matmuls), read by nothing either: a h / s,
+    measured the same way on TP 2 + SP (both policies: [t / 2, h] less a layer) and TP 2 without SP
+    ([t, h] less). An MoE block's routed output is read (the combine's weight gradient), so nothing
+    is counted there."""
+    if moe_layer:
         return 0.0
     units = block_matmuls(spec, False, tp, sp)
     # every_other_matmul recomputes down_proj (the last matmul, a unit of its own) on an even count

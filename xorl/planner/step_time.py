@@ -20,7 +20,9 @@ Compute, per decoder layer and microbatch, t tokens on the rank (a = bytes per a
           as the row; an upper bound for packed data), 2.5x that backward, at the attention kernel's own efficiency.
   element-wise  bandwidth-bound: the bytes xorl's ops stream per token (elementwise_forward below,
           counted from xorl/models/layers.py and attention.py as eager PyTorch runs them; under
-          train.compile the fused regions read their inputs and write their outputs once) at
+          train.compile, which compiles every block of the layouts it accepts, checkpointed TP blocks
+          included (tests/test_compile_layouts.py), the fused regions read their inputs and write
+          their outputs once) at
           hbm_fraction of --hbm-gbps; backward twice the forward; each op costs at least the launch
           time (launch_us: eager dispatch of one kernel).
   recompute  full: one more layer forward; selective (xorl's policy keeps matmul, attention and

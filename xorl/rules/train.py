@@ -178,9 +178,21 @@ def compile_problems(t: Any, m: Any) -> list[str]:
     if not t.compile:
         return []
     # Tensor parallelism compiles: its linears and region collectives are torch.library custom ops
-    # (xorl/nn/tp_linear_ops.py, tp_regions.py), one node each in a block's graph; the ring overlap's
-    # point-to-point runs inside them (tests/test_compile.py: compiled TP training equals eager).
+    # (xorl/nn/tp_linear_ops.py, tp_regions.py), one node each in a block's graph, with or without
+    # activation checkpointing; the ring overlap's point-to-point runs inside them
+    # (tests/test_compile_layouts.py: one graph per block kind, no break, the losses of eager).
     problems = []
+    if m.num_experts and t.data_parallel_mode == "fsdp2" and \
+            (t.expert_parallel_size > 1 or t.tensor_parallel_size > 1):
+        # xorl/plans/data_parallel.py experts_have_own_mesh: the experts' FSDP unit sits inside the block.
+        problems.append(
+            f"train.compile with an MoE model (model.num_experts={m.num_experts}) under expert_parallel_size="
+            f"{t.expert_parallel_size}, tensor_parallel_size={t.tensor_parallel_size}: each block's experts are "
+            "then an FSDP unit of their own (sharded on the expert mesh) inside the block, whose FSDP hooks "
+            "torch.compile cannot trace, so the block would compile in pieces around them (graph breaks) or, "
+            "under activation checkpointing, run eager; use compile: false, or expert_parallel_size: 1 and "
+            "tensor_parallel_size: 1 (data / context parallelism compile the MoE block whole)"
+        )
     schedule = PIPELINE_SCHEDULES.get(t.pipeline_parallel_schedule)
     if t.pipeline_parallel_size > 1 and schedule is not None and schedule.split_backward:
         problems.append(
