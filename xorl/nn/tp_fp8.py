@@ -97,7 +97,8 @@ def wgrad(g: torch.Tensor, x_t: Operand, recipe: str) -> torch.Tensor:
 # -- the input shard's cast, and its gather ---------------------------------------------------------
 
 def _abs_max(rows: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    return (rows.abs().amax() if dim is None else rows.abs().amax(dim=dim)).float()
+    """max |x| over all elements, or along ``dim``, in float32: one reduction pass, no |x| temporary."""
+    return torch.linalg.vector_norm(rows, float("inf"), dim=dim).float()
 
 
 def input_shard(cfg, x: torch.Tensor, role: str, whole: bool) -> tuple[Operand, bool]:

@@ -100,10 +100,12 @@ def cast_with_amax(x: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype = E4M
     (q, quantisation scale, float32, the reciprocal of the dequantisation factor).
 
     The one place the cast happens, so a tensor cast with the amax of its whole (a weight shard
-    under FSDP's float8 all-gather, ``xorl.nn.fp8_all_gather``) is bit for bit the cast of the whole:
-    the Triton kernel takes a one-element amax on a non-empty 2-D x (the shard case); else the reference.
+    under FSDP's float8 all-gather, ``xorl.nn.fp8_all_gather``; a TP activation shard, ``xorl.nn.tp_fp8``)
+    is bit for bit the cast of the whole: the Triton kernel takes a non-empty 2-D x [R, C] and a
+    one-element amax or one per row ([R, 1]); else the reference.
     """
-    if _backend(x, backend) == TRITON and x.dim() == 2 and x.numel() and amax.numel() == 1:
+    if _backend(x, backend) == TRITON and x.dim() == 2 and x.numel() and (
+            amax.numel() == 1 or tuple(amax.shape) == (x.shape[0], 1)):
         from xorl_kernels.fp8.triton_quantize import cast_with_amax_triton
 
         return cast_with_amax_triton(x, amax, dtype)
