@@ -302,6 +302,30 @@ def test_a_tensorwise_linear_moves_the_modelled_bytes_beside_its_gemms(bias, mon
     assert (nbytes, launches) == (sum(w_[0] for w_ in work), sum(w_[1] for w_ in work)), ops
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("role", ["x", "x_t"])
+def test_a_tp_column_op_casts_its_input_shard_once_as_the_kernels_move(recipe, role, monkeypatch):
+    # xorl/nn/tp_fp8.py input_shard on a TP 4 rank's [2, 256, 384] bf16 shard (the ring's own-scale cast,
+    # and the plain path's where its scales are the shard's: every recipe's "x" but tensorwise, 1 x 128
+    # x^T on whole tiles), its Triton kernels traced: the bytes and launches the pricer gives the group's
+    # input cast, once however many members it has.
+    import types
+
+    from xorl.nn.tp_fp8 import input_shard
+
+    tp, x = 4, torch.randn(2, 256, 384, dtype=torch.bfloat16)
+    cfg = types.SimpleNamespace(fp8=recipe, tp=None, stats=None)  # no collective on this path
+    nbytes, launches, _ = kernel_traffic(lambda: input_shard(cfg, x, role, whole=False), monkeypatch)
+    price = Fp8Pricer(_cost(), recipe, tp, True, False, sp=True)
+    group = [Fp8Gemm(tuple((f"m{j}", 96, False) for j in range(members)), tp * 512, 384, "column")
+             for members in (1, 3)]
+    assert price._input(group[0], role) == (nbytes, launches)
+    casts = price.forward_casts if role == "x" else price.wgrad_casts
+    one, three = casts(group[0]), casts(group[1])
+    member = (one[0] - nbytes, one[1] - launches)  # a member's own casts (weight, dy^T) and extras
+    assert three == (nbytes + 3 * member[0], launches + 3 * member[1])
+
+
 # -- speed-ups -------------------------------------------------------------------------------------
 def _linear_times(recipe: str, size: int, casts: bool = True) -> tuple[float, float]:
     """(bf16, FP8) seconds of a [size, size] x [size, size] linear's forward + backward."""

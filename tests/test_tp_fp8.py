@@ -181,6 +181,15 @@ def test_column_and_row_ops_equal_the_old_math_bit_for_bit_and_send_float8(gloo_
             assert r["sent"]["fwd"] == r["expected"]["fwd"], (rank, case, r)
             assert r["sent"]["bwd"] == r["expected"]["bwd"], (rank, case, r)
             assert r["sent"]["fwd"] < 0.6 * r["expected"]["bf16_fwd"]  # bf16 sent 2 bytes an element
+            # xorl-plan's count of the same gathers (xorl/planner/fp8_time.py column_gather, the whole
+            # gathered tensor's bytes: a rank sends half of it at P = 2, and an all-reduce's n bytes)
+            from xorl.planner.fp8_time import column_gather
+
+            *lead, shard, k = SHAPES[case[0]]
+            m = math.prod(lead) * shard
+            g = column_gather(recipe, 2 * m, k, 2, case[1], shard % 128 == 0)
+            assert g.forward / 2 + g.forward_reduce == r["sent"]["fwd"], (case, g, r)
+            assert g.backward / 2 + g.backward_reduce + 2 * m * k == r["sent"]["bwd"], (case, g, r)
 
 
 def check_precision_of_both_paths(recipe: str) -> dict:
