@@ -16,14 +16,20 @@ flags), FP8 / bf16 tokens/s, against torchtitan's compiled bf16 -> compiled Floa
 GEMMs became custom ops xorl refused fp8 with compile, so its FP8 run was eager against the compiled bf16
 row ("before", with the fused casts; with the eager casts before them 0.59, 0.46, 0.38 tensorwise); now
 both compile, as torchtitan's runs did (selective every-other also reruns k, o and up in FP8 now, where
-the casts of every linear ran again before):
-                                 torchtitan                       before: FP8 eager        now: both compiled
-                                                                  (tensor/row/block)       (tensor/row/block)
-  8B FSDP 8 (selective every-other) 1.28x tensorwise              0.90 / 0.87 / 0.82       1.09 / 1.04 / 1.08
-  70B FSDP 32 x TP 8 vanilla (full AC) 1.36x tensorwise, 1.00x row 0.94 / 0.91 / 0.95       1.01 / 0.98 / 1.03
-  8B FSDP 8 x TP 8 (64 GPUs)        1.16x tensorwise, 0.85x row   0.81 / 0.79 / 0.84       0.90 / 0.88 / 0.94
-Beside the casts' bytes the model prices what xorl does differently from that run: under TP each of q, k, v
-(and gate, up) quantises the same gathered input again, the weights are quantised again in backward, and
+the casts of every linear ran again before); and under TP + SP each column op now casts its input shard
+once and gathers float8 (xorl/nn/tp_fp8.py), where each of q, k, v (gate, up) quantised the gathered
+input again, every ring chunk re-cast the weight, and the gather moved bf16:
+                                 torchtitan                       FP8 eager         both compiled     TP shard cast
+                                                                  (tensor/row/block)
+  8B FSDP 8 (selective every-other) 1.28x tensorwise              0.90/0.87/0.82    1.09/1.04/1.08    (no TP)
+  70B FSDP 32 x TP 8 vanilla (full AC) 1.36x tensorwise, 1.00x row 0.94/0.91/0.95    1.01/0.98/1.03    1.24/1.19/1.19
+  70B FSDP 32 x TP 8 async TP       1.44x tensorwise, 0.96x row                     0.96/0.93/0.99    1.15/1.10/1.11
+  8B FSDP 8 x TP 8 (64 GPUs)        1.16x tensorwise, 0.85x row   0.81/0.79/0.84    0.90/0.88/0.94    1.08/1.05/1.08
+  8B FSDP 8 x TP 8 async TP         1.16x tensorwise, 0.81x row                     0.85/0.83/0.90    1.02/0.99/1.02
+(torchao's Float8ColwiseParallel, the cast before the gather, "currently assumes tensorwise scaling":
+torchao/float8/float8_tensor_parallel.py; so torchtitan's rowwise rows are no target for xorl's.)
+Beside the casts' bytes the model prices what xorl does differently from that run: the weights are
+quantised again in backward, and
 no cast is fused into a neighbouring element-wise op (torchao's compiled Float8 traces its casts and fuses
 them; xorl's FP8 GEMMs are custom ops, so under train.compile too the casts stay these kernels, each paying
 its own launch, and compile fuses the element-wise work around them: step_time's compiled branch).
