@@ -17,9 +17,10 @@ with FP8 projections (and blockwise FP8 experts) compiles as one graph.
 - Selective checkpointing (every_other_matmul) compiled with the block: the policy sees the FP8 ops
   inside the graph, and training still equals eager's exactly.
 - The real Trainer on 2 gloo ranks: FSDP 2 with fp8_all_gather (torchao's Float8TrainingTensor weights
-  enter the compiled blocks and reach the ops through their torch_dispatch rule), and TP 2 + SP with
-  the overlapped ring forced on, compiled (aot_eager: inductor compiles for minutes on 2 shared cores)
-  against eager: losses, gradient norms and final weights equal exactly.
+  enter the compiled blocks and reach the ops through their torch_dispatch rule), and TP 2 + SP, every
+  recipe, with the overlapped ring forced on and with the plain collectives (the column ops' float8
+  gathers and amax all-reduces inside them), compiled (aot_eager: inductor compiles for minutes on 2
+  shared cores) against eager: no graph break; losses, gradient norms and final weights equal exactly.
 """
 
 from __future__ import annotations
@@ -192,6 +193,8 @@ def trainer_compiled_and_eager(output_dir: str, force_ring: bool = False, **trai
     """Rank 0's train_and_report (losses, grad norms, final weights) eager and compiled (aot_eager).
     ``force_ring``: the TP linears take the overlapped ring at any size (the tiny model is below
     DEFAULT_OVERLAP_MIN_NUMEL), as tests/test_fp8.py's TP check forces it with overlap_min_numel=0."""
+    from torch._dynamo.utils import counters
+
     from tests.parity_runs import tiny_config, train_and_report
     from xorl.nn.tp_matmul import TPMatmulConfig
 
@@ -203,7 +206,9 @@ def trainer_compiled_and_eager(output_dir: str, force_ring: bool = False, **trai
         for setting in (False, "aot_eager"):
             config = tiny_config(f"{output_dir}/{setting}", "llama", max_steps=3, compile=setting, **train)
             config.model.num_hidden_layers = 2
+            counters.clear()
             result[str(setting)] = train_and_report(config)
+            result[f"{setting} breaks"] = [reason.splitlines()[0] for reason in counters["graph_break"]]
             torch._dynamo.reset()
     finally:
         TPMatmulConfig.use_ring = use_ring
@@ -213,6 +218,7 @@ def trainer_compiled_and_eager(output_dir: str, force_ring: bool = False, **trai
 
 def _assert_equal_runs(result: dict) -> None:
     eager, compiled = result["False"], result["aot_eager"]
+    assert result["aot_eager breaks"] == [], result["aot_eager breaks"]
     print("eager", eager["losses"], eager["grad_norms"], "compiled", compiled["losses"], compiled["grad_norms"])
     assert len(eager["losses"]) == 3 and eager["losses"][0] != eager["losses"][-1]
     assert compiled["losses"] == eager["losses"] and compiled["grad_norms"] == eager["grad_norms"]
@@ -228,11 +234,13 @@ def test_compiled_fp8_training_on_fsdp2_with_float8_all_gather_equals_eager(gloo
     _assert_equal_runs(result)
 
 
-@pytest.mark.parametrize("fp8", ["rowwise", "blockwise"])
-def test_compiled_fp8_training_on_tp2_sp_with_the_ring_equals_eager(fp8, gloo_world, tmp_path):
-    """TP 2 + SP: the TP linears are their own custom ops (xorl/nn/tp_linear_ops.py) running the FP8
-    GEMMs per ring chunk inside; compiled and eager train alike."""
-    result = gloo_world(2).run(trainer_compiled_and_eager, str(tmp_path), force_ring=True,
+@pytest.mark.parametrize("ring", [True, False], ids=["ring", "plain"])
+@pytest.mark.parametrize("fp8", RECIPES)
+def test_compiled_fp8_training_on_tp2_sp_equals_eager(fp8, ring, gloo_world, tmp_path):
+    """TP 2 + SP: the TP linears are their own custom ops (xorl/nn/tp_linear_ops.py) whose column op casts
+    its input shard once and gathers float8 (xorl/nn/tp_fp8.py: the amax all-reduces, the float8 ring or
+    collective) inside; compiled (no graph break) and eager train alike."""
+    result = gloo_world(2).run(trainer_compiled_and_eager, str(tmp_path), force_ring=ring, tp_overlap=ring,
                                data_parallel_shard_size=1, tensor_parallel_size=2, sequence_parallel=True, fp8=fp8,
                                timeout_s=SLOW_CALL_S)[0]
     _assert_equal_runs(result)

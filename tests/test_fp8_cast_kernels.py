@@ -148,6 +148,18 @@ def test_cast_with_amax_casts_a_shard_as_the_whole(poisoned):
                      cast_with_amax_reference(w, small, E5M2))
 
 
+@pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_cast_with_a_per_row_amax_casts_a_shard_of_the_transpose_as_the_whole(fp8, poisoned):
+    # xorl/nn/tp_fp8.py, rowwise x^T under TP: each rank casts its token shard of x^T [C, tokens] (a view
+    # of a transpose) with each channel's amax over every rank's tokens; rows of 64 + a partial tile.
+    x = operand(150, 70, torch.bfloat16, seed=12, transposed=True)  # [150 channels, 70 tokens], a view
+    amax = x.abs().amax(dim=1, keepdim=True).float()
+    whole = cast_with_amax_reference(x, amax, fp8)
+    shards = [cast_with_amax(to_triton(part), to_triton(amax), fp8, backend="triton") for part in x.split(33, dim=1)]
+    assert torch.equal(torch.cat([bits(q) for q, _ in shards], dim=1), bits(whole[0]))
+    assert all(s.shape == (150, 1) and torch.equal(s.cpu(), whole[1]) for _, s in shards)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_token_tiles_cast_bit_for_bit(dtype, poisoned):
     # an empty expert, experts over several tiles with a partial last one; the bound's unused tiles get

@@ -16,14 +16,20 @@ flags), FP8 / bf16 tokens/s, against torchtitan's compiled bf16 -> compiled Floa
 GEMMs became custom ops xorl refused fp8 with compile, so its FP8 run was eager against the compiled bf16
 row ("before", with the fused casts; with the eager casts before them 0.59, 0.46, 0.38 tensorwise); now
 both compile, as torchtitan's runs did (selective every-other also reruns k, o and up in FP8 now, where
-the casts of every linear ran again before):
-                                 torchtitan                       before: FP8 eager        now: both compiled
-                                                                  (tensor/row/block)       (tensor/row/block)
-  8B FSDP 8 (selective every-other) 1.28x tensorwise              0.90 / 0.87 / 0.82       1.09 / 1.04 / 1.08
-  70B FSDP 32 x TP 8 vanilla (full AC) 1.36x tensorwise, 1.00x row 0.94 / 0.91 / 0.95       1.01 / 0.98 / 1.03
-  8B FSDP 8 x TP 8 (64 GPUs)        1.16x tensorwise, 0.85x row   0.81 / 0.79 / 0.84       0.90 / 0.88 / 0.94
-Beside the casts' bytes the model prices what xorl does differently from that run: under TP each of q, k, v
-(and gate, up) quantises the same gathered input again, the weights are quantised again in backward, and
+the casts of every linear ran again before); and under TP + SP each column op now casts its input shard
+once and gathers float8 (xorl/nn/tp_fp8.py), where each of q, k, v (gate, up) quantised the gathered
+input again, every ring chunk re-cast the weight, and the gather moved bf16:
+                                 torchtitan                       FP8 eager         both compiled     TP shard cast
+                                                                  (tensor/row/block)
+  8B FSDP 8 (selective every-other) 1.28x tensorwise              0.90/0.87/0.82    1.09/1.04/1.08    (no TP)
+  70B FSDP 32 x TP 8 vanilla (full AC) 1.36x tensorwise, 1.00x row 0.94/0.91/0.95    1.01/0.98/1.03    1.24/1.19/1.19
+  70B FSDP 32 x TP 8 async TP       1.44x tensorwise, 0.96x row                     0.96/0.93/0.99    1.15/1.10/1.11
+  8B FSDP 8 x TP 8 (64 GPUs)        1.16x tensorwise, 0.85x row   0.81/0.79/0.84    0.90/0.88/0.94    1.08/1.05/1.08
+  8B FSDP 8 x TP 8 async TP         1.16x tensorwise, 0.81x row                     0.85/0.83/0.90    1.02/0.99/1.02
+(torchao's Float8ColwiseParallel, the cast before the gather, "currently assumes tensorwise scaling":
+torchao/float8/float8_tensor_parallel.py; so torchtitan's rowwise rows are no target for xorl's.)
+Beside the casts' bytes the model prices what xorl does differently from that run: the weights are
+quantised again in backward, and
 no cast is fused into a neighbouring element-wise op (torchao's compiled Float8 traces its casts and fuses
 them; xorl's FP8 GEMMs are custom ops, so under train.compile too the casts stay these kernels, each paying
 its own launch, and compile fuses the element-wise work around them: step_time's compiled branch).
@@ -300,6 +306,30 @@ def test_a_tensorwise_linear_moves_the_modelled_bytes_beside_its_gemms(bias, mon
     g = Fp8Gemm((("proj", n, bias),), m, k, "plain")
     work = [price.forward_casts(g), price.dgrad_casts(g), price.wgrad_casts(g)]
     assert (nbytes, launches) == (sum(w_[0] for w_ in work), sum(w_[1] for w_ in work)), ops
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("role", ["x", "x_t"])
+def test_a_tp_column_op_casts_its_input_shard_once_as_the_kernels_move(recipe, role, monkeypatch):
+    # xorl/nn/tp_fp8.py input_shard on a TP 4 rank's [2, 256, 384] bf16 shard (the ring's own-scale cast,
+    # and the plain path's where its scales are the shard's: every recipe's "x" but tensorwise, 1 x 128
+    # x^T on whole tiles), its Triton kernels traced: the bytes and launches the pricer gives the group's
+    # input cast, once however many members it has.
+    import types
+
+    from xorl.nn.tp_fp8 import input_shard
+
+    tp, x = 4, torch.randn(2, 256, 384, dtype=torch.bfloat16)
+    cfg = types.SimpleNamespace(fp8=recipe, tp=None, stats=None)  # no collective on this path
+    nbytes, launches, _ = kernel_traffic(lambda: input_shard(cfg, x, role, whole=False), monkeypatch)
+    price = Fp8Pricer(_cost(), recipe, tp, True, False, sp=True)
+    group = [Fp8Gemm(tuple((f"m{j}", 96, False) for j in range(members)), tp * 512, 384, "column")
+             for members in (1, 3)]
+    assert price._input(group[0], role) == (nbytes, launches)
+    casts = price.forward_casts if role == "x" else price.wgrad_casts
+    one, three = casts(group[0]), casts(group[1])
+    member = (one[0] - nbytes, one[1] - launches)  # a member's own casts (weight, dy^T) and extras
+    assert three == (nbytes + 3 * member[0], launches + 3 * member[1])
 
 
 # -- speed-ups -------------------------------------------------------------------------------------

@@ -90,6 +90,9 @@ class LayerCommStats:
     ring_steps: int = 0  # ring exchanges (P-1 per ring)
     chunk_gemms: int = 0  # GEMMs issued on one sequence chunk
     collectives: int = 0  # plain (non-decomposed) collectives
+    # Bytes this rank sends: a ring exchange its chunk; a plain all-gather (P-1) x its shard, a
+    # reduce-scatter (P-1)/P of its input, an all-reduce 2 (P-1)/P (what a bandwidth-optimal ring sends).
+    sent_bytes: int = 0
     _events: deque = field(default_factory=deque, repr=False)  # (start, end) CUDA event pairs in flight
     exposed_ms_resolved: float = 0.0
     timed: bool = False  # record exposed time (the group's record_exposed_time)
@@ -129,6 +132,7 @@ def overlap_report(*modules, reset: bool = False) -> dict[str, dict]:
                 "ring_steps": s.ring_steps,
                 "chunk_gemms": s.chunk_gemms,
                 "collectives": s.collectives,
+                "sent_bytes": s.sent_bytes,
                 "exposed_ms": s.exposed_ms() if s.seen_gpu and s.timed else None,
             }
         if reset:
@@ -156,33 +160,35 @@ def wait_all(works, stats: LayerCommStats, on_gpu: bool) -> None:
             work.wait()
 
 
-def _exchange(send: torch.Tensor, recv: torch.Tensor, tp: TPGroup, stats: LayerCommStats,
-              reverse: bool) -> list[PendingExchange]:
-    """Start sending ``send`` to the next rank and receiving ``recv`` from the previous (``reverse``: the other way)."""
-    stats.p2p_ops += 2
+def _exchange(sends, recvs, tp: TPGroup, stats: LayerCommStats, reverse: bool) -> list[PendingExchange]:
+    """Start sending each of ``sends`` to the next rank and receiving the matching one of ``recvs``
+    from the previous (``reverse``: the other way); one ring step, a tag per tensor."""
+    stats.p2p_ops += 2 * len(sends)
     stats.ring_steps += 1
-    return [tp.ring.start(send, recv, reverse=reverse)]
+    stats.sent_bytes += sum(t.nbytes for t in sends)
+    return [tp.ring.start(send, recv, tag=tag, reverse=reverse) for tag, (send, recv) in enumerate(zip(sends, recvs))]
 
 
-def ring_all_gather(local: torch.Tensor, tp: TPGroup, consume: Callable[[torch.Tensor, int], None],
-                    stats: LayerCommStats) -> None:
+def ring_all_gather(local, tp: TPGroup, consume: Callable, stats: LayerCommStats) -> None:
     """Call ``consume(chunk, src_rank)`` on every rank's ``local`` (own first) while the next travels.
 
-    ``local`` is never written. Chunks travel forward (rank r sends to r+1), so at step i rank r
-    holds the chunk of rank r-i. Two receive buffers alternate: the one being consumed is never
-    the one being received into.
+    ``local``: a tensor, or a tuple of tensors that travel together (an FP8 chunk and its scales,
+    xorl/nn/tp_fp8.py), handed to ``consume`` as such. Never written. Chunks travel forward (rank r
+    sends to r+1), so at step i rank r holds the chunk of rank r-i. Two receive buffers alternate:
+    the one being consumed is never the one being received into.
     """
-    local = local.contiguous()
+    single = isinstance(local, torch.Tensor)
+    parts = [t.contiguous() for t in ((local,) if single else local)]
     size, rank = tp.size, tp.rank
-    on_gpu = local.is_cuda
-    buffers = [torch.empty_like(local), torch.empty_like(local)] if size > 1 else []
-    current = local
+    on_gpu = parts[0].is_cuda
+    buffers = [[torch.empty_like(t) for t in parts] for _ in range(2)] if size > 1 else []
+    current = parts
     for step in range(size):
         works = []
         if step < size - 1:
             incoming = buffers[step % 2]
             works = _exchange(current, incoming, tp, stats, reverse=False)
-        consume(current, (rank - step) % size)
+        consume(current[0] if single else tuple(current), (rank - step) % size)
         stats.chunk_gemms += 1
         if works:
             wait_all(works, stats, on_gpu)
@@ -213,7 +219,7 @@ def ring_reduce_scatter(produce: Callable[[int], torch.Tensor], tp: TPGroup,
             return partial
         if received is None:
             received = torch.empty_like(partial)
-        works = _exchange(partial, received, tp, stats, reverse=True)
+        works = _exchange([partial], [received], tp, stats, reverse=True)
         in_flight = partial  # noqa: F841 - held only to keep the send buffer alive
     raise AssertionError("unreachable: the loop returns at its last step")
 
@@ -229,14 +235,21 @@ def check_sequence_divisible(seq_len: int, tp: TPGroup, what: str) -> int:
     return seq_len // tp.size
 
 
+def all_gather_stacked(parts, tp: TPGroup, stats: LayerCommStats) -> list[torch.Tensor]:
+    """Every rank's ``parts`` (tensors), each as [P, *its shape]: rank-stacked, in rank order."""
+    parts = [t.contiguous() for t in parts]
+    outs = [t.new_empty(tp.size, *t.shape) for t in parts]
+    stats.collectives += len(parts)
+    stats.sent_bytes += (tp.size - 1) * sum(t.nbytes for t in parts)
+    # Collectives take the rank-stacked buffer flattened into dim 0 ([P*d0, ...]).
+    works = [all_gather_single(out.flatten(0, 1), t, group=tp.group, async_op=True) for out, t in zip(outs, parts)]
+    wait_all(works, stats, parts[0].is_cuda)
+    return outs
+
+
 def all_gather_sequence(x: torch.Tensor, tp: TPGroup, stats: LayerCommStats) -> torch.Tensor:
     """[..., s/P, h] on every rank -> [..., s, h] (rank r's shard at rows r*s/P ...)."""
-    x = x.contiguous()
-    out = x.new_empty(tp.size, *x.shape)
-    stats.collectives += 1
-    # Collectives take the rank-stacked buffer flattened into dim 0 ([P*d0, ...]).
-    work = all_gather_single(out.flatten(0, 1), x, group=tp.group, async_op=True)
-    wait_all([work], stats, x.is_cuda)
+    (out,) = all_gather_stacked([x], tp, stats)
     # [P, ..., s/P, h] -> [..., P, s/P, h] -> [..., s, h]
     return out.movedim(0, -3).flatten(-3, -2)
 
@@ -247,14 +260,23 @@ def reduce_scatter_sequence(y: torch.Tensor, tp: TPGroup, stats: LayerCommStats)
     stacked = y.unflatten(-2, (tp.size, shard)).movedim(-3, 0).contiguous()
     out = y.new_empty(stacked.shape[1:])
     stats.collectives += 1
+    stats.sent_bytes += out.nbytes * (tp.size - 1)
     work = reduce_scatter_single(out, stacked.flatten(0, 1), group=tp.group, async_op=True)
     wait_all([work], stats, y.is_cuda)
     return out
 
 
-def all_reduce_async(x: torch.Tensor, tp: TPGroup, stats: LayerCommStats):
+def all_reduce_async(x: torch.Tensor, tp: TPGroup, stats: LayerCommStats, op=dist.ReduceOp.SUM):
     stats.collectives += 1
-    return dist.all_reduce(x, group=tp.group, async_op=True)
+    stats.sent_bytes += 2 * x.nbytes * (tp.size - 1) // tp.size
+    return dist.all_reduce(x, op=op, group=tp.group, async_op=True)
+
+
+def all_reduce_max(x: torch.Tensor, tp: TPGroup, stats: LayerCommStats) -> torch.Tensor:
+    """``x`` (a device tensor, e.g. an amax) replaced by its elementwise max over the TP group; the
+    compute stream waits for it, the host does not."""
+    wait_all([all_reduce_async(x, tp, stats, dist.ReduceOp.MAX)], stats, x.is_cuda)
+    return x
 
 
 

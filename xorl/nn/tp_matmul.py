@@ -42,7 +42,9 @@ from xorl.nn.tp_comm import (
 #        no SP: dx = dy @ W, dW = dy^T x (dy is replicated)
 #
 # Several column weights can share one gathered input (q/k/v, gate/up): the function takes a list
-# of (weight, bias) pairs, so their input is gathered once, forward and backward.
+# of (weight, bias) pairs, so their input is gathered once, forward and backward. Under train.fp8 that
+# input is cast once, on its shard, and gathered in float8 (xorl/nn/tp_fp8.py); every GEMM is FP8, the
+# weights cast once per call (not per ring chunk).
 #
 # Below ``overlap_min_numel`` (elements of the gathered activation) the plain collective runs
 # first and one GEMM follows: for small tensors the per-chunk launch and P2P latency cost more
@@ -82,32 +84,38 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
-def _linear(fp8: str, a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """a @ w^T (+ b); in FP8 when ``fp8`` names a recipe. Under the ring paths each chunk is
-    quantised on its own (its own scales), which is still the recipe's formula on that chunk."""
+def _fp8_weights(fp8: str, weights, role: str) -> list:
+    """Each weight cast once as FP8 operand ``role`` ("w" forward, "w_t" dgrad), shared by the ring's
+    chunks; Nones without FP8."""
+    if fp8 == "none":
+        return [None] * len(weights)
+    from xorl.nn import tp_fp8
+
+    return [tp_fp8.weight(w, fp8, role) for w in weights]
+
+
+def _linear(fp8: str, a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, w8=None) -> torch.Tensor:
+    """a @ w^T (+ b); in FP8 when ``fp8`` names a recipe (``w8``: w's FP8 operand, _fp8_weights). Under
+    the ring paths each chunk is quantised on its own (its own scales): the recipe's formula on that chunk."""
     if fp8 == "none":
         return F.linear(a, w, b)
-    from xorl_kernels.fp8.linear import linear_forward
+    from xorl.nn import tp_fp8
 
-    y = linear_forward(_rows(a), w, fp8).view(*a.shape[:-1], w.shape[0])
-    return y if b is None else y.add_(b)
+    return tp_fp8.linear(a, fp8, w8 or tp_fp8.weight(w, fp8, "w"), b, w.shape[0])
 
 
-def _dgrad(fp8: str, g: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """g @ w (the input gradient of a linear); in FP8 when ``fp8`` names a recipe."""
+def _dgrad(fp8: str, g: torch.Tensor, w: torch.Tensor, w8=None) -> torch.Tensor:
+    """g @ w (the input gradient of a linear); in FP8 when ``fp8`` names a recipe (``w8``: w^T's operand)."""
     if fp8 == "none":
         return g @ w
-    from xorl_kernels.fp8.linear import linear_dgrad
+    from xorl.nn import tp_fp8
 
-    return linear_dgrad(_rows(g), w, fp8).view(*g.shape[:-1], w.shape[1])
+    return tp_fp8.dgrad(g, fp8, w8 or tp_fp8.weight(w, fp8, "w_t"), w.shape[1])
 
 
-def _linear_into(dst: torch.Tensor, a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
-                 fp8: str = "none") -> None:
+def _linear_into(dst: torch.Tensor, a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
     """dst = a @ w^T (+ b), written in place (dst is a slice of a preallocated output)."""
-    if fp8 != "none":
-        dst.copy_(_linear(fp8, a, w, b))
-    elif dst.is_contiguous():
+    if dst.is_contiguous():
         out = dst.view(-1, dst.shape[-1])
         if b is None:
             torch.mm(_rows(a), w.t(), out=out)
@@ -117,10 +125,10 @@ def _linear_into(dst: torch.Tensor, a: torch.Tensor, w: torch.Tensor, b: torch.T
         dst.copy_(F.linear(a, w, b))
 
 
-def _mm_into(dst: torch.Tensor, a: torch.Tensor, w: torch.Tensor, fp8: str = "none") -> None:
+def _mm_into(dst: torch.Tensor, a: torch.Tensor, w: torch.Tensor, fp8: str = "none", w8=None) -> None:
     """dst = a @ w (dx of a linear), in place."""
     if fp8 != "none":
-        dst.copy_(_dgrad(fp8, a, w))
+        dst.copy_(_dgrad(fp8, a, w, w8))
     elif dst.is_contiguous():
         torch.mm(_rows(a), w, out=dst.view(-1, dst.shape[-1]))
     else:
@@ -185,17 +193,21 @@ def column_chunked(cfg: TPMatmulConfig, x: torch.Tensor) -> bool:
 def column_forward(cfg: TPMatmulConfig, x: torch.Tensor, weights, biases) -> list[torch.Tensor]:
     """outputs_j = gather_seq(x) @ W_j^T + b_j for every (W_j, b_j); see the module docstring."""
     tp, stats = cfg.tp, cfg.stats
+    if cfg.fp8 != "none":  # the input cast once on its shard, gathered in float8 (xorl/nn/tp_fp8.py)
+        from xorl.nn import tp_fp8
+
+        return tp_fp8.column_forward(cfg, x, weights, biases, column_chunked(cfg, x))
     if not cfg.sequence_sharded:
-        return [_linear(cfg.fp8, x, w, b) for w, b in zip(weights, biases)]
+        return [F.linear(x, w, b) for w, b in zip(weights, biases)]
     shard = x.shape[-2]
     if not column_chunked(cfg, x):
         gathered = all_gather_sequence(x, tp, stats)
-        return [_linear(cfg.fp8, gathered, w, b) for w, b in zip(weights, biases)]
+        return [F.linear(gathered, w, b) for w, b in zip(weights, biases)]
     outs = [x.new_empty(*x.shape[:-2], shard * tp.size, w.shape[0]) for w in weights]
 
     def consume(chunk: torch.Tensor, src: int) -> None:
         for out, w, b in zip(outs, weights, biases):
-            _linear_into(out.narrow(-2, src * shard, shard), chunk, w, b, cfg.fp8)
+            _linear_into(out.narrow(-2, src * shard, shard), chunk, w, b)
 
     ring_all_gather(x, tp, consume, stats)
     return outs
@@ -207,15 +219,21 @@ def column_backward(cfg: TPMatmulConfig, x: torch.Tensor, weights, grads, need_d
     grads = [g.contiguous() for g in grads]
     dws: list[torch.Tensor | None] = [None] * len(weights)
     dx = None
+    w8s = _fp8_weights(cfg.fp8, weights, "w_t") if need_dx else [None] * len(weights)
 
     def input_grad(start: int = 0, length: int | None = None) -> torch.Tensor:
         """sum_j dy_j @ W_j over sequence rows start .. start+length (all rows by default)."""
         total = None
-        for g, w in zip(grads, weights):
-            part = _dgrad(cfg.fp8, g if length is None else g.narrow(-2, start, length), w)
+        for g, w, w8 in zip(grads, weights, w8s):
+            part = _dgrad(cfg.fp8, g if length is None else g.narrow(-2, start, length), w, w8)
             total = part if total is None else total.add_(part)
         return total
 
+    if cfg.fp8 != "none" and any(need_dw):  # x^T cast once on its shard (xorl/nn/tp_fp8.py)
+        from xorl.nn import tp_fp8
+
+        dws = tp_fp8.column_wgrads(cfg, x, grads, need_dw, column_chunked(cfg, x))
+        need_dw = [False] * len(weights)
     if cfg.sequence_sharded:
         shard = x.shape[-2]
         if column_chunked(cfg, x):
@@ -223,7 +241,7 @@ def column_backward(cfg: TPMatmulConfig, x: torch.Tensor, weights, grads, need_d
                 def consume(chunk: torch.Tensor, src: int) -> None:
                     for j, g in enumerate(grads):
                         if need_dw[j]:
-                            dws[j] = _accumulate_wgrad(dws[j], g.narrow(-2, src * shard, shard), chunk, cfg.fp8)
+                            dws[j] = _accumulate_wgrad(dws[j], g.narrow(-2, src * shard, shard), chunk)
 
                 ring_all_gather(x, tp, consume, stats)
             if need_dx:
@@ -231,8 +249,7 @@ def column_backward(cfg: TPMatmulConfig, x: torch.Tensor, weights, grads, need_d
         else:
             if any(need_dw):
                 gathered = all_gather_sequence(x, tp, stats)
-                dws = [_accumulate_wgrad(None, g, gathered, cfg.fp8) if need else None
-                       for g, need in zip(grads, need_dw)]
+                dws = [_accumulate_wgrad(None, g, gathered) if need else None for g, need in zip(grads, need_dw)]
             if need_dx:
                 dx = reduce_scatter_sequence(input_grad(), tp, stats)
     else:
@@ -241,7 +258,8 @@ def column_backward(cfg: TPMatmulConfig, x: torch.Tensor, weights, grads, need_d
             dx = input_grad()
             if tp.size > 1:  # replicated input: every rank's dx is a partial sum
                 work = all_reduce_async(dx, tp, stats)
-        dws = [_accumulate_wgrad(None, g, x, cfg.fp8) if need else None for g, need in zip(grads, need_dw)]
+        if any(need_dw):
+            dws = [_accumulate_wgrad(None, g, x) if need else None for g, need in zip(grads, need_dw)]
         if work is not None:
             wait_all([work], stats, dx.is_cuda)
     return dx, [dw.to(w.dtype) if dw is not None else None for dw, w in zip(dws, weights)]
@@ -263,7 +281,9 @@ def row_forward(cfg: TPMatmulConfig, x: torch.Tensor, weight: torch.Tensor,
     tp, stats = cfg.tp, cfg.stats
     if row_chunked(cfg, x, weight):
         shard = x.shape[-2] // tp.size
-        y = ring_reduce_scatter(lambda c: _linear(cfg.fp8, x.narrow(-2, c * shard, shard), weight), tp, stats)
+        (w8,) = _fp8_weights(cfg.fp8, [weight], "w")
+        y = ring_reduce_scatter(lambda c: _linear(cfg.fp8, x.narrow(-2, c * shard, shard), weight, None, w8), tp,
+                                stats)
     elif cfg.sequence_sharded:
         y = reduce_scatter_sequence(_linear(cfg.fp8, x, weight), tp, stats)
     else:
@@ -290,11 +310,12 @@ def row_backward(cfg: TPMatmulConfig, x: torch.Tensor, weight: torch.Tensor, gra
         shard = x.shape[-2] // tp.size
         if row_chunked(cfg, x, weight):
             dx = x.new_empty(x.shape) if need_dx else None
+            (w8,) = _fp8_weights(cfg.fp8, [weight], "w_t") if need_dx else (None,)
 
             def consume(chunk: torch.Tensor, src: int) -> None:
                 nonlocal dw
                 if need_dx:
-                    _mm_into(dx.narrow(-2, src * shard, shard), chunk, weight, cfg.fp8)
+                    _mm_into(dx.narrow(-2, src * shard, shard), chunk, weight, cfg.fp8, w8)
                 if need_dw:
                     dw = _accumulate_wgrad(dw, chunk, x.narrow(-2, src * shard, shard), cfg.fp8)
 

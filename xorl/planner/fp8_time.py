@@ -35,6 +35,15 @@ The experts' wgrad quantises x and dy in 1 x 128 token tiles that never straddle
 chunks, each loading the experts' int64 sizes to find its tile: (a + 1) an element, 4 a tile and column,
 8 experts a program; the tile map, group_token_tiles, still plain torch ops: 128 a row).
 
+A TP column op (q, k, v; gate, up: one op, xorl/nn/tp_fp8.py) casts its input once for all its members,
+on this rank's t / tp token shard under sequence parallel (the whole replicated input without): forward x,
+and x^T for the weight gradients, each one quantisation of the shard (tensorwise and the plain path's
+rowwise x^T with the group's amax, all-reduced: the same kernels' bytes, the all-reduce priced with the
+gather in tp_time.py); the gather then moves float8 bytes and the scales that are not shared
+(``column_gather``, which tp_time.py prices, with the assembly copy of the gathered x^T). Each member
+casts its own dy (dgrad) and dy^T (wgrad). The weights are cast once per op call, the ring's chunks
+share them.
+
 Around the GEMMs: a bias is an add of its own (bf16's addmm fuses it); the wgrad of a linear outside
 TP comes back fp32 and is cast to the weight's dtype (4 + a a weight element: bf16's F.linear writes it
 directly; the TP linears cast in both); rowwise pads its two scale vectors, blockwise builds its
@@ -42,8 +51,8 @@ group-size tensor. With train.fp8_all_gather FSDP2 hands the GEMMs the
 weight already cast (xorl/nn/fp8_all_gather.py): its forward operand costs one launch, dgrad's w^T a
 contiguous copy of the fp8 bytes. TP with tp_overlap and sequence parallel above the ring threshold
 (t h >= DEFAULT_OVERLAP_MIN_NUMEL, xorl/nn/tp_comm.py): each of the tp sequence chunks runs its own
-GEMMs, so the weight is quantised tp times a pass, the column forward and row dgrad copy each chunk's
-result into place (2a an element) and the wgrad adds tp - 1 fp32 partials (12 a weight element).
+GEMMs (each its own launches), the column forward and row dgrad copy each chunk's result into place
+(2a an element) and the wgrad adds tp - 1 fp32 partials (12 a weight element).
 
 Recompute. Full: the forward again, FP8 included (step_time's recompute = forward). Selective
 (xorl/plans/data_parallel.py): every FP8 GEMM is one op whose output the policy keeps (xorl::fp8_linear,
@@ -176,13 +185,43 @@ class Fp8Layer:
     recompute: float = 0.0
 
 
+@dataclass(frozen=True)
+class ColumnGather:
+    """What an FP8 column op's input gather moves (xorl/nn/tp_fp8.py): bytes of the gathered operand,
+    the whole tensor's as tp_time.py counts them (1 an element, plus the scales that travel), and of
+    the amaxes it all-reduces first (the plain path's tensorwise x / x^T, rowwise x^T, straddling tiles)."""
+
+    forward: float
+    backward: float
+    forward_reduce: float = 0.0
+    backward_reduce: float = 0.0
+
+
+def column_gather(recipe: str, t: float, width: float, tp: int, ring: bool, tiles_local: bool) -> ColumnGather:
+    """The gathers of a column op with ``width`` input features over t tokens (all tp ranks'); ``tiles_local``:
+    every shard's rows are whole 1 x 128 token tiles (s / tp % 128 == 0)."""
+    elements = t * width
+    x_scales = {"tensorwise": 4 * tp if ring else 0, "rowwise": 4 * t,
+                "blockwise": 4 * t * math.ceil(width / 128)}[recipe]
+    if ring:  # each chunk's own scales travel with it; nothing is reduced
+        xt_scales = {"tensorwise": 4 * tp, "rowwise": 4 * width * tp,
+                     "blockwise": 4 * width * tp * math.ceil(t / tp / 128)}[recipe]
+        return ColumnGather(elements + x_scales, elements + xt_scales)
+    forward_reduce = 4 if recipe == "tensorwise" else 0
+    if recipe == "blockwise" and tiles_local:
+        return ColumnGather(elements + x_scales, elements + 4 * width * t / 128)
+    backward_reduce = {"tensorwise": 4, "rowwise": 4 * width, "blockwise": 4 * width * math.ceil(t / 128)}[recipe]
+    return ColumnGather(elements + x_scales, elements, forward_reduce, backward_reduce)
+
+
 class Fp8Pricer:
     """Times of one group's three FP8 passes, and of the bf16 GEMM step_time priced for it."""
 
-    def __init__(self, c, recipe: str, tp: int, ring: bool, all_gathered: bool):
+    def __init__(self, c, recipe: str, tp: int, ring: bool, all_gathered: bool, sp: bool = True):
         from xorl_kernels.fp8.linear import OPERANDS
 
         self.c, self.recipe, self.a, self.tp, self.ring, self.all_gathered = c, recipe, c.a, tp, ring, all_gathered
+        self.sp = sp
         self.block = {role: block for role, (block, _) in OPERANDS[recipe].items()}
         hw = c.hw
         self.flops = (getattr(hw, "fp8_peak_tflops", None) or FP8_PEAK_RATIO * hw.peak_tflops) * 1e12
@@ -203,12 +242,19 @@ class Fp8Pricer:
     def _chunks(self, g: Fp8Gemm) -> int:
         return self.tp if self.ring and g.kind in ("column", "row") else 1
 
-    def _weight(self, role: str, n: float, k: float, chunks: int) -> tuple[float, int]:
+    def _weight(self, role: str, n: float, k: float) -> tuple[float, int]:
+        """Once per op call: the ring's chunks share it (xorl/nn/tp_matmul.py _fp8_weights)."""
         if self.all_gathered:  # already float8 (xorl_kernels/fp8/linear.py weight_operand)
             return (0, 1) if role == "w" else (2 * n * k, 2)
         rows, cols = (n, k) if role == "w" else (k, n)
-        nbytes, launches = quantize_cost(rows, cols, self.block[role], self.a)
-        return chunks * nbytes, chunks * launches
+        return quantize_cost(rows, cols, self.block[role], self.a)
+
+    def _input(self, g: Fp8Gemm, role: str) -> tuple[float, int]:
+        """A column op's input cast once for its members ("x" [tokens, k] or "x_t" [k, tokens]): its
+        t / tp token shard under sequence parallel (xorl/nn/tp_fp8.py)."""
+        tokens = g.m / self.tp if self.sp else g.m
+        rows, cols = (tokens, g.k) if role == "x" else (g.k, tokens)
+        return quantize_cost(rows, cols, self.block[role], self.a)
 
     def _act(self, role: str, rows: float, cols: float, chunks: int) -> tuple[float, int]:
         nbytes, launches = quantize_cost(rows / chunks if not _TRANSPOSED[role] else rows,
@@ -229,9 +275,10 @@ class Fp8Pricer:
             w = quantize_cost(g.k, g.n, self.block["w"], a, lead=g.experts)
             work = (x[0] + w[0], x[1] + w[1] + self.gemm_launches)
         else:
-            work = [0.0, 0]
+            work = list(self._input(g, "x")) if g.kind == "column" else [0.0, 0]
             for _, n, bias in g.modules:
-                for nbytes, launches in (self._act("x", g.m, g.k, c), self._weight("w", n, g.k, c),
+                x = self._act("x", g.m, g.k, c) if g.kind != "column" else (0, 0)
+                for nbytes, launches in (x, self._weight("w", n, g.k),
                                          ((2 * a * g.m * n + a * n, c) if bias else (0, 0)),
                                          ((2 * a * g.m * n, c) if c > 1 and g.kind == "column" else (0, 0))):
                     work[0] += nbytes
@@ -253,7 +300,7 @@ class Fp8Pricer:
         else:
             work = [0.0, 0]
             for _, n, _ in g.modules:
-                for nbytes, launches in (self._act("dy", g.m, n, c), self._weight("w_t", n, g.k, c),
+                for nbytes, launches in (self._act("dy", g.m, n, c), self._weight("w_t", n, g.k),
                                          ((2 * a * g.m * g.k, c) if c > 1 and g.kind == "row" else (0, 0))):
                     work[0] += nbytes
                     work[1] += launches
@@ -271,9 +318,10 @@ class Fp8Pricer:
                      token_tiles_cost(g.m, g.n, g.experts, a))
             work = (sum(p[0] for p in parts), sum(p[1] for p in parts) + self.gemm_launches)
         else:
-            work = [0.0, 0]
+            work = list(self._input(g, "x_t")) if g.kind == "column" else [0.0, 0]
             for _, n, _ in g.modules:
-                for nbytes, launches in (self._act("dy_t", n, g.m, c), self._act("x_t", g.k, g.m, c),
+                x_t = self._act("x_t", g.k, g.m, c) if g.kind != "column" else (0, 0)
+                for nbytes, launches in (self._act("dy_t", n, g.m, c), x_t,
                                          ((4 + a) * n * g.k, 1) if g.kind == "plain" and a != 4 else (0, 0),
                                          (12 * n * g.k * (c - 1), c - 1)):
                     work[0] += nbytes
@@ -291,7 +339,7 @@ def fp8_layer(spec, moe: bool, p, c, t: float, sp: bool, mode: str, every_other:
     from xorl.nn.tp_comm import DEFAULT_OVERLAP_MIN_NUMEL
 
     ring = p.tp > 1 and sp and p.tp_overlap and t * spec.hidden_size >= DEFAULT_OVERLAP_MIN_NUMEL
-    price = Fp8Pricer(c, recipe, p.tp, ring, all_gathered and recipe == "tensorwise")
+    price = Fp8Pricer(c, recipe, p.tp, ring, all_gathered and recipe == "tensorwise", sp)
     trainable = not spec.lora  # LoRA freezes the base weights: no wgrad
     forward = backward = recompute = 0.0
     for g in groups:

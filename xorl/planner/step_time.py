@@ -260,7 +260,7 @@ def _layer(spec, moe: bool, p: ParallelConfig, c: _Cost, t: int, seq: int, sp: b
         rows = {k for _, tokens, n, k in recomputed_matmuls(spec, moe, tp, sp) if n == h and tokens == 1
                 } if mode == "selective" and every_other else set()
         batch = max(1, round(t * p.cp / seq))  # micro_batch_size: t = batch x seq / cp
-        tp_cost = tp_time.layer_time(c, spec, moe, t, tp, batch, sp, p.tp_overlap, mode, rows)
+        tp_cost = tp_time.layer_time(c, spec, moe, t, tp, batch, sp, p.tp_overlap, mode, rows, fp8)
         exposed, slowdown = tp_cost.exposed, tp_cost.compute
     exposed += passes * 2 * c.collective(a * t * (q_width + kv_width) / tp, p.ulysses, tp, "all_to_all")
     if moe and p.ep > 1:

@@ -32,6 +32,12 @@ PyTorch's async-TP post). The reduce-scatter adds each received partial on the c
 (3 a (t/P) h bytes per exchange), and at b > 1 a chunk's rows are strided in [b, s, ...], so the
 op's rank-local operand is staged through a copy: the column output / row input forward (2 a t w),
 the two gradient operands backward (4 a t w).
+
+train.fp8 (xorl/nn/tp_fp8.py): an FP8 column op casts its input shard before the gather, so its gathers
+(forward x, backward x^T; plain and ring) move 1 byte an element plus the scales that travel, after
+the all-reduces (max) of the amaxes the plain path needs (fp8_time.column_gather); the gathered x^T is
+assembled from the rank-stacked bytes by a copy at any batch. The input gradient's reduce-scatter and
+the row ops stay in train.dtype.
 """
 
 from __future__ import annotations
@@ -109,21 +115,39 @@ def _ring(c, nbytes: float, tp: int, chunk_gemms: float, full_gemms: float, tail
     return TPTime(exposed, (tp - 1) * slowdown + adds + chunk_gemms - full_gemms + tails)
 
 
-def op_time(c, op: TPOp, t: float, tp: int, batch: int, overlap: bool, forward: int, backward: int) -> TPTime:
-    """A TP op under SP over ``forward`` forward passes (the recompute's included) and ``backward``."""
+def op_time(c, op: TPOp, t: float, tp: int, batch: int, overlap: bool, forward: int, backward: int,
+            fp8: str = "none") -> TPTime:
+    """A TP op under SP over ``forward`` forward passes (the recompute's included) and ``backward``.
+    ``fp8``: the column op's recipe (train.fp8), whose input gathers move float8 (fp8_time.column_gather)."""
     nbytes = c.a * t * op.width
-    if not (overlap and t * op.width >= DEFAULT_OVERLAP_MIN_NUMEL):  # xorl's use_ring
+    ring = overlap and t * op.width >= DEFAULT_OVERLAP_MIN_NUMEL  # xorl's use_ring
+    gathered, amax = (nbytes, nbytes), TPTime()
+    if op.column and fp8 != "none":  # the shard cast once, gathered in float8 (xorl/nn/tp_fp8.py)
+        from xorl.planner.fp8_time import column_gather
+
+        g = column_gather(fp8, t, op.width, tp, ring, (t / batch / tp) % 128 == 0)
+        gathered = (g.forward, g.backward)
+        reduce_time = [c.collective(r, tp, 1, "all_reduce") if r else 0.0 for r in (g.forward_reduce,
+                                                                                  g.backward_reduce)]
+        amax = TPTime(reduce_time[0]) * forward + TPTime(reduce_time[1]) * backward
+    if not ring:
         gather, reduce = (_plain(c, nbytes, tp, kind, batch) for kind in ("all_gather", "reduce_scatter"))
-        return (gather if op.column else reduce) * forward + (gather + reduce if op.column else gather) * backward
+        if not op.column:
+            return reduce * forward + gather * backward
+        if fp8 == "none":
+            return gather * forward + (gather + reduce) * backward
+        # float8: x as bf16's gather (reordered at b > 1), x^T assembled from [P, k, b, s/P] by a copy at any b
+        regather = TPTime(c.collective(gathered[1], tp, 1, "all_gather"), 2 * gathered[1] / c.hbm)
+        return _plain(c, gathered[0], tp, "all_gather", batch) * forward + (regather + reduce) * backward + amax
     m, full = t / tp, sum(c.gemm(t, n, k) for n, k in op.gemms)
     rows = tp * sum(c.gemm(m, n, k) for n, k in op.gemms)  # forward and input gradient: m split in P
     wgrad = tp * sum(c.gemm(n, k, m) for n, k in op.gemms)  # weight gradient: its reduction split
     fwd_tails = (tp - 1) * sum(_tail(c, m, n, k) for n, k in op.gemms)
     dgrad_tails = (tp - 1) * sum(_tail(c, m, k, n) for n, k in op.gemms)
     stage = TPTime(0.0, 2 * c.a * t * op.local_width / c.hbm if batch > 1 else 0.0)
-    fwd = _ring(c, nbytes, tp, rows, full, fwd_tails, reduce=not op.column) + stage
+    fwd = _ring(c, gathered[0], tp, rows, full, fwd_tails, reduce=not op.column) + stage
     if op.column:  # the input gathered for the weight gradient, then the input gradient reduced
-        bwd = _ring(c, nbytes, tp, wgrad, full, 0.0, False) + _ring(c, nbytes, tp, rows, full, dgrad_tails, True)
+        bwd = _ring(c, gathered[1], tp, wgrad, full, 0.0, False) + _ring(c, nbytes, tp, rows, full, dgrad_tails, True)
     else:  # the output gradient gathered for both GEMMs
         bwd = _ring(c, nbytes, tp, rows + wgrad, 2 * full, dgrad_tails, reduce=False)
     return fwd * forward + (bwd + stage * 2) * backward
@@ -139,14 +163,14 @@ def all_reduce_time(c, op: TPOp, t: float, tp: int, forward: int, backward: int)
 
 
 def layer_time(c, spec, moe: bool, t: float, tp: int, batch: int, sp: bool, overlap: bool, mode: str,
-               recomputed_rows: set[float]) -> TPTime:
+               recomputed_rows: set[float], fp8: str = "none") -> TPTime:
     """One decoder layer and microbatch; ``recomputed_rows``: the input widths of the row ops that
-    selective checkpointing recomputes (each reduces its output again)."""
+    selective checkpointing recomputes (each reduces its output again); ``fp8``: train.fp8."""
     total = TPTime()
     for column, row in regions(spec, moe, tp):
         for op in (column, row):
             forward = 1 + (mode == "full" or (not op.column and op.gemms[0][1] in recomputed_rows))
-            total += (op_time(c, op, t, tp, batch, overlap, forward, 1) if sp
+            total += (op_time(c, op, t, tp, batch, overlap, forward, 1, fp8) if sp
                       else all_reduce_time(c, op, t, tp, forward, 1))
     return total
 

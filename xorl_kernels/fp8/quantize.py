@@ -100,10 +100,12 @@ def cast_with_amax(x: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype = E4M
     (q, quantisation scale, float32, the reciprocal of the dequantisation factor).
 
     The one place the cast happens, so a tensor cast with the amax of its whole (a weight shard
-    under FSDP's float8 all-gather, ``xorl.nn.fp8_all_gather``) is bit for bit the cast of the whole:
-    the Triton kernel takes a one-element amax on a non-empty 2-D x (the shard case); else the reference.
+    under FSDP's float8 all-gather, ``xorl.nn.fp8_all_gather``; a TP activation shard, ``xorl.nn.tp_fp8``)
+    is bit for bit the cast of the whole: the Triton kernel takes a non-empty 2-D x [R, C] and a
+    one-element amax or one per row ([R, 1]); else the reference.
     """
-    if _backend(x, backend) == TRITON and x.dim() == 2 and x.numel() and amax.numel() == 1:
+    if _backend(x, backend) == TRITON and x.dim() == 2 and x.numel() and (
+            amax.numel() == 1 or tuple(amax.shape) == (x.shape[0], 1)):
         from xorl_kernels.fp8.triton_quantize import cast_with_amax_triton
 
         return cast_with_amax_triton(x, amax, dtype)
@@ -161,9 +163,23 @@ def quantize_token_tiles_reference(x: torch.Tensor, tile_of_row: torch.Tensor, n
                                    dtype: torch.dtype = E4M3) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize_token_tiles`` in plain torch ops."""
     x = x.contiguous()
-    index = tile_of_row[:, None].expand(x.shape)
+    return cast_token_tiles_reference(x, tile_of_row, token_tile_amax(x, tile_of_row, num_tiles), dtype)
+
+
+@torch.no_grad()
+def token_tile_amax(x: torch.Tensor, tile_of_row: torch.Tensor, num_tiles: int) -> torch.Tensor:
+    """[num_tiles, C] float32: max |x| over each tile's rows of x [M, C], per column (0 for a tile
+    without rows). Also a partial amax: a TP shard's rows of tiles that other ranks share
+    (xorl/nn/tp_fp8.py), reduced (max) over the ranks before ``cast_token_tiles_reference``."""
     amax = x.new_zeros(num_tiles, x.shape[1], dtype=torch.float32)
-    amax.scatter_reduce_(0, index, x.abs().float(), "amax")
+    return amax.scatter_reduce_(0, tile_of_row[:, None].expand(x.shape), x.abs().float(), "amax")
+
+
+@torch.no_grad()
+def cast_token_tiles_reference(x: torch.Tensor, tile_of_row: torch.Tensor, amax: torch.Tensor,
+                               dtype: torch.dtype = E4M3) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, C] cast with the scale of its row's tile's ``amax`` [num_tiles, C]: (q [M, C], the
+    dequantisation scale [num_tiles, C])."""
     amax_to_scale, to_fp8_saturated = _torchao_scaling()
     qscale = amax_to_scale(amax, dtype, round_scales_to_power_of_2=True)
     q = to_fp8_saturated(x.float() * qscale.index_select(0, tile_of_row), dtype)

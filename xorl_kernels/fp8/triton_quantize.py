@@ -12,7 +12,9 @@ operand's logical layout and the DEQUANTISATION scale; partial blocks are masked
   128-wide chunks, once for the per-row amax and once for the cast (the operand is read twice);
 - tensorwise: ``_amax_kernel`` folds each [64, 128] tile's amax into a zeroed device scalar per
   stacked tensor with ``atomic_max`` (no host sync), then the cast kernel (``_GIVEN``) reads it;
-  ``cast_with_amax`` (an FSDP shard cast with the whole weight's amax) is that cast alone;
+  ``cast_with_amax`` (an FSDP shard cast with the whole weight's amax) is that cast alone, and with one
+  amax per row (``AMAX_ROWS``: a TP shard's x^T with each channel's amax over the group, tp_fp8.py)
+  a [64, 128] tile that loads its 64 rows' amaxes;
 - the experts' weight-gradient token tiles (``_cast_token_tiles_kernel``): 128-token tiles that start
   at each expert's first row, found on the device from ``group_sizes`` as the grouped GEMMs find
   theirs (``_group_of_tile``), one scale per tile and column.
@@ -95,6 +97,7 @@ def _cast_kernel(
     sx_l, sx_r, sx_c, sq_l, sq_r, sq_c, ss_l, ss_r, ss_c,
     FMAX: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr, SUB: tl.constexpr, SOFTWARE: tl.constexpr,
     MODE: tl.constexpr, STORE_QSCALE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    AMAX_ROWS: tl.constexpr = False,
 ):
     pid_r, pid_c, lead = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -123,6 +126,13 @@ def _cast_kernel(
         if MODE == 0:  # _TILE: one scale per row of this 128-column tile
             qscale, dscale = _scales(tl.max(tl.abs(x), axis=1), FMAX)
             tl.store(s_ptr + lead * ss_l + rows.to(tl.int64) * ss_r + pid_c * ss_c, dscale, mask=row_ok)
+            q = _to_fp8(x * qscale[:, None], q_ptr.dtype.element_ty, FMAX, MANT, BIAS, SUB, SOFTWARE)
+        elif AMAX_ROWS:  # _GIVEN per row: each row's amax from memory (a TP shard's x^T, channels' amaxes)
+            qscale, dscale = _scales(tl.load(amax_ptr + lead * R + rows, mask=row_ok, other=0.0), FMAX)
+            if STORE_QSCALE:
+                dscale = qscale
+            if pid_c == 0:
+                tl.store(s_ptr + lead * ss_l + rows.to(tl.int64) * ss_r, dscale, mask=row_ok)
             q = _to_fp8(x * qscale[:, None], q_ptr.dtype.element_ty, FMAX, MANT, BIAS, SUB, SOFTWARE)
         else:  # _BLOCK (this tile's amax) or _GIVEN (the stacked tensor's amax, from memory)
             if MODE == 1:
@@ -196,7 +206,7 @@ def _store_target(q: torch.Tensor) -> torch.Tensor:
     return q.view(torch.uint8) if triton_interpreting() else q
 
 
-def _launch_cast(x3, q3, s3, amax, mode: int, dtype, store_qscale: bool = False) -> None:
+def _launch_cast(x3, q3, s3, amax, mode: int, dtype, store_qscale: bool = False, amax_rows: bool = False) -> None:
     lead, rows, cols = x3.shape
     block_r = {_BLOCK: WEIGHT_BLOCK, _ROW: ROW_STRIP}.get(mode, TILE_R)
     grid = (triton.cdiv(rows, block_r), 1 if mode == _ROW else triton.cdiv(cols, TILE_C), lead)
@@ -204,7 +214,7 @@ def _launch_cast(x3, q3, s3, amax, mode: int, dtype, store_qscale: bool = False)
         x3, _store_target(q3), s3, amax if amax is not None else s3, rows, cols,
         *x3.stride(), *q3.stride(), *s3.stride(),
         **_format(dtype), SOFTWARE=triton_interpreting(), MODE=mode, STORE_QSCALE=store_qscale,
-        BLOCK_R=block_r, BLOCK_C=TILE_C, num_warps=8 if mode == _BLOCK else 4,
+        BLOCK_R=block_r, BLOCK_C=TILE_C, num_warps=8 if mode == _BLOCK else 4, AMAX_ROWS=amax_rows,
     )
 
 
@@ -244,11 +254,13 @@ def quantize_blocks_triton(x: torch.Tensor, block_rows: int | None, block_cols: 
 
 def cast_with_amax_triton(x: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype
                           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantize.cast_with_amax`` for a one-element amax and a non-empty 2-D x: (q, quantisation scale
-    shaped as amax)."""
+    """``quantize.cast_with_amax`` for a non-empty 2-D x [R, C] and a one-element amax, or one per row
+    ([R, 1]): (q, quantisation scale shaped as amax)."""
+    rows = amax.numel() > 1
     q = torch.empty(x.shape, dtype=dtype, device=x.device)
-    qscale = torch.empty(1, 1, 1, dtype=torch.float32, device=x.device)
-    _launch_cast(_stacked(x), _stacked(q), qscale, amax.reshape(1).float(), _GIVEN, dtype, store_qscale=True)
+    qscale = torch.empty(1, x.shape[0] if rows else 1, 1, dtype=torch.float32, device=x.device)
+    _launch_cast(_stacked(x), _stacked(q), qscale, amax.reshape(-1).float(), _GIVEN, dtype, store_qscale=True,
+                 amax_rows=rows)
     return q, qscale.view(amax.shape)
 
 
