@@ -244,7 +244,13 @@ def test_compiled_memory_per_gpu(row, gib):
 #   e7c0cae; 2024-12's train.py had it commented out), which keeps a few bytes per logit where an
 #   eager fp32 cross-entropy keeps 14 (xorl's unfused loss: 67.9 and 66.1 GiB, 1.42) and xorl's fused
 #   loss none (40.9 and 39.1 GiB, 0.85): no xorl recipe is that loss;
-# - the async-TP table's float8 rowwise rows (torchao's rowwise: a scale per row, as xorl's).
+# - the async-TP table's float8 tensorwise rows (70B: 809.8 vanilla, 942.4 async TP; 8B on 64 GPUs:
+#   5,078.1 and 5,570.1). Under TP xorl casts each column group's input once on its sequence shard and
+#   gathers float8 (xorl/nn/tp_fp8.py), as torchao's Float8ColwiseParallel does; before it cast the
+#   gathered input once per linear and these rows were predicted at 0.67-0.84. Its float8 rowwise rows
+#   (599.6 / 624.8; 3,708.5 / 3,914.9) are not held: the table itself notes torchtitan's vanilla-TP
+#   rowwise baseline as a known slow path (its issue 1207: torchao's float8 TP "currently assumes
+#   tensorwise scaling"); xorl's rowwise is predicted at 1.16-1.35 of them.
 H200 = Hardware(gpus_per_node=8, gpu_memory_gb=141.0, peak_tflops=989.0, hbm_gbps=4800.0)
 FP8_TOKEN_ROWS = [
     ("llama3.1-8b fsdp8 compile float8", LLAMA_31_8B, 8,
@@ -257,16 +263,18 @@ FP8_TOKEN_ROWS = [
     ("llama3.1-8b h200 fsdp64 float8", LLAMA_31_8B, 64,
      dict(data_parallel_shard_size=64, compile=True, fp8="tensorwise", fp8_all_gather=True, **SELECTIVE), 2, 10753,
      H200),
-    ("llama3.1-70b fsdp32 tp8 rowwise", LLAMA_31_70B, 256,
-     dict(data_parallel_shard_size=32, tp_overlap=False, activation_checkpointing="full", fp8="rowwise", **TP8_SP),
-     16, 599.6, GRAND_TETON),
-    ("llama3.1-70b fsdp32 tp8 async rowwise", LLAMA_31_70B, 256,
-     dict(data_parallel_shard_size=32, tp_overlap=True, activation_checkpointing="full", fp8="rowwise", **TP8_SP),
-     16, 624.8, GRAND_TETON),
-    ("llama3.1-8b fsdp8 tp8 rowwise", LLAMA_31_8B, 64,
-     dict(data_parallel_shard_size=8, tp_overlap=False, fp8="rowwise", **TP8_SP, **SELECTIVE), 12, 3708.5, GRAND_TETON),
-    ("llama3.1-8b fsdp8 tp8 async rowwise", LLAMA_31_8B, 64,
-     dict(data_parallel_shard_size=8, tp_overlap=True, fp8="rowwise", **TP8_SP, **SELECTIVE), 12, 3914.9, GRAND_TETON),
+    ("llama3.1-70b fsdp32 tp8 float8", LLAMA_31_70B, 256,
+     dict(data_parallel_shard_size=32, tp_overlap=False, activation_checkpointing="full", fp8="tensorwise", **TP8_SP),
+     16, 809.8, GRAND_TETON),
+    ("llama3.1-70b fsdp32 tp8 async float8", LLAMA_31_70B, 256,
+     dict(data_parallel_shard_size=32, tp_overlap=True, activation_checkpointing="full", fp8="tensorwise", **TP8_SP),
+     16, 942.4, GRAND_TETON),
+    ("llama3.1-8b fsdp8 tp8 float8", LLAMA_31_8B, 64,
+     dict(data_parallel_shard_size=8, tp_overlap=False, fp8="tensorwise", **TP8_SP, **SELECTIVE), 12, 5078.1,
+     GRAND_TETON),
+    ("llama3.1-8b fsdp8 tp8 async float8", LLAMA_31_8B, 64,
+     dict(data_parallel_shard_size=8, tp_overlap=True, fp8="tensorwise", **TP8_SP, **SELECTIVE), 12, 5570.1,
+     GRAND_TETON),
 ]
 
 
