@@ -76,7 +76,7 @@ from xorl.planner.activations import checkpointing, every_other_matmul, fused_lo
 from xorl.planner.efficiency import Efficiency, load
 from xorl.planner.fp8_time import fp8_layer
 from xorl.planner.memory import SPLIT_BACKWARD_SCHEDULES, reshards_after_forward
-from xorl.planner.shapes import ModelShapes, kind_numel, rank_params
+from xorl.planner.shapes import EXPERT_PARAMS, ModelShapes, kind_numel, rank_params
 
 
 @dataclass(frozen=True)
@@ -272,6 +272,26 @@ def _layer(spec, moe: bool, p: ParallelConfig, c: _Cost, t: int, seq: int, sp: b
     return _Layer(forward, backward, recompute, gemm, exposed, slowdown)
 
 
+def fsdp_groups(p: ParallelConfig) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(size, mesh stride) of the FSDP group of a block's dense weights and of its experts.
+
+    Dense weights shard over dp_shard_cp, whose ranks sit at stride tp. Experts under EP (or TP) are
+    their own FSDP unit on the EP mesh (xorl/distributed/parallel_state.py): ("ep_fsdp", "ep") over
+    the flattened dp_shard x CP x TP ranks with EP innermost, so the ep_fsdp ranks holding the same
+    experts sit at stride ep: with EP 8 on 8-GPU nodes, one rank per node, every expert byte of the
+    all-gather and reduce-scatter crosses the network on that rank's own NIC share, where the dense
+    group's 8 ranks per node split the node's crossing between them."""
+    dense = (p.dp_shard_cp, p.tp)
+    return (dense, (p.ep_fsdp, p.ep)) if p.ep > 1 or p.tp > 1 else (dense, dense)
+
+
+def _fsdp_split(kind, p: ParallelConfig) -> tuple[list, list]:
+    """(dense, expert) parameters of a block as fsdp_groups shards them."""
+    own = p.ep > 1 or p.tp > 1
+    experts = [x for x in kind if own and x[0] in EXPERT_PARAMS]
+    return [x for x in kind if x not in experts], experts
+
+
 def step_time(config, p: ParallelConfig, shapes: ModelShapes, hw: Hardware) -> StepTime:
     from xorl.models.spec import ModelSpec
 
@@ -294,12 +314,17 @@ def step_time(config, p: ParallelConfig, shapes: ModelShapes, hw: Hardware) -> S
         exposed = layer.exposed
         if fsdp and not zero_bubble:
             full = kind_numel(kind, p)
-            gathered = a * full
-            if train.fp8_all_gather:  # the FP8 linears' weights travel as float8: 1 byte an element
-                gathered -= (a - 1) * kind_numel([x for x in kind if x[0] in shapes.fp8_linear_weights], p)
-            comm = gathers * c.collective(gathered, p.dp_shard_cp, p.tp)
-            comm += c.collective(4 * full, p.dp_shard_cp, p.tp, "reduce_scatter")
-            comm += c.collective(4 * full / p.dp_shard_cp, p.dp_replicate, p.tp * p.dp_shard_cp, "all_reduce")
+            comm = 0.0
+            # FSDP2 units: the block's dense weights over dp_shard_cp, its experts (their own unit under
+            # EP or TP) over ep_fsdp: two groups, two placements (fsdp_groups)
+            for part, (size, stride) in zip(_fsdp_split(kind, p), fsdp_groups(p)):
+                gathered = a * kind_numel(part, p)
+                if train.fp8_all_gather:  # the FP8 linears' weights travel as float8: 1 byte an element
+                    gathered -= (a - 1) * kind_numel([x for x in part if x[0] in shapes.fp8_linear_weights], p)
+                comm += gathers * c.collective(gathered, size, stride)
+                comm += c.collective(4 * kind_numel(part, p), size, stride, "reduce_scatter")
+                comm += c.collective(4 * kind_numel(part, p) / size, p.dp_replicate, p.tp * p.dp_shard_cp,
+                                     "all_reduce")
             e, s = c.overlapped(comm, compute)
             # FSDP2's copy-out of each all-gather into the parameters, and the cast of the bf16
             # gradients into the fp32 reduce-scatter input: HBM traffic of the compute stream.
@@ -322,8 +347,11 @@ def step_time(config, p: ParallelConfig, shapes: ModelShapes, hw: Hardware) -> S
             root = tp_time.root_time(c, spec.hidden_size, vocab, t, p.tp, data.micro_batch_size, sp, p.tp_overlap,
                                      rp.has_first, rp.has_last)
             compute, exposed = compute + root.compute, exposed + root.exposed
-        if fsdp and zero_bubble:
-            per_step += c.collective(rp.stage_unsharded * (a + 4), p.dp_shard_cp, p.tp)
+        if fsdp and zero_bubble:  # each stage gathers once and reduces once per step
+            experts = sum(kind_numel(_fsdp_split(shapes.kinds[shapes.layer_kind[i]], p)[1], p) for i in rp.layers)
+            (size, stride), (e_size, e_stride) = fsdp_groups(p)
+            per_step += c.collective((rp.stage_unsharded - experts) * (a + 4), size, stride)
+            per_step += c.collective(experts * (a + 4), e_size, e_stride)
         elif fsdp:
             exposed += c.collective(rp.root_unsharded * (2 * a + 4), p.dp_shard_cp, p.tp)
         elif p.dp_cp > 1:
