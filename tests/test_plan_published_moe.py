@@ -1,0 +1,171 @@
+"""xorl-plan held against published, measured Megatron runs on H100: MoE (and one dense FP8 row).
+
+Sources (each row names its own):
+- NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md at commit 067f987df03b8355b03192d88d70f1709fedf51a:
+  "26.04.01 NeMo Container", GPT OSS 120B, DGX-H100, BF16, 64 GPUs, GBS 1280, MBS 1, seq 4096, DDP
+  (FSDP 0: Megatron's distributed optimizer), TP 1, PP 4, CP 1, VP n/a, EP 8: 5824 tokens/s/GPU (26.04:
+  5810; 26.02: 5984-5993). Its recipe (src/megatron/bridge/perf_recipes/gpt_oss/h100/gpt_oss.py, same
+  commit): selective recompute of layernorm and moe_act, forced load balancing (the planner's balanced
+  routing), gradients reduced in bf16 once per step. "25.11", System DGX-H100: LLAMA3_8B FP8-CS, 8 GPUs,
+  GBS 128, MBS 1, seq 8192, FSDP 8, GA 16: 14451 tokens/s/GPU.
+- yanring/Megatron-MoE-ModelZoo best_practice/qwen3/readme.md at commit e8650517d60d71ab73fc6b3b0388cac4ba435181:
+  Qwen3-235B-A22B on 256 H100 (NVLink 4, InfiniBand 8 x 50 GB/s), BF16, seq 4096, GBS 2048, forced
+  balance (run_h100_235b.sh); step times, converted here as 2048 x 4096 / step / 256 tokens/s/GPU.
+The hardware is the H100 SXM the planner defaults to: --peak-tflops 989 --hbm-gbps 3350
+--gpu-memory-gb 80, 8 GPUs per node, NVLink 450 GB/s, 8 NICs of 50 GB/s (Hardware()). No row
+publishes memory. The models are their Hugging Face config.json fields (examples/gpt_oss_120b.yaml,
+examples/qwen3_235b_a22b_ep64_ulysses64.yaml).
+
+Megatron recipes xorl cannot express, not held: the ModelZoo's Qwen3-235B rows with "+1f1b overlap"
+(EP all-to-all hidden behind another microbatch's compute; xorl hides only the shared expert, which
+Qwen3 lacks) and PP 32 x VPP 3 (96 virtual stages for 94 layers: Megatron counts the embedding and
+loss as layers of the split, xorl needs a layer per stage); Qwen3-Next-80B (no xorl family); every
+DeepSeek-V3 and Qwen3-30B-A3B H100 row of both sources is FP8 (DeepSeek's blockwise recipe with MTP;
+Bridge's "FP8" on H100, whose routed-expert granularity the 26.x tables do not state: xorl runs the
+experts in FP8 under blockwise only), and the Bridge Llama3 70B / 405B H100 rows are FP8 with PP x VP
+5 / 8 and CP 2.
+
+xorl's own recipe differs from Megatron's in one place that dominates these rows: under a 1F1B /
+Interleaved1F1B pipeline xorl's FSDP2 blocks re-gather their shards and reduce-scatter their fp32
+gradients every microbatch (xorl/plans/pipeline_parallel.py ShardedGradPipelineStage, to keep memory
+at the sharded size), where Megatron's distributed optimizer gathers and reduces once per step
+(--use-distributed-optimizer, --overlap-grad-reduce). A block's experts are an FSDP unit on the EP
+mesh's ep_fsdp ranks, which under EP 8 sit one per node: every expert byte of those collectives
+crosses the network on one NIC (xorl/planner/step_time.py fsdp_groups). Before that placement was
+priced (the experts costed as the dense group's, 8 NICs per node) the GPT-OSS row read 0.96, by
+an error that hid the recipe difference.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.parallel_layouts import expected_state
+from xorl.config import Config
+from xorl.distributed.parallel_config import ParallelConfig
+from xorl.planner.guide import Options, evaluate
+from xorl.planner.step_time import Hardware, fsdp_groups
+
+TOKENS_TOLERANCE = 0.25
+H100_SXM = Hardware()  # 989 TFLOP/s bf16, 3.35 TB/s, 80 GB, 8 per node, NVLink 450 GB/s, 8 x 50 GB/s NICs
+
+GPT_OSS_120B = dict(model_type="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+                    num_hidden_layers=36, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                    rms_norm_eps=1e-5, rope_theta=150000.0, max_position_embeddings=131072,
+                    rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                      original_max_position_embeddings=4096),
+                    attention_bias=True, sliding_window=128, num_experts=128, num_experts_per_tok=4,
+                    swiglu_alpha=1.702, swiglu_limit=7.0, router_aux_loss_coef=0.001)
+QWEN3_235B = dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                  num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6,
+                  rope_theta=1000000.0, max_position_embeddings=40960, num_experts=128, num_experts_per_tok=8,
+                  moe_intermediate_size=1536, norm_topk_prob=True, router_aux_loss_coef=0.001)
+LLAMA3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0, max_position_embeddings=131072)
+
+# Megatron's selective recompute of norms and MoE activations has no xorl twin under EP (xorl refuses
+# selective checkpointing with the experts' own FSDP unit): those rows run activation_checkpointing
+# false, which recomputes nothing (the closest in time; Megatron's recompute is element-wise only).
+NO_AC = dict(activation_checkpointing=False)
+PER_MICROBATCH_FSDP = ("xorl's 1F1B stages re-gather and fp32-reduce-scatter every block per microbatch; Megatron's "
+                       "distributed optimizer once per step")
+
+
+STATED = {}  # name -> the ratio an open row's reason states (test_open_rows_read_as_stated holds it)
+
+
+def _open(ratio: float, why: str):
+    return pytest.mark.xfail(strict=True, reason=f"predicted {ratio:.2f} of published: {why}")
+
+
+# (name, model, GPUs, train fields, micro_batch_size, seq_len, global batch (sequences), published tokens/s/GPU)
+ROWS = [
+    pytest.param("gpt-oss-120b pp4 ep8 (Bridge 26.04.01)", GPT_OSS_120B, 64,
+                 dict(pipeline_parallel_size=4, data_parallel_shard_size=16, expert_parallel_size=8, **NO_AC),
+                 1, 4096, 1280, 5824,
+                 marks=_open(0.39, f"{PER_MICROBATCH_FSDP}: 80 microbatches, each layer's 398M EP-local expert "
+                                   "elements over ep_fsdp 2, one rank per node: 9.4 ms all-gather x 2 + 18.8 ms "
+                                   "reduce-scatter against 16.5 ms of compute per layer and microbatch. xorl's "
+                                   "zero-bubble schedules, which gather and reduce once per step, predict 1.51 "
+                                   "(ZBVZeroBubble, 85.7 GiB: does not fit)")),
+    pytest.param("qwen3-235b tp2 ep8 fsdp128 full AC mbs4 (ModelZoo, 17.6 s)", QWEN3_235B, 256,
+                 dict(tensor_parallel_size=2, sequence_parallel=True, data_parallel_shard_size=128,
+                      expert_parallel_size=8, activation_checkpointing="full"),
+                 4, 4096, 2048, 2048 * 4096 / 17.6 / 256,
+                 marks=_open(0.53, "each layer's 302M EP-local expert elements over ep_fsdp 32, one rank per "
+                                   "node: 14.2 ms all-gather x 2 + 28.0 ms fp32 reduce-scatter per layer and "
+                                   "microbatch, about the layer's compute, which the overlapped NCCL kernels slow "
+                                   "by 0.35 of it (efficiency.json overlap_interference); Megatron-FSDP's reduce "
+                                   "dtype and overlap for this row are not published. Not found in time")),
+    pytest.param("qwen3-235b tp2 ep32 pp8 vpp4 (ModelZoo, 19.7 s)", QWEN3_235B, 256,
+                 dict(tensor_parallel_size=2, sequence_parallel=True, pipeline_parallel_size=8,
+                      pipeline_parallel_schedule="Interleaved1F1B", virtual_pipeline_stages=4,
+                      data_parallel_shard_size=16, expert_parallel_size=32, **NO_AC),
+                 1, 4096, 2048, 2048 * 4096 / 19.7 / 256,
+                 marks=_open(0.56, f"{PER_MICROBATCH_FSDP} (128 microbatches); and without Megatron's selective "
+                                   "recompute the layout does not fit 80 GB (87.6 GiB reserved)")),
+    pytest.param("qwen3-235b tp4 ep8 pp8 vpp4 (ModelZoo, 29.0 s)", QWEN3_235B, 256,
+                 dict(tensor_parallel_size=4, sequence_parallel=True, pipeline_parallel_size=8,
+                      pipeline_parallel_schedule="Interleaved1F1B", virtual_pipeline_stages=4,
+                      data_parallel_shard_size=8, expert_parallel_size=8, **NO_AC),
+                 1, 4096, 2048, 2048 * 4096 / 29.0 / 256,
+                 marks=_open(0.19, f"{PER_MICROBATCH_FSDP} (256 microbatches; each layer's 302M expert elements "
+                                   "over ep_fsdp 4, one rank per node)")),
+    # Dense, not torchtitan: Megatron with Transformer Engine (cuDNN fused attention, TE's FP8 GEMMs).
+    pytest.param("llama3-8b fsdp8 fp8 tensorwise (Bridge 25.11)", LLAMA3_8B, 8,
+                 dict(data_parallel_shard_size=8, fp8="tensorwise", compile=True, **NO_AC),
+                 1, 8192, 128, 14451,
+                 marks=_open(0.69, "xorl's attention is priced FA2-class (efficiency.json attention: 0.36 / 0.30 "
+                                   "of peak); TE's cuDNN fused attention is FA3-class: at 0.63 / 0.50 the row reads "
+                                   "0.77; the rest (TE's FP8 GEMMs against torch._scaled_mm's 0.62 of the FP8 "
+                                   "peak) not separated")),
+]
+
+
+def _predict(model: dict, gpus: int, train: dict, micro_batch: int, seq: int, global_batch: int) -> float:
+    ranks_per_replica = (train.get("tensor_parallel_size", 1) * train.get("pipeline_parallel_size", 1))
+    accumulation = global_batch * ranks_per_replica // (gpus * micro_batch)
+    config = Config.from_dict({
+        "model": model, "data": {"seq_len": seq, "micro_batch_size": micro_batch},
+        "train": {"data_parallel_mode": "fsdp2", "dtype": "bfloat16", "gradient_accumulation_steps": accumulation,
+                  **train},
+    })
+    candidate = evaluate(config, Options(gpus, H100_SXM))
+    return global_batch * seq / gpus / candidate.time.total
+
+
+STATED.update({r.values[0]: float(m.kwargs["reason"].split()[1]) for r in ROWS for m in r.marks})
+
+
+@pytest.mark.parametrize("name, model, gpus, train, micro_batch, seq, global_batch, tokens", ROWS,
+                         ids=[r.values[0] for r in ROWS])
+def test_tokens_per_second_per_gpu(name, model, gpus, train, micro_batch, seq, global_batch, tokens):
+    predicted = _predict(model, gpus, train, micro_batch, seq, global_batch)
+    assert abs(predicted / tokens - 1) <= TOKENS_TOLERANCE, f"{name}: {predicted:.0f} vs published {tokens:.0f}"
+
+
+# An open row's reason states its ratio: it must stay what the planner predicts (to 0.01), so a change
+# of the physics that moves it shows here and its reason is rewritten with it.
+@pytest.mark.parametrize("name", list(STATED))
+def test_open_rows_read_as_stated(name):
+    _, model, gpus, train, micro_batch, seq, global_batch, tokens = next(r.values for r in ROWS if r.values[0] == name)
+    ratio = _predict(model, gpus, train, micro_batch, seq, global_batch) / tokens
+    assert abs(ratio - STATED[name]) <= 0.01, f"{name}: now {ratio:.3f}, its reason says {STATED[name]}"
+
+
+# The FSDP groups the step time prices are the groups xorl's mesh builds: (size, stride) of rank 0's
+# dp_shard_cp and ep_fsdp groups in the independent rank arithmetic test_parallel_state.py holds the
+# real ParallelState to.
+@pytest.mark.parametrize("world, layout", [
+    (64, dict(data_parallel_shard_size=16, pipeline_parallel_size=4, expert_parallel_size=8)),
+    (64, dict(data_parallel_shard_size=32, tensor_parallel_size=2, expert_parallel_size=8)),
+    (64, dict(data_parallel_shard_size=8, tensor_parallel_size=4, pipeline_parallel_size=2, expert_parallel_size=4)),
+    (32, dict(data_parallel_shard_size=16, tensor_parallel_size=2)),  # TP without EP: experts whole, own unit
+])
+def test_fsdp_groups_are_the_mesh_groups(world, layout):
+    config = Config.from_dict({"model": QWEN3_235B, "train": {"data_parallel_mode": "fsdp2", **layout}})
+    p = ParallelConfig.from_config(config, world)
+    groups = expected_state(0, world, layout)["groups"]
+    for (size, stride), name in zip(fsdp_groups(p), ("dp_shard_cp", "ep_fsdp")):
+        ranks = groups[name]
+        assert (size, stride) == (len(ranks), ranks[1] - ranks[0] if len(ranks) > 1 else stride), name
