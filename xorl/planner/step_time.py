@@ -44,7 +44,8 @@ NCCL's tree (2 B / bottleneck + 2 log2(n) latencies); all-to-all: the share boun
 nodes over the network, the rest over NVLink. Link rates at nccl-tests' achieved fractions.
 Which collectives overlap compute in xorl:
   FSDP2   all-gathers (forward, and backward when resharded) and fp32 reduce-scatters per layer and
-          microbatch are prefetched / overlapped: exposed = max(0, comm - layer compute), and the
+          microbatch, the dense weights over dp_shard_cp and the experts over ep_fsdp (fsdp_groups:
+          one rank a node under EP 8), are prefetched / overlapped: exposed = max(0, comm - layer compute), and the
           overlapped part slows compute by overlap_interference (NCCL's SMs and HBM traffic); the
           copy-out of each all-gather (2a bytes per element) and the cast of the gradients into the
           fp32 reduce-scatter input (a + 4) stream through HBM on the compute stream. The root
