@@ -1,4 +1,4 @@
-"""xorl-plan held against published, measured Megatron runs on H100: MoE (and one dense FP8 row).
+"""xorl-plan held against published, measured MoE runs on H100 (Megatron, torchtitan) and a dense Megatron FP8 row.
 
 Sources (each row names its own):
 - NVIDIA-NeMo/Megatron-Bridge docs/performance-summary-archive.md at commit 067f987df03b8355b03192d88d70f1709fedf51a:
@@ -11,9 +11,11 @@ Sources (each row names its own):
 - yanring/Megatron-MoE-ModelZoo best_practice/qwen3/readme.md at commit e8650517d60d71ab73fc6b3b0388cac4ba435181:
   Qwen3-235B-A22B on 256 H100 (NVLink 4, InfiniBand 8 x 50 GB/s), BF16, seq 4096, GBS 2048, forced
   balance (run_h100_235b.sh); step times, converted here as 2048 x 4096 / step / 256 tokens/s/GPU.
+- pytorch/torchtitan issue 1789 (its logs): DeepSeek-V3 16B on 8 H100 80GB HBM3, FSDP 8 x EP 8; the row
+  below says what of its recipe is known.
 The hardware is the H100 SXM the planner defaults to: --peak-tflops 989 --hbm-gbps 3350
---gpu-memory-gb 80, 8 GPUs per node, NVLink 450 GB/s, 8 NICs of 50 GB/s (Hardware()). No row
-publishes memory. The models are their Hugging Face config.json fields (examples/gpt_oss_120b.yaml,
+--gpu-memory-gb 80, 8 GPUs per node, NVLink 450 GB/s, 8 NICs of 50 GB/s (Hardware()). Memory is
+not held: only the torchtitan row publishes it (73.3 GiB), under a recompute xorl cannot run there. The models are their Hugging Face config.json fields (examples/gpt_oss_120b.yaml,
 examples/qwen3_235b_a22b_ep64_ulysses64.yaml).
 
 Megatron recipes xorl cannot express, not held: the ModelZoo's Qwen3-235B rows with "+1f1b overlap"
@@ -60,6 +62,14 @@ QWEN3_235B = dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=4096, i
                   num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6,
                   rope_theta=1000000.0, max_position_embeddings=40960, num_experts=128, num_experts_per_tok=8,
                   moe_intermediate_size=1536, norm_topk_prob=True, router_aux_loss_coef=0.001)
+# torchtitan's DeepSeek-V3 16B flavour (torchtitan/models/deepseek_v3/__init__.py at 82a9530f6): latent
+# attention without a q down-projection, 64 routed experts top-6 plus 2 shared, the first layer dense.
+DEEPSEEK_V3_16B = dict(model_type="deepseek_v3", vocab_size=102400, hidden_size=2048, intermediate_size=10944,
+                       num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None,
+                       kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, rms_norm_eps=1e-6,
+                       rope_theta=10000.0, max_position_embeddings=4096, num_experts=64, num_experts_per_tok=6,
+                       moe_intermediate_size=1408, shared_expert_intermediate_size=2816, first_k_dense_replace=1,
+                       norm_topk_prob=False, routed_scaling_factor=1.0, router_scoring="softmax")
 LLAMA3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0, max_position_embeddings=131072)
 
@@ -111,6 +121,21 @@ ROWS = [
                  1, 4096, 2048, 2048 * 4096 / 29.0 / 256,
                  marks=_open(0.19, f"{PER_MICROBATCH_FSDP} (256 microbatches; each layer's 302M expert elements "
                                    "over ep_fsdp 4, one rank per node)")),
+    # torchtitan issue 1789 (pytorch/torchtitan, 2025-10-02, "DeepSeek-V3-16B OOMs on 8 x H100 80GB
+    # HBM3"): the 16B toml of that day (FSDP 8, EP 8, seq 4096, op-level selective AC, compile of the
+    # loss only) with local_batch_size lowered from 8, to 4 as the fix commit 82a9530f6 (#1792) then set
+    # it; steps 10-40 at 11,254-11,758 tokens/s/GPU (11,500 taken), 73.3 GiB. Its routing is learned,
+    # not forced balanced, and its flex attention is block-causal (documents shorter than the row).
+    pytest.param("deepseek-v3-16b fsdp8 ep8 no AC (torchtitan issue 1789)", DEEPSEEK_V3_16B, 8,
+                 dict(data_parallel_shard_size=8, expert_parallel_size=8, **NO_AC),
+                 4, 4096, 32, 11500,
+                 marks=_open(1.61, "xorl refuses selective AC under EP (the experts' own FSDP unit), so torchtitan's "
+                                   "op-level SAC has no twin: without recompute 1.61, with full recompute (more than "
+                                   "SAC recomputes) still 1.24, so xorl prices this MoE step faster than torchtitan "
+                                   "ran it either way. A MoE layer's forward is priced at 8.8 ms (grouped GEMMs 2.8, "
+                                   "dense GEMMs 1.7, element-wise 3.4, attention 1.0). Not separated: learned "
+                                   "(unbalanced) routing, torchtitan's token permutation and its all-to-all "
+                                   "split-size sync, the grouped GEMMs' backward efficiency")),
     # Dense, not torchtitan: Megatron with Transformer Engine (cuDNN fused attention, TE's FP8 GEMMs).
     pytest.param("llama3-8b fsdp8 fp8 tensorwise (Bridge 25.11)", LLAMA3_8B, 8,
                  dict(data_parallel_shard_size=8, fp8="tensorwise", compile=True, **NO_AC),
