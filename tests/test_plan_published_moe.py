@@ -15,8 +15,9 @@ Sources (each row names its own):
   below says what of its recipe is known.
 The hardware is the H100 SXM the planner defaults to: --peak-tflops 989 --hbm-gbps 3350
 --gpu-memory-gb 80, 8 GPUs per node, NVLink 450 GB/s, 8 NICs of 50 GB/s (Hardware()). Memory is
-not held: only the torchtitan row publishes it (73.3 GiB), under a recompute xorl cannot run there. The models are their Hugging Face config.json fields (examples/gpt_oss_120b.yaml,
-examples/qwen3_235b_a22b_ep64_ulysses64.yaml).
+not held: only the torchtitan row publishes it (73.3 GiB), under a recompute xorl cannot run there.
+The models are their Hugging Face config.json fields (examples/gpt_oss_120b.yaml,
+examples/qwen3_235b_a22b_ep64_ulysses64.yaml; torchtitan's 16B flavour below).
 
 Megatron recipes xorl cannot express, not held: the ModelZoo's Qwen3-235B rows with "+1f1b overlap"
 (EP all-to-all hidden behind another microbatch's compute; xorl hides only the shared expert, which
