@@ -162,16 +162,50 @@ class _Cost:
         return max(0.0, comm - compute), self.eff.overlap_interference * min(comm, compute)
 
 
-def elementwise_forward(spec, moe: bool, a: int, tp: int, sp: bool, compiled: bool) -> tuple[float, float]:
+def ep_pairs_per_token(experts: int, top_k: int, ep: int) -> float:
+    """Rows a token sends in EP's dispatch (and gets back in the combine): one per destination rank
+    that owns at least one of its top_k experts, not one per expert (xorl/nn/ep_dispatch.py sends a
+    token routed to several experts of one rank there once, as DeepEP does). Balanced routing, as
+    everywhere here: the top_k distinct experts uniformly at random, so a rank owning experts / ep
+    of them is missed with probability C(E - E/ep, k) / C(E, k). Qwen3-30B (top-8 of 128) at EP 4:
+    3.63, the figure ep_dispatch.py states; at EP 8: 5.30 rows, not 8."""
+    local, missed = experts // ep, 1.0
+    for i in range(top_k):
+        missed *= max(0, experts - local - i) / (experts - i)
+    return ep * (1 - missed)
+
+
+def routed_copy_bytes(k: int, pairs: float, a: int, ep: int) -> float:
+    """Bytes per token and hidden unit that moving a token's routed rows costs in HBM, forward, as
+    xorl/nn/moe.py and xorl/nn/ep_dispatch.py run it (the row moves are xorl_kernels.moe_permute's).
+
+    ep 1: permute_tokens gathers k rows (read and write a each) and unpermute_tokens combines them
+    with their weights in fp32 registers (read k rows, write one): 3 a k + a.
+    ep > 1, per token's k slots and its ``pairs`` (token, rank) rows (ep_pairs_per_token): the pairs'
+    rows gathered to send (2a per pair); on arrival each pair expanded to its slots (2a per slot),
+    permute_tokens and unpermute_tokens over the slots (2a each); the slots' outputs cast to fp32
+    (a + 4), weighted (8) and index_add-ed into fp32 pair rows (out of place: the zeros 4 and their
+    clone 8 per pair; the source read 4 and the target's read-modify-write 8 per slot), cast back
+    (4 + a per pair); after the combine's all-to-all, each token's pairs cast to fp32 (a + 4 per
+    pair) and index_add-ed likewise into a fresh fp32 row (zeros 4, clone 8, 12 per pair), cast back
+    (4 + a): (7a + 24) k + (4a + 32) pairs + 16 + a."""
+    if ep <= 1:
+        return 3 * a * k + a
+    return (7 * a + 24) * k + (4 * a + 32) * pairs + 16 + a
+
+
+def elementwise_forward(spec, moe: bool, a: int, tp: int, sp: bool, compiled: bool, ep: int = 1
+                        ) -> tuple[float, float]:
     """(bytes per token, kernel launches) of one decoder layer's element-wise forward.
 
     Eager, per element (xorl/models/layers.py): RMSNorm (fp32 cast, pow, mean, scale, cast back,
     weight: 4a + 28 bytes, 7 ops) x 2; RoPE on q and k (x cos, rotate_half's neg and cat, x sin,
     add: 10a, 5 ops each); 2 residual adds (3a); SwiGLU (silu, product: 5a, 2 ops) per intermediate
-    unit; MoE: fp32 router softmax (16 bytes per expert), the routed copies gathered and scattered
-    back (6a per copy and hidden unit), the experts' and shared expert's SwiGLU. Compiled: each
-    fused region reads its inputs and writes its outputs once (norm + residual 5a, RoPE 2a,
-    SwiGLU 3a), one launch per region.
+    unit; MoE: fp32 router softmax (16 bytes per expert), the routed rows' moves (routed_copy_bytes:
+    under EP the dispatch's gathers, expansions and fp32 sums, 13 more launches), the experts' and
+    shared expert's SwiGLU. Compiled: each fused region reads its inputs and writes its outputs once
+    (norm + residual 5a, RoPE 2a, SwiGLU 3a), one launch per region; the routed rows' moves stay as
+    counted (custom ops and index scatters around them; ASSUMPTION that compile fuses none of them).
     """
     h, heads = spec.hidden_size, spec.num_attention_heads
     hq, hkv = heads * spec.head_dim, spec.num_key_value_heads * spec.head_dim
@@ -184,25 +218,13 @@ def elementwise_forward(spec, moe: bool, a: int, tp: int, sp: bool, compiled: bo
     ops += 2 * norm_ops
     if moe:  # on this TP rank's token shard
         k = spec.num_experts_per_tok
-        nbytes += (16 * spec.num_experts + 6 * a * k * h + glu_b * (k * spec.moe_intermediate_size
-                                                                   + spec.shared_expert_intermediate_size)) / tp
-        ops += 12
+        moved = routed_copy_bytes(k, ep_pairs_per_token(spec.num_experts, k, ep), a, ep)
+        nbytes += (16 * spec.num_experts + moved * h + glu_b * (k * spec.moe_intermediate_size
+                                                                + spec.shared_expert_intermediate_size)) / tp
+        ops += 12 + (13 if ep > 1 else 0)
     else:
         nbytes += glu_b * spec.intermediate_size / tp
     return nbytes, ops
-
-
-def ep_pairs_per_token(experts: int, top_k: int, ep: int) -> float:
-    """Rows a token sends in EP's dispatch (and gets back in the combine): one per destination rank
-    that owns at least one of its top_k experts, not one per expert (xorl/nn/ep_dispatch.py sends a
-    token routed to several experts of one rank there once, as DeepEP does). Balanced routing, as
-    everywhere here: the top_k distinct experts uniformly at random, so a rank owning experts / ep
-    of them is missed with probability C(E - E/ep, k) / C(E, k). Qwen3-30B (top-8 of 128) at EP 4:
-    3.63, the figure ep_dispatch.py states; at EP 8: 5.30 rows, not 8."""
-    local, missed = experts // ep, 1.0
-    for i in range(top_k):
-        missed *= max(0, experts - local - i) / (experts - i)
-    return ep * (1 - missed)
 
 
 def _attention_projections(spec, c: _Cost, t: int, tp: int) -> tuple[float, int, int]:
@@ -260,7 +282,7 @@ def _layer(spec, moe: bool, p: ParallelConfig, c: _Cost, t: int, seq: int, sp: b
     # q.k (d_qk) and p.v (d_v): 2 FLOPs per dim, key and query head forward
     attn_flops = 2 * t * (keys_per_query(spec, seq) / spec.num_hidden_layers) * heads * (d_qk + d_v) / tp
     attn_fwd, attn_bwd = attn_flops / (c.flops * c.eff.attn_fwd), 2.5 * attn_flops / (c.flops * c.eff.attn_bwd)
-    ew_bytes, ew_ops = elementwise_forward(spec, moe, a, tp, sp, compiled)
+    ew_bytes, ew_ops = elementwise_forward(spec, moe, a, tp, sp, compiled, p.ep)
     ew = c.elementwise(t * ew_bytes, ew_ops)
     forward = gemm + attn_fwd + ew
     backward = 2 * gemm + attn_bwd + 2 * ew
