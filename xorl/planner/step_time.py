@@ -176,22 +176,23 @@ def ep_pairs_per_token(experts: int, top_k: int, ep: int) -> float:
 
 
 def routed_copy_bytes(k: int, pairs: float, a: int, ep: int) -> float:
-    """Bytes per token and hidden unit that moving a token's routed rows costs in HBM, forward, as
-    xorl/nn/moe.py and xorl/nn/ep_dispatch.py run it (the row moves are xorl_kernels.moe_permute's).
+    """Bytes per token and hidden unit that moving a token's routed rows streams through HBM,
+    forward, as xorl/nn/moe.py and xorl/nn/ep_dispatch.py run it (the row moves are
+    xorl_kernels.moe_permute's), each op reading its inputs once and writing its outputs once (the
+    traffic convention of tests/test_plan_fp8.py; test_plan_published_moe.py traces the dispatch).
 
-    ep 1: permute_tokens gathers k rows (read and write a each) and unpermute_tokens combines them
-    with their weights in fp32 registers (read k rows, write one): 3 a k + a.
-    ep > 1, per token's k slots and its ``pairs`` (token, rank) rows (ep_pairs_per_token): the pairs'
-    rows gathered to send (2a per pair); on arrival each pair expanded to its slots (2a per slot),
-    permute_tokens and unpermute_tokens over the slots (2a each); the slots' outputs cast to fp32
-    (a + 4), weighted (8) and index_add-ed into fp32 pair rows (out of place: the zeros 4 and their
-    clone 8 per pair; the source read 4 and the target's read-modify-write 8 per slot), cast back
-    (4 + a per pair); after the combine's all-to-all, each token's pairs cast to fp32 (a + 4 per
-    pair) and index_add-ed likewise into a fresh fp32 row (zeros 4, clone 8, 12 per pair), cast back
-    (4 + a): (7a + 24) k + (4a + 32) pairs + 16 + a."""
+    ep 1: permute_tokens gathers k rows of x (reads x, writes k rows: a + a k); unpermute_tokens
+    combines them with their weights in fp32 registers (reads k rows, writes one): 2 a k + 2 a.
+    ep > 1, per token's k slots and ``pairs`` (token, rank) rows (ep_pairs_per_token): the pairs'
+    rows gathered to send (a + a pairs); on arrival expanded to the slots (a pairs + a k);
+    permute_tokens and unpermute_tokens over the slots (2 a k each); the slots cast to fp32 (a + 4)
+    and weighted (8) per slot; index_add-ed into fresh fp32 pair rows (the zeros 4, then 4 + 4 per
+    pair and 4 per slot), cast back (4 + a per pair); after the combine's all-to-all each token's
+    pairs cast to fp32 (a + 4 per pair) and index_add-ed into a fresh fp32 row (4, then 8 + 4 per
+    pair), cast back (4 + a): (6a + 16) k + (4a + 24) pairs + 16 + 2a."""
     if ep <= 1:
-        return 3 * a * k + a
-    return (7 * a + 24) * k + (4 * a + 32) * pairs + 16 + a
+        return 2 * a * k + 2 * a
+    return (6 * a + 16) * k + (4 * a + 24) * pairs + 16 + 2 * a
 
 
 def elementwise_forward(spec, moe: bool, a: int, tp: int, sp: bool, compiled: bool, ep: int = 1
