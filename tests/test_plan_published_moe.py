@@ -321,3 +321,20 @@ def test_dispatch_traffic_is_priced(gloo_world, world_size, experts, top_k):
     tokens, pairs = sum(r[1] for r in reports), sum(r[2] for r in reports)
     priced = routed_copy_bytes(top_k, pairs / tokens, 2, world_size) * hidden * tokens
     assert priced == traced, f"priced {priced:.0f} B, traced {traced} B"
+
+
+# The guide's EP pitfall follows the same mesh: EP groups are consecutive ranks of the dp_shard x CP x
+# TP fold, so TP 2 x EP 8 stays in an 8-GPU node (the ModelZoo's "intra-node EP" layout) and EP 16 leaves it.
+@pytest.mark.parametrize("layout, crosses", [
+    (dict(data_parallel_shard_size=32, tensor_parallel_size=2, sequence_parallel=True, expert_parallel_size=8), False),
+    (dict(data_parallel_shard_size=64, expert_parallel_size=16), True),
+])
+def test_ep_pitfall_is_the_mesh_placement(layout, crosses):
+    from xorl.planner.guide import pitfalls
+    from xorl.planner.shapes import model_shapes
+
+    config = Config.from_dict({"model": QWEN3_235B, "train": {"data_parallel_mode": "fsdp2", **layout}})
+    p = ParallelConfig.from_config(config, 64)
+    warned = any("EP all-to-alls cross nodes" in w for w in pitfalls(config, p, H100_SXM, model_shapes(config.model)))
+    assert warned == crosses
+    assert warned == (len({r // 8 for r in expected_state(0, 64, layout)["groups"]["ep"]}) > 1)
