@@ -176,9 +176,11 @@ def pitfalls(config: Config, p: ParallelConfig, hw: Hardware, shapes: ModelShape
     if p.ulysses > 1 and p.tp * p.ulysses > per_node:
         out.append(f"Ulysses all-to-alls cross nodes (tensor_parallel_size x ulysses_parallel_size = "
                    f"{p.tp * p.ulysses} > {per_node} GPUs per node): attention's all-to-alls run over IB")
-    if moe and p.ep > 1 and p.tp * p.ep > per_node:
-        out.append(f"EP all-to-alls cross nodes (tensor_parallel_size x expert_parallel_size = {p.tp * p.ep} > "
-                   f"{per_node}): every MoE layer's dispatch and combine run over IB")
+    # EP groups are consecutive ranks of the dp_shard x CP x TP fold, TP innermost (ParallelConfig.ep_fold):
+    # an EP group leaves the node only when it is larger than one, whatever TP is.
+    if moe and p.ep > per_node:
+        out.append(f"EP all-to-alls cross nodes (expert_parallel_size={p.ep} > {per_node} GPUs per node): "
+                   "every MoE layer's dispatch and combine run over IB")
     if t.data_parallel_mode == "fsdp2" and p.dp_shard_cp > 1 and p.tp * p.dp_shard_cp > per_node:
         out.append(f"FSDP shards over {p.dp_shard_cp} ranks spanning nodes: every layer's all-gather and "
                    "reduce-scatter crosses IB (HSDP, data_parallel_replicate_size > 1, keeps them in a node)")

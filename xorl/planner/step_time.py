@@ -44,7 +44,8 @@ NCCL's tree (2 B / bottleneck + 2 log2(n) latencies); all-to-all: the share boun
 nodes over the network, the rest over NVLink. Link rates at nccl-tests' achieved fractions.
 Which collectives overlap compute in xorl:
   FSDP2   all-gathers (forward, and backward when resharded) and fp32 reduce-scatters per layer and
-          microbatch are prefetched / overlapped: exposed = max(0, comm - layer compute), and the
+          microbatch, the dense weights over dp_shard_cp and the experts over ep_fsdp (fsdp_groups:
+          one rank a node under EP 8), are prefetched / overlapped: exposed = max(0, comm - layer compute), and the
           overlapped part slows compute by overlap_interference (NCCL's SMs and HBM traffic); the
           copy-out of each all-gather (2a bytes per element) and the cast of the gradients into the
           fp32 reduce-scatter input (a + 4) stream through HBM on the compute stream. The root
@@ -57,7 +58,8 @@ Which collectives overlap compute in xorl:
   Ulysses all-to-all of q, k, v and the output: exposed.
   Ring    ring - 1 K/V block transfers per layer forward (twice in backward), each overlapped with
           that step's attention.
-  EP      dispatch + combine all-to-all of t k h elements per MoE layer, forward and backward; the
+  EP      dispatch + combine all-to-all of t h elements per destination rank a token's k experts
+          reach (ep_pairs_per_token: fewer than k) per MoE layer, forward and backward; the
           shared expert runs while dispatch is in flight (xorl/nn/ep_dispatch.py), the rest is exposed.
   PP      one [t, h] send per microbatch and stage boundary each way: exposed.
 Bubble: (p - 1) / v microbatch-times of the slowest pipeline rank; InterleavedZeroBubble a third
@@ -76,7 +78,7 @@ from xorl.planner.activations import checkpointing, every_other_matmul, fused_lo
 from xorl.planner.efficiency import Efficiency, load
 from xorl.planner.fp8_time import fp8_layer
 from xorl.planner.memory import SPLIT_BACKWARD_SCHEDULES, reshards_after_forward
-from xorl.planner.shapes import ModelShapes, kind_numel, rank_params
+from xorl.planner.shapes import EXPERT_PARAMS, ModelShapes, kind_numel, rank_params
 
 
 @dataclass(frozen=True)
@@ -160,16 +162,51 @@ class _Cost:
         return max(0.0, comm - compute), self.eff.overlap_interference * min(comm, compute)
 
 
-def elementwise_forward(spec, moe: bool, a: int, tp: int, sp: bool, compiled: bool) -> tuple[float, float]:
+def ep_pairs_per_token(experts: int, top_k: int, ep: int) -> float:
+    """Rows a token sends in EP's dispatch (and gets back in the combine): one per destination rank
+    that owns at least one of its top_k experts, not one per expert (xorl/nn/ep_dispatch.py sends a
+    token routed to several experts of one rank there once, as DeepEP does). Balanced routing, as
+    everywhere here: the top_k distinct experts uniformly at random, so a rank owning experts / ep
+    of them is missed with probability C(E - E/ep, k) / C(E, k). Qwen3-30B (top-8 of 128) at EP 4:
+    3.63, the figure ep_dispatch.py states; at EP 8: 5.30 rows, not 8."""
+    local, missed = experts // ep, 1.0
+    for i in range(top_k):
+        missed *= max(0, experts - local - i) / (experts - i)
+    return ep * (1 - missed)
+
+
+def routed_copy_bytes(k: int, pairs: float, a: int, ep: int) -> float:
+    """Bytes per token and hidden unit that moving a token's routed rows streams through HBM,
+    forward, as xorl/nn/moe.py and xorl/nn/ep_dispatch.py run it (the row moves are
+    xorl_kernels.moe_permute's), each op reading its inputs once and writing its outputs once (the
+    traffic convention of tests/test_plan_fp8.py; test_plan_published_moe.py traces the dispatch).
+
+    ep 1: permute_tokens gathers k rows of x (reads x, writes k rows: a + a k); unpermute_tokens
+    combines them with their weights in fp32 registers (reads k rows, writes one): 2 a k + 2 a.
+    ep > 1, per token's k slots and ``pairs`` (token, rank) rows (ep_pairs_per_token): the pairs'
+    rows gathered to send (a + a pairs); on arrival expanded to the slots (a pairs + a k);
+    permute_tokens and unpermute_tokens over the slots (2 a k each); the slots cast to fp32 (a + 4)
+    and weighted (8) per slot; index_add-ed into fresh fp32 pair rows (the zeros 4, then 4 + 4 per
+    pair and 4 per slot), cast back (4 + a per pair); after the combine's all-to-all each token's
+    pairs cast to fp32 (a + 4 per pair) and index_add-ed into a fresh fp32 row (4, then 8 + 4 per
+    pair), cast back (4 + a): (6a + 16) k + (4a + 24) pairs + 16 + 2a."""
+    if ep <= 1:
+        return 2 * a * k + 2 * a
+    return (6 * a + 16) * k + (4 * a + 24) * pairs + 16 + 2 * a
+
+
+def elementwise_forward(spec, moe: bool, a: int, tp: int, sp: bool, compiled: bool, ep: int = 1
+                        ) -> tuple[float, float]:
     """(bytes per token, kernel launches) of one decoder layer's element-wise forward.
 
     Eager, per element (xorl/models/layers.py): RMSNorm (fp32 cast, pow, mean, scale, cast back,
     weight: 4a + 28 bytes, 7 ops) x 2; RoPE on q and k (x cos, rotate_half's neg and cat, x sin,
     add: 10a, 5 ops each); 2 residual adds (3a); SwiGLU (silu, product: 5a, 2 ops) per intermediate
-    unit; MoE: fp32 router softmax (16 bytes per expert), the routed copies gathered and scattered
-    back (6a per copy and hidden unit), the experts' and shared expert's SwiGLU. Compiled: each
-    fused region reads its inputs and writes its outputs once (norm + residual 5a, RoPE 2a,
-    SwiGLU 3a), one launch per region.
+    unit; MoE: fp32 router softmax (16 bytes per expert), the routed rows' moves (routed_copy_bytes:
+    under EP the dispatch's gathers, expansions and fp32 sums, 13 more launches), the experts' and
+    shared expert's SwiGLU. Compiled: each fused region reads its inputs and writes its outputs once
+    (norm + residual 5a, RoPE 2a, SwiGLU 3a), one launch per region; the routed rows' moves stay as
+    counted (custom ops and index scatters around them; ASSUMPTION that compile fuses none of them).
     """
     h, heads = spec.hidden_size, spec.num_attention_heads
     hq, hkv = heads * spec.head_dim, spec.num_key_value_heads * spec.head_dim
@@ -182,9 +219,10 @@ def elementwise_forward(spec, moe: bool, a: int, tp: int, sp: bool, compiled: bo
     ops += 2 * norm_ops
     if moe:  # on this TP rank's token shard
         k = spec.num_experts_per_tok
-        nbytes += (16 * spec.num_experts + 6 * a * k * h + glu_b * (k * spec.moe_intermediate_size
-                                                                   + spec.shared_expert_intermediate_size)) / tp
-        ops += 12
+        moved = routed_copy_bytes(k, ep_pairs_per_token(spec.num_experts, k, ep), a, ep)
+        nbytes += (16 * spec.num_experts + moved * h + glu_b * (k * spec.moe_intermediate_size
+                                                                + spec.shared_expert_intermediate_size)) / tp
+        ops += 12 + (13 if ep > 1 else 0)
     else:
         nbytes += glu_b * spec.intermediate_size / tp
     return nbytes, ops
@@ -245,7 +283,7 @@ def _layer(spec, moe: bool, p: ParallelConfig, c: _Cost, t: int, seq: int, sp: b
     # q.k (d_qk) and p.v (d_v): 2 FLOPs per dim, key and query head forward
     attn_flops = 2 * t * (keys_per_query(spec, seq) / spec.num_hidden_layers) * heads * (d_qk + d_v) / tp
     attn_fwd, attn_bwd = attn_flops / (c.flops * c.eff.attn_fwd), 2.5 * attn_flops / (c.flops * c.eff.attn_bwd)
-    ew_bytes, ew_ops = elementwise_forward(spec, moe, a, tp, sp, compiled)
+    ew_bytes, ew_ops = elementwise_forward(spec, moe, a, tp, sp, compiled, p.ep)
     ew = c.elementwise(t * ew_bytes, ew_ops)
     forward = gemm + attn_fwd + ew
     backward = 2 * gemm + attn_bwd + 2 * ew
@@ -263,13 +301,34 @@ def _layer(spec, moe: bool, p: ParallelConfig, c: _Cost, t: int, seq: int, sp: b
         tp_cost = tp_time.layer_time(c, spec, moe, t, tp, batch, sp, p.tp_overlap, mode, rows, fp8)
         exposed, slowdown = tp_cost.exposed, tp_cost.compute
     exposed += passes * 2 * c.collective(a * t * (q_width + kv_width) / tp, p.ulysses, tp, "all_to_all")
-    if moe and p.ep > 1:
-        a2a = 2 * c.collective(a * t / tp * spec.num_experts_per_tok * h, p.ep, 1, "all_to_all")
+    if moe and p.ep > 1:  # dispatch and combine: one row per (token, destination rank) pair
+        pairs = ep_pairs_per_token(spec.num_experts, spec.num_experts_per_tok, p.ep)
+        a2a = 2 * c.collective(a * t / tp * pairs * h, p.ep, 1, "all_to_all")
         exposed += passes * max(0.0, a2a - shared)
     if p.ring > 1:  # each step sends this rank's K/V block to its neighbour, overlapped with that step
         transfer = c.collective(a * t * kv_width / tp, 2, tp * p.ulysses, "send")
         exposed += (passes + 1) * (p.ring - 1) * max(0.0, transfer - attn_fwd / p.ring)
     return _Layer(forward, backward, recompute, gemm, exposed, slowdown)
+
+
+def fsdp_groups(p: ParallelConfig) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(size, mesh stride) of the FSDP group of a block's dense weights and of its experts.
+
+    Dense weights shard over dp_shard_cp, whose ranks sit at stride tp. Experts under EP (or TP) are
+    their own FSDP unit on the EP mesh (xorl/distributed/parallel_state.py): ("ep_fsdp", "ep") over
+    the flattened dp_shard x CP x TP ranks with EP innermost, so the ep_fsdp ranks holding the same
+    experts sit at stride ep: with EP 8 on 8-GPU nodes, one rank per node, every expert byte of the
+    all-gather and reduce-scatter crosses the network on that rank's own NIC share, where the dense
+    group's 8 ranks per node split the node's crossing between them."""
+    dense = (p.dp_shard_cp, p.tp)
+    return (dense, (p.ep_fsdp, p.ep)) if p.ep > 1 or p.tp > 1 else (dense, dense)
+
+
+def _fsdp_split(kind, p: ParallelConfig) -> tuple[list, list]:
+    """(dense, expert) parameters of a block as fsdp_groups shards them."""
+    own = p.ep > 1 or p.tp > 1
+    experts = [x for x in kind if own and x[0] in EXPERT_PARAMS]
+    return [x for x in kind if x not in experts], experts
 
 
 def step_time(config, p: ParallelConfig, shapes: ModelShapes, hw: Hardware) -> StepTime:
@@ -294,12 +353,17 @@ def step_time(config, p: ParallelConfig, shapes: ModelShapes, hw: Hardware) -> S
         exposed = layer.exposed
         if fsdp and not zero_bubble:
             full = kind_numel(kind, p)
-            gathered = a * full
-            if train.fp8_all_gather:  # the FP8 linears' weights travel as float8: 1 byte an element
-                gathered -= (a - 1) * kind_numel([x for x in kind if x[0] in shapes.fp8_linear_weights], p)
-            comm = gathers * c.collective(gathered, p.dp_shard_cp, p.tp)
-            comm += c.collective(4 * full, p.dp_shard_cp, p.tp, "reduce_scatter")
-            comm += c.collective(4 * full / p.dp_shard_cp, p.dp_replicate, p.tp * p.dp_shard_cp, "all_reduce")
+            comm = 0.0
+            # FSDP2 units: the block's dense weights over dp_shard_cp, its experts (their own unit under
+            # EP or TP) over ep_fsdp: two groups, two placements (fsdp_groups)
+            for part, (size, stride) in zip(_fsdp_split(kind, p), fsdp_groups(p)):
+                gathered = a * kind_numel(part, p)
+                if train.fp8_all_gather:  # the FP8 linears' weights travel as float8: 1 byte an element
+                    gathered -= (a - 1) * kind_numel([x for x in part if x[0] in shapes.fp8_linear_weights], p)
+                comm += gathers * c.collective(gathered, size, stride)
+                comm += c.collective(4 * kind_numel(part, p), size, stride, "reduce_scatter")
+                comm += c.collective(4 * kind_numel(part, p) / size, p.dp_replicate, p.tp * p.dp_shard_cp,
+                                     "all_reduce")
             e, s = c.overlapped(comm, compute)
             # FSDP2's copy-out of each all-gather into the parameters, and the cast of the bf16
             # gradients into the fp32 reduce-scatter input: HBM traffic of the compute stream.
@@ -322,8 +386,11 @@ def step_time(config, p: ParallelConfig, shapes: ModelShapes, hw: Hardware) -> S
             root = tp_time.root_time(c, spec.hidden_size, vocab, t, p.tp, data.micro_batch_size, sp, p.tp_overlap,
                                      rp.has_first, rp.has_last)
             compute, exposed = compute + root.compute, exposed + root.exposed
-        if fsdp and zero_bubble:
-            per_step += c.collective(rp.stage_unsharded * (a + 4), p.dp_shard_cp, p.tp)
+        if fsdp and zero_bubble:  # each stage gathers once and reduces once per step
+            experts = sum(kind_numel(_fsdp_split(shapes.kinds[shapes.layer_kind[i]], p)[1], p) for i in rp.layers)
+            (size, stride), (e_size, e_stride) = fsdp_groups(p)
+            per_step += c.collective((rp.stage_unsharded - experts) * (a + 4), size, stride)
+            per_step += c.collective(experts * (a + 4), e_size, e_stride)
         elif fsdp:
             exposed += c.collective(rp.root_unsharded * (2 * a + 4), p.dp_shard_cp, p.tp)
         elif p.dp_cp > 1:
