@@ -36,6 +36,36 @@ def test_pipeline_with_fsdp_holds_one_block_unsharded(name, train, gloo_world, t
 
 
 
+GRAD_SYNC = [
+    ("per_microbatch", "default"),
+    ("per_step", "default"),
+    ("per_step", "never"),
+]
+
+
+@pytest.mark.parametrize("grad_sync,reshard", GRAD_SYNC, ids=[f"{g}-{r}" for g, r in GRAD_SYNC])
+def test_pipeline_grad_sync_reduces_per_microbatch_or_once_per_step(grad_sync, reshard, gloo_world, tmp_path):
+    """PP 2 x FSDP 2, 1F1B, 4 microbatches a step on 4 layers: FSDP's reduce-scatters and all-gathers
+    counted per parameter group (tests/fsdp_memory.py collectives_per_group). per_microbatch: every
+    group reduce-scatters once per microbatch; per_step (torch's PipelineStage): once per step. With
+    fsdp_reshard_after_forward: never as well, every group is gathered once per step."""
+    from tests.fsdp_memory import collectives_per_group
+
+    steps, microbatches = 2, 4
+    config = tiny_config(str(tmp_path), "llama", gradient_accumulation_steps=microbatches, max_steps=4,
+                         data_parallel_shard_size=2, pipeline_parallel_size=2, pipeline_grad_sync=grad_sync,
+                         fsdp_reshard_after_forward=reshard)
+    for rank, got in enumerate(gloo_world(4).run(collectives_per_group, config, steps)):
+        per_step = [n / steps for n in got["reduce"]]
+        assert len(per_step) == 3, (rank, got)  # two decoder blocks and the stage's root group
+        assert per_step == [microbatches if grad_sync == "per_microbatch" else 1] * 3, (rank, got)
+        gathers = [n / steps for n in got["gather"]]
+        if reshard == "never":
+            assert gathers == [1] * 3, (rank, got)
+        else:  # each block gathered for the forward and again for the backward of every microbatch
+            assert all(n >= microbatches for n in gathers), (rank, got)
+
+
 @pytest.mark.parametrize("setting", ["always", "never"])
 def test_reshard_after_forward_frees_the_blocks_between_forward_and_backward(setting, gloo_world, tmp_path):
     """FSDP 2: right after the forward, "always" (ZeRO-3) holds no decoder block gathered (at most the
