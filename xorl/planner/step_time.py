@@ -49,7 +49,10 @@ Which collectives overlap compute in xorl:
           overlapped part slows compute by overlap_interference (NCCL's SMs and HBM traffic); the
           copy-out of each all-gather (2a bytes per element) and the cast of the gradients into the
           fp32 reduce-scatter input (a + 4) stream through HBM on the compute stream. The root
-          group (embedding, norm, lm_head) and ddp's gradient all-reduce are exposed.
+          group (embedding, norm, lm_head) and ddp's gradient all-reduce are exposed. Under
+          pipeline_grad_sync: per_step (and the zero-bubble schedules) a stage reduce-scatters once
+          per step after its last backward, exposed; with no reshard after forward it also gathers
+          once per step, exposed, else m + 1 times a step (FSDP2's count, tests/test_fsdp_memory.py).
   TP      each TP linear's collectives (xorl/planner/tp_time.py): the column op's all-gather and
           the row op's reduce-scatter of [t, h] (all-reduce without sequence parallel), forward,
           backward (where the column op gathers its input again) and recompute, exposed with their
@@ -399,7 +402,7 @@ def step_time(config, p: ParallelConfig, shapes: ModelShapes, hw: Hardware) -> S
             (size, stride), (e_size, e_stride) = fsdp_groups(p)
             per_element = 4 if resharded else a + 4
             per_step += c.collective((rp.stage_unsharded - experts) * per_element, size, stride)
-            per_step += c.collective(experts * per_element, e_size, e_stride)
+            per_step += c.collective(experts * per_element, e_size, e_stride) if experts else 0.0  # no empty ring
             if resharded:  # the root group's gathers stay per microbatch
                 exposed += c.collective(rp.root_unsharded * a * gathers, p.dp_shard_cp, p.tp)
         elif fsdp:
