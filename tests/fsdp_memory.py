@@ -105,3 +105,35 @@ def held_after_forward(config) -> dict:
     trainer.train_step()
     hook.remove()
     return {"held": seen, **group_bytes(trainer.parts)}
+
+
+def collectives_per_group(config, steps: int = 2) -> dict:
+    """Train ``steps`` steps (after one untimed step) counting FSDP2's reduce-scatters and all-gathers
+    per parameter group on this rank: FSDP's own collective calls (``foreach_reduce`` once per group
+    whose gradients it reduces, ``foreach_all_gather`` once per gather), wrapped here for the run."""
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as param_group
+
+    from xorl.trainer import Trainer
+
+    trainer = Trainer(config)
+    trainer.train_step()
+    names = {}  # an FSDPParam's id -> its group's index
+    for index, (_, group) in enumerate(_param_groups(trainer.parts)):
+        names.update({id(fp): index for fp in group.fsdp_params})
+    counts = {"reduce": [0] * (max(names.values()) + 1), "gather": [0] * (max(names.values()) + 1)}
+    originals = param_group.foreach_reduce, param_group.foreach_all_gather
+
+    def counted(kind, original):
+        def call(fsdp_params, *args, **kwargs):
+            counts[kind][names[id(fsdp_params[0])]] += 1
+            return original(fsdp_params, *args, **kwargs)
+        return call
+
+    param_group.foreach_reduce = counted("reduce", originals[0])
+    param_group.foreach_all_gather = counted("gather", originals[1])
+    try:
+        for _ in range(steps):
+            trainer.train_step()
+    finally:
+        param_group.foreach_reduce, param_group.foreach_all_gather = originals
+    return counts

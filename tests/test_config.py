@@ -390,6 +390,25 @@ RULES = {
         1,
         ["collective_timeout_s=0.0 must be > 0", "heartbeat_s=-1.0 must be >= 0"],
     ),
+    "pipeline_grad_sync without pipeline parallelism": (
+        ["--train.pipeline_grad_sync=per_step"],
+        2,
+        ["train.pipeline_grad_sync: per_step applies to pipeline stages", "set pipeline_parallel_size > 1"],
+    ),
+    "pipeline_grad_sync without fsdp2": (
+        ["--train.pipeline_grad_sync=per_microbatch", "--train.data_parallel_mode=ddp",
+         "--train.pipeline_parallel_size=2", "--train.gradient_accumulation_steps=2"],
+        4,
+        ["train.pipeline_grad_sync: per_microbatch applies to data_parallel_mode: fsdp2", "or use fsdp2"],
+    ),
+    "pipeline_grad_sync per_microbatch under zero-bubble": (
+        ["--train.pipeline_grad_sync=per_microbatch", "--train.pipeline_parallel_size=2",
+         "--train.gradient_accumulation_steps=2", "--train.pipeline_parallel_schedule=ZBVZeroBubble",
+         "--train.virtual_pipeline_stages=2", "--model.num_hidden_layers=4"],
+        4,
+        ["pipeline_grad_sync: per_microbatch with pipeline_parallel_schedule: ZBVZeroBubble",
+         "use pipeline_grad_sync: per_step (or default)"],
+    ),
     "optimizer ranges": (
         ["--train.lr=0", "--train.min_lr_ratio=2", "--train.adam_betas=[0.9,1.0]"],
         1,
@@ -434,6 +453,12 @@ def test_rule_message_names_field_and_fix(rule):
         (["--train.pipeline_parallel_size=2", "--train.gradient_accumulation_steps=2",
           "--train.pipeline_parallel_schedule=ZBVZeroBubble", "--train.virtual_pipeline_stages=2",
           "--model.num_hidden_layers=4", "--model.tie_word_embeddings=true"], 2),
+        # pipeline_grad_sync: per_step on the 1F1B family, and on zero-bubble (what it does anyway)
+        (["--train.pipeline_parallel_size=2", "--train.gradient_accumulation_steps=2",
+          "--train.pipeline_grad_sync=per_step", "--train.fsdp_reshard_after_forward=never"], 4),
+        (["--train.pipeline_parallel_size=2", "--train.gradient_accumulation_steps=2",
+          "--train.pipeline_parallel_schedule=ZBVZeroBubble", "--train.virtual_pipeline_stages=2",
+          "--model.num_hidden_layers=4", "--train.pipeline_grad_sync=per_step"], 2),
         # schedule fields do not apply without PP
         (["--train.pipeline_parallel_schedule=Interleaved1F1B"], 1),
     ],

@@ -58,6 +58,15 @@ LAYOUTS = [
     ("pp zero-bubble v", 2, "llama", dict(data_parallel_shard_size=1, pipeline_parallel_size=2,
                                           pipeline_parallel_schedule="ZBVZeroBubble", virtual_pipeline_stages=2)),
     ("pp+fsdp", 4, "llama", dict(data_parallel_shard_size=2, pipeline_parallel_size=2)),
+    # train.pipeline_grad_sync: per_step: torch's PipelineStage (torchtitan's recipe): the stage's gradients
+    # unsharded across the microbatches, one reduce-scatter per block after the last; with never, one gather.
+    ("pp+fsdp per-step grad sync", 4, "llama", dict(data_parallel_shard_size=2, pipeline_parallel_size=2,
+                                                    pipeline_grad_sync="per_step")),
+    ("pp interleaved+fsdp per-step grad sync, zero-2", 4, "llama",
+     dict(data_parallel_shard_size=2, pipeline_parallel_size=2, pipeline_parallel_schedule="Interleaved1F1B",
+          virtual_pipeline_stages=2, pipeline_grad_sync="per_step", fsdp_reshard_after_forward="never")),
+    ("moe pp2 x ep2 x fsdp2 per-step grad sync (the experts' own FSDP unit reduced once)", 4, "qwen3_moe",
+     dict(data_parallel_shard_size=2, pipeline_parallel_size=2, expert_parallel_size=2, pipeline_grad_sync="per_step")),
     ("pp x ring", 4, "llama", dict(data_parallel_shard_size=1, pipeline_parallel_size=2, ringattn_parallel_size=2)),
     ("pp zero-bubble v+fsdp", 4, "llama", dict(data_parallel_shard_size=2, pipeline_parallel_size=2,
                                                pipeline_parallel_schedule="ZBVZeroBubble", virtual_pipeline_stages=2)),

@@ -28,15 +28,17 @@ Bridge's "FP8" on H100, whose routed-expert granularity the 26.x tables do not s
 experts in FP8 under blockwise only), and the Bridge Llama3 70B / 405B H100 rows are FP8 with PP x VP
 5 / 8 and CP 2.
 
-xorl's own recipe differs from Megatron's in one place that dominates these rows: under a 1F1B /
-Interleaved1F1B pipeline xorl's FSDP2 blocks re-gather their shards and reduce-scatter their fp32
-gradients every microbatch (xorl/plans/pipeline_parallel.py ShardedGradPipelineStage, to keep memory
-at the sharded size), where Megatron's distributed optimizer gathers and reduces once per step
-(--use-distributed-optimizer, --overlap-grad-reduce). A block's experts are an FSDP unit on the EP
-mesh's ep_fsdp ranks, which under EP 8 sit one per node: every expert byte of those collectives
-crosses the network on one NIC (xorl/planner/step_time.py fsdp_groups). Before that placement was
-priced (the experts costed as the dense group's, 8 NICs per node) the GPT-OSS row read 0.96, by
-an error that hid the recipe difference.
+Megatron's distributed optimizer (--use-distributed-optimizer, --overlap-grad-reduce, --overlap-param-gather:
+the ModelZoo's model_configs/benchmarking/Qwen3-235B-A22B.yaml; the Bridge GPT-OSS recipe reduces in bf16
+once per step) keeps each pipeline stage's bf16 weights whole and reduces its gradients once per step.
+xorl's twin is train.pipeline_grad_sync: per_step with fsdp_reshard_after_forward: never (one gather and
+one fp32 reduce-scatter per block per step, both exposed: xorl/planner/step_time.py), which the pipeline
+rows run (PER_STEP). xorl's default, per_microbatch, re-gathers and reduce-scatters every block every
+microbatch to keep memory at the sharded size; on these rows it reads 0.38 (GPT-OSS), 0.50 (EP 32) and
+0.19 (TP 4). A block's experts are an FSDP unit on the EP mesh's ep_fsdp ranks, which under EP 8 sit one
+per node: every expert byte of those collectives crosses the network on one NIC
+(xorl/planner/step_time.py fsdp_groups). Before that placement was priced (the experts costed as the
+dense group's, 8 NICs per node) the GPT-OSS row read 0.96, by an error that hid the recipe difference.
 """
 
 from __future__ import annotations
@@ -81,8 +83,8 @@ LLAMA3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, interm
 # selective checkpointing with the experts' own FSDP unit): those rows run activation_checkpointing
 # false, which recomputes nothing (the closest in time; Megatron's recompute is element-wise only).
 NO_AC = dict(activation_checkpointing=False)
-PER_MICROBATCH_FSDP = ("xorl's 1F1B stages re-gather and fp32-reduce-scatter every block per microbatch; Megatron's "
-                       "distributed optimizer once per step")
+# Megatron's distributed optimizer keeps a stage's weights whole and reduces once per step (module docstring).
+PER_STEP = dict(pipeline_grad_sync="per_step", fsdp_reshard_after_forward="never")
 
 
 STATED = {}  # name -> the ratio an open row's reason states (test_open_rows_read_as_stated holds it)
@@ -94,14 +96,11 @@ def _open(ratio: float, why: str):
 
 # (name, model, GPUs, train fields, micro_batch_size, seq_len, global batch (sequences), published tokens/s/GPU)
 ROWS = [
+    # 77.7 GiB (81.7 reserved): over 80 GB without Megatron's selective recompute (no xorl twin under EP)
     pytest.param("gpt-oss-120b pp4 ep8 (Bridge 26.04.01)", GPT_OSS_120B, 64,
-                 dict(pipeline_parallel_size=4, data_parallel_shard_size=16, expert_parallel_size=8, **NO_AC),
-                 1, 4096, 1280, 5824,
-                 marks=_open(0.38, f"{PER_MICROBATCH_FSDP}: 80 microbatches, each layer's 398M EP-local expert "
-                                   "elements over ep_fsdp 2, one rank per node: 9.4 ms all-gather x 2 + 18.8 ms "
-                                   "reduce-scatter against 11.2 ms of compute per layer and microbatch. xorl's "
-                                   "zero-bubble schedules, which gather and reduce once per step, read 1.27-1.28 "
-                                   "(ZBVZeroBubble 1.28, 85.7 GiB: does not fit)")),
+                 dict(pipeline_parallel_size=4, data_parallel_shard_size=16, expert_parallel_size=8, **NO_AC,
+                      **PER_STEP),
+                 1, 4096, 1280, 5824),
     pytest.param("qwen3-235b tp2 ep8 fsdp128 full AC mbs4 (ModelZoo, 17.6 s)", QWEN3_235B, 256,
                  dict(tensor_parallel_size=2, sequence_parallel=True, data_parallel_shard_size=128,
                       expert_parallel_size=8, activation_checkpointing="full"),
@@ -118,21 +117,17 @@ ROWS = [
     pytest.param("qwen3-235b tp2 ep32 pp8 vpp4 (ModelZoo, 19.7 s)", QWEN3_235B, 256,
                  dict(tensor_parallel_size=2, sequence_parallel=True, pipeline_parallel_size=8,
                       pipeline_parallel_schedule="Interleaved1F1B", virtual_pipeline_stages=4,
-                      data_parallel_shard_size=16, expert_parallel_size=32, **NO_AC),
+                      data_parallel_shard_size=16, expert_parallel_size=32, **NO_AC, **PER_STEP),
                  1, 4096, 2048, 2048 * 4096 / 19.7 / 256,
-                 marks=_open(0.50, f"{PER_MICROBATCH_FSDP} (128 microbatches; InterleavedZeroBubble, which gathers "
-                                   "once, 0.55); and EP 32 spans 4 nodes: xorl sends a token once per destination rank "
-                                   "(7.36 rows, 5.5 of them over the network), DeepEP, which this run used, once per "
-                                   "destination node (2.7 over the network) and forwards on NVLink; without "
-                                   "Megatron's selective recompute the layout does not fit 80 GB (87.6 GiB)")),
+                 marks=_open(0.54, "EP 32 spans 4 nodes: xorl sends a token once per destination rank (7.36 rows, "
+                                   "5.5 of them over the network), DeepEP, which this run used, once per destination "
+                                   "node (2.7 over the network) and forwards on NVLink; without Megatron's selective "
+                                   "recompute the layout does not fit 80 GB (96.0 GiB reserved)")),
     pytest.param("qwen3-235b tp4 ep8 pp8 vpp4 (ModelZoo, 29.0 s)", QWEN3_235B, 256,
                  dict(tensor_parallel_size=4, sequence_parallel=True, pipeline_parallel_size=8,
                       pipeline_parallel_schedule="Interleaved1F1B", virtual_pipeline_stages=4,
-                      data_parallel_shard_size=8, expert_parallel_size=8, **NO_AC),
-                 1, 4096, 2048, 2048 * 4096 / 29.0 / 256,
-                 marks=_open(0.19, f"{PER_MICROBATCH_FSDP} (256 microbatches; each layer's 302M expert elements "
-                                   "over ep_fsdp 4, one rank per node). InterleavedZeroBubble, which gathers once "
-                                   "per step, predicts 1.19")),
+                      data_parallel_shard_size=8, expert_parallel_size=8, **NO_AC, **PER_STEP),
+                 1, 4096, 2048, 2048 * 4096 / 29.0 / 256),
     # torchtitan issue 1789: see DSV3_16B_RUN below; xorl's full recompute, the nearest of its recipes.
     pytest.param("deepseek-v3-16b fsdp8 ep8 full AC (torchtitan issue 1789)", DEEPSEEK_V3_16B, 8,
                  dict(data_parallel_shard_size=8, expert_parallel_size=8, activation_checkpointing="full"),
@@ -200,6 +195,21 @@ def test_open_rows_read_as_stated(name):
     _, model, gpus, train, micro_batch, seq, global_batch, tokens = next(r.values for r in ROWS if r.values[0] == name)
     ratio = _predict(model, gpus, train, micro_batch, seq, global_batch) / tokens
     assert abs(ratio - STATED[name]) <= 0.01, f"{name}: now {ratio:.3f}, its reason says {STATED[name]}"
+
+
+# The pipeline rows under xorl's default pipeline_grad_sync (per_microbatch): what the module docstring
+# states they read, held like an open row's ratio.
+PER_MICROBATCH_READS = {"gpt-oss-120b pp4 ep8 (Bridge 26.04.01)": 0.38,
+                        "qwen3-235b tp2 ep32 pp8 vpp4 (ModelZoo, 19.7 s)": 0.50,
+                        "qwen3-235b tp4 ep8 pp8 vpp4 (ModelZoo, 29.0 s)": 0.19}
+
+
+@pytest.mark.parametrize("name", list(PER_MICROBATCH_READS))
+def test_pipeline_rows_per_microbatch_read_as_stated(name):
+    _, model, gpus, train, micro_batch, seq, global_batch, tokens = next(r.values for r in ROWS if r.values[0] == name)
+    train = {k: v for k, v in train.items() if k not in PER_STEP}
+    ratio = _predict(model, gpus, train, micro_batch, seq, global_batch) / tokens
+    assert abs(ratio - PER_MICROBATCH_READS[name]) <= 0.01, f"{name}: per_microbatch now reads {ratio:.3f}"
 
 
 # The FSDP groups the step time prices are the groups xorl's mesh builds: (size, stride) of rank 0's

@@ -113,6 +113,14 @@ class TrainConfig(ParallelFields):
     # (ZeRO-3), "never" keeps them to the backward (ZeRO-2: less all-gather, more memory);
     # "default" is always, except for zero-bubble pipeline schedules, which need never.
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
+    # Under pipeline parallelism with FSDP2, when a stage reduce-scatters its gradients:
+    # "per_microbatch" reshards each block after every microbatch's backward and reduce-scatters its
+    # gradient then (memory stays sharded); "per_step" keeps torch's PipelineStage behaviour, as
+    # torchtitan and Megatron run it: the stage's gradients stay unsharded (fp32) across the
+    # microbatches and are reduce-scattered once, after the last (with fsdp_reshard_after_forward:
+    # never the stage's parameters are also gathered once per step). "default" is per_microbatch,
+    # except for zero-bubble schedules, which are per_step (their weight pass needs it).
+    pipeline_grad_sync: Literal["default", "per_microbatch", "per_step"] = "default"
     # torch.compile each decoder block (true: inductor; "aot_eager": no code generation, for debugging).
     compile: Literal["inductor", "aot_eager"] | bool = False
     # FP8 GEMMs in the dense linears (attention and MLP projections; lm_head and router stay in

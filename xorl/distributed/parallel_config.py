@@ -42,6 +42,23 @@ PIPELINE_SCHEDULES: dict[str, ScheduleInfo] = {
     "ZBVZeroBubble": ScheduleInfo("ScheduleZBVZeroBubble", "v", rounds=False, split_backward=True),
 }
 
+
+
+def pipeline_grad_sync_per_step(train) -> bool:
+    """train.pipeline_grad_sync resolved: whether a pipeline stage reduces its gradients once per step.
+
+    "default" is per microbatch (each FSDP2 block reshards and reduce-scatters after every
+    microbatch's backward), except for the zero-bubble schedules, whose weight pass needs the
+    stage gathered: they are always per step (xorl/plans/pipeline_parallel.py). The rules refuse
+    per_microbatch there, and either setting off pipeline parallelism or FSDP2 (xorl/rules/train.py).
+    """
+    setting = getattr(train, "pipeline_grad_sync", "default")
+    info = PIPELINE_SCHEDULES.get(train.pipeline_parallel_schedule)
+    if info is not None and info.split_backward:
+        return True
+    return setting == "per_step"
+
+
 DataParallelMode = Literal["fsdp2", "ddp", "none"]
 PipelineSchedule = Literal[tuple(PIPELINE_SCHEDULES)]  # type: ignore[valid-type]
 

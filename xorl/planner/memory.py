@@ -24,9 +24,12 @@ on one GPU; t, a, s, h, hq, hkv as in xorl/planner/activations.py):
   backward the layer's gradients as they are made and the previous layer's reduce-scatter input (4
   bytes a parameter) in flight, moment by moment (estimate); the root group (embedding, final norm,
   lm_head) stays gathered through the forward and the backward (its module wraps both) and holds
-  lm_head's gradient from the start of backward: x (p_u + g_u); zero-bubble schedules keep the whole
-  stage unsharded with fp32 gradients: x (p_u + 4); fsdp_reshard_after_forward: never keeps every
-  layer's gathered weights to its backward: the stage x p_u plus one layer's gradient buffers.
+  lm_head's gradient from the start of backward: x (p_u + g_u); zero-bubble schedules and
+  pipeline_grad_sync: per_step keep the whole stage unsharded with fp32 gradients: x (p_u + 4)
+  (whatever fsdp_reshard_after_forward: a block not resharded after its backward stays gathered
+  until its next forward, and the cool-down's backwards leave every block so);
+  fsdp_reshard_after_forward: never keeps every layer's gathered weights to its backward: the stage
+  x p_u plus one layer's gradient buffers.
   Communication buffers: TP 2 a t h, Ulysses 2 a t (hq + 2 hkv) / tp, ring 2 a t 2hkv / tp + 4 t hq
   / tp (fp32 merge), EP 2 a t k h / tp (under TP the MoE block runs on t / tp tokens), PP 2 a t h
   per microbatch in flight, ddp 128 MiB buckets; 256 MiB of kernel workspace.
@@ -51,7 +54,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from xorl.distributed.parallel_config import PIPELINE_SCHEDULES, ParallelConfig
+from xorl.distributed.parallel_config import PIPELINE_SCHEDULES, ParallelConfig, pipeline_grad_sync_per_step
 from xorl.planner.activations import (
     activation_bytes_per_token,
     backward_bytes_per_token,
@@ -191,7 +194,10 @@ def estimate(config, p: ParallelConfig, shapes: ModelShapes, pp_rank: int, preci
         if expert_unit:  # the experts' TP/EP-local elements: what their unit gathers and reduces
             last_kind = shapes.kinds[shapes.layer_kind[rp.layers[-1]]]
             experts = sum(local_numel(n, sh, p, False, 0) for n, sh in last_kind if n in EXPERT_PARAMS)
-        if p.pp > 1 and schedule in SPLIT_BACKWARD_SCHEDULES:
+        if p.pp > 1 and pipeline_grad_sync_per_step(train):
+            # torch's PipelineStage: no reshard after backward, fp32 gradients accumulated unsharded
+            # until the step's one reduce-scatter; GPipe's backward and 1F1B's cool-down hold every
+            # block so at once (tests/test_fsdp_memory.py counts FSDP2's buffers)
             gathered, grad_buffers, head_grad_counted = rp.stage_unsharded * (a + 4), 0, True
         elif not reshards_after_forward(train, p.pp):
             gathered = rp.stage_unsharded * a

@@ -49,7 +49,10 @@ Which collectives overlap compute in xorl:
           overlapped part slows compute by overlap_interference (NCCL's SMs and HBM traffic); the
           copy-out of each all-gather (2a bytes per element) and the cast of the gradients into the
           fp32 reduce-scatter input (a + 4) stream through HBM on the compute stream. The root
-          group (embedding, norm, lm_head) and ddp's gradient all-reduce are exposed.
+          group (embedding, norm, lm_head) and ddp's gradient all-reduce are exposed. Under
+          pipeline_grad_sync: per_step (and the zero-bubble schedules) a stage reduce-scatters once
+          per step after its last backward, exposed; with no reshard after forward it also gathers
+          once per step, exposed, else m + 1 times a step (FSDP2's count, tests/test_fsdp_memory.py).
   TP      each TP linear's collectives (xorl/planner/tp_time.py): the column op's all-gather and
           the row op's reduce-scatter of [t, h] (all-reduce without sequence parallel), forward,
           backward (where the column op gathers its input again) and recompute, exposed with their
@@ -71,13 +74,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from xorl.distributed.parallel_config import ParallelConfig
+from xorl.distributed.parallel_config import ParallelConfig, pipeline_grad_sync_per_step
 from xorl.mfu import keys_per_query
 from xorl.planner import tp_time
 from xorl.planner.activations import checkpointing, every_other_matmul, fused_loss, recomputed_matmuls, vocab_split
 from xorl.planner.efficiency import Efficiency, load
 from xorl.planner.fp8_time import fp8_layer
-from xorl.planner.memory import SPLIT_BACKWARD_SCHEDULES, reshards_after_forward
+from xorl.planner.memory import reshards_after_forward
 from xorl.planner.shapes import EXPERT_PARAMS, ModelShapes, kind_numel, rank_params
 
 
@@ -342,16 +345,23 @@ def step_time(config, p: ParallelConfig, shapes: ModelShapes, hw: Hardware) -> S
     sp = train.sequence_parallel and p.tp > 1
     mode = checkpointing(train)[0]
     compiled = bool(getattr(train, "compile", False))
-    gathers = 2 if reshards_after_forward(train, p.pp) else 1  # all-gathers per layer and microbatch
     schedule, v = train.pipeline_parallel_schedule, train.virtual_pipeline_stages
-    zero_bubble = p.pp > 1 and schedule in SPLIT_BACKWARD_SCHEDULES
+    # train.pipeline_grad_sync per_step (zero-bubble schedules always): each stage reduce-scatters
+    # once per step, after the last microbatch's backward, exposed; with its parameters kept (no
+    # reshard after forward) it also gathers once per step, exposed.
+    once = fsdp and p.pp > 1 and pipeline_grad_sync_per_step(train)
+    resharded = reshards_after_forward(train, p.pp)
+    # all-gathers per layer and microbatch: forward and backward when resharded; per step, a stage
+    # that does not reshard after backward gathers for each forward and once more for the backward
+    # (m + 1: counted on FSDP2 by tests/test_fsdp_memory.py)
+    gathers = (2 if not once else (m + 1) / m) if resharded else 1
     per_kind = []  # (compute, exposed communication) of one layer of each kind, per microbatch
     for k, kind in enumerate(shapes.kinds):
         layer = _layer(spec, shapes.is_moe_kind(k), p, c, t, data.seq_len, sp, mode, compiled,
                        every_other_matmul(train), train.fp8, train.fp8_all_gather)
         compute = layer.forward + layer.backward + layer.recompute + layer.slowdown
         exposed = layer.exposed
-        if fsdp and not zero_bubble:
+        if fsdp and not (once and not resharded):
             full = kind_numel(kind, p)
             comm = 0.0
             # FSDP2 units: the block's dense weights over dp_shard_cp, its experts (their own unit under
@@ -361,9 +371,10 @@ def step_time(config, p: ParallelConfig, shapes: ModelShapes, hw: Hardware) -> S
                 if train.fp8_all_gather:  # the FP8 linears' weights travel as float8: 1 byte an element
                     gathered -= (a - 1) * kind_numel([x for x in part if x[0] in shapes.fp8_linear_weights], p)
                 comm += gathers * c.collective(gathered, size, stride)
-                comm += c.collective(4 * kind_numel(part, p), size, stride, "reduce_scatter")
-                comm += c.collective(4 * kind_numel(part, p) / size, p.dp_replicate, p.tp * p.dp_shard_cp,
-                                     "all_reduce")
+                if not once:  # else once per step, below
+                    comm += c.collective(4 * kind_numel(part, p), size, stride, "reduce_scatter")
+                    comm += c.collective(4 * kind_numel(part, p) / size, p.dp_replicate, p.tp * p.dp_shard_cp,
+                                         "all_reduce")
             e, s = c.overlapped(comm, compute)
             # FSDP2's copy-out of each all-gather into the parameters, and the cast of the bf16
             # gradients into the fp32 reduce-scatter input: HBM traffic of the compute stream.
@@ -386,11 +397,14 @@ def step_time(config, p: ParallelConfig, shapes: ModelShapes, hw: Hardware) -> S
             root = tp_time.root_time(c, spec.hidden_size, vocab, t, p.tp, data.micro_batch_size, sp, p.tp_overlap,
                                      rp.has_first, rp.has_last)
             compute, exposed = compute + root.compute, exposed + root.exposed
-        if fsdp and zero_bubble:  # each stage gathers once and reduces once per step
+        if once:  # each stage reduces once per step (and gathers once, kept gathered), exposed
             experts = sum(kind_numel(_fsdp_split(shapes.kinds[shapes.layer_kind[i]], p)[1], p) for i in rp.layers)
             (size, stride), (e_size, e_stride) = fsdp_groups(p)
-            per_step += c.collective((rp.stage_unsharded - experts) * (a + 4), size, stride)
-            per_step += c.collective(experts * (a + 4), e_size, e_stride)
+            per_element = 4 if resharded else a + 4
+            per_step += c.collective((rp.stage_unsharded - experts) * per_element, size, stride)
+            per_step += c.collective(experts * per_element, e_size, e_stride) if experts else 0.0  # no empty ring
+            if resharded:  # the root group's gathers stay per microbatch
+                exposed += c.collective(rp.root_unsharded * a * gathers, p.dp_shard_cp, p.tp)
         elif fsdp:
             exposed += c.collective(rp.root_unsharded * (2 * a + 4), p.dp_shard_cp, p.tp)
         elif p.dp_cp > 1:

@@ -34,7 +34,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
 from torch.distributed.tensor import DTensor
 
-from xorl.distributed.parallel_config import PIPELINE_SCHEDULES
+from xorl.distributed.parallel_config import PIPELINE_SCHEDULES, pipeline_grad_sync_per_step
 
 
 def stage_indices(pp_rank: int, pp_size: int, virtual_stages: int, schedule: str) -> list[int]:
@@ -214,7 +214,8 @@ def _fsdp_per_microbatch(module: FSDPModule):
     With FSDP's defaults each block reshards after its backward and reduce-scatters its gradient
     into the sharded gradient right away: memory stays at the sharded size plus the blocks in
     flight, for one reduce-scatter per block per microbatch. The stage's own calls to those
-    setters are made no-ops while its backward runs.
+    setters are made no-ops while its backward runs. train.pipeline_grad_sync: per_step chooses
+    torch's behaviour instead, for the layouts whose memory holds it.
     """
     module.set_is_last_backward(True)
     module.set_reshard_after_backward(True)
@@ -229,13 +230,18 @@ def _fsdp_per_microbatch(module: FSDPModule):
 
 
 class ShardedGradPipelineStage(PipelineStage):
-    """A PipelineStage whose FSDP2 blocks reshard and reduce-scatter after every microbatch.
+    """A PipelineStage whose FSDP2 blocks reshard and reduce-scatter after every microbatch
+    (``reshard_per_microbatch``), or torch's PipelineStage (train.pipeline_grad_sync: per_step).
 
     Only for schedules with one full backward per microbatch. The zero-bubble schedules split it
     into an input pass and a later weight pass, and the weight pass finds the stage's parameters
     through ``module.parameters()`` as they were at the input pass, so they must stay unsharded in
     between: there the stage keeps torch's behaviour (parallelize.py then does not reshard after
     forward, and the stage reduces its gradients once per step).
+
+    torch's behaviour (per_step): no reshard after backward and no gradient sync until the
+    schedule's REDUCE_GRAD after the last microbatch, which runs each FSDP group's post-backward
+    once: one reduce-scatter per block per step, the fp32 gradients held unsharded in between.
     """
 
     def __init__(self, *args, reshard_per_microbatch: bool, **kwargs):
@@ -326,7 +332,7 @@ def build_schedule(stage_ids: list[int], stage_modules: list[nn.Module], state, 
         out = torch.empty((1,), dtype=torch.float32, device="meta") if s == total - 1 else hidden
         stages.append(ShardedGradPipelineStage(
             module, s, total, device, input_args=(inp,), output_args=(out,), group=state.pp_group,
-            reshard_per_microbatch=not PIPELINE_SCHEDULES[train.pipeline_parallel_schedule].split_backward,
+            reshard_per_microbatch=not pipeline_grad_sync_per_step(train),
         ))
     info = PIPELINE_SCHEDULES[train.pipeline_parallel_schedule]
     cls = getattr(torch_schedules, info.torch_class)

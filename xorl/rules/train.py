@@ -97,6 +97,7 @@ def train_problems(t: Any) -> list[str]:
             f"train.fsdp_reshard_after_forward={t.fsdp_reshard_after_forward!r} needs data_parallel_mode: fsdp2 "
             f"(it is {t.data_parallel_mode!r}); remove the setting or use fsdp2"
         )
+    problems += _pipeline_grad_sync_problems(t)
     if not t.collective_timeout_s > 0:
         problems.append(f"train.collective_timeout_s={t.collective_timeout_s} must be > 0 (seconds)")
     if not t.heartbeat_s >= 0:
@@ -110,6 +111,29 @@ def train_problems(t: Any) -> list[str]:
         )
     problems += _output_dir_problems(t.output_dir)
     return problems
+
+
+def _pipeline_grad_sync_problems(t: Any) -> list[str]:
+    """pipeline_grad_sync chooses when an FSDP2 pipeline stage reduce-scatters: set elsewhere it would do
+    nothing, so it is refused rather than ignored (the default passes everywhere)."""
+    setting = getattr(t, "pipeline_grad_sync", "default")
+    if setting == "default":
+        return []
+    if t.pipeline_parallel_size == 1:
+        return [f"train.pipeline_grad_sync: {setting} applies to pipeline stages, and pipeline_parallel_size is 1 "
+                "(there each FSDP2 block reduce-scatters after every microbatch's backward); remove "
+                "pipeline_grad_sync or set pipeline_parallel_size > 1"]
+    if t.data_parallel_mode != "fsdp2":
+        return [f"train.pipeline_grad_sync: {setting} applies to data_parallel_mode: fsdp2 (it is "
+                f"{t.data_parallel_mode!r}, which sums gradients once per step); remove pipeline_grad_sync "
+                "or use fsdp2"]
+    schedule = PIPELINE_SCHEDULES.get(t.pipeline_parallel_schedule)
+    if setting == "per_microbatch" and getattr(schedule, "split_backward", False):
+        return [f"train.pipeline_grad_sync: per_microbatch with pipeline_parallel_schedule: "
+                f"{t.pipeline_parallel_schedule}: zero-bubble schedules run each microbatch's weight gradients in "
+                "a later pass that needs the stage's parameters still gathered, so they reduce once per step; "
+                "use pipeline_grad_sync: per_step (or default), or the 1F1B / Interleaved1F1B / GPipe schedule"]
+    return []
 
 
 def _output_dir_problems(output_dir: str) -> list[str]:
