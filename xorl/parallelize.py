@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from xorl.config import compute_dtype
+from xorl.distributed.parallel_config import fsdp_reshards_after_forward
 from xorl.parallel_plan import ParallelPlan
 from xorl.plans.data_parallel import (
     CheckpointingRecord,
@@ -28,7 +29,6 @@ from xorl.plans.data_parallel import (
     apply_activation_checkpointing,
     apply_fsdp,
     checkpointing_mode,
-    reshard_after_forward,
 )
 
 
@@ -95,7 +95,7 @@ def parallelize_model(model: nn.Module, state, config) -> PartPlan:
                                       capture_scalar_outputs=state.ep_size > 1)
     if train.data_parallel_mode == "fsdp2":
         bf16 = compute_dtype(train, "cuda" if torch.cuda.is_available() else "cpu") == "bfloat16"
-        part.fsdp = apply_fsdp(model, state, reshard_after_forward=reshard_after_forward(train, state.pp_size),
+        part.fsdp = apply_fsdp(model, state, reshard_after_forward=fsdp_reshards_after_forward(train, state.pp_size),
                                bf16_compute=bf16, float8_all_gather=train.fp8_all_gather)
     return part
 

@@ -59,6 +59,21 @@ def pipeline_grad_sync_per_step(train) -> bool:
     return setting == "per_step"
 
 
+def fsdp_reshards_after_forward(train, pp_size: int) -> bool:
+    """train.fsdp_reshard_after_forward resolved to FSDP2's flag (xorl/parallelize.py; the planner prices it).
+
+    "default" reshards (ZeRO-3), under pipelining too: each stage then holds its parameters
+    sharded plus the blocks in flight. Zero-bubble schedules are the exception: their weight pass
+    needs the stage's parameters still gathered, so "default" keeps them ("always" is refused
+    there up front, xorl/rules/train.py).
+    """
+    setting = getattr(train, "fsdp_reshard_after_forward", "default")
+    if setting == "default":
+        info = PIPELINE_SCHEDULES.get(train.pipeline_parallel_schedule)
+        return not (pp_size > 1 and info is not None and info.split_backward)
+    return setting == "always"
+
+
 DataParallelMode = Literal["fsdp2", "ddp", "none"]
 PipelineSchedule = Literal[tuple(PIPELINE_SCHEDULES)]  # type: ignore[valid-type]
 

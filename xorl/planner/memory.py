@@ -54,7 +54,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from xorl.distributed.parallel_config import PIPELINE_SCHEDULES, ParallelConfig, pipeline_grad_sync_per_step
+from xorl.distributed.parallel_config import (
+    PIPELINE_SCHEDULES,
+    ParallelConfig,
+    fsdp_reshards_after_forward,
+    pipeline_grad_sync_per_step,
+)
 from xorl.planner.activations import (
     activation_bytes_per_token,
     backward_bytes_per_token,
@@ -119,14 +124,6 @@ def even_split_memory(num_params: int, p: ParallelConfig, precision: str) -> Mem
     """A bare parameter count: parameters split evenly over TP x PP (x the FSDP shards)."""
     shards = p.tp * p.pp * (p.dp_shard_cp if p.data_parallel_mode == "fsdp2" else 1)
     return Memory(*state_bytes(-(-num_params // shards), precision))
-
-
-def reshards_after_forward(train, pp: int) -> bool:
-    """FSDP2's reshard_after_forward as xorl/parallelize.py sets it."""
-    setting = getattr(train, "fsdp_reshard_after_forward", "default")
-    if setting == "default":
-        return not (pp > 1 and train.pipeline_parallel_schedule in SPLIT_BACKWARD_SCHEDULES)
-    return setting == "always"
 
 
 def estimate(config, p: ParallelConfig, shapes: ModelShapes, pp_rank: int, precision: str) -> Memory:
@@ -199,7 +196,7 @@ def estimate(config, p: ParallelConfig, shapes: ModelShapes, pp_rank: int, preci
             # until the step's one reduce-scatter; GPipe's backward and 1F1B's cool-down hold every
             # block so at once (tests/test_fsdp_memory.py counts FSDP2's buffers)
             gathered, grad_buffers, head_grad_counted = rp.stage_unsharded * (a + 4), 0, True
-        elif not reshards_after_forward(train, p.pp):
+        elif not fsdp_reshards_after_forward(train, p.pp):
             gathered = rp.stage_unsharded * a
         else:
             # The running layer and the one its backward prefetches; a one-rank FSDP group gathers

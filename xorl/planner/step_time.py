@@ -74,13 +74,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from xorl.distributed.parallel_config import ParallelConfig, pipeline_grad_sync_per_step
+from xorl.distributed.parallel_config import ParallelConfig, fsdp_reshards_after_forward, pipeline_grad_sync_per_step
 from xorl.mfu import keys_per_query
 from xorl.planner import tp_time
 from xorl.planner.activations import checkpointing, every_other_matmul, fused_loss, recomputed_matmuls, vocab_split
 from xorl.planner.efficiency import Efficiency, load
 from xorl.planner.fp8_time import fp8_layer
-from xorl.planner.memory import reshards_after_forward
 from xorl.planner.shapes import EXPERT_PARAMS, ModelShapes, kind_numel, rank_params
 
 
@@ -350,7 +349,7 @@ def step_time(config, p: ParallelConfig, shapes: ModelShapes, hw: Hardware) -> S
     # once per step, after the last microbatch's backward, exposed; with its parameters kept (no
     # reshard after forward) it also gathers once per step, exposed.
     once = fsdp and p.pp > 1 and pipeline_grad_sync_per_step(train)
-    resharded = reshards_after_forward(train, p.pp)
+    resharded = fsdp_reshards_after_forward(train, p.pp)
     # all-gathers per layer and microbatch: forward and backward when resharded; per step, a stage
     # that does not reshard after backward gathers for each forward and once more for the backward
     # (m + 1: counted on FSDP2 by tests/test_fsdp_memory.py)

@@ -19,21 +19,6 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from xorl.distributed.parallel_config import PIPELINE_SCHEDULES
-
-
-def reshard_after_forward(train, pp_size: int) -> bool:
-    """train.fsdp_reshard_after_forward as FSDP2's flag.
-
-    "default" reshards (ZeRO-3), under pipelining too: each stage then holds its parameters
-    sharded plus the blocks in flight (xorl/pipeline.py keeps FSDP's per-microbatch
-    reduce-scatter). Zero-bubble schedules are the exception: their weight pass needs the stage's
-    parameters still gathered, so "default" keeps them ("always" is refused there up front).
-    """
-    if train.fsdp_reshard_after_forward == "default":
-        return not (pp_size > 1 and PIPELINE_SCHEDULES[train.pipeline_parallel_schedule].split_backward)
-    return train.fsdp_reshard_after_forward == "always"
-
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return [layer for layer in model.model.layers if layer is not None]
