@@ -44,6 +44,55 @@ def clear_torch_mesh_caches() -> None:
             clear()
 
 
+def release_compiled_code() -> None:
+    """Reset dynamo and drop what its reset leaves holding the finished check's compiled frames
+    (best effort: private torch APIs, checked on torch 2.13).
+
+    Why: a compiled block over tensor-parallel DTensor parameters guards on each parameter's
+    DTensorSpec, whose DeviceMesh holds the TP groups; ``torch._dynamo.reset()`` drops the cache
+    entries, but three holders of those frames survive it (found with gc.get_referrers chains):
+
+    * every guarded frame's CheckFunctionManager (its guard closures hold the DTensorSpecs) stays
+      referenced by the ``weakref.finalize`` callbacks dynamo registers on each object an ID_MATCH
+      guard names (torch.ops.xorl, modules, classes, code objects: objects that never die);
+    * the compiled graphs stay installed in the compiled function's module globals
+      (``__compiled_fn_*``, whose GraphModules keep fake DTensors in their nodes' meta), because the
+      output code objects they belong to are still referenced from C++ and never trigger dynamo's
+      CleanupManager hooks that would delete them;
+    * ShapeEnv's class-level lru caches, and FakeTensorMode's class-level dispatch cache (keys
+      holding SymNodes), keep the ShapeEnvs of past compilations, whose tracked fakes are fake
+      DTensors with the real specs.
+    """
+    import weakref
+
+    import torch
+
+    torch._dynamo.reset()
+    from torch._dynamo.guards import CheckFunctionManager
+    from torch._dynamo.utils import CleanupManager
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    for finalizer, info in list(weakref.finalize._registry.items()):
+        owner = getattr(getattr(info.func, "func", None), "__self__", None)
+        if isinstance(owner, CheckFunctionManager):
+            manager = getattr(owner, "guard_manager", None)
+            if getattr(manager, "cache_entry", None) is None:  # its cache entry is gone: nothing to invalidate
+                finalizer.detach()
+    owner = manager = info = finalizer = None
+    # After the reset no cache entry can run these output codes: their globals can go.
+    cleanups = CleanupManager.instance
+    for hooks in list(cleanups.values.values()):
+        for hook in hooks:
+            hook()
+    cleanups.clear()
+    for attr in vars(ShapeEnv).values():
+        clear = getattr(attr, "cache_clear", None)
+        if callable(clear):
+            clear()
+    FakeTensorMode.cache_clear()
+
+
 def destroy_groups_not_in(keep: set) -> None:
     """Destroy every process group created since ``keep`` was taken (never the default group)."""
     import torch.distributed as dist
@@ -51,6 +100,7 @@ def destroy_groups_not_in(keep: set) -> None:
     from xorl._torch_compat import reregister_process_groups
 
     clear_torch_mesh_caches()
+    release_compiled_code()
     # Collect the check's garbage while its groups still exist: collected after they are destroyed,
     # some of it (FSDP states over HSDP meshes, seen in torch 2.13) leaves them registered in C++.
     gc.collect()
