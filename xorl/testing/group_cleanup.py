@@ -45,23 +45,27 @@ def clear_torch_mesh_caches() -> None:
 
 
 def release_compiled_code() -> None:
-    """Reset dynamo and drop what its reset leaves holding the finished check's compiled frames
+    """Reset dynamo, then drop what its reset leaves holding the finished check's compilations
     (best effort: private torch APIs, checked on torch 2.13).
 
     Why: a compiled block over tensor-parallel DTensor parameters guards on each parameter's
-    DTensorSpec, whose DeviceMesh holds the TP groups; ``torch._dynamo.reset()`` drops the cache
-    entries, but three holders of those frames survive it (found with gc.get_referrers chains):
+    DTensorSpec and traces fake DTensors carrying the same specs; each spec's DeviceMesh holds the
+    TP process groups (C++ objects with three gloo threads each). ``torch._dynamo.reset()`` drops the
+    cache entries, but these holders survive it (found with gc.get_referrers chains after a TP 2 + SP
+    compiled run: 30 gloo threads, i.e. 10 groups, left per rank):
 
-    * every guarded frame's CheckFunctionManager (its guard closures hold the DTensorSpecs) stays
+    * every compiled frame's CheckFunctionManager (its guard closures hold the DTensorSpecs) stays
       referenced by the ``weakref.finalize`` callbacks dynamo registers on each object an ID_MATCH
-      guard names (torch.ops.xorl, modules, classes, code objects: objects that never die);
+      guard names: torch.ops.xorl, modules, classes, code objects, i.e. objects that never die
+      (torch's own comment at CheckFunctionManager.id_ref calls this a leak "by design");
     * the compiled graphs stay installed in the compiled function's module globals
-      (``__compiled_fn_*``, whose GraphModules keep fake DTensors in their nodes' meta), because the
-      output code objects they belong to are still referenced from C++ and never trigger dynamo's
-      CleanupManager hooks that would delete them;
-    * ShapeEnv's class-level lru caches, and FakeTensorMode's class-level dispatch cache (keys
-      holding SymNodes), keep the ShapeEnvs of past compilations, whose tracked fakes are fake
-      DTensors with the real specs.
+      (``__compiled_fn_*`` in xorl.parallelize; their GraphModules keep fake DTensors in node meta):
+      dynamo deletes them when the output code object dies, and that code object stays referenced
+      from C++;
+    * each compilation's ShapeEnv keeps ``tracked_fakes`` (fake DTensors with the real specs) and is
+      itself kept by a cycle through C++ (fake tensors the C++ side still references) and by
+      ShapeEnv's and FakeTensorMode's class-level caches. Dynamo breaks the same cycle by clearing
+      ``tracked_fakes`` only after a failed trace (OutputGraph._cleanup_output_graph).
     """
     import weakref
 
@@ -91,6 +95,11 @@ def release_compiled_code() -> None:
         if callable(clear):
             clear()
     FakeTensorMode.cache_clear()
+    # The ShapeEnvs still alive belong to the reset's compilations. gc.get_objects() lists only objects
+    # made since the last freeze_survivors(), so this scan costs what the check allocated.
+    for obj in gc.get_objects():
+        if issubclass(type(obj), ShapeEnv):  # type(), not isinstance: a dead weakproxy raises
+            obj.tracked_fakes = None
 
 
 def destroy_groups_not_in(keep: set) -> None:
