@@ -9,6 +9,10 @@ rank layouts, not process groups. A later check with an equal mesh would be hand
 holding the finished check's mesh, whose groups are destroyed ("Could not resolve the process
 group registered under the name ..."); and the cached meshes would keep those groups' threads alive.
 
+Why compiled code is released too (``release_compiled_code``): dynamo's guards and traced fake
+DTensors of a compiled tensor-parallel block hold the TP meshes, so their groups, past
+``torch._dynamo.reset()``; without it every compiled TP check restarted its world.
+
 ``gloo_thread_count`` is the ground truth the harness checks after the clean-up: if a check kept a
 group alive anyway (a module-level cache, or a torch cache not listed here), the harness restarts
 that world instead of reusing a rank that may hold a destroyed group.
@@ -66,6 +70,10 @@ def release_compiled_code() -> None:
       itself kept by a cycle through C++ (fake tensors the C++ side still references) and by
       ShapeEnv's and FakeTensorMode's class-level caches. Dynamo breaks the same cycle by clearing
       ``tracked_fakes`` only after a failed trace (OutputGraph._cleanup_output_graph).
+
+    Not yet covered: TP without sequence parallel with LoRA adapters (tests/test_compile.py "tp2 lora"):
+    the traced fake autograd graph of the adapters' path (ApplyTemplateBackward nodes, fake LoRA
+    DTensors) stays referenced from C++ only; that call still keeps 10 groups and restarts its world.
     """
     import weakref
 
