@@ -69,11 +69,13 @@ def release_compiled_code() -> None:
     * each compilation's ShapeEnv keeps ``tracked_fakes`` (fake DTensors with the real specs) and is
       itself kept by a cycle through C++ (fake tensors the C++ side still references) and by
       ShapeEnv's and FakeTensorMode's class-level caches. Dynamo breaks the same cycle by clearing
-      ``tracked_fakes`` only after a failed trace (OutputGraph._cleanup_output_graph).
-
-    Not yet covered: TP without sequence parallel with LoRA adapters (tests/test_compile.py "tp2 lora"):
-    the traced fake autograd graph of the adapters' path (ApplyTemplateBackward nodes, fake LoRA
-    DTensors) stays referenced from C++ only; that call still keeps 10 groups and restarts its world.
+      ``tracked_fakes`` only after a failed trace (OutputGraph._cleanup_output_graph);
+    * a traced autograd.Function (TP without SP with LoRA: copy_to_region on the adapters' path,
+      tests/test_compile.py "tp2 lora") forms a cycle gc cannot see: its forward / backward
+      GraphModules keep fake example values in node.meta, whose autograd graphs (C++ edges) reach
+      the ApplyTemplateBackward node, whose class's forward closes over those GraphModules; the
+      fakes include the LoRA parameters' fake DTensors. Dynamo's own cleanup of a failed trace
+      clears node.meta for the same reason; here it is cleared on the graphs that survive.
     """
     import weakref
 
@@ -103,11 +105,15 @@ def release_compiled_code() -> None:
         if callable(clear):
             clear()
     FakeTensorMode.cache_clear()
-    # The ShapeEnvs still alive belong to the reset's compilations. gc.get_objects() lists only objects
-    # made since the last freeze_survivors(), so this scan costs what the check allocated.
+    # The ShapeEnvs and GraphModules still alive belong to the reset's compilations. gc.get_objects()
+    # lists only objects made since the last freeze_survivors(), so this scan costs what the check
+    # allocated.
     for obj in gc.get_objects():
         if issubclass(type(obj), ShapeEnv):  # type(), not isinstance: a dead weakproxy raises
             obj.tracked_fakes = None
+        elif issubclass(type(obj), torch.fx.GraphModule):  # example values out; the code still runs
+            for node in obj.graph.nodes:
+                node.meta.clear()
 
 
 def destroy_groups_not_in(keep: set) -> None:
