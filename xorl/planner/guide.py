@@ -40,6 +40,8 @@ from xorl.planner.step_time import Hardware, StepTime, bubble_fraction, step_tim
 HEADROOM = 0.9
 TIGHT = 0.9  # of the usable memory: warn, the estimated terms could take the rest
 # (parameters below, TP sizes, PP sizes) of the dense-by-size rule
+# train fields of the FSDP2 recipe that change a layout's memory and step time (config.py says what each does)
+RECIPE_FIELDS = ("fsdp_reshard_after_forward", "pipeline_grad_sync")
 SIZE_GUIDE = ((1e9, (1,), (1,)), (1e10, (2, 4), (1,)), (1e11, (4, 8), (2, 4)), (5e11, (8,), (4, 8, 16)),
               (math.inf, (8,), (8, 16, 32)))
 
@@ -88,6 +90,8 @@ def layout_of(config: Config, gpus: int) -> dict[str, Any]:
     layout.update(ringattn_parallel_size=p.ring, ulysses_parallel_size=p.ulysses, expert_parallel_size=p.ep,
                   gradient_accumulation_steps=t.gradient_accumulation_steps,
                   activation_checkpointing=t.activation_checkpointing)
+    # The FSDP2 recipe (xorl/planner/search.py tries both choices): priced in memory and step time alike.
+    layout.update({key: getattr(t, key) for key in RECIPE_FIELDS if key != "pipeline_grad_sync" or p.pp > 1})
     return layout
 
 
