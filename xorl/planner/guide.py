@@ -14,7 +14,8 @@ lower; pitfalls are warnings only):
   8K-32K CP 2; 32K and beyond CP 4-8 (cp = ringattn x ulysses).
   If FSDP2 alone (or HSDP; for MoE with EP folded over it) fits and its predicted step is within
   40% of the fastest layout that fits (room for recompute), it is the recommendation and every
-  other layout deviates.
+  other layout deviates. Likewise a layout's default FSDP2 recipe (RECIPE_FIELDS at "default"),
+  when it fits and is within 40% of that layout's fastest fitting recipe: its other recipes deviate.
   Pitfalls: Ulysses or EP all-to-all across nodes, FSDP across nodes without HSDP, PP without
   interleaving (with its bubble fraction), TP on an MoE model (it splits attention only), TP
   without sequence parallel.
