@@ -19,6 +19,7 @@ import os
 
 import pytest
 
+from tests.cli_runs import xorl_train
 from xorl.cli.plan import main, short_layout
 from xorl.config import load_config
 from xorl.planner.guide import RECIPE_FIELDS, Options, with_layout
@@ -69,6 +70,8 @@ def test_written_pipeline_config_keeps_the_recipe_and_passes_the_trainers_checks
     for key, value in out["candidates"][0]["layout"].items():
         assert getattr(written.train, key) == value, key
     assert written.train.pipeline_grad_sync == "per_step" and written.train.pipeline_parallel_size > 1
+    check = xorl_train(path, "--check", "--world-size=64", cwd=os.path.dirname(path))
+    assert check.code == 0 and "can start on 64 rank(s)" in check.out + check.err, check
 
 
 def test_recipe_is_tried_only_where_the_rules_accept_it():
