@@ -16,7 +16,7 @@ from xorl.cli.plan import main
 from xorl.config import Config, load_config
 from xorl.distributed.parallel_config import PARALLEL_FIELD_NAMES
 from xorl.mfu import flops_per_token
-from xorl.planner.guide import Options, evaluate, with_layout
+from xorl.planner.guide import RECIPE_FIELDS, Options, evaluate, with_layout
 from xorl.planner.shapes import model_shapes
 from xorl.planner.source import read_model_source
 from xorl.planner.step_time import Hardware, step_time
@@ -47,7 +47,8 @@ def test_worked_example_70b(capsys):
 
 
 def _assert_runnable(layout: dict, base: Config, gpus: int) -> Config:
-    fields = {k: v for k, v in layout.items() if k in PARALLEL_FIELD_NAMES or k == "activation_checkpointing"}
+    fields = {k: v for k, v in layout.items()
+              if k in PARALLEL_FIELD_NAMES or k in ("activation_checkpointing", *RECIPE_FIELDS)}
     config = with_layout(base, fields)
     config.validate(gpus)  # what xorl-train checks before starting
     return config

@@ -25,7 +25,7 @@ import yaml
 
 from xorl.config import load_config
 from xorl.config_error import ConfigError
-from xorl.planner.guide import Candidate, Options, evaluate, evaluate_count, with_layout
+from xorl.planner.guide import RECIPE_FIELDS, Candidate, Options, evaluate, evaluate_count, with_layout
 from xorl.planner.memory import PRECISIONS
 from xorl.planner.search import apply_simple_rule, default_global_batch, fitting_simple_layout, plan
 from xorl.planner.source import read_model_source
@@ -142,8 +142,14 @@ def _microbatches(config, gpus: int, tokens: int) -> int:
     return tokens // per_step
 
 
+# the FSDP2 recipe in the layout column, when not "default"
+RECIPE_SHORT = {("fsdp_reshard_after_forward", "never"): "keep", ("fsdp_reshard_after_forward", "always"): "reshard",
+                ("pipeline_grad_sync", "per_step"): "sync:step", ("pipeline_grad_sync", "per_microbatch"): "sync:mb"}
+
+
 def short_layout(layout: dict) -> str:
-    """e.g. ``hsdp:2x4 tp:4+sp pp:4x2 ring:2 ep:8 ac ga:16`` (field sizes; pp:PxV = V stages per rank)."""
+    """e.g. ``hsdp:2x4 tp:4+sp pp:4x2 ring:2 ep:8 keep sync:step ac ga:16`` (field sizes; pp:PxV = V stages
+    per rank; keep: fsdp_reshard_after_forward never; sync:step: pipeline_grad_sync per_step)."""
     mode, rep, shard = (layout[k] for k in ("data_parallel_mode", "data_parallel_replicate_size",
                                             "data_parallel_shard_size"))
     parts = [f"hsdp:{rep}x{shard}" if rep > 1 and mode == "fsdp2" else
@@ -157,6 +163,7 @@ def short_layout(layout: dict) -> str:
                       ("expert_parallel_size", "ep")):
         if layout[key] > 1:
             parts.append(f"{name}:{layout[key]}")
+    parts += [RECIPE_SHORT[key, layout[key]] for key in RECIPE_FIELDS if (key, layout.get(key)) in RECIPE_SHORT]
     if layout["activation_checkpointing"] not in (False, "none"):
         parts.append("ac")
     parts.append(f"ga:{layout['gradient_accumulation_steps']}")
@@ -164,7 +171,7 @@ def short_layout(layout: dict) -> str:
 
 
 def table(candidates: list[Candidate], top: int) -> str:
-    head = (f"{'#':>2}  {'layout':<34} {'params':>6} {'grads':>6} {'optim':>6} {'act':>6} {'other':>6} "
+    head = (f"{'#':>2}  {'layout':<48} {'params':>6} {'grads':>6} {'optim':>6} {'act':>6} {'other':>6} "
             f"{'total':>6} {'fits':<4} {'step s':>7} {'comp':>6} {'comm':>6} {'bubble':>6}  why")
     rows = [head, "    (memory per GPU in GB; step time split into compute / exposed communication / bubble)"]
     for i, c in enumerate(candidates[:top], 1):
@@ -173,7 +180,7 @@ def table(candidates: list[Candidate], top: int) -> str:
               for k in ("params", "grads", "optimizer", "activations", "other", "total")]
         split = [f"{v:6.2f}" for v in c.time.as_dict().values()] if c.time else [f"{'-':>6}"] * 3
         step = f"{c.time.total:7.2f}" if c.time else f"{'-':>7}"
-        rows.append(f"{i:>2}  {short_layout(c.layout):<34} {' '.join(gb)} {'yes' if c.fits else 'no':<4} {step} "
+        rows.append(f"{i:>2}  {short_layout(c.layout):<48} {' '.join(gb)} {'yes' if c.fits else 'no':<4} {step} "
                     f"{' '.join(split)}  {c.why}")
     if len(candidates) > top:
         rows.append(f"    ... {len(candidates) - top} more (--top, or --json for every layout)")

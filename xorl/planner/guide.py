@@ -14,7 +14,8 @@ lower; pitfalls are warnings only):
   8K-32K CP 2; 32K and beyond CP 4-8 (cp = ringattn x ulysses).
   If FSDP2 alone (or HSDP; for MoE with EP folded over it) fits and its predicted step is within
   40% of the fastest layout that fits (room for recompute), it is the recommendation and every
-  other layout deviates.
+  other layout deviates. Likewise a layout's default FSDP2 recipe (RECIPE_FIELDS at "default"),
+  when it fits and is within 40% of that layout's fastest fitting recipe: its other recipes deviate.
   Pitfalls: Ulysses or EP all-to-all across nodes, FSDP across nodes without HSDP, PP without
   interleaving (with its bubble fraction), TP on an MoE model (it splits attention only), TP
   without sequence parallel.
@@ -40,6 +41,8 @@ from xorl.planner.step_time import Hardware, StepTime, bubble_fraction, step_tim
 HEADROOM = 0.9
 TIGHT = 0.9  # of the usable memory: warn, the estimated terms could take the rest
 # (parameters below, TP sizes, PP sizes) of the dense-by-size rule
+# train fields of the FSDP2 recipe that change a layout's memory and step time (config.py says what each does)
+RECIPE_FIELDS = ("fsdp_reshard_after_forward", "pipeline_grad_sync")
 SIZE_GUIDE = ((1e9, (1,), (1,)), (1e10, (2, 4), (1,)), (1e11, (4, 8), (2, 4)), (5e11, (8,), (4, 8, 16)),
               (math.inf, (8,), (8, 16, 32)))
 
@@ -88,6 +91,8 @@ def layout_of(config: Config, gpus: int) -> dict[str, Any]:
     layout.update(ringattn_parallel_size=p.ring, ulysses_parallel_size=p.ulysses, expert_parallel_size=p.ep,
                   gradient_accumulation_steps=t.gradient_accumulation_steps,
                   activation_checkpointing=t.activation_checkpointing)
+    # The FSDP2 recipe (xorl/planner/search.py tries both choices): priced in memory and step time alike.
+    layout.update({key: getattr(t, key) for key in RECIPE_FIELDS if key != "pipeline_grad_sync" or p.pp > 1})
     return layout
 
 

@@ -5,10 +5,16 @@ up to 16 and the layer count, with 1F1B and Interleaved1F1B (2 stages per rank);
 parallelism cp with at least 1024 tokens per rank, split as Ulysses first (as many heads as a node
 holds) and the rest ring, or all ring; data_parallel_replicate_size 1, or one node per FSDP group
 (HSDP); for MoE expert_parallel_size 1, the largest inside a node and the largest;
-activation checkpointing on and off; sequence_parallel whenever TP > 1. Each layout must pass the
-checks of xorl/planner/guide.py; the rest are dropped.
+activation checkpointing on and off; sequence_parallel whenever TP > 1; the FSDP2 recipe
+(recipe_choices): train.fsdp_reshard_after_forward default (ZeRO-3) or never (each block's gathered
+parameters kept to its backward) and, with PP > 1, train.pipeline_grad_sync default (per
+microbatch) or per_step, each unless the YAML fixed it (not "default"): kept, as the YAML's fp8,
+compile and other fields outside the layout are (a YAML's sizes are searched over). A pipeline_grad_sync
+the YAML fixed applies to pipelines only, so the layouts without one are then refused. Each
+layout must pass the checks of xorl/planner/guide.py; the rest are dropped.
 
-Ranking: layouts that fit first, then fewer guide deviations, then the shorter predicted step;
+Ranking: layouts that fit first, then fewer guide deviations, then the shorter predicted step
+(a non-default recipe deviates where the same layout's default recipe fits within SIMPLE_SLOWDOWN);
 layouts that do not fit follow, smallest first. Every layout trains the same global batch
 (gradient_accumulation_steps = tokens / (micro_batch_size x seq_len x dp); layouts for which
 that is not a whole number are skipped), so step times compare throughput.
@@ -23,7 +29,7 @@ from typing import Any
 from xorl.config import Config
 from xorl.config_error import ConfigError
 from xorl.distributed.parallel_config import ParallelConfig
-from xorl.planner.guide import Candidate, Options, evaluate, is_simple, with_layout
+from xorl.planner.guide import RECIPE_FIELDS, Candidate, Options, evaluate, is_simple, with_layout
 from xorl.planner.shapes import model_shapes
 
 MAX_PP = 16
@@ -69,7 +75,7 @@ def candidate_layouts(config: Config, opts: Options, tokens: int) -> Iterator[di
                         for ep in _ep_sizes(m.num_experts, shard * cp, tp, per_node):
                             for schedule in (("1F1B", 1), ("Interleaved1F1B", 2)) if pp > 1 else (("1F1B", 1),):
                                 for checkpointing in (True, False):
-                                    yield {
+                                    layout = {
                                         "data_parallel_mode": "fsdp2", "data_parallel_replicate_size": replicate,
                                         "data_parallel_shard_size": shard, "tensor_parallel_size": tp,
                                         "sequence_parallel": tp > 1, "pipeline_parallel_size": pp,
@@ -78,6 +84,23 @@ def candidate_layouts(config: Config, opts: Options, tokens: int) -> Iterator[di
                                         "ulysses_parallel_size": ulysses, "expert_parallel_size": ep,
                                         "gradient_accumulation_steps": ga, "activation_checkpointing": checkpointing,
                                     }
+                                    for recipe in recipe_choices(layout, config):
+                                        yield {**layout, **recipe}
+
+
+def recipe_choices(layout: dict[str, Any], config: Config) -> list[dict[str, str]]:
+    """The FSDP2 recipes tried with ``layout``: fsdp_reshard_after_forward default / never under
+    fsdp2, and pipeline_grad_sync default / per_step when PP > 1 too (xorl/rules/train.py refuses
+    either elsewhere). A field the YAML set to anything but "default" is the user's choice: kept.
+    ("always" is not tried: on the schedules searched it reshards as "default" does; per_microbatch
+    is "default" there too.)"""
+    t = config.train
+    if layout["data_parallel_mode"] != "fsdp2":
+        return [{}]
+    reshard = [t.fsdp_reshard_after_forward] if t.fsdp_reshard_after_forward != "default" else ["default", "never"]
+    sync = ["default", "per_step"] if t.pipeline_grad_sync == "default" and layout["pipeline_parallel_size"] > 1 \
+        else [t.pipeline_grad_sync]
+    return [{"fsdp_reshard_after_forward": r, "pipeline_grad_sync": g} for r in reshard for g in sync]
 
 
 def _cp_splits(cp: int, tp: int, heads: int, per_node: int) -> list[tuple[int, int]]:
@@ -152,11 +175,16 @@ def fitting_simple_layout(config: Config, opts: Options, tokens: int) -> Candida
     return min(fitting, key=lambda c: c.time.total, default=None)
 
 
+def preferred(simple: Candidate | None, fastest_s: float) -> bool:
+    """Whether the simpler choice (it fits) is close enough to the fastest to be the one recommended."""
+    return simple is not None and simple.time.total <= SIMPLE_SLOWDOWN * fastest_s
+
+
 def apply_simple_rule(candidates: list[Candidate], config: Config, simple: Candidate | None,
                       fastest_s: float) -> None:
     """The guide's first rule: FSDP2 alone, when it fits and its step is within SIMPLE_SLOWDOWN of the
     fastest that fits, is the recommendation; the other layouts deviate."""
-    if simple is None or simple.time.total > SIMPLE_SLOWDOWN * fastest_s:
+    if not preferred(simple, fastest_s):
         return
     for c in candidates:
         if is_simple(c.layout, config):
@@ -164,6 +192,30 @@ def apply_simple_rule(candidates: list[Candidate], config: Config, simple: Candi
         else:
             c.deviations.insert(0, f"guide: FSDP2 alone fits ({_short(simple.layout)}, {simple.memory.total / 1e9:.1f} "
                                    f"GB, step {simple.time.total:.2f} s); prefer it")
+
+
+def apply_recipe_rule(candidates: list[Candidate]) -> None:
+    """The same rule for the FSDP2 recipe: where a layout's default recipe fits and its step is within
+    SIMPLE_SLOWDOWN of the fastest fitting recipe of that layout, the other recipes deviate (they
+    hold more memory, or gathered parameters and unsharded gradients, for too little)."""
+    groups: dict[tuple, list[Candidate]] = {}
+    for c in candidates:
+        base = tuple(sorted((k, v) for k, v in c.layout.items() if k not in RECIPE_FIELDS))
+        groups.setdefault(base, []).append(c)
+    for group in groups.values():
+        fitting = [c for c in group if c.fits]
+        default = next((c for c in fitting if _default_recipe(c)), None)
+        if len(fitting) < 2 or not preferred(default, min(c.time.total for c in fitting)):
+            continue
+        for c in group:
+            if not _default_recipe(c):
+                c.deviations.append(f"guide: the default FSDP2 recipe fits this layout "
+                                    f"({default.memory.total / 1e9:.1f} GB, step {default.time.total:.2f} s); "
+                                    "prefer it")
+
+
+def _default_recipe(c: Candidate) -> bool:
+    return all(c.layout.get(k, "default") == "default" for k in RECIPE_FIELDS)
 
 
 def _short(layout: dict) -> str:
@@ -177,6 +229,7 @@ def rank(candidates: list[Candidate], config: Config, opts: Options) -> list[Can
         simple = [c for c in fitting if is_simple(c.layout, config)]
         apply_simple_rule(candidates, config, min(simple, key=lambda c: c.time.total, default=None),
                           min(c.time.total for c in fitting))
+    apply_recipe_rule(candidates)  # after the simple rule, which clears a simple layout's deviations
 
     def key(c: Candidate):
         return (0, len(c.deviations), c.time.total) if c.fits else (1, c.memory.total, 0.0)
