@@ -223,6 +223,24 @@ def compiled_step_readings(config, compile_setting) -> dict:
     return readings
 
 
+def eager_and_compiled(gloo_world, config, tp: int, sequence_parallel: bool, mode: str, policy):
+    """One step eager and one compiled on ``config(name)``'s layout: (eager readings, compiled
+    readings, the compiled config, its ModelSpec, tokens a step, the bytes per token and layer the
+    planner drops under compile)."""
+    from xorl.models.spec import ModelSpec
+    from xorl.planner.activations import compiled_unread_bytes_per_token
+
+    eager = gloo_world(2).run(compiled_step_readings, config("eager"), False)[0]
+    compiled_config = config("compiled")
+    compiled = gloo_world(2).run(compiled_step_readings, compiled_config, True, timeout_s=900)[0]
+    assert eager["graphs"] == 0 and compiled["graphs"] > 0  # the blocks did compile
+    spec = ModelSpec.from_config(compiled_config.model)
+    t = compiled_config.data.seq_len * compiled_config.data.micro_batch_size
+    unread = 0 if mode != "selective" else compiled_unread_bytes_per_token(
+        spec, False, 4, tp, sequence_parallel, policy == "every_other_matmul")
+    return eager, compiled, compiled_config, spec, t, unread
+
+
 @pytest.mark.parametrize("mode, policy", [("none", None), ("selective", "matmuls"),
                                           ("selective", "every_other_matmul"), ("full", None)])
 def test_what_a_compiled_block_keeps(mode, policy, gloo_world, tmp_path):
@@ -232,23 +250,13 @@ def test_what_a_compiled_block_keeps(mode, policy, gloo_world, tmp_path):
     # the compiled step's. Measured at this commit (MB held after the forward, eager -> compiled):
     # none 73.92 -> 73.92, matmuls 58.16 -> 53.96, every_other_matmul 38.24 -> 34.04, full 9.79 ->
     # 9.79; peaks 89.91 -> 89.91, 79.14 -> 72.84, 64.20 -> 57.90, 46.15 -> 45.46.
-    from xorl.models.spec import ModelSpec
-    from xorl.planner.activations import compiled_unread_bytes_per_token
-
     def config(name):
         c = cpu_config("llama", "fsdp2", mode, str(tmp_path / name))
         if policy:
             c.train.selective_checkpoint = policy
         return c
 
-    eager = gloo_world(2).run(compiled_step_readings, config("eager"), False)[0]
-    compiled_config = config("compiled")
-    compiled = gloo_world(2).run(compiled_step_readings, compiled_config, True, timeout_s=900)[0]
-    assert eager["graphs"] == 0 and compiled["graphs"] > 0  # the blocks did compile
-    spec = ModelSpec.from_config(compiled_config.model)
-    t = compiled_config.data.seq_len * compiled_config.data.micro_batch_size
-    unread = 0 if mode != "selective" else compiled_unread_bytes_per_token(
-        spec, False, 4, 1, False, policy == "every_other_matmul")
+    eager, compiled, compiled_config, spec, t, unread = eager_and_compiled(gloo_world, config, 1, False, mode, policy)
     assert eager["after_forward"] - compiled["after_forward"] == t * spec.num_hidden_layers * unread
     compiled_config.train.compile = True
     predicted = predicted_transient(compiled_config)
@@ -269,9 +277,6 @@ def test_what_a_compiled_tp_block_keeps(sequence_parallel, mode, policy, gloo_wo
     # 44.94 -> 39.69, 1.039 (1.145); the readings after the forward to within the one [t, h] (1.05 MB)
     # in flight below. (Without checkpointing a compiled TP 2 + SP step peaks at eager's 43.51 MB to
     # the byte.)
-    from xorl.models.spec import ModelSpec
-    from xorl.planner.activations import compiled_unread_bytes_per_token
-
     def config(name):
         c = cpu_config("llama", "tp2+sp", mode, str(tmp_path / name))
         c.train.sequence_parallel = sequence_parallel
@@ -279,14 +284,8 @@ def test_what_a_compiled_tp_block_keeps(sequence_parallel, mode, policy, gloo_wo
             c.train.selective_checkpoint = policy
         return c
 
-    eager = gloo_world(2).run(compiled_step_readings, config("eager"), False)[0]
-    compiled_config = config("compiled")
-    compiled = gloo_world(2).run(compiled_step_readings, compiled_config, True, timeout_s=900)[0]
-    assert eager["graphs"] == 0 and compiled["graphs"] > 0  # the blocks did compile
-    spec = ModelSpec.from_config(compiled_config.model)
-    t = compiled_config.data.seq_len * compiled_config.data.micro_batch_size
-    unread = 0 if mode != "selective" else compiled_unread_bytes_per_token(
-        spec, False, 4, 2, sequence_parallel, policy == "every_other_matmul")
+    eager, compiled, compiled_config, spec, t, unread = eager_and_compiled(
+        gloo_world, config, 2, sequence_parallel, mode, policy)
     assert unread > 0 or mode != "selective"
     # The last row layer's [t, h] collective buffer (the reduce-scatter's input under SP, the
     # all-reduce's without) is freed by gloo's worker thread when the collective is done, which races
