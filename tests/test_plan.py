@@ -89,7 +89,7 @@ def test_moe_scales_with_expert_parallelism(capsys):
     # xorl/plans/tensor_parallel.py, so TP costs no redundant expert compute) within the guide's sizes.
     # EP spans its whole fold (no guide: warning). TP 2 + EP 4 over ring 4 and EP 8 over ring 8 price
     # within 0.1% of each other: a token's dispatch rows grow with EP (3.63 at EP 4, 5.34 at EP 8 for
-    # top-8 of 128, step_time.ep_pairs_per_token, each with its gathers and fp32 sums), so either may
+    # top-8 of 128, ep_time.ep_pairs_per_token, each with its gathers and fp32 sums), so either may
     # lead; an EP-8 layout stays within 1% of the first.
     assert first["expert_parallel_size"] >= 4
     assert not [w for w in out["candidates"][0]["warnings"] if w.startswith("guide:")]

@@ -51,8 +51,9 @@ from torch.utils._pytree import tree_flatten
 from tests.parallel_layouts import expected_state
 from xorl.config import Config
 from xorl.distributed.parallel_config import ParallelConfig
+from xorl.planner.ep_time import ep_pairs_per_token, routed_copy_bytes
 from xorl.planner.guide import Options, evaluate
-from xorl.planner.step_time import Hardware, ep_pairs_per_token, fsdp_groups, routed_copy_bytes
+from xorl.planner.step_time import Hardware, fsdp_groups
 
 TOKENS_TOLERANCE = 0.25
 H100_SXM = Hardware()  # 989 TFLOP/s bf16, 3.35 TB/s, 80 GB, 8 per node, NVLink 450 GB/s, 8 x 50 GB/s NICs
@@ -246,7 +247,7 @@ def test_ep_rows_per_token_are_the_dispatch_pairs(experts, top_k, ep):
 
 
 # -- the dispatch's traffic, traced on gloo ranks -------------------------------------------------------
-# step_time.routed_copy_bytes against what xorl/nn/ep_dispatch.py's forward streams on bf16 rows,
+# ep_time.routed_copy_bytes against what xorl/nn/ep_dispatch.py's forward streams on bf16 rows,
 # every op reading its inputs and writing its outputs once (tests/test_plan_fp8.py's convention),
 # counting the tensors of hidden width (the routing metadata, slots x 3, is not of it) and leaving
 # out the all-to-alls (priced as collectives). permute_tokens and unpermute_tokens are stood in by

@@ -79,6 +79,7 @@ from xorl.mfu import keys_per_query
 from xorl.planner import tp_time
 from xorl.planner.activations import checkpointing, every_other_matmul, fused_loss, recomputed_matmuls, vocab_split
 from xorl.planner.efficiency import Efficiency, load
+from xorl.planner.ep_time import ep_pairs_per_token, routed_copy_bytes
 from xorl.planner.fp8_time import fp8_layer
 from xorl.planner.shapes import EXPERT_PARAMS, ModelShapes, kind_numel, rank_params
 
@@ -162,39 +163,6 @@ class _Cost:
     def overlapped(self, comm: float, compute: float) -> tuple[float, float]:
         """(exposed, compute slowdown) of ``comm`` overlapped with ``compute``."""
         return max(0.0, comm - compute), self.eff.overlap_interference * min(comm, compute)
-
-
-def ep_pairs_per_token(experts: int, top_k: int, ep: int) -> float:
-    """Rows a token sends in EP's dispatch (and gets back in the combine): one per destination rank
-    that owns at least one of its top_k experts, not one per expert (xorl/nn/ep_dispatch.py sends a
-    token routed to several experts of one rank there once, as DeepEP does). Balanced routing, as
-    everywhere here: the top_k distinct experts uniformly at random, so a rank owning experts / ep
-    of them is missed with probability C(E - E/ep, k) / C(E, k). Qwen3-30B (top-8 of 128) at EP 4:
-    3.63, the figure ep_dispatch.py states; at EP 8: 5.30 rows, not 8."""
-    local, missed = experts // ep, 1.0
-    for i in range(top_k):
-        missed *= max(0, experts - local - i) / (experts - i)
-    return ep * (1 - missed)
-
-
-def routed_copy_bytes(k: int, pairs: float, a: int, ep: int) -> float:
-    """Bytes per token and hidden unit that moving a token's routed rows streams through HBM,
-    forward, as xorl/nn/moe.py and xorl/nn/ep_dispatch.py run it (the row moves are
-    xorl_kernels.moe_permute's), each op reading its inputs once and writing its outputs once (the
-    traffic convention of tests/test_plan_fp8.py; test_plan_published_moe.py traces the dispatch).
-
-    ep 1: permute_tokens gathers k rows of x (reads x, writes k rows: a + a k); unpermute_tokens
-    combines them with their weights in fp32 registers (reads k rows, writes one): 2 a k + 2 a.
-    ep > 1, per token's k slots and ``pairs`` (token, rank) rows (ep_pairs_per_token): the pairs'
-    rows gathered to send (a + a pairs); on arrival expanded to the slots (a pairs + a k);
-    permute_tokens and unpermute_tokens over the slots (2 a k each); the slots cast to fp32 (a + 4)
-    and weighted (8) per slot; index_add-ed into fresh fp32 pair rows (the zeros 4, then 4 + 4 per
-    pair and 4 per slot), cast back (4 + a per pair); after the combine's all-to-all each token's
-    pairs cast to fp32 (a + 4 per pair) and index_add-ed into a fresh fp32 row (4, then 8 + 4 per
-    pair), cast back (4 + a): (6a + 16) k + (4a + 24) pairs + 16 + 2a."""
-    if ep <= 1:
-        return 2 * a * k + 2 * a
-    return (6 * a + 16) * k + (4 * a + 24) * pairs + 16 + 2 * a
 
 
 def elementwise_forward(spec, moe: bool, a: int, tp: int, sp: bool, compiled: bool, ep: int = 1
