@@ -43,7 +43,6 @@ PIPELINE_SCHEDULES: dict[str, ScheduleInfo] = {
 }
 
 
-
 def pipeline_grad_sync_per_step(train) -> bool:
     """train.pipeline_grad_sync resolved: whether a pipeline stage reduces its gradients once per step.
 
