@@ -168,8 +168,8 @@ def measure_step(config, warmup_steps: int = 1) -> dict:
     """Run ``warmup_steps`` steps and one step counted by tests/host_reads.py's own counter, then
     measure one step; returns this rank's anatomy (plain data)."""
     from tests.host_reads import split_reads
-    from xorl.plans.data_parallel import decoder_layers
-    from xorl.trainer import Trainer
+    from xorl.parallel.data_parallel import decoder_layers
+    from xorl.trainer.trainer import Trainer
 
     trainer = Trainer(config)
     for _ in range(warmup_steps):
@@ -224,7 +224,7 @@ def measure_step(config, warmup_steps: int = 1) -> dict:
 
 def reference_flops(config) -> dict:
     """Single-process FLOPs (total, lm_head) of one measured step of ``config`` (after a warm-up)."""
-    from xorl.trainer import Trainer
+    from xorl.trainer.trainer import Trainer
 
     trainer = Trainer(config)
     trainer.train_step()

@@ -77,13 +77,13 @@ def run_config(output_dir: str, ranks: int, shape: WideModel | None, model_path:
 
 
 def train_and_export(config) -> None:
-    from xorl.trainer import run_training
+    from xorl.trainer.trainer import run_training
 
     run_training(config)
 
 
 def start_only(config) -> None:
-    from xorl.trainer import Trainer
+    from xorl.trainer.trainer import Trainer
 
     Trainer(config)
 

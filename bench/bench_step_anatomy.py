@@ -248,7 +248,7 @@ def layout_results(name: str, data: dict) -> list[Result]:
     moe = layout.model_type == "qwen3_moe" and layout.train.get("expert_parallel_size", 1) > 1
     # Activation checkpointing recomputes each MoE block's forward in backward, dispatch included,
     # so its split sizes are read again there: 2 reads per MoE layer per microbatch.
-    from xorl.plans.data_parallel import checkpointing_mode
+    from xorl.parallel.data_parallel import checkpointing_mode
 
     passes = 1 if checkpointing_mode(layout.train["activation_checkpointing"]) == "none" else 2
     needed = [1 + (r["layers"] * r["microbatches"] * passes if moe else 0) for r in ranks]

@@ -16,7 +16,7 @@
 # 1 xfailed under both. Under torch 2.11 the split-backward pipeline schedules (ZBVZeroBubble) fail
 # (gloo self-pair at warm-up, freed Python autograd nodes in the weight pass, the fused loss's replay
 # with a copied gradient; with all three worked around its step-2 loss is still off by ~2e-5 where
-# torch 2.13's matches to 1e-10): xorl/rules/train.py refuses them below torch 2.13 and the tests
+# torch 2.13's matches to 1e-10): xorl/config/rules/train.py refuses them below torch 2.13 and the tests
 # that run them skip there (tests/conftest.py, marker zero_bubble).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -57,7 +57,7 @@ def _config(model: str, steps: int, out_dir: str, extra: tuple[str, ...] = ()):
 
 def _timed_run(config, steps: int) -> dict:
     """Train ``steps`` steps; losses, tokens per second after 5 warm-up steps, peak memory."""
-    from xorl.trainer import Trainer
+    from xorl.trainer.trainer import Trainer
 
     torch.cuda.reset_peak_memory_stats()
     trainer = Trainer(config)
@@ -123,7 +123,7 @@ def _finite(x: float) -> bool:
 
 
 def sync(model: str, out_dir: str) -> dict:
-    from xorl.trainer import Trainer
+    from xorl.trainer.trainer import Trainer
 
     trainer = Trainer(_config(model, 4, out_dir))
     trainer.train_step()  # warm-up: autotuning and lazy initialisation may synchronise

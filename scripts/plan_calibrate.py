@@ -88,7 +88,7 @@ def predict(config) -> dict:
 def measure(config) -> dict:
     import torch
 
-    from xorl.trainer import Trainer
+    from xorl.trainer.trainer import Trainer
 
     trainer = Trainer(config)
     trainer.train_step()  # creates the Adam state
@@ -210,7 +210,7 @@ def predicted_transient(config, world: int = 2) -> int:
 
 
 def cpu_activations(world, runs, output_root: str) -> list[dict]:
-    from xorl.config_error import ConfigError
+    from xorl.config.errors import ConfigError
     from xorl.planner.measure import step_transient_peak
 
     rows = []

@@ -22,8 +22,8 @@ def decoder_block(model_type: str, attn: str = "xorl", ring=None, ulysses=None, 
     ``fp8``: the model's train.fp8 recipe (its projections, and under blockwise its experts, in FP8)."""
     from xorl.config import ModelConfig
     from xorl.models.registry import build_model
-    from xorl.plans.context_parallel import apply_context_parallel
-    from xorl.plans.expert_parallel import apply_expert_parallel
+    from xorl.parallel.context_parallel import apply_context_parallel
+    from xorl.parallel.expert_parallel import apply_expert_parallel
 
     torch.manual_seed(0)
     moe = model_type == "qwen3_moe"
@@ -69,7 +69,7 @@ def parallel_block_breaks(case: str) -> tuple[int, list[str]]:
     """Graph breaks of a decoder block on this world (PARALLEL_CASES; the groups: the whole world)."""
     groups = {name: dist.group.WORLD for name, on in PARALLEL_CASES[case].items() if on is True}
     kwargs = {**PARALLEL_CASES[case], **groups}
-    # EP's split sizes are host ints: traced as unbacked sizes, as xorl/parallelize.py arranges.
+    # EP's split sizes are host ints: traced as unbacked sizes, as xorl/parallel/parallelize.py arranges.
     return graph_breaks(*decoder_block(**kwargs), capture_scalar_outputs="ep" in groups)
 
 
@@ -128,12 +128,12 @@ def train_and_count(output_dir: str, model_type: str, steps: int, backend: str, 
                     layers: int = 2, eager: bool = True, **train) -> dict:
     """The real Trainer eager (if ``eager``) and compiled: each run's losses, and what dynamo did in the
     compiled one: graphs made, graph breaks (their reasons), the blocks that ran outside a graph
-    (xorl/parallelize.py CompileRecord), and how many kinds of block (dense / MoE) the model has."""
+    (xorl/parallel/parallelize.py CompileRecord), and how many kinds of block (dense / MoE) the model has."""
     from torch._dynamo.utils import counters
 
     from tests.parity_runs import tiny_config
-    from xorl.plans.data_parallel import decoder_layers
-    from xorl.trainer import Trainer
+    from xorl.parallel.data_parallel import decoder_layers
+    from xorl.trainer.trainer import Trainer
 
     result = {}
     for setting in ((False,) if eager else ()) + (backend,):

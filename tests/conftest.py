@@ -27,7 +27,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gloo_world" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
-    from xorl.rules.train import SPLIT_BACKWARD_TORCH, installed_torch, installed_torch_text
+    from xorl.config.rules.train import SPLIT_BACKWARD_TORCH, installed_torch, installed_torch_text
 
     if installed_torch() < SPLIT_BACKWARD_TORCH:  # the rules refuse zero-bubble schedules there
         old_torch = pytest.mark.skip(reason=f"zero-bubble schedules are refused on torch {installed_torch_text()}")

@@ -64,7 +64,7 @@ def group_bytes(parts) -> dict[str, int]:
 
 def peak_held_in_step(config, steps: int = 2) -> dict:
     """Train ``steps`` steps; return the peak of ``held_bytes`` over the last step's samples."""
-    from xorl.trainer import Trainer
+    from xorl.trainer.trainer import Trainer
 
     trainer = Trainer(config)
     for _ in range(steps - 1):
@@ -91,7 +91,7 @@ def peak_held_in_step(config, steps: int = 2) -> dict:
 
 def held_after_forward(config) -> dict:
     """One training step; what is held unsharded right after the model's forward (before backward)."""
-    from xorl.trainer import Trainer
+    from xorl.trainer.trainer import Trainer
 
     trainer = Trainer(config)
     trainer.train_step()
@@ -113,7 +113,7 @@ def collectives_per_group(config, steps: int = 2) -> dict:
     whose gradients it reduces, ``foreach_all_gather`` once per gather), wrapped here for the run."""
     import torch.distributed.fsdp._fully_shard._fsdp_param_group as param_group
 
-    from xorl.trainer import Trainer
+    from xorl.trainer.trainer import Trainer
 
     trainer = Trainer(config)
     trainer.train_step()

@@ -76,7 +76,7 @@ def split_reads(where: dict) -> tuple[dict, int]:
 
 def host_reads_in_step(config, steps: int = 2) -> dict:
     """Train ``steps`` steps; return the host reads of the last one between first forward and optimizer step."""
-    from xorl.trainer import Trainer
+    from xorl.trainer.trainer import Trainer
 
     trainer = Trainer(config)
     counter = HostReadCounter()

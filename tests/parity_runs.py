@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from xorl.checkpoint.hf_export import full_state_dict
 from xorl.config import Config
-from xorl.export import full_state_dict
 
 # Router losses on: balanced over each whole microbatch (its context-parallel shards summed,
 # model.router_balance_scope), which every layout computes as one process does.
@@ -104,7 +104,7 @@ def tiny_config(output_dir: str, model: str = "llama", **train) -> Config:
 
 def train_and_report(config: Config) -> dict:
     """Run the trainer; return losses, grad norms and the full final weights (rank 0)."""
-    from xorl.trainer import Trainer
+    from xorl.trainer.trainer import Trainer
 
     trainer = Trainer(config)
     results = trainer.train()
@@ -132,7 +132,7 @@ def weights_rel_diff(a: dict, b: dict) -> float:
 
 def train_losses(config: Config, stop_at: int | None = None) -> list[float]:
     """Run the trainer (stopping early after ``stop_at`` steps); return the losses of its steps."""
-    from xorl.trainer import Trainer
+    from xorl.trainer.trainer import Trainer
 
     trainer = Trainer(config)
     losses = [r.loss for r in trainer.train(stop_at)]
@@ -142,7 +142,7 @@ def train_losses(config: Config, stop_at: int | None = None) -> list[float]:
 def resume_and_report(config: Config) -> dict:
     """Resume (per config.train.resume); return the optimizer's hyperparameters after loading, and
     each step's loss and lr."""
-    from xorl.trainer import Trainer
+    from xorl.trainer.trainer import Trainer
 
     trainer = Trainer(config)
     groups = [{k: g[k] for k in ("lr", "betas", "eps", "weight_decay")} for g in trainer.optimizers[0].param_groups]
@@ -153,7 +153,7 @@ def resume_and_report(config: Config) -> dict:
 
 def train_with_nan_at(config: Config, bad_step: int) -> str:
     """Make the loss NaN at ``bad_step``; return the error message the trainer stops with."""
-    import xorl.trainer as trainer_module
+    import xorl.trainer.trainer as trainer_module
 
     trainer = trainer_module.Trainer(config)
 
@@ -176,7 +176,7 @@ def train_with_rank_dying(config: Config, dying_rank: int, at_step: int) -> None
     """Rank ``dying_rank`` exits abruptly at ``at_step``; the others must fail, not hang."""
     import os
 
-    from xorl.trainer import Trainer
+    from xorl.trainer.trainer import Trainer
 
     trainer = Trainer(config)
     while trainer.step < config.train.max_steps:
@@ -187,7 +187,7 @@ def train_with_rank_dying(config: Config, dying_rank: int, at_step: int) -> None
 
 def train_export_and_report(config: Config) -> dict:
     """Run with export_hf; return rank 0's final full weights (for comparing with the export)."""
-    from xorl.trainer import run_training
+    from xorl.trainer.trainer import run_training
 
     results = run_training(config)
     return {"losses": [r.loss for r in results]}
@@ -195,7 +195,7 @@ def train_export_and_report(config: Config) -> dict:
 
 def initial_weights(config: Config) -> dict:
     """The weights a Trainer starts from (after sharding), gathered whole."""
-    from xorl.trainer import Trainer
+    from xorl.trainer.trainer import Trainer
 
     trainer = Trainer(config)
     full = full_state_dict(trainer.parts, trainer.state.pp_group)  # a collective: every rank calls it

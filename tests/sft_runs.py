@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from tests.parity_runs import tiny_config
+from xorl.checkpoint.hf_export import full_state_dict
 from xorl.config import Config
-from xorl.export import full_state_dict
 
 
 def chat_config(output_dir: str, tokenizer: str, dataset: str, model: str = "llama", eval_dataset: str | None = None,
@@ -27,7 +27,7 @@ def train_with_eval(config: Config) -> dict:
     import json
     import os
 
-    from xorl.trainer import Trainer
+    from xorl.trainer.trainer import Trainer
 
     trainer = Trainer(config)
     before = trainer.evaluator.run(trainer) if trainer.evaluator is not None else None

@@ -21,7 +21,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from xorl.config import ModelConfig
 from xorl.models import build_model
-from xorl.plans.data_parallel import apply_activation_checkpointing
+from xorl.parallel.data_parallel import apply_activation_checkpointing
 
 
 class LiveActivations(TorchDispatchMode):
@@ -202,7 +202,7 @@ def test_every_other_matmul_keeps_the_odd_matmuls_and_the_gradients(model_type, 
 
 def test_selective_checkpoint_without_selective_is_refused():
     from xorl.config import Config
-    from xorl.config_error import ConfigError
+    from xorl.config.errors import ConfigError
 
     def config(mode):
         return Config.from_dict({"model": {"model_type": "llama", "vocab_size": 272, "hidden_size": 32,

@@ -9,10 +9,10 @@ import os
 import pytest
 import torch
 
-import xorl.checkpoint as ckpt
+import xorl.checkpoint.state as ckpt
 from tests.parity_runs import max_rel_diff, tiny_config, train_losses
-from xorl.metrics import read_metrics
 from xorl.models.registry import build_model
+from xorl.observability.metrics import read_metrics
 from xorl.testing.multirank import GlooWorld, RankError
 
 FSDP2 = dict(data_parallel_shard_size=2, gradient_accumulation_steps=2)
@@ -48,7 +48,7 @@ def crash_while_saving_step_4(config) -> None:
 
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from xorl.trainer import Trainer
+    from xorl.trainer.trainer import Trainer
 
     original = FileSystemWriter.write_data
 

@@ -11,7 +11,7 @@ import xorl.nn.tp_regions  # noqa: F401  (the TP collectives)
 import xorl.nn.ulysses_attention  # noqa: F401
 import xorl_kernels.fp8.grouped  # noqa: F401  (the FP8 GEMMs)
 import xorl_kernels.fp8.linear  # noqa: F401
-from xorl_kernels.checkpoint_saves import SELECTIVE_CHECKPOINT_SAVES, OpRegistry
+from xorl_kernels.selective_checkpoint_saves import SELECTIVE_CHECKPOINT_SAVES, OpRegistry
 
 
 def test_the_attention_expert_and_collective_ops_are_saved():
@@ -46,7 +46,7 @@ def test_an_unknown_op_is_an_error_not_skipped():
 
 
 def test_the_checkpointing_plan_saves_the_registered_ops():
-    from xorl.plans.data_parallel import _save_ops
+    from xorl.parallel.data_parallel import _save_ops
 
     assert SELECTIVE_CHECKPOINT_SAVES.ops() <= _save_ops()
 
@@ -57,7 +57,7 @@ def test_the_save_list_does_not_depend_on_what_was_imported_first():
     import subprocess
     import sys
 
-    code = ("from xorl.plans.data_parallel import _save_ops; ops = _save_ops(); "
+    code = ("from xorl.parallel.data_parallel import _save_ops; ops = _save_ops(); "
             "print(sorted(str(o) for o in ops if str(o).startswith('xorl.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "xorl.tp_column_linear.default" in out and "xorl.ep_all_to_all.default" in out, out

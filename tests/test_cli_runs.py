@@ -18,8 +18,8 @@ import yaml
 import xorl
 import xorl_kernels
 from tests.cli_runs import ROOT, alive, children, env, rank_of, torchrun, torchrun_command, write_config, xorl_train
-from xorl.metrics import read_metrics
-from xorl.optim import lr_factor
+from xorl.observability.metrics import read_metrics
+from xorl.trainer.optim import lr_factor
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc for process ids")]

@@ -121,7 +121,7 @@ def test_cp_and_ep_ops_pass_opcheck(gloo_world):
 
 def test_compiled_training_matches_eager(gloo_world, tmp_path):
     """MoE over ring 2 (zig-zag CP), full checkpointing: 3 steps, same losses. (EP, whose experts are an
-    FSDP unit inside the block, is refused with compile: xorl/rules/train.py compile_problems; the
+    FSDP unit inside the block, is refused with compile: xorl/config/rules/train.py compile_problems; the
     layouts compile accepts, each checked to compile whole: tests/test_compile_layouts.py.)"""
     train = dict(ringattn_parallel_size=2, data_parallel_shard_size=1, activation_checkpointing="full")
     result = gloo_world(2).run(train_both, str(tmp_path), "qwen3_moe", 3, "aot_eager", timeout_s=SLOW_CALL_S,

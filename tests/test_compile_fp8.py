@@ -7,7 +7,7 @@ with FP8 projections (and blockwise FP8 experts) compiles as one graph.
 - A decoder block traces with 0 graph breaks under torch._dynamo.explain, every recipe, each FP8 GEMM
   one node of the traced forward and backward graphs (no cast, _scaled_mm or Triton kernel traced).
 - One process, 3 steps of AdamW on a tiny Llama per recipe and a tiny Qwen3-MoE under blockwise,
-  each block compiled as xorl/parallelize.py compiles it (fullgraph=True): the losses and every
+  each block compiled as xorl/parallel/parallelize.py compiles it (fullgraph=True): the losses and every
   parameter's gradient at every step equal eager FP8 training's. aot_eager runs the traced aten ops
   and our ops' eager kernels, so they are bit for bit eager's: asserted exactly. inductor generates
   its own code for the element-wise work between the ops (and the bias gradient's sum); fp32
@@ -112,11 +112,11 @@ def test_an_fp8_decoder_block_traces_without_graph_breaks(model_type, fp8):
 
 def train_steps(model_type: str, fp8: str, backend: str | None, steps: int = 3, selective: str | None = None):
     """(losses, [each parameter's gradient per step]) of a tiny model trained ``steps`` AdamW steps, each
-    decoder block compiled with ``backend`` as xorl/parallelize.py compiles it (None: eager)."""
+    decoder block compiled with ``backend`` as xorl/parallel/parallelize.py compiles it (None: eager)."""
     from xorl.config import ModelConfig
     from xorl.models.registry import build_model
-    from xorl.parallelize import apply_compile
-    from xorl.plans.data_parallel import apply_activation_checkpointing
+    from xorl.parallel.data_parallel import apply_activation_checkpointing
+    from xorl.parallel.parallelize import apply_compile
 
     m = ModelConfig(model_type=model_type, vocab_size=272, hidden_size=32, intermediate_size=64,
                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)

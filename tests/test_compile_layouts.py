@@ -5,7 +5,7 @@ Ulysses context parallelism, an MoE model), each with no / selective / full acti
 the real Trainer on 2 gloo ranks (aot_eager: the graphs dynamo and AOT autograd make, without
 inductor's minutes of C++ compiling on 2 shared cores):
 
-* every decoder block ran inside a compiled graph (none as plain Python: xorl/parallelize.py's
+* every decoder block ran inside a compiled graph (none as plain Python: xorl/parallel/parallelize.py's
   CompileRecord), with at least one graph per kind of block and no graph break;
 * the compiled losses equal eager's to 1e-6 relative (measured: equal, 0.0, on CPU fp32; aot_eager
   runs the same aten ops in the same order).
@@ -73,7 +73,7 @@ def test_a_block_that_runs_eager_fails_the_first_step_check():
     limit or suppressed errors would cause), every block notes it and check_compiled names train.compile."""
     from xorl.config import ModelConfig
     from xorl.models.registry import build_model
-    from xorl.parallelize import CompileFellBackError, apply_compile, check_compiled
+    from xorl.parallel.parallelize import CompileFellBackError, apply_compile, check_compiled
 
     torch.manual_seed(0)
     model = build_model(ModelConfig(model_type="llama", num_hidden_layers=2))

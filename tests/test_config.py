@@ -447,7 +447,7 @@ def test_rule_message_names_field_and_fix(rule):
           "--train.gradient_accumulation_steps=2", "--train.ulysses_parallel_size=4"], 8),
         (["--train.data_parallel_mode=none", "--train.tensor_parallel_size=2"], 2),
         (["--train.data_parallel_replicate_size=2", "--train.data_parallel_shard_size=4"], 8),
-        # tied embeddings: a copy on the first and the last stage, kept in step (plans/pipeline_parallel.py)
+        # tied embeddings: a copy on the first and the last stage, kept in step (parallel/pipeline_parallel.py)
         (["--train.pipeline_parallel_size=4", "--train.gradient_accumulation_steps=4",
           "--model.num_hidden_layers=4", "--model.tie_word_embeddings=true"], 4),
         (["--train.pipeline_parallel_size=2", "--train.gradient_accumulation_steps=2",

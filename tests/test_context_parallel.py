@@ -133,7 +133,7 @@ def _compare(model, ref_model, logits, ref_logits, where, loss, ref_loss):
 
 def _xorl_model_check(ring_size, ulysses_size):
     from xorl.models import build_model
-    from xorl.plans.context_parallel import apply_context_parallel
+    from xorl.parallel.context_parallel import apply_context_parallel
 
     ring, ulysses = cp_groups(ring_size, ulysses_size)
     torch.manual_seed(0)
@@ -199,7 +199,7 @@ def test_transformers_llama_with_xorl_cp_attention_matches_single_process(gloo_w
 
 
 def test_apply_context_parallel_needs_core_attention_modules(monkeypatch):
-    from xorl.plans import context_parallel
+    from xorl.parallel import context_parallel
 
     monkeypatch.setattr(context_parallel, "_size", lambda group: 1 if group is None else 2)  # no real group
     with pytest.raises(ValueError, match="no module with a `core_attention`"):

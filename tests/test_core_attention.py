@@ -102,8 +102,8 @@ def _tokens_and_labels():
 def _fsdp_ring_sinks_check():
     from xorl.distributed import ParallelConfig, init_parallel_state
     from xorl.distributed.zigzag import prepare_context_parallel_batch
-    from xorl.plans.context_parallel import apply_context_parallel
-    from xorl.plans.data_parallel import apply_fsdp
+    from xorl.parallel.context_parallel import apply_context_parallel
+    from xorl.parallel.data_parallel import apply_fsdp
 
     model = _model_with_sinks_and_windows()
     ref_model = copy.deepcopy(model).double()
@@ -141,8 +141,8 @@ def test_ring_fsdp_model_sinks_gradient_equals_one_process(gloo_world):
 def test_config_refuses_sinks_or_windows_on_the_flash_attn_package(monkeypatch):
     import types
 
+    from xorl.config.rules.model import attention_problems
     from xorl.models import families
-    from xorl.rules.model import attention_problems
 
     def model(**fields):
         return types.SimpleNamespace(model_type="llama", attn_implementation="flash_attn", **fields)

@@ -251,7 +251,7 @@ def test_data_and_eval_settings_are_checked_up_front(tmp_path):
 def test_the_plot_draws_the_eval_curve_and_the_console_line_shows_it(tmp_path):
     pytest.importorskip("matplotlib")
     from xorl.cli.plot_metrics import main
-    from xorl.metrics import format_step_line
+    from xorl.observability.metrics import format_step_line
 
     rows = [{"step": s, "time": s, "loss": 3.0 - 0.1 * s, "grad_norm": 1.0, "lr": 1e-3} for s in range(1, 7)]
     for row in rows[1::2]:
@@ -266,7 +266,7 @@ def test_the_plot_draws_the_eval_curve_and_the_console_line_shows_it(tmp_path):
 
 
 def test_resume_refuses_a_change_of_what_the_rows_train_on():
-    from xorl.resume import _kind
+    from xorl.run.resume import _kind
 
     for key in ("format", "train_on", "split", "eval_fraction"):  # they change the packed training sequences
         assert _kind(f"data.{key}") == "fixed", key

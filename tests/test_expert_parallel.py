@@ -139,7 +139,7 @@ def check_ep_times_fsdp(num_experts, top_k, as_dtensor) -> dict:
     else:  # the module's own way: only the local experts, plain tensors
         ep = _build(num_experts, top_k, None, ep_group=mesh.get_group("ep"), seed=3)
     holder = torch.nn.ModuleDict({"moe": ep})
-    # FSDP over ep_fsdp with summed gradients, as plans/data_parallel.apply_fsdp does for experts.
+    # FSDP over ep_fsdp with summed gradients, as parallel/data_parallel.apply_fsdp does for experts.
     fully_shard(ep.experts, mesh=mesh["ep_fsdp"])
     ep.experts.set_gradient_divide_factor(1.0)
     ep.experts.set_force_sum_reduction_for_comms(True)
@@ -175,7 +175,7 @@ def check_plan_on_qwen3_moe_model(num_experts, use_mesh) -> dict:
     unmodified model's on all ranks' tokens."""
 
     from xorl.models import build_model
-    from xorl.plans.expert_parallel import apply_expert_parallel
+    from xorl.parallel.expert_parallel import apply_expert_parallel
 
     rank, world = dist.get_rank(), dist.get_world_size()
     config = tiny_qwen3_moe_config(vocab_size=97, num_experts=num_experts, router_aux_loss_coef=0.01,

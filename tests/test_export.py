@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import xorl.export as export_module
+import xorl.checkpoint.hf_export as export_module
 from tests.parity_runs import tiny_config
+from xorl.checkpoint.hf_export import export_checkpoint, full_state_dict
 from xorl.cli.export import main as xorl_export
-from xorl.export import export_checkpoint, full_state_dict
 from xorl.models.hf_writer import iter_hf_tensors
 from xorl.models.spec import ModelSpec
 
@@ -23,7 +23,7 @@ SHARD_BYTES = 60_000  # a tiny model in several files, so both ranks write some
 
 def train_and_export(config, folder: str) -> dict:
     """On every rank: train, export with small files; rank 0 returns the trained weights, gathered."""
-    from xorl.trainer import Trainer
+    from xorl.trainer.trainer import Trainer
 
     trainer = Trainer(config)
     trainer.train()

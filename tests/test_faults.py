@@ -18,7 +18,7 @@ import pytest
 
 from tests.cli_runs import BIN, children, env, rank_of, torchrun_command, write_config, xorl_train
 from tests.test_cli_runs import _our_frames
-from xorl.metrics import read_metrics
+from xorl.observability.metrics import read_metrics
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc for process ids")
 TIMEOUT_S = 20  # train.collective_timeout_s of the multi-rank cases
@@ -175,8 +175,8 @@ def test_a_stalled_rank_ends_the_job_within_the_collective_timeout(tmp_path):
 def test_a_heartbeat_longer_than_the_timeout_is_brought_before_it_with_a_note(tmp_path):
     """The issue's run (collective_timeout_s 30, heartbeat_s 60 by default) printed no heartbeat at all."""
     from xorl.config import load_config
-    from xorl.preflight import prepare_run
-    from xorl.watchdog import Heartbeat
+    from xorl.run.preflight import prepare_run
+    from xorl.run.watchdog import Heartbeat
 
     lines: list[str] = []
     heartbeat = Heartbeat(60.0, 1.2, write=lines.append)
@@ -266,8 +266,8 @@ def test_a_second_run_is_refused_before_torch_is_imported(tmp_path):
     try:
         assert holder.stdout.readline().strip() == "held"
         probe = subprocess.run([sys.executable, "-c", (
-            "import sys\nfrom xorl.config import load_config\nfrom xorl.config_error import ConfigError\n"
-            "from xorl.preflight import prepare_run\n"
+            "import sys\nfrom xorl.config import load_config\nfrom xorl.config.errors import ConfigError\n"
+            "from xorl.run.preflight import prepare_run\n"
             f"config = load_config(None, ['--train.output_dir={out}', '--train.resume=true'])\n"
             "try:\n    prepare_run(config, 1)\nexcept ConfigError as e:\n    print('refused:', e)\n"
             "print('torch imported:', 'torch' in sys.modules)\n")], env=env(), capture_output=True, text=True,
@@ -296,7 +296,7 @@ def test_sigterm_during_a_step_saves_that_step_and_resumes_exactly(tmp_path):
     slow_steps = _worker_hook(
         tmp_path,
         "import os\nif 'RANK' in os.environ:\n"
-        "    import time, xorl.trainer as t\n    step = t.Trainer.train_step\n"
+        "    import time, xorl.trainer.trainer as t\n    step = t.Trainer.train_step\n"
         "    def slow(self):\n        time.sleep(0.3)\n        return step(self)\n"
         "    t.Trainer.train_step = slow\n")
     job = Job(torchrun_command(2, config), tmp_path, slow_steps)
@@ -332,7 +332,7 @@ def test_a_second_signal_exits_at_once(tmp_path):
     """The first signal sets the flag; the handler restores the default action for the second."""
     code = (
         "import os, signal, time, torch\n"
-        "from xorl.preemption import PreemptionGuard\n"
+        "from xorl.run.preemption import PreemptionGuard\n"
         "guard = PreemptionGuard(['SIGUSR1'], 60.0, torch.device('cpu'))\n"
         "os.kill(os.getpid(), signal.SIGUSR1)\n"
         "time.sleep(0.2)\n"
@@ -395,8 +395,8 @@ def _save_with_disk_full_midway(output_dir: str) -> str:
     """One process: a Checkpointer save whose file writes fail with ENOSPC after 64 KiB."""
     import torch
 
-    import xorl.checkpoint_files as files
-    from xorl.checkpoint import Checkpointer, CheckpointError
+    import xorl.checkpoint.files as files
+    from xorl.checkpoint.state import Checkpointer, CheckpointError
 
     real = files.RecordingFileSystem.create_stream
 
@@ -464,8 +464,8 @@ def _save_with_disk_full_in_the_small_files(output_dir: str, blocking: bool) -> 
     last bytes, seen on a 1.1 MB tmpfs under torchrun: an OSError traceback, step_N.tmp left)."""
     import torch
 
-    import xorl.checkpoint as checkpoint
-    from xorl.checkpoint import Checkpointer, CheckpointError
+    import xorl.checkpoint.state as checkpoint
+    from xorl.checkpoint.state import Checkpointer, CheckpointError
 
     real = checkpoint._write_files
 

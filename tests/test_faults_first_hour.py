@@ -27,11 +27,11 @@ from xorl.config import (
     field_docs,
     load_config,
 )
+from xorl.config.model_path import weight_file_problems
 from xorl.distributed.parallel_config import ParallelConfig
-from xorl.metrics import MetricsLogger, read_metrics, startup_summary
-from xorl.model_path import weight_file_problems
-from xorl.optim import lr_factor
-from xorl.preflight import prepare_run
+from xorl.observability.metrics import MetricsLogger, read_metrics, startup_summary
+from xorl.run.preflight import prepare_run
+from xorl.trainer.optim import lr_factor
 
 FSDP2 = dict(data_parallel_shard_size=2, gradient_accumulation_steps=2)
 
@@ -99,7 +99,7 @@ def _hf_llama(folder, nan_in: str | None = None, layers: int = 4) -> None:
 
 def train_until_it_stops(config: Config) -> str:
     """Run the trainer; return the message of the NonFiniteLossError it stops with (ranks' check)."""
-    from xorl.trainer import NonFiniteLossError, Trainer
+    from xorl.trainer.trainer import NonFiniteLossError, Trainer
 
     trainer = Trainer(config)
     try:
@@ -207,7 +207,7 @@ def test_help_lists_every_key_with_its_default_and_meaning(capsys):
         docs = field_docs(cls)
         for name, value in yaml.safe_load(Config().to_yaml())[section].items():
             # every data and train key documented, its default shown as JSON
-            assert docs.get(name), f"{section}.{name} has no comment in xorl/config.py"
+            assert docs.get(name), f"{section}.{name} has no comment in xorl/config/sections.py"
             line = next(ln for ln in text.splitlines() if ln.startswith(f"  {name}: "))
             assert json.loads(line.split("  (")[0].split(": ", 1)[1]) == value
     assert "  lr: 0.001  (float) peak learning rate" in text

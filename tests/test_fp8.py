@@ -191,7 +191,7 @@ def test_models_build_fp8_projections_and_keep_their_state_dict():
 
 def test_fp8_config_rules_and_resume_with_another_fp8():
     from xorl.config import Config, ConfigError, validate_config
-    from xorl.resume import check_resume
+    from xorl.run.resume import check_resume
 
     config = Config()
     config.train.fp8 = "rowwise"
@@ -423,7 +423,7 @@ def count_fsdp_all_gather_bytes(float8_all_gather: bool) -> dict:
     from tests.parity_runs import tiny_config
     from xorl.models.registry import build_model
     from xorl.nn.fp8_all_gather import float8_all_gather_linears
-    from xorl.plans.data_parallel import apply_fsdp, decoder_layers
+    from xorl.parallel.data_parallel import apply_fsdp, decoder_layers
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))
     model = build_model(tiny_config("", fp8="tensorwise").model, fp8="tensorwise")
@@ -472,7 +472,7 @@ def test_fp8_all_gather_sends_half_the_bytes_of_bf16_for_the_fp8_linears(gloo_wo
 def trainer_weight_types(config) -> list[str]:
     """The local tensor types of a Trainer's tensorwise-FP8 linear weights (rank 0)."""
     from xorl.nn.fp8_all_gather import float8_all_gather_linears
-    from xorl.trainer import Trainer
+    from xorl.trainer.trainer import Trainer
 
     trainer = Trainer(config)
     linears = [m for part in trainer.parts for m in float8_all_gather_linears(part)]

@@ -17,7 +17,7 @@ def test_pipeline_with_fsdp_holds_one_block_unsharded(name, train, gloo_world, t
 
     torch's PipelineStage alone keeps every block of the stage unsharded, with unsharded fp32
     gradients, for the whole step (5 of 5 groups here); xorl keeps FSDP's per-microbatch reshard
-    and reduce-scatter (xorl/plans/pipeline_parallel.py).
+    and reduce-scatter (xorl/parallel/pipeline_parallel.py).
     """
     from tests.fsdp_memory import peak_held_in_step
 

@@ -257,8 +257,8 @@ def test_trainer_export_under_expert_parallelism_loads_in_transformers(gloo_worl
 ])
 def test_configs_xorl_cannot_run_are_refused_naming_the_field(change, message):
     from tests.parity_runs import tiny_config
-    from xorl.config_error import ConfigError
-    from xorl.config_rules import validate_config
+    from xorl.config.errors import ConfigError
+    from xorl.config.validate import validate_config
 
     config = tiny_config("/unused", "gpt_oss")
     for key, value in change.items():
@@ -292,7 +292,7 @@ def test_new_custom_ops_pass_opcheck():
 def test_flops_per_token_counts_the_keys_inside_each_window():
     """MFU's attention term: the (query, key) pairs each layer computes, counted one by one here."""
     from tests.parity_runs import tiny_config
-    from xorl.mfu import flops_per_token
+    from xorl.observability.mfu import flops_per_token
 
     m = tiny_config("/unused", "gpt_oss").model  # windows of 8 on layers 0 and 2 of 4
     seq = 40

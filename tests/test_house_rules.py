@@ -1,12 +1,12 @@
 """The house rules of issue 19, held at the source level (AST / text, no process groups):
 
 * the training step names no parallelism: trainer.py mentions no parallel size, group or mesh by
-  name (it asks xorl/parallel_plan.py's ParallelPlan);
-* the plans (xorl/plans/, xorl/parallelize.py) set no undeclared attribute on a module: an
+  name (it asks xorl/parallel/step_plan.py's ParallelPlan);
+* the plans (xorl/parallel/, xorl/parallel/parallelize.py) set no undeclared attribute on a module: an
   attribute they assign is one a module class in xorl/ declares in its ``__init__`` (a submodule
   they replace), and they write no ``__dict__`` except where the README names it;
 * no ``.forward =`` anywhere in xorl/ except the compile step;
-* no forward hook in xorl/plans/ except in the functions the README's "What is where" names;
+* no forward hook in xorl/parallel/ except in the functions the README's "What is where" names;
 * no function of ``xorl_kernels`` shares its name with a folder of it (it would hide the package);
 * the files split by concept stay readable at a sitting (a line cap).
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 XORL = ROOT / "xorl"
-PLAN_FILES = sorted((XORL / "plans").glob("*.py")) + [XORL / "parallelize.py"]
+PLAN_FILES = sorted((XORL / "parallel").glob("*.py"))
 HOOKS = ("register_forward_hook", "register_forward_pre_hook")
 
 
@@ -50,7 +50,7 @@ def _enclosing(tree: ast.Module) -> dict[int, str]:
 
 
 def _readme_named(kind: str) -> set[tuple[str, str]]:
-    """("plans/x.py", "function") pairs the README's "What is where" names for ``kind``."""
+    """("parallel/x.py", "function") pairs the README's "What is where" names for ``kind``."""
     text = (ROOT / "README.md").read_text()
     section = text[text.index("## What is where"):]
     items: list[str] = []  # the list items, continuation lines joined
@@ -93,7 +93,7 @@ def test_the_trainer_check_can_fail():
 # Dynamic ``setattr`` names the resolver below cannot list, each with why it only replaces what exists.
 DYNAMIC_SETATTR_ALLOWED = {
     # MoE.from_block replaces a foreign sparse block at the path named_modules() found it at.
-    ("plans/expert_parallel.py", "apply_expert_parallel"),
+    ("parallel/expert_parallel.py", "apply_expert_parallel"),
 }
 
 
@@ -224,7 +224,7 @@ def test_no_forward_assignment_outside_the_compile_step():
             for t in targets:
                 if isinstance(t, ast.Attribute) and t.attr == "forward":
                     found.append((str(path.relative_to(XORL)), owner.get(id(node), "<module>")))
-    assert found == [("parallelize.py", "apply_compile")], found
+    assert found == [("parallel/parallelize.py", "apply_compile")], found
 
 
 # -- forward hooks only where the README names them -------------------------------------------------
@@ -242,7 +242,7 @@ def test_plan_hooks_only_where_the_readme_names_them():
                 if where not in named:
                     bad.append(f"{where[0]}:{node.lineno} {node.attr} in {where[1]}")
     assert bad == [], f"forward hooks in the plans that the README does not name with why: {bad}"
-    assert {w for w in named if w[0].startswith("plans/")} <= seen, "the README names a hook that is gone"
+    assert {w for w in named if w[0].startswith("parallel/")} <= seen, "the README names a hook that is gone"
 
 
 # -- no function hides its package ------------------------------------------------------------------
@@ -281,8 +281,9 @@ SPLIT_FILES = (
     "xorl/nn/moe.py", "xorl/nn/ep_dispatch.py",
     "xorl/models/hf_reader.py", "xorl/models/hf_layout.py", "xorl/models/hf_writer.py",
     "bench/bench_step_anatomy.py", "bench/anatomy_comm.py", "bench/anatomy_step.py",
-    "xorl/config_rules.py", "xorl/rules/model.py", "xorl/rules/data.py", "xorl/rules/parallel.py",
-    "xorl/rules/train.py", "xorl/rules/fp8.py", "xorl/rules/lora.py", "xorl/rules/common.py",
+    "xorl/config/validate.py", "xorl/config/rules/model.py", "xorl/config/rules/data.py",
+    "xorl/config/rules/parallel.py", "xorl/config/rules/train.py", "xorl/config/rules/fp8.py",
+    "xorl/config/rules/lora.py", "xorl/config/rules/common.py",
     "xorl/planner/memory.py", "xorl/planner/shapes.py", "xorl/planner/activations.py",
 )
 

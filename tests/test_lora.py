@@ -40,7 +40,7 @@ def train_and_check(config, base_folder: str, tokens: torch.Tensor) -> dict:
     """On every rank: train, check frozen grads and optimizer state, save the base, export merged."""
     from xorl.models.hf_writer import save_hf_weights
     from xorl.nn.lora import is_adapter_name
-    from xorl.trainer import Trainer
+    from xorl.trainer.trainer import Trainer
 
     trainer = Trainer(config)
     for name, module in trainer.model.named_modules():  # peft's initialisation, also over a loaded base
@@ -149,7 +149,7 @@ def test_expert_adapters_match_peft_target_parameters(family, tmp_path):
     them (B drawn). Qwen2-MoE with its shared expert (not adapted), GLM-4.5 with its dense first layer."""
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
-    from xorl.lora_io import save_adapter
+    from xorl.checkpoint.peft_adapter import save_adapter
     from xorl.models.pretrained import save_pretrained
     from xorl.models.registry import build_model
     from xorl.nn.lora import EXPERT_LORA_FAMILIES
@@ -260,9 +260,9 @@ def _plan_probe_main() -> None:
     from xorl.distributed.parallel_state import init_parallel_state
     from xorl.models.registry import build_model
     from xorl.nn.lora import cast_frozen_, frozen_dtype
-    from xorl.optim import build_optimizer
-    from xorl.parallelize import parallelize_model
-    from xorl.plans.pipeline_parallel import split_into_stages
+    from xorl.parallel.parallelize import parallelize_model
+    from xorl.parallel.pipeline_parallel import split_into_stages
+    from xorl.trainer.optim import build_optimizer
 
     results = []
     for config_dict in json.load(sys.stdin):
@@ -394,10 +394,11 @@ def test_linear_with_dropout_is_peft_s_lora_layer():
 @pytest.mark.parametrize("model_type, targets", [("llama", ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]),
                                                  ("qwen3_moe", ["k_proj", "experts"])])
 def test_mfu_flops_count_frozen_weights_without_their_weight_gradient(model_type, targets):
-    """xorl/mfu.py with LoRA: frozen base matmuls 4 FLOPs per weight (forward + input gradient), adapters 6,
-    an expert's adapters only for the top-k tokens routed to it; counted here from the built model."""
-    from xorl.mfu import flops_per_token
+    """xorl/observability/mfu.py with LoRA: frozen base matmuls 4 FLOPs per weight (forward + input
+    gradient), adapters 6, an expert's adapters only for the top-k tokens routed to it; counted here from the
+    built model."""
     from xorl.models.registry import build_model
+    from xorl.observability.mfu import flops_per_token
 
     config = tiny_config("/tmp/unused", model_type)
     config.model.lora = dict(LORA, target_modules=targets)
@@ -423,8 +424,8 @@ def test_the_start_up_line_says_how_many_parameters_train():
     """The start-up summary names the trainable count (the adapters: rank x (in + out) per targeted
     projection and layer, counted here from the shapes) beside the model's total."""
     from xorl.distributed.parallel_config import ParallelConfig
-    from xorl.metrics import startup_summary
     from xorl.models.registry import build_model
+    from xorl.observability.metrics import startup_summary
 
     config = tiny_config("/tmp/unused", "llama")
     config.model.lora = dict(LORA, target_modules=["q_proj", "down_proj"])
@@ -492,7 +493,7 @@ def test_all_linear_is_the_set_peft_resolves_on_the_transformers_model(family, t
                                   f"--model.lora={{rank: 2, target_modules: {written}}}"])
         validate_config(ours, 1)
         assert set(ours.model.lora["target_modules"]) == peft_targets
-        from xorl.lora_io import adapter_config
+        from xorl.checkpoint.peft_adapter import adapter_config
 
         assert set(adapter_config(ours.model.lora, None)["target_modules"]) == peft_targets
 
@@ -512,7 +513,7 @@ def test_all_linear_on_an_moe_model_and_peft_s_key_names_are_refused_with_the_fi
 def test_a_resume_compares_the_adapter_not_how_its_setting_is_written():
     """Writing a default out (dropout: 0.0, alpha = rank) or the targets in another order is the same
     adapter (it was refused as 'another architecture'); another rank, alpha or target set is not."""
-    from xorl.resume import config_changes
+    from xorl.run.resume import config_changes
 
     stored = Config()
     stored.model.lora = {"rank": 8, "target_modules": ["q_proj", "v_proj"]}
@@ -532,7 +533,7 @@ def test_a_resume_compares_the_adapter_not_how_its_setting_is_written():
 def test_a_resume_applies_another_lora_dropout_and_refuses_another_adapter():
     """Dropout is a training knob, not what the adapter's weights mean: a resume with another dropout
     goes on with it (a note says so); another rank, alpha or target set is refused as another model."""
-    from xorl.resume import check_resume
+    from xorl.run.resume import check_resume
 
     stored = Config()
     stored.model.lora = {"rank": 8, "dropout": 0.1, "target_modules": ["q_proj", "v_proj"]}
@@ -549,7 +550,7 @@ def test_a_resume_applies_another_lora_dropout_and_refuses_another_adapter():
 def test_the_adapter_names_its_base_folder_by_an_absolute_path(tmp_path, monkeypatch):
     """peft's AutoPeftModelForCausalLM loads the base from base_model_name_or_path; a model_path given
     relative to the training's cwd (it was written as given) would be looked up on the hub elsewhere."""
-    from xorl.lora_io import adapter_config
+    from xorl.checkpoint.peft_adapter import adapter_config
 
     (tmp_path / "models" / "base").mkdir(parents=True)
     monkeypatch.chdir(tmp_path)

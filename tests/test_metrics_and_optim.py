@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from xorl.cli.plot_metrics import main as plot_main
-from xorl.metrics import MetricsLogger, read_metrics
-from xorl.optim import lr_factor
+from xorl.observability.metrics import MetricsLogger, read_metrics
+from xorl.trainer.optim import lr_factor
 
 
 def test_metrics_jsonl_round_trip_and_plot(tmp_path):
@@ -58,7 +58,7 @@ def _adamw_config():
 
 
 def test_adamw_is_foreach_on_cpu():
-    from xorl.optim import build_optimizer
+    from xorl.trainer.optim import build_optimizer
 
     params = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(3))]
     optimizer, _ = build_optimizer(params, _adamw_config())
@@ -67,7 +67,7 @@ def test_adamw_is_foreach_on_cpu():
 
 @pytest.mark.gpu
 def test_adamw_is_fused_on_cuda_and_matches_foreach():
-    from xorl.optim import build_optimizer
+    from xorl.trainer.optim import build_optimizer
 
     torch.manual_seed(0)
     init = [torch.randn(64, 33), torch.randn(33)]
@@ -92,7 +92,7 @@ def test_a_resumed_tensorboard_sink_replaces_the_steps_after_its_checkpoint(tmp_
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from xorl.log_sinks import TensorBoardSink
+    from xorl.observability.sinks import TensorBoardSink
 
     first = TensorBoardSink(str(tmp_path), start_step=0)
     for step in (1, 2, 3, 4):

@@ -317,7 +317,7 @@ def test_mistral_sliding_window_is_read_as_transformers_reads_it(tmp_path):
     """Mistral 7B v0.1's window (4096, every layer) loads; a file without the key gets MistralConfig's
     default 4096, as transformers builds it; null is full attention; export writes the window back."""
     from xorl.config import load_config
-    from xorl.mfu import keys_per_query
+    from xorl.observability.mfu import keys_per_query
 
     mistral = dict(PUBLISHED["Mistral-7B-v0.3"][1])
     for value, expected in ((4096, 4096), (None, None), ("absent", 4096)):
@@ -473,11 +473,11 @@ def test_fp8_block_quantised_release_folder_loads_dequantised(tmp_path):
 
 
 def test_mfu_flops_of_latent_attention_count_its_projection_weights():
-    """xorl/mfu.py: for MLA the 6 N term counts the low-rank projections the model holds (not a
+    """xorl/observability/mfu.py: for MLA the 6 N term counts the low-rank projections the model holds (not a
     192-wide q/k/v/o), and the scores term 6 (d_qk + d_v) per key and head."""
     from xorl.config import ModelConfig
-    from xorl.mfu import flops_per_token
     from xorl.models.registry import build_model
+    from xorl.observability.mfu import flops_per_token
 
     config = ModelConfig(model_type="deepseek_v3", vocab_size=97, hidden_size=48, intermediate_size=40,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, num_experts=8,
@@ -499,8 +499,8 @@ def test_expert_width_the_family_takes_from_intermediate_size_is_not_silently_re
     moe_intermediate_size to another value is refused, naming the field, before any process starts
     (it used to be replaced without a word); the same value, or leaving it out, is accepted."""
     from xorl.config import load_config
-    from xorl.config_error import ConfigError
-    from xorl.config_rules import validate_config
+    from xorl.config.errors import ConfigError
+    from xorl.config.validate import validate_config
 
     def config(*extra):
         return load_config(None, [f"--model.model_type={model_type}", "--model.num_experts=4",

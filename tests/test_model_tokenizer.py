@@ -16,7 +16,7 @@ tokenizers = pytest.importorskip("tokenizers")
 import xorl.models  # noqa: E402
 from xorl.config import load_config  # noqa: E402
 from xorl.data.tokenizer import build_tokenizer  # noqa: E402
-from xorl.metrics import startup_summary  # noqa: E402
+from xorl.observability.metrics import startup_summary  # noqa: E402
 
 WORDS = ["the", "cat", "sat", "on", "mat", "a", "dog", "ran", "<s>", "<|eot|>", "<unk>"]
 

@@ -132,7 +132,7 @@ def test_shared_expert_matches_transformers_qwen2_moe_block():
 def test_plan_swaps_transformers_model_blocks():
     import transformers
 
-    from xorl.plans.expert_parallel import apply_expert_parallel
+    from xorl.parallel.expert_parallel import apply_expert_parallel
 
     torch.manual_seed(9)
     config = tiny_qwen3_moe_config(vocab_size=61, num_experts=4, attn_implementation="eager")
@@ -233,7 +233,7 @@ def test_experts_run_gate_and_up_as_one_grouped_gemm():
 
 @pytest.mark.parametrize("model", ["qwen3_moe", "qwen2_moe", "glm4_moe", "deepseek_v3", "mixtral", "gpt_oss"])
 def test_mfu_counts_the_matmul_weights_each_token_passes_through(model):
-    """xorl/mfu.py's 6 N term against the built model's own weights (every matrix but the embedding
+    """xorl/observability/mfu.py's 6 N term against the built model's own weights (every matrix but the embedding
     lookup and biases; routed experts at top-k / num_experts): dense first layers (GLM, DeepSeek) at
     their intermediate_size, the shared expert (and Qwen2-MoE's shared_expert_gate) on every MoE
     layer. Before, every layer was counted as top-k routed experts alone: Qwen2-57B-A14B's MFU
@@ -242,8 +242,8 @@ def test_mfu_counts_the_matmul_weights_each_token_passes_through(model):
     was 6.4x too low (12.4 instead of 79.7 GFLOP a token)."""
     from tests.parity_runs import tiny_config
     from xorl.config import ModelConfig
-    from xorl.mfu import flops_per_token
     from xorl.models.registry import build_model
+    from xorl.observability.mfu import flops_per_token
 
     # Mixtral as a YAML writes it (examples/mixtral_8x7b_*.yaml): experts as wide as intermediate_size,
     # moe_intermediate_size left at its default (64), which Mixtral does not read
@@ -269,8 +269,8 @@ def test_a_negative_router_loss_weight_is_refused_naming_the_field(field, tmp_pa
     """A negative weight rewards imbalance; it used to train without a word. Refused before any
     process group starts (validate_config), naming the field; 0 (off) and a positive weight pass."""
     from xorl.config import load_config
-    from xorl.config_error import ConfigError
-    from xorl.config_rules import validate_config
+    from xorl.config.errors import ConfigError
+    from xorl.config.validate import validate_config
 
     def config(value):
         return load_config(None, ["--model.model_type=qwen3_moe", "--model.num_experts=4",
@@ -292,8 +292,8 @@ def test_start_up_line_says_active_parameters_and_which_gemms_run_in_fp8(model, 
     did not mention FP8 at all)."""
     from tests.parity_runs import tiny_config
     from xorl.distributed.parallel_config import ParallelConfig
-    from xorl.metrics import startup_summary
     from xorl.models.registry import build_model
+    from xorl.observability.metrics import startup_summary
 
     config = tiny_config("/unused", "qwen3_moe" if model == "qwen2_moe" else model, fp8=fp8)
     m = config.model
@@ -333,8 +333,8 @@ def test_a_bad_moe_folder_is_refused_in_its_own_config_json_keys(tmp_path):
     import transformers
 
     from xorl.config import load_config
-    from xorl.config_error import ConfigError
-    from xorl.config_rules import validate_config
+    from xorl.config.errors import ConfigError
+    from xorl.config.validate import validate_config
 
     small = dict(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                  num_key_value_heads=2)
@@ -433,7 +433,7 @@ def test_xorl_export_refuses_a_model_its_family_class_cannot_hold_in_one_line(tm
     import json
 
     from tests.parity_runs import tiny_config
-    from xorl.checkpoint import MODEL_CONFIG
+    from xorl.checkpoint.state import MODEL_CONFIG
     from xorl.cli.export import main as xorl_export
     from xorl.models.spec import EXPERTS_LAYOUT
 
@@ -457,7 +457,7 @@ def test_xorl_export_refuses_a_model_its_family_class_cannot_hold_in_one_line(tm
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
 def test_expert_load_metric_is_the_busiest_expert_over_the_mean_from_transformers_routing(model_type, tmp_path):
-    """metrics.jsonl's expert_load (plans/expert_parallel.step_router_loads): max over the MoE layers
+    """metrics.jsonl's expert_load (parallel/expert_parallel.step_router_loads): max over the MoE layers
     of the busiest expert's tokens / the mean expert's, counted by the routers in the step's training
     forwards (two here). Reference: transformers' own model on the same folder and tokens, its
     router_logits' top-k per layer. The counts start again after each report, and a model in eval
@@ -465,7 +465,7 @@ def test_expert_load_metric_is_the_busiest_expert_over_the_mean_from_transformer
     import transformers
 
     import xorl.models
-    from xorl.plans.expert_parallel import step_router_loads
+    from xorl.parallel.expert_parallel import step_router_loads
 
     torch.manual_seed(0)
     small = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=2,

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from tests.parallel_layouts import compare, expected_state, observe_state
-from xorl.config_error import ConfigError
+from xorl.config.errors import ConfigError
 from xorl.distributed import ParallelConfig, init_parallel_state
 
 GAS = {"gradient_accumulation_steps": 2}

@@ -1,7 +1,7 @@
 """The parity matrix's rows for the families it reached last: Qwen2, Mistral, Qwen2-MoE, DeepSeek-V2.
 
 Each family on every layout kind it is accepted on (the config rules refuse none of these for it:
-xorl/rules/parallel.py), 10 steps against one process with tests/test_parity_matrix.py's check and
+xorl/config/rules/parallel.py), 10 steps against one process with tests/test_parity_matrix.py's check and
 bounds. A third file so that the pytest-xdist workers share the matrix (loadfile: one file, one
 worker). What each tiny model turns on: tests/parity_runs.MODELS.
 """

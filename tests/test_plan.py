@@ -15,7 +15,7 @@ import pytest
 from xorl.cli.plan import main
 from xorl.config import Config, load_config
 from xorl.distributed.parallel_config import PARALLEL_FIELD_NAMES
-from xorl.mfu import flops_per_token
+from xorl.observability.mfu import flops_per_token
 from xorl.planner.guide import RECIPE_FIELDS, Options, evaluate, with_layout
 from xorl.planner.shapes import model_shapes
 from xorl.planner.source import read_model_source
@@ -86,7 +86,7 @@ def test_moe_scales_with_expert_parallelism(capsys):
     first = out["candidates"][0]["layout"]
     assert out["candidates"][0]["fits"]
     # EP is the MoE dimension; TP may split attention (the MoE block runs on each TP rank's token shard,
-    # xorl/plans/tensor_parallel.py, so TP costs no redundant expert compute) within the guide's sizes.
+    # xorl/parallel/tensor_parallel.py, so TP costs no redundant expert compute) within the guide's sizes.
     # EP spans its whole fold (no guide: warning). TP 2 + EP 4 over ring 4 and EP 8 over ring 8 price
     # within 0.1% of each other: a token's dispatch rows grow with EP (3.63 at EP 4, 5.34 at EP 8 for
     # top-8 of 128, ep_time.ep_pairs_per_token, each with its gathers and fp32 sums), so either may
@@ -109,7 +109,7 @@ def test_write_config_is_accepted_by_the_trainer(capsys, tmp_path):
 
 
 def test_step_time_compute_follows_the_6n_rule():
-    # Compute at achieved efficiency vs the 6N + attention FLOPs estimate (xorl/mfu.py) at the peak:
+    # Compute at achieved efficiency vs the 6N + attention FLOPs estimate (xorl/observability/mfu.py) at the peak:
     # the implied MFU of an 8B dense layer at 8K tokens without recompute lies where measured runs
     # do (torchtitan's published 8B FSDP runs: 33-43 % of the H100 SXM peak), never above the
     # large-GEMM efficiency the curves allow.
@@ -252,7 +252,7 @@ def test_guide_prints_the_sizes_it_allows_as_a_set(capsys):
 
 def test_write_config_from_a_config_only_folder_runs(tmp_path, capsys, monkeypatch):
     transformers = pytest.importorskip("transformers")
-    from xorl.preflight import prepare_run
+    from xorl.run.preflight import prepare_run
 
     folder = tmp_path / "model"
     transformers.LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=4,

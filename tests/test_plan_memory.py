@@ -65,8 +65,8 @@ def _probe_main() -> None:
 
     from xorl.distributed.parallel_state import init_parallel_state
     from xorl.models.registry import build_model
-    from xorl.parallelize import parallelize_model
-    from xorl.plans.pipeline_parallel import split_into_stages
+    from xorl.parallel.parallelize import parallelize_model
+    from xorl.parallel.pipeline_parallel import split_into_stages
 
     def local(t):
         return t.to_local() if isinstance(t, DTensor) else t
@@ -186,7 +186,7 @@ def test_model_shapes_are_the_built_models():
     import torch
 
     from xorl.models.registry import build_model
-    from xorl.plans.expert_parallel import apply_expert_parallel
+    from xorl.parallel.expert_parallel import apply_expert_parallel
 
     with torch.device("meta"):
         model = build_model(config.model)

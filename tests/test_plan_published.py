@@ -39,7 +39,7 @@ TOKENS_TOLERANCE, MEMORY_TOLERANCE = 0.25, 0.10
 
 # torchtitan's selective AC is op-level SAC keeping every other matmul (its policy's mm_count % 2:
 # of q, k, v, o, gate, up, down it recomputes k, o and up): xorl's train.selective_checkpoint:
-# every_other_matmul, the same policy (xorl/plans/data_parallel.py; its cache census equals the
+# every_other_matmul, the same policy (xorl/parallel/data_parallel.py; its cache census equals the
 # planner's term, tests/test_activation_checkpointing.py). With xorl's default (matmuls, every
 # output kept) the same rows would hold 2 (hkv + h + I) = 38,912 bytes more per token and layer:
 # 104.0 and 90.0 GiB reserved (1.26, 1.34 of published); with torchtitan's policy 83.5 and 69.5 GiB

@@ -12,7 +12,7 @@ import pytest
 
 from xorl import run_dir
 from xorl.config import Config, ConfigError
-from xorl.preflight import prepare_run
+from xorl.run.preflight import prepare_run
 
 
 def _config(output_dir, **train) -> Config:

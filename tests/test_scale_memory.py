@@ -39,7 +39,7 @@ def _assert_within(figures: dict, case: str, limit: float = LIMIT) -> None:
 
 
 def test_start_from_a_hf_folder_reads_only_each_ranks_shards(figures):
-    # Since in-memory training data is read before start-up (xorl/preflight.py: a bad row is refused
+    # Since in-memory training data is read before start-up (xorl/run/preflight.py: a bad row is refused
     # before any process group), a rank holds its packed data while the weights load: measured +0.013
     # of the model's bytes here (0.333 -> 0.346 max over ranks, the same bench with that read moved
     # back: 0.333), which the run holds from then on anyway. Hence 0.36 for this case alone.

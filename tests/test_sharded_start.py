@@ -12,12 +12,12 @@ import torch
 import torch.distributed as dist
 
 from tests.parity_runs import tiny_config
+from xorl.checkpoint.hf_export import full_state_dict
 from xorl.distributed.shard_box import ShardBox
-from xorl.export import full_state_dict
 from xorl.models import seeded_init
 from xorl.models.hf_writer import save_hf_weights
 from xorl.models.registry import build_model
-from xorl.trainer import initialise_part
+from xorl.trainer.trainer import initialise_part
 
 LAYOUTS = [  # (id, model type, train overrides) on 4 ranks
     ("fsdp4 uneven rows merge_qkv", "llama", dict(data_parallel_shard_size=4)),
@@ -59,7 +59,7 @@ def start_and_gather(seeded, from_folder) -> dict:
     """On every rank: start a Trainer both ways; count the checkpoint elements this rank read."""
     from xorl.distributed.shard_box import local_tensor
     from xorl.models import hf_reader
-    from xorl.trainer import Trainer
+    from xorl.trainer.trainer import Trainer
 
     out = {}
     trainer = Trainer(seeded)
@@ -146,8 +146,8 @@ def test_seeded_values_depend_on_seed_name_and_block_only(monkeypatch):
 
 
 def test_a_folder_that_does_not_fit_the_model_is_refused_before_any_process_group(tmp_path):
-    from xorl.config_error import ConfigError
-    from xorl.model_path import model_path_weight_problems
+    from xorl.config.errors import ConfigError
+    from xorl.config.model_path import model_path_weight_problems
 
     def check_model_path(config):
         problems = model_path_weight_problems(config)

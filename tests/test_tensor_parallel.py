@@ -146,7 +146,7 @@ def test_column_row_match_single_process(gloo_world, tp_size, shape_prefix):
 def check_shared_group_and_cutoff(tp_size: int) -> dict:
     """q/k/v sharing one gather (one output unused) == three nn.Linear; the size cutoff picks plain path."""
     from xorl.nn import ColumnParallelLinear
-    from xorl.nn.tensor_parallel import SharedInputColumnGroup
+    from xorl.nn.tp_linear import SharedInputColumnGroup
 
     mesh = tp_mesh(tp_size)
     rank = mesh.get_local_rank()

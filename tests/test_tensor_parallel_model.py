@@ -100,7 +100,7 @@ def _replicated_grad_spread(model, group) -> float:
 
 
 def check_model_parity(tp_size: int, config_name: str, cases: list[tuple]) -> dict:
-    from xorl.plans.tensor_parallel import apply_tensor_parallel
+    from xorl.parallel.tensor_parallel import apply_tensor_parallel
 
     mesh = tp_mesh(tp_size)
     results = {}
@@ -121,7 +121,7 @@ def check_model_parity(tp_size: int, config_name: str, cases: list[tuple]) -> di
         loss_ref = out_ref.loss + (out_ref.router_loss if out_ref.router_loss is not None else 0)
         loss_ref.backward()
         if config_name == "moe":  # MoE blocks run on TP token shards: balance over the TP group (parallelize does)
-            from xorl.plans.expert_parallel import set_router_balance_group
+            from xorl.parallel.expert_parallel import set_router_balance_group
 
             set_router_balance_group(model, mesh.get_group())
         out = model(data["input_ids"], labels=data["labels"], **extra)
@@ -146,7 +146,7 @@ def check_model_parity(tp_size: int, config_name: str, cases: list[tuple]) -> di
         for name, p in model.named_parameters():
             errs[f"grad {name}"] = rel_err(p.grad, ref_params[name].grad)
         if config_name == "moe":  # MoE blocks stay plain tensors (for EP / FSDP): xorl's cross-mesh norm
-            from xorl.grad_clip import total_grad_norm as norm_of
+            from xorl.trainer.grad_clip import total_grad_norm as norm_of
         else:  # every parameter is a DTensor on the TP mesh: torch's clip sees the whole norm
             def norm_of(params):
                 return torch.nn.utils.clip_grad_norm_(params, max_norm=float("inf"))
@@ -209,7 +209,7 @@ def check_fsdp_tp_training(checkpoint_dir: str, steps: int = 3) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.fsdp import fully_shard
 
-    from xorl.plans.tensor_parallel import apply_tensor_parallel
+    from xorl.parallel.tensor_parallel import apply_tensor_parallel
 
     mesh = _mesh((2, 2), ("dp", "tp"))
     dp_rank = mesh["dp"].get_local_rank()
@@ -273,7 +273,7 @@ def test_fsdp2_x_tp_adamw_clip_and_dcp_match_single_process(gloo_world, tmp_path
 
 
 def check_plan_errors() -> dict:
-    from xorl.plans.tensor_parallel import apply_tensor_parallel
+    from xorl.parallel.tensor_parallel import apply_tensor_parallel
 
     mesh = tp_mesh(4)
     messages = {}
@@ -308,7 +308,7 @@ def test_plan_errors_are_clear(gloo_world):
 def check_meta_build_then_init() -> dict:
     """Build on meta, apply TP, to_empty, init_weights: a usable init, identical on every rank."""
     from xorl.models.registry import build_model
-    from xorl.plans.tensor_parallel import apply_tensor_parallel
+    from xorl.parallel.tensor_parallel import apply_tensor_parallel
 
     with torch.device("meta"):
         model = build_model(llama_config(tie=True))
@@ -339,7 +339,7 @@ def lm_head_flops(tp_size: int, sequence_parallel: bool) -> tuple[int, int]:
     """(FLOPs of the TP lm_head on this rank, FLOPs of the single-process lm_head) for one batch."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from xorl.plans.tensor_parallel import apply_tensor_parallel
+    from xorl.parallel.tensor_parallel import apply_tensor_parallel
 
     base = build(llama_config(), seed=5)
     model = copy.deepcopy(base)
@@ -375,7 +375,7 @@ def count_qkv_gemms() -> dict:
     """GEMMs (aten mm / addmm) of the q/k/v and the gate/up projections of one layer, SP with the
     overlapped ring all-gather: merged, one per TP chunk each; separate (one shared gather), three
     and two per chunk."""
-    from xorl.plans.tensor_parallel import apply_tensor_parallel
+    from xorl.parallel.tensor_parallel import apply_tensor_parallel
 
     class CountGemms(torch.profiler.profile):
         """The profiler's aten::mm / addmm calls: unlike a TorchDispatchMode it also sees the GEMMs

@@ -15,14 +15,14 @@ import torch
 import torch.distributed as dist
 
 from tests.parity_runs import max_rel_diff, tiny_config, train_and_report, weights_rel_diff
-from xorl.export import full_state_dict
+from xorl.checkpoint.hf_export import full_state_dict
 
 STEPS = 4
 
 
 def train_export_and_report(config, folder: str) -> dict:
     """Train, export to ``folder``; rank 0 returns the losses, grad norms and final full weights."""
-    from xorl.trainer import Trainer
+    from xorl.trainer.trainer import Trainer
 
     trainer = Trainer(config)
     results = trainer.train()

@@ -40,11 +40,11 @@ def test_cpu_scaled_mm_row_scales_match_the_formula_either_way():
 
 def test_zero_bubble_schedules_are_refused_on_a_torch_that_breaks_them(monkeypatch):
     """torch 2.11's zero-bubble weight pass crashes on xorl's custom ops and trains off one process
-    (xorl/rules/train.py): refused up front there, naming the schedule, the torch and the fix;
+    (xorl/config/rules/train.py): refused up front there, naming the schedule, the torch and the fix;
     accepted from 2.13. The installed version is read from package metadata (faked here)."""
     import pytest
 
-    import xorl.rules.train as rules
+    import xorl.config.rules.train as rules
     from xorl.config import ConfigError, load_config, validate_config
 
     config = load_config(None, ["--train.pipeline_parallel_size=2", "--train.gradient_accumulation_steps=2",

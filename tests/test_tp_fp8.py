@@ -247,7 +247,7 @@ def check_llama_bits(recipe: str) -> dict:
     import copy
 
     from tests.tp_fp8_reference import reference_tp_linears
-    from xorl.plans.tensor_parallel import apply_tensor_parallel
+    from xorl.parallel.tensor_parallel import apply_tensor_parallel
 
     mesh, _ = _mesh_and_group()
     base = _llama(recipe, 1)

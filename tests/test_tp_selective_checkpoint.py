@@ -20,7 +20,7 @@ dispatcher op each (xorl/nn/tp_linear_ops.py) whose output the SAC cache keeps, 
   float64 single-process run to fp32 rounding (relative error < 1e-5).
 
 No MoE here: selective with an MoE model under TP > 1 is refused with fsdp2, and TP refuses ddp,
-so no accepted layout has it (xorl/rules/parallel.py).
+so no accepted layout has it (xorl/config/rules/parallel.py).
 """
 
 from __future__ import annotations
@@ -137,8 +137,8 @@ def check_selective_under_tp(layouts: list[tuple[bool, bool]], lora: dict | None
     from torch.distributed.device_mesh import init_device_mesh
     from torch.utils.flop_counter import FlopCounterMode
 
-    from xorl.plans.data_parallel import apply_activation_checkpointing, apply_fsdp
-    from xorl.plans.tensor_parallel import apply_tensor_parallel
+    from xorl.parallel.data_parallel import apply_activation_checkpointing, apply_fsdp
+    from xorl.parallel.tensor_parallel import apply_tensor_parallel
 
     dp = 2 if fsdp else 1
     mesh_2d = init_device_mesh("cpu", (dp, dist.get_world_size() // dp), mesh_dim_names=("dp", "tp"))

@@ -24,14 +24,14 @@ import torch.distributed as dist
 from tests.cli_runs import ROOT
 from tests.parity_runs import tiny_config
 from xorl.config import Config, TrainConfig, config_help, field_docs, load_config
-from xorl.config_error import ConfigError
-from xorl.config_rules import validate_config
-from xorl.optim import build_optimizer, lr_factor
+from xorl.config.errors import ConfigError
+from xorl.config.validate import validate_config
+from xorl.trainer.optim import build_optimizer, lr_factor
 
 
 # -- schedules ---------------------------------------------------------------------------------
 def expected_factors(schedule: str, warmup: int, total: int, floor: float, fraction: float) -> torch.Tensor:
-    """The schedule's multiplier at steps 0..total, float64, written independently of xorl/optim.py:
+    """The schedule's multiplier at steps 0..total, float64, written independently of xorl/trainer/optim.py:
     whole-vector torch maths instead of its per-step branches."""
     s = torch.arange(total + 1, dtype=torch.float64)
     w = min(warmup, total)
@@ -102,7 +102,7 @@ def test_new_fields_are_refused_with_the_field_and_the_fix(overrides, expected):
 def test_a_missing_logging_package_names_the_extra(monkeypatch):
     import importlib.util
 
-    import xorl.log_sinks as sinks
+    import xorl.observability.sinks as sinks
 
     real = importlib.util.find_spec
     monkeypatch.setattr(sinks.importlib.util, "find_spec",
@@ -119,7 +119,7 @@ def test_a_missing_logging_package_names_the_extra(monkeypatch):
 def test_a_memory_snapshot_on_cpu_is_refused_before_start_up(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: the snapshot is taken there (tests/test_train_loop_logs.py)")
-    from xorl.preflight import prepare_run
+    from xorl.run.preflight import prepare_run
 
     config = load_config(None, [f"--train.output_dir={tmp_path / 'out'}", "--train.memory_snapshot_step=2"])
     with pytest.raises(ConfigError) as info:
@@ -146,7 +146,7 @@ def _epoch_config(tmp_path, name: str, **train) -> Config:
 
 
 def test_epoch_steps_cover_every_sequence_and_round_up():
-    from xorl.epochs import epoch_metrics, epoch_steps
+    from xorl.trainer.epochs import epoch_metrics, epoch_steps
 
     assert epoch_steps(2, 11, 3) == 8  # 22 sequences -> 8 steps of 3 (the last 2 open the third pass)
     assert epoch_steps(1, 12, 4) == 3 and epoch_steps(0.5, 10, 2) == 3 and epoch_steps(0.1, 30, 1) == 3
@@ -198,7 +198,7 @@ def _one_process(monkeypatch):
 
 def _train_recording(config: Config, monkeypatch, stop_at: int | None = None):
     """Train in this process; return (losses, the packed sequences each step read, max_steps, trainer)."""
-    from xorl.trainer import Trainer
+    from xorl.trainer.trainer import Trainer
 
     _one_process(monkeypatch)
     try:
@@ -220,7 +220,7 @@ def _train_recording(config: Config, monkeypatch, stop_at: int | None = None):
 
 
 def test_num_epochs_sets_the_steps_logs_the_epoch_and_resumes_mid_epoch_bitwise(tmp_path, monkeypatch):
-    from xorl.metrics import read_metrics
+    from xorl.observability.metrics import read_metrics
 
     full, read, steps, trainer = _train_recording(_epoch_config(tmp_path, "full"), monkeypatch)
     assert steps == 8 and len(full) == 8  # ceil(2 x 11 / 3)
@@ -246,7 +246,7 @@ def test_num_epochs_sets_the_steps_logs_the_epoch_and_resumes_mid_epoch_bitwise(
 
 
 def test_a_stream_logs_its_pass_over_the_files(tmp_path, monkeypatch):
-    from xorl.metrics import read_metrics
+    from xorl.observability.metrics import read_metrics
 
     config = _epoch_config(tmp_path, "stream", num_epochs=None, max_steps=8)
     config.data.streaming = True
@@ -257,7 +257,7 @@ def test_a_stream_logs_its_pass_over_the_files(tmp_path, monkeypatch):
 
 
 def test_num_epochs_with_max_steps_is_one_or_the_other(tmp_path):
-    from xorl.preflight import prepare_run
+    from xorl.run.preflight import prepare_run
 
     config = _epoch_config(tmp_path, "out")
     config.train.max_steps = 20
@@ -282,7 +282,7 @@ def test_num_epochs_with_max_steps_is_one_or_the_other(tmp_path):
     with pytest.raises(ConfigError, match="train.max_steps=9 and train.num_epochs=2 are both set"):
         prepare_run(load_config(str(path), ["--train.max_steps=9"]), 1)
     counted = load_config(str(path), ["--train.max_steps=9", "--train.num_epochs=null"])
-    # counted in steps: the data is still read before start-up (xorl/preflight.py), but not counted into max_steps
+    # counted in steps: the data is still read before start-up (xorl/run/preflight.py), but not counted into max_steps
     plan = prepare_run(counted, 1)
     assert counted.train.max_steps == 9 and not any("num_epochs" in note for note in plan.notes)
 
@@ -300,7 +300,7 @@ def test_help_has_every_key_of_every_section_with_its_default_and_meaning(capsys
     for section, cls in SECTIONS.items():
         docs = field_docs(cls)
         for name, value in Config().to_dict()[section].items():
-            assert docs.get(name), f"{section}.{name} has no comment in xorl/config.py"
+            assert docs.get(name), f"{section}.{name} has no comment in xorl/config/sections.py"
             text = sections[1] if section == "train" else sections[0]
             line = next(ln for ln in text.splitlines() if ln.startswith(f"  {name}: "))
             assert json.loads(line.split("  (")[0].split(": ", 1)[1]) == value and docs[name] in line
@@ -345,7 +345,7 @@ def test_the_sbatch_script_parses_and_runs_torchrun_with_the_job_rendezvous(tmp_
 
 def test_wandb_that_cannot_start_is_one_message(monkeypatch, tmp_path):
     wandb = pytest.importorskip("wandb")
-    from xorl.log_sinks import open_sinks
+    from xorl.observability.sinks import open_sinks
 
     def no_key(**kwargs):
         raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.")
@@ -363,7 +363,7 @@ def test_the_console_line_and_the_bar_show_throughput_mfu_and_memory(tmp_path, m
     import io
     import sys
 
-    from xorl.metrics import MetricsLogger, format_step_line
+    from xorl.observability.metrics import MetricsLogger, format_step_line
 
     row = {"step": 5, "time": 12.25, "loss": 2.5, "grad_norm": 0.75, "lr": 1e-3, "epoch": 2, "data_seen": 1.25,
            "tokens_per_s": 1234.4, "mfu": 0.4123, "peak_memory_gib": 61.2, "eval_loss": 2.0}
@@ -384,6 +384,6 @@ def test_the_console_line_and_the_bar_show_throughput_mfu_and_memory(tmp_path, m
     logger.log(4, metrics, elapsed_s=12.25)  # the 5th step (index 4): row step 5
     logger.close()
     assert "tokens/s 1234 mfu 41.2% peak_memory_gib 61.20" in terminal.getvalue()
-    from xorl.metrics import read_metrics
+    from xorl.observability.metrics import read_metrics
 
     assert read_metrics(str(tmp_path / "metrics.jsonl")) == [row]  # every key, eval metrics too

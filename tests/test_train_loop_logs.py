@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.cli_runs import torchrun_command, write_config
-from xorl.metrics import read_metrics
+from xorl.observability.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -99,7 +99,7 @@ def test_wandb_mode_unset_follows_the_environment(tmp_path, monkeypatch):
     wandb = pytest.importorskip("wandb")
     from tests.wandb_records import history
     from xorl.config import TrainConfig
-    from xorl.log_sinks import open_sinks
+    from xorl.observability.sinks import open_sinks
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")

@@ -18,7 +18,7 @@ from tests.parity_runs import tiny_config
 
 
 def _train(tmp_path, name: str, model_type: str, attn: str, monkeypatch) -> list:
-    from xorl.trainer import Trainer
+    from xorl.trainer.trainer import Trainer
 
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-import xorl.checkpoint as ckpt
+import xorl.checkpoint.state as ckpt
 from tests.parity_runs import (
     max_rel_diff,
     resume_and_report,
@@ -16,10 +16,10 @@ from tests.parity_runs import (
     train_with_nan_at,
     train_with_rank_dying,
 )
-from xorl.config_error import ConfigError
-from xorl.config_rules import validate_config
-from xorl.optim import lr_factor
+from xorl.config.errors import ConfigError
+from xorl.config.validate import validate_config
 from xorl.testing.multirank import GlooWorld, RankError
+from xorl.trainer.optim import lr_factor
 
 FSDP2 = dict(data_parallel_shard_size=2, gradient_accumulation_steps=2)
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from tests.parity_runs import initial_weights, tiny_config, train_and_report, train_export_and_report
-from xorl.mfu import flops_per_token
 from xorl.models.registry import build_model
+from xorl.observability.mfu import flops_per_token
 
 
 def test_export_loads_in_transformers_and_starting_from_it_restores_the_weights(gloo_world, tmp_path):

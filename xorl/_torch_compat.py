@@ -6,7 +6,7 @@ what it is for and why no public API does the job. Heavy modules are imported on
 they were at the call sites.
 
 Left outside on purpose: ``torch._check`` and ``torch._foreach_*`` (documented, stable); and
-``PipelineStage.backward_maybe_with_nosync``, which xorl/plans/pipeline_parallel.py overrides in a
+``PipelineStage.backward_maybe_with_nosync``, which xorl/parallel/pipeline_parallel.py overrides in a
 subclass (an override, not a call: it cannot be wrapped here).
 """
 

@@ -5,7 +5,7 @@ checkpoint (``.../checkpoints/step_00000100``), a run's ``checkpoints`` folder o
 (then the checkpoint ``latest`` names). The model's shape comes from the checkpoint's
 ``model_config.json`` (``--config RUN.yaml`` for a checkpoint saved without one). OUT_DIR must not
 exist yet: an export never overwrites a folder. Peak host memory is one tensor of the model
-(xorl/export.py), whatever its size.
+(xorl/checkpoint/hf_export.py), whatever its size.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def parse_size(text: str) -> int:
 
 def resolve_checkpoint(path: str) -> str:
     """A checkpoint folder (holding DCP's .metadata) from a checkpoint, checkpoints root or output_dir."""
-    from xorl.checkpoint import LATEST
+    from xorl.checkpoint.state import LATEST
 
     for root in (path, os.path.join(path, "checkpoints")):
         if os.path.isfile(os.path.join(root, ".metadata")):
@@ -53,7 +53,7 @@ def resolve_checkpoint(path: str) -> str:
 
 
 def model_config_for(checkpoint: str, config_path: str | None):
-    from xorl.checkpoint import MODEL_CONFIG
+    from xorl.checkpoint.state import MODEL_CONFIG
     from xorl.config import Config, load_config
 
     if config_path:
@@ -68,8 +68,8 @@ def model_config_for(checkpoint: str, config_path: str | None):
 def _check_layout(checkpoint: str, model_config) -> None:
     """A checkpoint of an older parameter layout (preflight.layout_problems): a merge_qkv one would
     export with its heads mixed."""
-    from xorl.preflight import layout_problems
-    from xorl.run_dir import TRAINER_STATE_NAME
+    from xorl.run.folder import TRAINER_STATE_NAME
+    from xorl.run.preflight import layout_problems
 
     state_path = os.path.join(checkpoint, TRAINER_STATE_NAME)
     state = {}
@@ -122,12 +122,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import torch
 
-    from xorl.export import export_checkpoint
+    from xorl.checkpoint.hf_export import export_checkpoint
 
     if os.path.isdir(args.out_dir):
         os.rmdir(args.out_dir)  # empty (checked above): the export moves a complete folder here
     if args.adapter:
-        from xorl.lora_io import export_adapter
+        from xorl.checkpoint.peft_adapter import export_adapter
 
         try:
             export_adapter(checkpoint, args.out_dir, model_config)

@@ -24,7 +24,7 @@ import sys
 import yaml
 
 from xorl.config import load_config
-from xorl.config_error import ConfigError
+from xorl.config.errors import ConfigError
 from xorl.planner.guide import RECIPE_FIELDS, Candidate, Options, evaluate, evaluate_count, with_layout
 from xorl.planner.memory import PRECISIONS
 from xorl.planner.search import apply_simple_rule, default_global_batch, fitting_simple_layout, plan

@@ -15,7 +15,7 @@ import os
 import sys
 from typing import NoReturn
 
-from xorl.run_dir import METRICS_NAME, PLOT_NAME
+from xorl.run.folder import METRICS_NAME, PLOT_NAME
 
 DEFAULT_KEYS = ["loss", "grad_norm", "lr"]
 NOT_PLOTTED = ("step", "time")

@@ -35,10 +35,10 @@ if "PYTORCH_ALLOC_CONF" not in os.environ and "PYTORCH_CUDA_ALLOC_CONF" not in o
     os.environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
 
 from xorl.config import load_config  # noqa: E402
-from xorl.config_error import ConfigError  # noqa: E402
+from xorl.config.errors import ConfigError  # noqa: E402
 from xorl.data.corpus import DataError  # noqa: E402
-from xorl.preflight import prepare_run  # noqa: E402
-from xorl.watchdog import exit_with_launcher  # noqa: E402
+from xorl.run.preflight import prepare_run  # noqa: E402
+from xorl.run.watchdog import exit_with_launcher  # noqa: E402
 
 DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "default_config.yaml")
 CONFIG_ERROR_EXIT = 2
@@ -95,10 +95,10 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch.distributed as dist
 
-    from xorl.checkpoint import CheckpointError
-    from xorl.fatal import collective_timeout, exit_fatal
-    from xorl.preemption import Preempted
-    from xorl.trainer import NonFiniteLossError, run_training
+    from xorl.checkpoint.state import CheckpointError
+    from xorl.run.fatal import collective_timeout, exit_fatal
+    from xorl.run.preemption import Preempted
+    from xorl.trainer.trainer import NonFiniteLossError, run_training
 
     try:
         results = run_training(config, plan)

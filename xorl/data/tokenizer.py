@@ -3,7 +3,7 @@
 A model folder (tokenizer_config.json and / or tokenizer.json beside config.json) loads through
 transformers' AutoTokenizer from the local files; its end-of-text token is the one the folder names
 (tokenizer_config.json's eos_token, else config.json's eos_token_id). With ``model.model_path`` set
-and ``data.tokenizer`` unset, the model folder is the tokenizer (xorl/model_path.py).
+and ``data.tokenizer`` unset, the model folder is the tokenizer (xorl/config/model_path.py).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-from xorl.config_error import ConfigError, did_you_mean
+from xorl.config.errors import ConfigError, did_you_mean
 
 MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "ringattn", "ulysses", "tp")
 DATA_PARALLEL_MODES = ("fsdp2", "ddp", "none")
@@ -48,8 +48,8 @@ def pipeline_grad_sync_per_step(train) -> bool:
 
     "default" is per microbatch (each FSDP2 block reshards and reduce-scatters after every
     microbatch's backward), except for the zero-bubble schedules, whose weight pass needs the
-    stage gathered: they are always per step (xorl/plans/pipeline_parallel.py). The rules refuse
-    per_microbatch there, and either setting off pipeline parallelism or FSDP2 (xorl/rules/train.py).
+    stage gathered: they are always per step (xorl/parallel/pipeline_parallel.py). The rules refuse
+    per_microbatch there, and either setting off pipeline parallelism or FSDP2 (xorl/config/rules/train.py).
     """
     setting = getattr(train, "pipeline_grad_sync", "default")
     info = PIPELINE_SCHEDULES.get(train.pipeline_parallel_schedule)
@@ -59,12 +59,12 @@ def pipeline_grad_sync_per_step(train) -> bool:
 
 
 def fsdp_reshards_after_forward(train, pp_size: int) -> bool:
-    """train.fsdp_reshard_after_forward resolved to FSDP2's flag (xorl/parallelize.py; the planner prices it).
+    """train.fsdp_reshard_after_forward resolved to FSDP2's flag (xorl/parallel/parallelize.py; the planner prices it).
 
     "default" reshards (ZeRO-3), under pipelining too: each stage then holds its parameters
     sharded plus the blocks in flight. Zero-bubble schedules are the exception: their weight pass
     needs the stage's parameters still gathered, so "default" keeps them ("always" is refused
-    there up front, xorl/rules/train.py).
+    there up front, xorl/config/rules/train.py).
     """
     setting = getattr(train, "fsdp_reshard_after_forward", "default")
     if setting == "default":

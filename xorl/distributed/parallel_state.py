@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from xorl._torch_compat import concatenate_meshes, flatten_mesh, unflatten_mesh
-from xorl.config_error import ConfigError
+from xorl.config.errors import ConfigError
 from xorl.distributed.parallel_config import MESH_DIM_NAMES, ParallelConfig
 
 FLATTENED_DIMS = {

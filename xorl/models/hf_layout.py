@@ -273,8 +273,8 @@ def hf_pieces(name: str, shape: tuple[int, ...], spec: ModelSpec) -> list[tuple[
 def _common_pieces(name: str, shape: tuple[int, ...], spec: ModelSpec) -> list[tuple[str, Callable]]:
     from xorl.nn.lora import is_adapter_name
 
-    # A LoRA adapter is not part of the base model's folder (xorl/lora_io.py writes it in peft's
-    # format; an export merges it into the base weight, xorl/export.py).
+    # A LoRA adapter is not part of the base model's folder (xorl/checkpoint/peft_adapter.py writes it in peft's
+    # format; an export merges it into the base weight, xorl/checkpoint/hf_export.py).
     if (spec.tie_word_embeddings and name == "lm_head.weight") or is_adapter_name(name):
         return []
     if spec.family.experts_interleaved:

@@ -1,6 +1,6 @@
 """xorl models -> Hugging Face safetensors checkpoints in a local folder: ``save_hf_weights``
 (the names and layouts it writes: xorl/models/hf_layout.py's ``hf_pieces``). It gathers through
-``full_tensor()`` (a collective: call it on every rank; only rank 0 writes); xorl/export.py streams a
+``full_tensor()`` (a collective: call it on every rank; only rank 0 writes); xorl/checkpoint/hf_export.py streams a
 large model from its DCP checkpoint instead.
 """
 

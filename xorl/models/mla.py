@@ -16,7 +16,7 @@ and odd slices and writes them as halves, which equals de-interleaving (evens, t
 usual rotate-half RoPE, so that is what runs here; q and k are permuted alike, so q.k is unchanged.
 The softmax scale is qk_head_dim^-0.5, times yarn_get_mscale(factor, mscale_all_dim)^2 under YaRN.
 
-Tensor parallel (``shard_heads_over_tp``, called by xorl/plans/tensor_parallel.py): q_proj / q_b_proj
+Tensor parallel (``shard_heads_over_tp``, called by xorl/parallel/tensor_parallel.py): q_proj / q_b_proj
 and kv_b_proj are column-parallel (whole heads), o_proj row-parallel; the down-projections and their
 norms stay replicated (a small latent per token). The shared RoPE key is used by every rank's heads,
 so it enters the head-parallel region through ``to_head_parallel`` (its gradient summed over TP;

@@ -6,7 +6,7 @@
 
 ``weights=False`` builds from config.json alone, so ``with torch.device("meta"):`` gives the full
 model without memory (parameter counts, planning). The folder's config.json is read exactly as a
-training run reads it (xorl/model_path.py): what xorl cannot build exactly is refused naming the field.
+training run reads it (xorl/config/model_path.py): what xorl cannot build exactly is refused naming the field.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 def model_config_from_folder(folder: str, **overrides):
     """The ``ModelConfig`` that ``folder``'s config.json defines (ValueError naming the problems)."""
     from xorl.config import ModelConfig
-    from xorl.model_path import hf_model_fields
+    from xorl.config.model_path import hf_model_fields
 
     values, problems = hf_model_fields(folder)
     if problems:

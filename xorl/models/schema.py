@@ -8,7 +8,7 @@ differently: ``Family.hf_names``). From this table come:
 - ``ModelSpec`` (xorl/models/spec.py), the resolved view the modules read;
 - ``hf_to_fields`` (a config.json -> field values, refusing what xorl cannot build exactly) and
   ``fields_to_hf`` (the other way, refusing what the family's transformers class cannot hold);
-- ``shape_problems``: the shape rules, used by config_rules.py (before launch) and spec.py.
+- ``shape_problems``: the shape rules, used by config/validate.py (before launch) and spec.py.
 
 Kinds: ``arch`` (architecture: a model folder defines it; export refuses a value the family's HF
 class cannot represent), ``knob`` (training settings: config.json may hold them, the run's
@@ -236,7 +236,7 @@ def apply_family(values: dict[str, Any], family: Family) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------
-# Shape rules (one place: config_rules.py reports them before launch, ModelSpec raises them)
+# Shape rules (one place: config/validate.py reports them before launch, ModelSpec raises them)
 # ------------------------------------------------------------------------------------------------
 
 
@@ -329,7 +329,7 @@ def mla_head_dim(m: dict[str, Any]) -> int:
 
 
 # Fields whose null means "derive me from the others" (not "off"): an explicit null sets nothing, so
-# with model.model_path the folder's value stands (xorl/model_path.py).
+# with model.model_path the folder's value stands (xorl/config/model_path.py).
 DERIVED_WHEN_NULL = frozenset({"head_dim"})
 
 
@@ -414,7 +414,7 @@ def _rope_from_hf(raw: dict) -> tuple[float | None, dict | None, float | None]:
 
 def hf_to_fields(raw: dict, family: Family, where: str) -> tuple[dict[str, Any], list[str]]:
     """(field -> value that config.json ``raw`` defines, problems naming ``where``). Values are not
-    coerced to the field types here (xorl/model_path.py does that, naming the file)."""
+    coerced to the field types here (xorl/config/model_path.py does that, naming the file)."""
     problems = []
     values: dict[str, Any] = {}
     for f in FIELDS:

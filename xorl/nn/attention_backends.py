@@ -14,7 +14,7 @@ Each name picks two kernels, and the package it needs:
   runs a ring of size 1 on the gathered sequence), so it must return the log-sum-exp that merges
   the steps;
 - ``package``: a pip package the kernels import, checked before any process group starts
-  (xorl/config_rules.py).
+  (xorl/config/validate.py).
 
 =============================  ===========================================  =========================
 name                           local                                        ring step

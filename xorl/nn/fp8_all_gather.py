@@ -1,6 +1,6 @@
 """``train.fp8_all_gather``: FSDP2 all-gathers the tensorwise-FP8 linears' weights in float8.
 
-    cast_weights_for_float8_all_gather(model)   # before fully_shard (xorl/plans/data_parallel.py)
+    cast_weights_for_float8_all_gather(model)   # before fully_shard (xorl/parallel/data_parallel.py)
 
 Each weight of an ``xorl.nn.linear.Linear`` built with ``fp8="tensorwise"`` becomes a
 ``Float8AllGatherWeight``: a tensor subclass wrapping the unchanged fp32 (or bf16) master weight,

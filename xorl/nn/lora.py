@@ -13,10 +13,10 @@ exactly as peft's ``LoraLayer`` does (dropout on the adapter's input only; A kai
 a = sqrt(5), B zero, so the first step's model is the base model). The tensor-parallel linears
 (xorl/nn/tensor_parallel.py) carry the same adapters, split to match their base (see there).
 With LoRA on, every other parameter of the model is frozen (``freeze_base``): no gradient, no
-optimizer state (xorl/optim.py's groups take only ``requires_grad`` parameters).
+optimizer state (xorl/trainer/optim.py's groups take only ``requires_grad`` parameters).
 
 Names: the adapter of module ``P`` is ``P.lora_A`` / ``P.lora_B`` in xorl's state dict, and
-``base_model.model.P.lora_A.weight`` in peft's adapter_model.safetensors (xorl/lora_io.py).
+``base_model.model.P.lora_A.weight`` in peft's adapter_model.safetensors (xorl/checkpoint/peft_adapter.py).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from xorl_kernels.expert_gemm.op import grouped_gemm
 LINEAR_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ADAPTER_NAMES = ("lora_A", "lora_B")
 # Families whose experts may take adapters (``experts``): transformers holds their experts as
-# ``mlp.experts.{gate_up_proj, down_proj}``, which peft adapts (xorl/lora_io.py); each is checked
+# ``mlp.experts.{gate_up_proj, down_proj}``, which peft adapts (xorl/checkpoint/peft_adapter.py); each is checked
 # against peft by tests/test_lora.py. A new MoE family is refused until it is added here and there.
 EXPERT_LORA_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe")
 LORA_KEYS = ("rank", "alpha", "dropout", "target_modules", "init_lora_weights")
@@ -46,7 +46,7 @@ ALL_LINEAR = "all-linear"
 
 def expand_all_linear(lora: dict | None, num_experts: int) -> dict | None:
     """``model.lora`` with ``target_modules: all-linear`` (or ``[all-linear]``) written out as the dense
-    projections on a dense model; anything else unchanged (xorl/rules/lora.py judges it)."""
+    projections on a dense model; anything else unchanged (xorl/config/rules/lora.py judges it)."""
     if not lora or num_experts or lora.get("target_modules") not in (ALL_LINEAR, [ALL_LINEAR]):
         return lora
     return {**lora, "target_modules": list(LINEAR_TARGETS)}
@@ -154,7 +154,7 @@ def cast_frozen_(model: nn.Module, dtype: torch.dtype) -> int:
 def check_targets_built(model: nn.Module, lora: dict) -> None:
     """Every name of ``target_modules`` got an adapter somewhere: a target no module of this model
     builds with one (e.g. a family whose attention does not take adapters) is an error, never a
-    silently smaller fine-tune. xorl/config_rules.py refuses the known cases before launch."""
+    silently smaller fine-tune. xorl/config/validate.py refuses the known cases before launch."""
     built = set()
     for name, module in model.named_modules():
         if isinstance(module, ExpertsLoRA):

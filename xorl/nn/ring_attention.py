@@ -48,7 +48,7 @@ from xorl._torch_compat import resolve_process_group
 from xorl.distributed.p2p import RingExchange
 from xorl.nn.attention_backends import FLASH_ATTN, RING_STEP_KERNELS, XORL
 from xorl.nn.ring_step_kernel import make_step_kernel
-from xorl_kernels.checkpoint_saves import SELECTIVE_CHECKPOINT_SAVES
+from xorl_kernels.selective_checkpoint_saves import SELECTIVE_CHECKPOINT_SAVES
 
 _KV_TAG, _DKV_TAG = 0, 1
 

@@ -1,7 +1,7 @@
 """The TP linears as dispatcher ops: ``xorl::tp_column_linear`` and ``xorl::tp_row_linear``.
 
 Why custom ops rather than autograd Functions: selective activation checkpointing
-(xorl/plans/data_parallel.py) decides op by op, under autograd, which outputs a block keeps. An
+(xorl/parallel/data_parallel.py) decides op by op, under autograd, which outputs a block keeps. An
 autograd Function's forward is a string of ops to it: the ring path's per-chunk ``mm(out=)`` /
 ``addmm(out=)`` and the plain c10d collectives are none of the ops it keeps, so the recompute in
 backward ran the column layers' GEMMs and all-gathers again, and the row layers' reduce-scatter /
@@ -35,7 +35,7 @@ import torch
 from torch.utils.flop_counter import register_flop_formula
 
 from xorl.nn.tp_matmul import TPMatmulConfig, bias_grad, column_backward, column_forward, row_backward, row_forward
-from xorl_kernels.checkpoint_saves import SELECTIVE_CHECKPOINT_SAVES
+from xorl_kernels.selective_checkpoint_saves import SELECTIVE_CHECKPOINT_SAVES
 
 _CONFIGS: weakref.WeakValueDictionary[str, TPMatmulConfig] = weakref.WeakValueDictionary()
 

@@ -23,10 +23,10 @@ import torch.distributed as dist
 
 from xorl._torch_compat import resolve_process_group
 from xorl.nn.tp_comm import TPGroup, all_gather_single, reduce_scatter_single
-from xorl_kernels.checkpoint_saves import SELECTIVE_CHECKPOINT_SAVES
+from xorl_kernels.selective_checkpoint_saves import SELECTIVE_CHECKPOINT_SAVES
 
 # The forward collectives of the regions are torch.library custom ops that selective activation
-# checkpointing keeps (xorl/plans/data_parallel.py): a region inside a decoder block (a LoRA
+# checkpointing keeps (xorl/parallel/data_parallel.py): a region inside a decoder block (a LoRA
 # adapter's rank-wide activation under TP, MLA's shared RoPE key) is then not sent again by the
 # recompute in backward. Out of place: an all-reduce in place on its input would change a tensor
 # the checkpoint may hold (a kept matmul output), and the recompute would reduce it twice.

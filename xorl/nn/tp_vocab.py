@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from xorl.nn.tensor_parallel import ColumnParallelLinear, check_tp_divisible, dtensor_parameter
 from xorl.nn.tp_comm import TPGroup
+from xorl.nn.tp_linear import ColumnParallelLinear, check_tp_divisible, dtensor_parameter
 from xorl.nn.tp_regions import gather_from_shards, split_to_shard, sum_partials, sum_partials_to_shard
 from xorl.nn.tp_replicated import replicated_param
 

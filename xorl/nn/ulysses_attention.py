@@ -29,7 +29,7 @@ from torch import nn
 
 from xorl._torch_compat import resolve_process_group
 from xorl.nn.ring_attention import RingAttention
-from xorl_kernels.checkpoint_saves import SELECTIVE_CHECKPOINT_SAVES
+from xorl_kernels.selective_checkpoint_saves import SELECTIVE_CHECKPOINT_SAVES
 
 
 # ----------------------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ parallel, else 1; h hidden, hq / hkv query / KV width (heads x head_dim), I inte
   log-softmax kept for backward and two fp32 gradient temporaries; without PP the trainer's loop
   holds the logits (a t vocab) in the model's output through the backward, and with m > 1 also
   while the next microbatch's forward runs. Under PP the last stage computes the loss in its
-  forward too (fused or not) and passes on only the loss sum (xorl/plans/pipeline_parallel.py),
+  forward too (fused or not) and passes on only the loss sum (xorl/parallel/pipeline_parallel.py),
   so no logits outlive the loss there: t x vocab x 12 (a + 12 for the vocabulary-parallel loss on
   bf16 logits, whose forward makes three fp32 copies beside them). With model.fused_loss (xorl_kernels/fused_linear_ce,
   default on) no logits: one chunk's [chunk, vocab] x a (chunk = default_chunk_size there,
@@ -128,7 +128,7 @@ def every_other_matmul(train) -> bool:
 
 def block_matmuls(spec, moe_layer: bool, tp: int, sp: bool) -> list[list[tuple[float, float, float, float]]]:
     """The dense matmuls of one decoder block in the order it runs them, grouped in the units
-    selective checkpointing keeps or recomputes whole (xorl/plans/data_parallel.py): per matmul
+    selective checkpointing keeps or recomputes whole (xorl/parallel/data_parallel.py): per matmul
     (elements its output keeps per token, tokens per token, n, k): the output on this TP rank, in
     the units of the selective terms below; the GEMM is [t x tokens, k] @ [k, n]. Without TP each
     aten mm / addmm is a unit. Under TP each TP linear is one op (xorl/nn/tp_linear_ops.py): q, k
@@ -172,7 +172,7 @@ def _tp_units(gemms: list, tp: int) -> list[list]:
 def recomputed_matmuls(spec, moe_layer: bool, tp: int, sp: bool) -> list[tuple[float, float, float, float]]:
     """The matmuls every_other_matmul recomputes: its count runs over the block's matmuls (1, 2, 3,
     ...) and a unit is recomputed when all of its matmuls fall on even counts (torchtitan's
-    mm_count % 2; xorl/plans/data_parallel.py)."""
+    mm_count % 2; xorl/parallel/data_parallel.py)."""
     recomputed, count = [], 0
     for unit in block_matmuls(spec, moe_layer, tp, sp):
         if all((count + i) % 2 == 0 for i in range(1, len(unit) + 1)):
@@ -266,7 +266,7 @@ def activation_bytes_per_token(spec, moe_layer: bool, a: int, tp: int, sp: bool)
 def moe_block_bytes_per_token(spec, a: int, tp: int, sp: bool) -> float:
     """The MoE block's share of activation_bytes_per_token (no recompute)."""
     h, k, shared = spec.hidden_size, spec.num_experts_per_tok, spec.shared_expert_intermediate_size
-    # Under TP the block runs on this rank's token shard (xorl/plans/tensor_parallel.py); without
+    # Under TP the block runs on this rank's token shard (xorl/parallel/tensor_parallel.py); without
     # sequence parallelism it then gathers its output over TP (a h). Router: fp32 logits and
     # probabilities (8E), the top-k ids twice (int64) and weights with their normalisation
     # (24k + 12); experts: the k routed copies, their gate_up and SwiGLU outputs, and the expert

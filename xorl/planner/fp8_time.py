@@ -55,7 +55,7 @@ GEMMs (each its own launches), the column forward and row dgrad copy each chunk'
 (2a an element) and the wgrad adds tp - 1 fp32 partials (12 a weight element).
 
 Recompute. Full: the forward again, FP8 included (step_time's recompute = forward). Selective
-(xorl/plans/data_parallel.py): every FP8 GEMM is one op whose output the policy keeps (xorl::fp8_linear,
+(xorl/parallel/data_parallel.py): every FP8 GEMM is one op whose output the policy keeps (xorl::fp8_linear,
 xorl::fp8_grouped_gemm, a TP linear op), its casts inside it, so nothing FP8 runs again; under
 every_other_matmul an FP8 linear counts as the one dense matmul it is (a TP linear as its GEMMs), and a
 recomputed one runs its casts and FP8 GEMM again in place of step_time's bf16 GEMM.

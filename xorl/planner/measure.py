@@ -130,8 +130,8 @@ def step_readings(config) -> dict[str, int]:
     full recompute the hook fires again in the backward's recompute: the first is read)."""
     import torch
 
-    from xorl.plans.data_parallel import decoder_layers
-    from xorl.trainer import Trainer
+    from xorl.parallel.data_parallel import decoder_layers
+    from xorl.trainer.trainer import Trainer
 
     trainer = Trainer(config)
     trainer.train_step()  # AdamW's state now exists: the baseline of every later step
@@ -167,7 +167,7 @@ def selective_cache_bytes(config) -> list[int]:
     from torch.utils._pytree import tree_leaves
     from torch.utils.checkpoint import CheckpointPolicy
 
-    from xorl.trainer import Trainer
+    from xorl.trainer.trainer import Trainer
 
     create, blocks = torch_checkpoint.create_selective_checkpoint_contexts, []
 

@@ -74,7 +74,7 @@ from xorl.planner.activations import (
 )
 from xorl.planner.shapes import EXPERT_PARAMS, ModelShapes, RankParams, is_adapter_name, local_numel, rank_params
 
-# Zero-bubble schedules: the stage stays gathered (xorl/plans/pipeline_parallel.py).
+# Zero-bubble schedules: the stage stays gathered (xorl/parallel/pipeline_parallel.py).
 SPLIT_BACKWARD_SCHEDULES = tuple(name for name, info in PIPELINE_SCHEDULES.items() if info.split_backward)
 PRECISIONS = {"fp32-master": (4, 4, 8), "fp16": (2, 2, 4)}  # bytes per parameter: weights, grads, optimizer
 WORKSPACE_BYTES = 256 * 2**20
@@ -152,7 +152,7 @@ def estimate(config, p: ParallelConfig, shapes: ModelShapes, pp_rank: int, preci
     # (and of its recompute) the MoE block's, for the experts' own FSDP unit below.
     moe_last = bool(rp.layers) and shapes.is_moe_kind(shapes.layer_kind[rp.layers[-1]])
     moe_none = moe_block_bytes_per_token(spec, a, p.tp, sp) if moe_last else 0.0
-    if mode == "full":  # xorl/parallelize.py checkpoints every n-th block of each model part
+    if mode == "full":  # xorl/parallel/parallelize.py checkpoints every n-th block of each model part
         checkpointed = {i for start, n in _stage_starts(rp) for i in rp.layers[start:start + n][::every]}
         per_kept = [a * spec.hidden_size / (p.tp if sp else 1) if i in checkpointed else x
                     for i, x in zip(rp.layers, per_layer)]
@@ -182,7 +182,7 @@ def estimate(config, p: ParallelConfig, shapes: ModelShapes, pp_rank: int, preci
     # FSDP2: gathered parameters (of them the prefetched layer); one layer's gradient buffers
     gathered = grad_buffers = grad_copy = experts = prefetched = 0
     head_grad_counted = False  # whether those hold lm_head's gradient (the fused loss makes it in its forward)
-    # The experts' own FSDP unit (under EP, or TP: xorl/plans/data_parallel.py experts_have_own_mesh)
+    # The experts' own FSDP unit (under EP, or TP: xorl/parallel/data_parallel.py experts_have_own_mesh)
     # reduce-scatters their gradients when the MoE block's backward ends, the layer's attention later.
     expert_unit = fsdp and moe_last and (p.ep > 1 or p.tp > 1)
     if fsdp:

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from xorl.config import Config
-from xorl.config_error import ConfigError
+from xorl.config.errors import ConfigError
 from xorl.distributed.parallel_config import ParallelConfig
 from xorl.planner.guide import RECIPE_FIELDS, Candidate, Options, evaluate, is_simple, with_layout
 from xorl.planner.shapes import model_shapes
@@ -90,7 +90,7 @@ def candidate_layouts(config: Config, opts: Options, tokens: int) -> Iterator[di
 
 def recipe_choices(layout: dict[str, Any], config: Config) -> list[dict[str, str]]:
     """The FSDP2 recipes tried with ``layout``: fsdp_reshard_after_forward default / never under
-    fsdp2, and pipeline_grad_sync default / per_step when PP > 1 too (xorl/rules/train.py refuses
+    fsdp2, and pipeline_grad_sync default / per_step when PP > 1 too (xorl/config/rules/train.py refuses
     either elsewhere). A field the YAML set to anything but "default" is the user's choice: kept.
     ("always" is not tried: on the schedules searched it reshards as "default" does; per_microbatch
     is "default" there too.)"""

@@ -8,12 +8,12 @@ device under torch's fake process group). xorl/planner/memory.py turns these cou
              xorl builds (meta device, MoE blocks swapped for xorl.nn.MoE as parallelize does); the
              plans then split them:
              TP   q/k/v/gate/up (and column biases) on dim 0, o/down on dim 1, over
-                  tensor_parallel_size (xorl/plans/tensor_parallel.py); MoE blocks stay whole;
+                  tensor_parallel_size (xorl/parallel/tensor_parallel.py); MoE blocks stay whole;
              EP   stacked experts on dim 0 over expert_parallel_size;
              FSDP2 dim 0 of the resulting local tensor chunked like torch.chunk over the sharding
                   group (dp_shard x ring x ulysses; experts under EP: ep_fsdp), so sharding rank r
                   holds min(c, n - r*c) rows, c = ceil(n / group): rank 0 holds the most;
-             PP   the layers of the stages this pipeline rank runs (xorl/plans/pipeline_parallel.py), the
+             PP   the layers of the stages this pipeline rank runs (xorl/parallel/pipeline_parallel.py), the
                   embedding on stage 0, final norm and lm_head on the last stage.
   LoRA       (model.lora) the adapters are parameters like any other (split by TP to match their
              base: B of a column layer on dim 0, A of a row layer on dim 1); grads and optimizer count
@@ -30,12 +30,12 @@ from dataclasses import dataclass
 
 from xorl.distributed.parallel_config import ParallelConfig
 from xorl.nn.lora import is_adapter_name
-from xorl.plans.pipeline_parallel import layer_ranges, num_stages, stage_indices
+from xorl.parallel.pipeline_parallel import layer_ranges, num_stages, stage_indices
 
-# The vocabulary-parallel embedding and lm_head (xorl/plans/tensor_parallel.py), when TP divides the vocabulary.
+# The vocabulary-parallel embedding and lm_head (xorl/parallel/tensor_parallel.py), when TP divides the vocabulary.
 VOCAB_PARAMS = ("model.embed_tokens.weight", "lm_head.weight")
 
-# Parameter names inside a decoder layer that the TP plan shards, and the dim (xorl/plans/tensor_parallel.py).
+# Parameter names inside a decoder layer that the TP plan shards, and the dim (xorl/parallel/tensor_parallel.py).
 TP_SHARD_DIM = {
     **{f"self_attn.{x}_proj.{kind}": 0 for x in ("q", "k", "v", "qkv") for kind in ("weight", "bias")},
     "self_attn.o_proj.weight": 1,
@@ -139,7 +139,7 @@ def local_numel(name: str, shape: tuple[int, ...], p: ParallelConfig, fsdp: bool
         dims[0] //= p.ep
         # The EP mesh is (ep_fsdp, ep) over dp_shard x cp x tp (TP rank 0 of this sharding index). Under
         # TP without EP too, the experts (whole on every TP rank) are FSDP-sharded over ep_fsdp, the TP
-        # ranks included (xorl/plans/data_parallel.py experts_have_own_mesh).
+        # ranks included (xorl/parallel/data_parallel.py experts_have_own_mesh).
         group, rank = p.ep_fsdp, shard_rank * p.tp // p.ep
     if fsdp and group > 1:
         chunk = -(-dims[0] // group)

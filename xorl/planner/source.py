@@ -3,7 +3,7 @@
 - ``run.yaml``: the config as ``xorl-train`` would load it (its layout is the one ``--layout`` with
   no value evaluates).
 - ``/models/Llama-3-70B/``: its ``config.json``, read as xorl-train reads it (any family,
-  xorl/model_path.py); ``model_path`` points at the folder when it holds weights (*.safetensors;
+  xorl/config/model_path.py); ``model_path`` points at the folder when it holds weights (*.safetensors;
   else it stays unset: seeded initialisation, and a note says so) and its tokenizer becomes
   ``data.tokenizer``, so ``--write-config`` starts from those weights. Only config.json (and the
   tokenizer) is read: no weights, no network.
@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass
 
 from xorl.config import Config, load_config
-from xorl.config_error import ConfigError
+from xorl.config.errors import ConfigError
 
 _COUNT = re.compile(r"^\s*(\d+(?:\.\d+)?(?:e\d+)?)\s*([kKmMbBtT]?)\s*$")
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
@@ -63,7 +63,7 @@ def _from_hf_folder(folder: str) -> ModelSource:
         raise ConfigError(f"MODEL={folder!r}: {path} is not valid JSON: {e}") from e
     if not isinstance(hf, dict):
         raise ConfigError(f"MODEL={folder!r}: {path} must hold a JSON object of config fields")
-    # The folder read exactly as xorl-train reads it (xorl/model_path.py: every family, its own key
+    # The folder read exactly as xorl-train reads it (xorl/config/model_path.py: every family, its own key
     # names, refusals naming the field; the folder's tokenizer becomes data.tokenizer).
     config = load_config(None, [f"--model.model_path={folder}"])
     config.data.seq_len = min(8192, config.model.max_position_embeddings)

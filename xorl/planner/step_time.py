@@ -75,7 +75,7 @@ import math
 from dataclasses import dataclass
 
 from xorl.distributed.parallel_config import ParallelConfig, fsdp_reshards_after_forward, pipeline_grad_sync_per_step
-from xorl.mfu import keys_per_query
+from xorl.observability.mfu import keys_per_query
 from xorl.planner import tp_time
 from xorl.planner.activations import checkpointing, every_other_matmul, fused_loss, recomputed_matmuls, vocab_split
 from xorl.planner.efficiency import Efficiency, load
@@ -201,7 +201,7 @@ def elementwise_forward(spec, moe: bool, a: int, tp: int, sp: bool, compiled: bo
 def _attention_projections(spec, c: _Cost, t: int, tp: int) -> tuple[float, int, int]:
     """(forward time of the attention's projection GEMMs, q.k head dim, v head dim). Latent attention
     (xorl/models/mla.py, DeepSeek): the low-rank down-projections run whole on every TP rank
-    (replicated), the per-head up-projections and o_proj split by heads (xorl/plans/tensor_parallel.py)."""
+    (replicated), the per-head up-projections and o_proj split by heads (xorl/parallel/tensor_parallel.py)."""
     h, heads = spec.hidden_size, spec.num_attention_heads
     if spec.kv_lora_rank:
         d_qk, d_v = spec.qk_nope_head_dim + spec.qk_rope_head_dim, spec.v_head_dim
@@ -233,7 +233,7 @@ def _layer(spec, moe: bool, p: ParallelConfig, c: _Cost, t: int, seq: int, sp: b
     gemm, d_qk, d_v = _attention_projections(spec, c, t, tp)
     q_width, kv_width = heads * d_qk, spec.num_key_value_heads * (d_qk + d_v)  # what CP moves: q; k and v
     shared = 0.0
-    if moe:  # on this TP rank's token shard (xorl/plans/tensor_parallel.py): t / tp tokens
+    if moe:  # on this TP rank's token shard (xorl/parallel/tensor_parallel.py): t / tp tokens
         k, inter, experts, tm = spec.num_experts_per_tok, spec.moe_intermediate_size, spec.num_experts, t / tp
         gemm += c.gemm(tm, experts, h)
         per_expert = tm * k * p.ep / experts
@@ -249,7 +249,7 @@ def _layer(spec, moe: bool, p: ParallelConfig, c: _Cost, t: int, seq: int, sp: b
     # train.fp8: its GEMMs and their casts in place of the bf16 GEMMs above (xorl/planner/fp8_time.py)
     f8 = fp8_layer(spec, moe, p, c, t, sp, mode, every_other, fp8, fp8_gathered)
     gemm += f8.forward
-    # keys per query: seq / 2 (causal), fewer on sliding-window layers (the layers' mean; xorl/mfu.py)
+    # keys per query: seq / 2 (causal), fewer on sliding-window layers (the layers' mean; xorl/observability/mfu.py)
     # q.k (d_qk) and p.v (d_v): 2 FLOPs per dim, key and query head forward
     attn_flops = 2 * t * (keys_per_query(spec, seq) / spec.num_hidden_layers) * heads * (d_qk + d_v) / tp
     attn_fwd, attn_bwd = attn_flops / (c.flops * c.eff.attn_fwd), 2.5 * attn_flops / (c.flops * c.eff.attn_bwd)

@@ -64,7 +64,7 @@ def release_compiled_code() -> None:
       guard names: torch.ops.xorl, modules, classes, code objects, i.e. objects that never die
       (torch's own comment at CheckFunctionManager.id_ref calls this a leak "by design");
     * the compiled graphs stay installed in the compiled function's module globals
-      (``__compiled_fn_*`` in xorl.parallelize; their GraphModules keep fake DTensors in node meta):
+      (``__compiled_fn_*`` in xorl.parallel.parallelize; their GraphModules keep fake DTensors in node meta):
       dynamo deletes them when the output code object dies, and that code object stays referenced
       from C++;
     * each compilation's ShapeEnv keeps ``tracked_fakes`` (fake DTensors with the real specs) and is

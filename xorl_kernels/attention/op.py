@@ -99,8 +99,8 @@ from xorl_kernels.attention.layout import (
 )
 from xorl_kernels.attention.reference import reference_backward, reference_bwd_preprocess, reference_forward
 from xorl_kernels.attention.sinks import apply_sinks, sink_grad
-from xorl_kernels.checkpoint_saves import SELECTIVE_CHECKPOINT_SAVES
 from xorl_kernels.dispatch import REFERENCE, TRITON, pick_backend
+from xorl_kernels.selective_checkpoint_saves import SELECTIVE_CHECKPOINT_SAVES
 
 __all__ = [
     "apply_sinks",

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import torch
 
-from xorl_kernels.checkpoint_saves import SELECTIVE_CHECKPOINT_SAVES
 from xorl_kernels.dispatch import REFERENCE, TRITON, env_flag, pick_backend, triton_interpreting
 from xorl_kernels.expert_gemm.checks import check_group_sizes_values
 from xorl_kernels.expert_gemm.reference import (
@@ -36,6 +35,7 @@ from xorl_kernels.expert_gemm.reference import (
     grouped_gemm_reference,
     grouped_gemm_weight_grad_reference,
 )
+from xorl_kernels.selective_checkpoint_saves import SELECTIVE_CHECKPOINT_SAVES
 
 _AVAILABLE = (TRITON, REFERENCE)
 _TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import torch
 
-from xorl_kernels.checkpoint_saves import SELECTIVE_CHECKPOINT_SAVES
 from xorl_kernels.dispatch import REFERENCE, TRITON, pick_backend
 from xorl_kernels.expert_gemm.op import _check_inputs
 from xorl_kernels.expert_gemm.reference import grouped_gemm_reference, grouped_gemm_weight_grad_reference
@@ -36,6 +35,7 @@ from xorl_kernels.fp8.quantize import (
     quantize_blocks,
     quantize_token_tiles,
 )
+from xorl_kernels.selective_checkpoint_saves import SELECTIVE_CHECKPOINT_SAVES
 
 _AVAILABLE = (TRITON, REFERENCE)
 

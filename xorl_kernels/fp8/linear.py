@@ -52,8 +52,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import register_flop_formula
 
-from xorl_kernels.checkpoint_saves import SELECTIVE_CHECKPOINT_SAVES
 from xorl_kernels.fp8.quantize import BLOCK, E4M3, E5M2, expand_block_scale, quantize_blocks
+from xorl_kernels.selective_checkpoint_saves import SELECTIVE_CHECKPOINT_SAVES
 
 RECIPES = ("tensorwise", "rowwise", "blockwise")
 
@@ -211,7 +211,7 @@ def linear_wgrad(dy2d: torch.Tensor, x2d: torch.Tensor, recipe: str) -> torch.Te
 # -- the dispatcher ops: forward and backward, each one node in a compiled block's graph ------------
 # Why ops and not an autograd Function: torch.compile (train.compile, fullgraph) cannot trace into a
 # Triton launch on fake tensors; an op with a fake kernel is one node, its real kernel the eager code
-# above. And selective activation checkpointing (xorl/plans/data_parallel.py) decides op by op: as
+# above. And selective activation checkpointing (xorl/parallel/data_parallel.py) decides op by op: as
 # one op the FP8 linear's output is kept whole and counted as the one dense matmul it is
 # (selective_checkpoint: every_other_matmul), exactly as a bf16 linear's mm / addmm, so the
 # planner's selective terms (a matmul output priced by its shape, not its recipe) hold for FP8. As

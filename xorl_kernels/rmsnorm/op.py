@@ -6,7 +6,7 @@ x rounded to x's dtype, times weight); ``rms_norm(x, weight, eps, residual=r)`` 
 
 Custom ops ``xorl::rms_norm`` / ``xorl::add_rms_norm`` with a registered backward
 (``xorl::rms_norm_backward``), so a compiled block stays one graph; selective checkpointing
-recomputes them (cheap element-wise work; plans/data_parallel.py saves only matmuls, attention
+recomputes them (cheap element-wise work; parallel/data_parallel.py saves only matmuls, attention
 and collectives). Dispatch (xorl_kernels.dispatch): Triton on CUDA tensors, the plain-torch
 reference on CPU.
 """

@@ -1,0 +1,135 @@
+"""The expert-parallel plan: every MoE block keeps only its share of the experts, and router statistics.
+
+    record = apply_expert_parallel(model, ep_mesh)   # ep_mesh: ParallelState.ep_mesh ("ep_fsdp", "ep")
+    record = set_router_balance_group(model, group)  # the tokens load balancing is computed over
+    step_router_loads(models, group, pp_group)       # after a step: bias updates, the expert_load metric
+
+The xorl models build ``xorl.nn.MoE`` blocks holding all E experts (on the meta device at scale,
+so nothing is allocated); ``apply_expert_parallel`` makes each keep this rank's ``E / ep`` experts
+as DTensors of global shape [E, ...] sharded over the "ep" dim (``MoE.distribute_experts``), so
+checkpoints (DCP) and gradient-norm clipping see every expert exactly once, and the tokens are
+dispatched over the EP group. A ``transformers`` Qwen3-MoE / Qwen2-MoE sparse block is converted
+to ``xorl.nn.MoE`` first (``MoE.from_block``, copying its weights), so an HF model gets the same
+module. FSDP2 then shards the local experts over "ep_fsdp" (xorl/parallel/data_parallel.py), with
+gradients summed like every other parameter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from xorl.nn.moe import MoE
+
+
+def _ep_dim_mesh(ep_mesh):
+    """The 1-D "ep" mesh of ``ep_mesh`` (the 2-D EP mesh, or already 1-D); None stays None."""
+    if ep_mesh is None:
+        return None
+    if isinstance(ep_mesh, dist.ProcessGroup):
+        raise TypeError(
+            "apply_expert_parallel takes the EP DeviceMesh (ParallelState.ep_mesh), not a process group: "
+            "the experts become DTensors over its 'ep' dim"
+        )
+    names = getattr(ep_mesh, "mesh_dim_names", None) or ()
+    if ep_mesh.ndim > 1:
+        if "ep" not in names:
+            raise ValueError(f"the EP mesh needs an 'ep' dim, got dims {names}")
+        return ep_mesh["ep"]
+    return ep_mesh
+
+
+def is_sparse_moe_block(module: nn.Module) -> bool:
+    """A foreign block with a router ``gate`` and an ``experts`` container (transformers layouts)."""
+    if isinstance(module, MoE):
+        return False
+    experts = getattr(module, "experts", None)
+    gate = getattr(module, "gate", None)
+    if experts is None or gate is None or not isinstance(getattr(gate, "weight", None), nn.Parameter):
+        return False
+    return hasattr(experts, "gate_proj") or hasattr(experts, "gate_up_proj") or isinstance(experts, nn.ModuleList)
+
+
+@dataclass
+class ExpertParallelRecord:
+    """What ``apply_expert_parallel`` did."""
+
+    blocks: list[str]  # the MoE blocks' module names
+    ep_size: int  # experts split over this many ranks (1: all local)
+
+
+@dataclass
+class RouterBalanceRecord:
+    """What ``set_router_balance_group`` did: the group each router's balancing statistics cover."""
+
+    group: dist.ProcessGroup | None
+    routers: int
+
+
+def apply_expert_parallel(model: nn.Module, ep_mesh) -> ExpertParallelRecord:
+    """Make every MoE block of ``model`` expert-parallel over ``ep_mesh``; returns what was done.
+
+    ``ep_mesh`` None (or an "ep" dim of size 1): no expert parallelism; foreign blocks are still
+    converted to ``xorl.nn.MoE``. Every rank of an EP group must call it on the same full weights.
+    """
+    ep = _ep_dim_mesh(ep_mesh)
+    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, MoE) or is_sparse_moe_block(m)]
+    if not targets:
+        raise ValueError(
+            f"{type(model).__name__} has no MoE block: expert parallelism needs an MoE model; "
+            "set expert_parallel_size: 1 for a dense model"
+        )
+    for name, block in targets:
+        moe = block
+        if not isinstance(block, MoE):
+            moe = MoE.from_block(block)
+            moe.train(block.training)
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name) if parent_name else model, child, moe)
+        if ep is not None and ep.size() > 1:
+            try:
+                moe.distribute_experts(ep)
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from None
+    return ExpertParallelRecord([name for name, _ in targets], 1 if ep is None else ep.size())
+
+
+def set_router_balance_group(model: nn.Module, group: dist.ProcessGroup | None) -> RouterBalanceRecord:
+    """Every router of ``model`` computes its load-balancing statistics over ``group``'s tokens."""
+    blocks = [m for m in model.modules() if isinstance(m, MoE)]
+    for moe in blocks:
+        moe.set_balance_group(group)
+    return RouterBalanceRecord(group, len(blocks))
+
+
+@torch.no_grad()
+def step_router_loads(models, group: dist.ProcessGroup | None, pp_group: dist.ProcessGroup | None = None,
+                      device: torch.device | None = None) -> torch.Tensor | None:
+    """After an optimizer step, from the tokens each router sent to each expert in the step's
+    training forwards, summed over ``group`` (the data x context x tensor ranks: every token of the
+    step once) in one all-reduce for all routers:
+
+    * auxiliary-loss-free balancing: every router with an expert bias moves it by that load;
+    * returns the step's expert load metric, a device scalar: max over the MoE layers (and over the
+      pipeline stages, ``pp_group``) of the busiest expert's tokens / the mean expert's (1.0: even;
+      num_experts / top_k: every token on the same experts). None without MoE layers anywhere.
+    Every router's count starts again at zero. ``device``: where a stage without routers puts its 0."""
+    routers = [m.gate for model in models for m in model.modules() if isinstance(m, MoE)]
+    worst = torch.zeros((), dtype=torch.float64, device=device)
+    if routers:
+        loads = torch.stack([r.pending_load() for r in routers])
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(loads, group=group)
+        for router, load in zip(routers, loads):
+            router.apply_load(load)  # resets the count; moves the bias where there is one
+        loads = loads.double()
+        worst = (loads.amax(dim=1) / loads.mean(dim=1).clamp(min=1e-30)).amax()
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        # Stages without MoE layers (a dense first stage) report 0; the pipeline's worst layer wins.
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=pp_group)
+    elif not routers:
+        return None
+    return worst
