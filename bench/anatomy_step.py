@@ -63,7 +63,7 @@ def _group_names(state) -> dict[tuple[int, ...], str]:
 class TensorReads:
     """Host reads by Tensor method, counted in any context while ``active``.
 
-    tests/host_reads.py counts through a TorchFunctionMode, which the autograd engine does not
+    tests/support/host_reads.py counts through a TorchFunctionMode, which the autograd engine does not
     carry into backward: reads in backward hooks, custom backward functions and activation
     checkpointing's recompute escape it. Here the same methods (host_reads.HOST_READS) are wrapped
     on torch.Tensor itself, attributed to the reading code the same way, and classified by
@@ -82,7 +82,7 @@ class TensorReads:
         def wrapper(tensor, *args, **kwargs):
             outer = getattr(reads._local, "depth", 0) == 0
             if reads.active and outer:
-                from tests.host_reads import _short_name
+                from tests.support.host_reads import _short_name
 
                 frame = sys._getframe(1)
                 while frame is not None and any(s in frame.f_code.co_filename for s in SKIP_FRAMES):
@@ -98,7 +98,7 @@ class TensorReads:
         return wrapper
 
     def __enter__(self):
-        from tests.host_reads import HOST_READS
+        from tests.support.host_reads import HOST_READS
 
         for name in sorted(HOST_READS):
             self._saved[name] = torch.Tensor.__dict__.get(name, _MISSING)
@@ -115,7 +115,7 @@ class TensorReads:
 
 
 _MISSING = object()
-# Reads inside custom-op bodies, which tests/host_reads.py never sees (a TorchFunctionMode is off
+# Reads inside custom-op bodies, which tests/support/host_reads.py never sees (a TorchFunctionMode is off
 # inside an op it handed on), that run only for CPU tensors: the CPU range check of the expert ids
 # (``if not expert_ids.is_cuda``; host_reads.CPU_ONLY names it by its former function).
 CPU_ONLY_INSIDE_OPS = {("moe_permute/op.py", "_permute_op")}
@@ -153,8 +153,8 @@ class StepWindows:
 
 
 def host_reads_py_step(trainer) -> dict:
-    """One step counted the way tests/host_reads.py does (its TorchFunctionMode), same windows."""
-    from tests.host_reads import HostReadCounter, split_reads
+    """One step counted the way tests/support/host_reads.py does (its TorchFunctionMode), same windows."""
+    from tests.support.host_reads import HostReadCounter, split_reads
 
     counter = HostReadCounter()
     windows = StepWindows(trainer, counter.__enter__, lambda: counter.__exit__(None, None, None))
@@ -165,9 +165,9 @@ def host_reads_py_step(trainer) -> dict:
 
 
 def measure_step(config, warmup_steps: int = 1) -> dict:
-    """Run ``warmup_steps`` steps and one step counted by tests/host_reads.py's own counter, then
+    """Run ``warmup_steps`` steps and one step counted by tests/support/host_reads.py's own counter, then
     measure one step; returns this rank's anatomy (plain data)."""
-    from tests.host_reads import split_reads
+    from tests.support.host_reads import split_reads
     from xorl.parallel.data_parallel import decoder_layers
     from xorl.trainer.trainer import Trainer
 

@@ -1,7 +1,7 @@
 """Fused linear cross-entropy vs the unfused path (logits, then xorl.nn.cross_entropy): peak memory
 and time of one forward + backward of the loss.
 
-- CPU (also what tests/test_fused_linear_ce.py holds): the peak bytes the loss's forward + backward
+- CPU (also what tests/unit/kernels/test_fused_linear_ce.py holds): the peak bytes the loss's forward + backward
   allocates above what was held when it began, read from torch's CPU allocator through its profiler
   (xorl/planner/measure.py ``profiled_peak``, the instrument the planner's calibration uses). The
   inputs (hidden [T, H], lm_head weight [V, H], labels) exist before; the figure covers everything

@@ -13,7 +13,7 @@ same in both), divided by the model's bytes; the anchor is 1/ranks, a rank's own
 - ``xorl-export CHECKPOINT OUT_DIR`` in one process: its peak during the export above its resident
   bytes before it (torch imported).
 
-The same measurement backs tests/test_scale_memory.py (target <= 0.35 per rank). Quick (CPU): a
+The same measurement backs tests/multirank/test_scale_memory.py (target <= 0.35 per rank). Quick (CPU): a
 0.54 GB model; full: 2.2 GB. Each case starts fresh processes, since a peak only grows.
 """
 

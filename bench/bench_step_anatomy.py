@@ -1,6 +1,6 @@
 """The anatomy of one training step: collectives, bytes sent, host syncs and FLOPs per rank (exact, CPU).
 
-Every layout of examples/*.yaml is scaled down to the tiny model of tests/parity_runs.py (hidden
+Every layout of examples/*.yaml is scaled down to the tiny model of tests/support/parity_runs.py (hidden
 32, 4 layers, vocab 272; the MoE layouts 8 experts, top-2) and its parallel dims to 2 (expert
 parallel in proportion), and runs the real Trainer on gloo ranks. After one warm-up step, ONE step
 (``Trainer.train_step``) is measured on every rank:
@@ -23,11 +23,11 @@ parallel in proportion), and runs the real Trainer on gloo ranks. After one warm
   barrier, other            0 / the input's bytes
   ========================  ===========================================================
 
-- host reads of device values (tests/host_reads.py's TorchFunctionMode): from the first forward
+- host reads of device values (tests/support/host_reads.py's TorchFunctionMode): from the first forward
   to the first optimizer step, and after the last optimizer step to the end of the step (the
   step's one read of its results); the optimizer steps themselves read CPU step counters only.
   Reads that cost nothing on a GPU (checks that return early for CUDA tensors, CPU reference
-  kernels) are left out, as tests/test_host_syncs.py does. The anchor is the minimum: the end
+  kernels) are left out, as tests/multirank/test_host_syncs.py does. The anchor is the minimum: the end
   read plus expert parallelism's split sizes, one per MoE layer per microbatch forward.
 - FLOPs (torch.utils.flop_counter.FlopCounterMode around the step): matmuls (aten mm / bmm /
   addmm ...) and xorl's grouped expert GEMMs (a formula registered here: 2 x rows x in x out per
@@ -151,7 +151,7 @@ def example_layouts() -> list[Layout]:
 
 
 def model_config(out: str, model_type: str, **train):
-    from tests.parity_runs import tiny_config
+    from tests.support.parity_runs import tiny_config
 
     config = tiny_config(out, model_type, max_steps=2, warmup_steps=0, **train)
     if model_type == "qwen3_moe":
@@ -248,7 +248,7 @@ def layout_results(name: str, data: dict) -> list[Result]:
     moe = layout.model_type == "qwen3_moe" and layout.train.get("expert_parallel_size", 1) > 1
     # Activation checkpointing recomputes each MoE block's forward in backward, dispatch included,
     # so its split sizes are read again there: 2 reads per MoE layer per microbatch.
-    from xorl.parallel.data_parallel import checkpointing_mode
+    from xorl.parallel.activation_checkpointing import checkpointing_mode
 
     passes = 1 if checkpointing_mode(layout.train["activation_checkpointing"]) == "none" else 2
     needed = [1 + (r["layers"] * r["microbatches"] * passes if moe else 0) for r in ranks]

@@ -10,7 +10,7 @@
 # this checkout (PYTHONPATH; nothing is installed from it, so no extension build). The CUDA build
 # of torch is a ~530 MB download and ~4 GB on disk; it imports without a GPU. Not part of CI (a
 # second torch install does not fit its time). Arguments replace the default selection (tests -m
-# "not slow and not gpu"), e.g. `bash scripts/compat_check.sh tests/test_fp8.py -m "not gpu"`.
+# "not slow and not gpu"), e.g. `bash scripts/compat_check.sh tests/multirank/test_fp8_training.py -m "not gpu"`.
 # Last checked 2026-11-25: torch 2.11.0+cu130, triton 3.6.0, transformers 5.17.0, numpy 2.3.5,
 # torchao 0.18.0 on Python 3.11 (the image's numpy 2.5 needs Python 3.12). Quick tier: 954 passed,
 # 1 xfailed under both. Under torch 2.11 the split-backward pipeline schedules (ZBVZeroBubble) fail

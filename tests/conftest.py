@@ -16,7 +16,7 @@ import pytest
 import torch
 
 # Without a GPU, Triton kernels run on CPU tensors through the interpreter, which must be chosen
-# before triton is imported; with one they run compiled on CUDA tensors (tests/triton_helpers.py).
+# before triton is imported; with one they run compiled on CUDA tensors (tests/support/triton_helpers.py).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

@@ -19,7 +19,7 @@ csrc wrappers) and its plain-torch reference side by side:
 The public names are bound here eagerly, after their folders are imported. No folder shares its
 function's name (``attention/`` holds ``flash_attn``, ``expert_gemm/`` holds ``grouped_gemm``), so
 ``xorl_kernels.<name>`` is either a function or a package, never a function hiding a package
-(tests/test_house_rules.py holds this). Importing this package is cheap: Triton loads on the
+(tests/architecture/test_house_rules.py holds this). Importing this package is cheap: Triton loads on the
 first kernel launch.
 """
 

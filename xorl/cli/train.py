@@ -29,7 +29,7 @@ from typing import NoReturn
 # step allocates and frees buffers of very different sizes (a layer's working set, then the loss's
 # [tokens, vocab] buffers, then the backward's), and fixed segments cached for one size cannot hold the
 # next, so without it reserved memory grows well past what is allocated (fragmentation) and a layout
-# that fits by xorl-plan's count can run out. Read once, when torch initialises CUDA: set before
+# that fits by xorl-setup's count can run out. Read once, when torch initialises CUDA: set before
 # torch is imported (nothing above imports it); a user's own setting, under either name, wins.
 if "PYTORCH_ALLOC_CONF" not in os.environ and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
     os.environ["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     rank = int(os.environ.get("RANK", "0"))
     try:
         config = load_config(path, args)
-        plan = prepare_run(config, world_size)
+        setup = prepare_run(config, world_size)
     except ConfigError as e:
         _fail(str(e), CONFIG_ERROR_EXIT, rank)
     if rank == 0:
@@ -84,9 +84,9 @@ def main(argv: list[str] | None = None) -> None:
         elif not any(origin == path for origin in config.origins.values()):
             print(f"xorl: {path} sets no field; training with the defaults of xorl.config "
                   "(a tiny dense model on the built-in corpus) plus the command-line overrides", flush=True)
-        for note in plan.notes:
+        for note in setup.notes:
             print(f"xorl: {note}", flush=True)
-    if plan.finished:
+    if setup.finished:
         return
     if check_only:
         if rank == 0:
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     from xorl.trainer.trainer import NonFiniteLossError, run_training
 
     try:
-        results = run_training(config, plan)
+        results = run_training(config, setup)
     except (ConfigError, DataError) as e:  # after the process group started: one rank may be alone in it
         exit_fatal(str(e), CONFIG_ERROR_EXIT)
     except (CheckpointError, NonFiniteLossError) as e:  # its message says what to do: no traceback

@@ -28,7 +28,7 @@ the reverse all_to_all, so gradients reach the tokens' home ranks and
 every expert's gradient accumulates on its owner. An expert (or a whole rank) that receives no
 rows joins every collective with empty buffers, and its weight gradients are exact zeros
 (grouped_gemm of an empty group). Under torch.compile the split sizes read in step 1 become
-unbacked symbolic ints (xorl/parallel/parallelize.py turns on torch._dynamo's capture_scalar_outputs for
+unbacked symbolic ints (xorl/parallel/compile.py turns on torch._dynamo's capture_scalar_outputs for
 that), so the block stays one graph, with the one host read still in it.
 """
 

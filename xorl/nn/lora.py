@@ -35,11 +35,11 @@ LINEAR_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"
 ADAPTER_NAMES = ("lora_A", "lora_B")
 # Families whose experts may take adapters (``experts``): transformers holds their experts as
 # ``mlp.experts.{gate_up_proj, down_proj}``, which peft adapts (xorl/checkpoint/peft_adapter.py); each is checked
-# against peft by tests/test_lora.py. A new MoE family is refused until it is added here and there.
+# against peft by tests/unit/nn/test_lora.py. A new MoE family is refused until it is added here and there.
 EXPERT_LORA_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe")
 LORA_KEYS = ("rank", "alpha", "dropout", "target_modules", "init_lora_weights")
 # peft's shorthand for "every nn.Linear but the output layer": on a dense family exactly LINEAR_TARGETS
-# (tests/test_lora.py resolves it with peft); on an MoE family peft's set depends on how transformers
+# (tests/unit/nn/test_lora.py resolves it with peft); on an MoE family peft's set depends on how transformers
 # builds its router and shared experts, so there it is refused and the names must be listed.
 ALL_LINEAR = "all-linear"
 

@@ -2,7 +2,7 @@
 
 State-dict names follow the HF Qwen3-MoE block (transformers 5's fused experts, in the grouped
 GEMM's [groups, in, out] layout); ``load_state_dict`` also takes the split ``experts.gate_proj`` /
-``experts.up_proj`` [E, hidden, moe_intermediate] of the reference block (tests/moe_reference.py):
+``experts.up_proj`` [E, hidden, moe_intermediate] of the reference block (tests/support/moe_reference.py):
 
     gate.weight              [E, hidden]                    (router)
     experts.gate_up_proj     [E, hidden, 2*moe_intermediate]  ([groups, in, out]; gate columns, then up)

@@ -32,7 +32,7 @@ Sliding window W: every step passes W with the true positions, so the kernel nev
 outside the band; a step whose key chunks lie wholly outside every local query's window (known
 from the zig-zag layout and the shortest document, when cu_seqlens is on the host or absent) is
 not launched at all. At S = 4096, W = 128, P = 4 the ring visits exactly the tiles of one
-monolithic windowed attention (tests/test_ring_tiles.py).
+monolithic windowed attention (tests/unit/kernels/test_ring_tiles.py).
 
 The attention of one ring step (positions, boundaries, the steps a window skips) is built by
 xorl/nn/ring_step_kernel.py; this file holds the ring itself, its custom op and the module.

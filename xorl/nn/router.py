@@ -135,7 +135,7 @@ class Router(nn.Module):
         else:
             self.e_score_correction_bias = None
         # Tokens routed to each expert in training forwards since the last bias update / load report
-        # (parallel/expert_parallel.step_router_loads: the step's expert_load metric). A buffer counted
+        # (parallel/step_reductions.step_router_loads: the step's expert_load metric). A buffer counted
         # in place, so torch.compile traces the count as a mutation of a graph input, inside an
         # activation-checkpoint region too (rebinding an attribute there is a side effect dynamo
         # refuses). Not persistent: the count restarts at every step. A model built on the meta
@@ -235,7 +235,7 @@ class Router(nn.Module):
 
         Pass the data-parallel ``group`` (all ranks that see different tokens for this router) so
         every rank applies the same update. Returns the load that was used (int64 [E]).
-        (The trainer updates every router in one all-reduce: parallel/expert_parallel.step_router_loads.)
+        (The trainer updates every router in one all-reduce: parallel/step_reductions.step_router_loads.)
         """
         if self.e_score_correction_bias is None:
             raise RuntimeError("update_bias() needs Router(expert_bias=True)")

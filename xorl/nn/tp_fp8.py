@@ -10,7 +10,7 @@ the gather (plain collective or the overlapped ring, ``tp_comm``) moves 1 byte a
 scales, and every member multiplies the gathered float8 operand. The weights are cast once per op call
 (the ring's chunks share them), and dy once per GEMM as before (each member has its own).
 
-The numbers are the ones the GEMMs multiplied before, bit for bit (tests/test_tp_fp8.py):
+The numbers are the ones the GEMMs multiplied before, bit for bit (tests/multirank/test_tp_fp8.py):
 
 * plain collective: the operand is the cast of the GATHERED tensor (OPERANDS of
   xorl_kernels/fp8/linear.py: x [t, h] forward, x^T [h, t] for the weight gradient):

@@ -9,8 +9,8 @@ all-reduce, to rebuild what the cache already held or what nothing used. As one 
 layer's forward (all-gather + its GEMMs, ring or plain, fp8 or not) and a row layer's (GEMM +
 reduce-scatter / all-reduce) is kept whole: the row layer keeps its reduced output ([t/P, h] under
 sequence parallel), and the recompute runs neither its matmuls nor its collectives. The backward
-is an op too, so a traced block holds both whole (train.compile: tests/test_compile_layouts.py; with
-train.fp8 the FP8 GEMMs run inside, per ring chunk: tests/test_compile_fp8.py). The math is
+is an op too, so a traced block holds both whole (train.compile: tests/multirank/test_compile_layouts.py; with
+train.fp8 the FP8 GEMMs run inside, per ring chunk: tests/multirank/test_compile_fp8.py). The math is
 xorl/nn/tp_matmul.py's, once.
 
 A ProcessGroup (and the layer's communication record) cannot be an op argument: the op takes the

@@ -1,8 +1,8 @@
-"""The expert-parallel plan: every MoE block keeps only its share of the experts, and router statistics.
+"""The expert-parallel set-up: every MoE block keeps only its share of the experts; the routers' balance group.
 
     record = apply_expert_parallel(model, ep_mesh)   # ep_mesh: ParallelState.ep_mesh ("ep_fsdp", "ep")
     record = set_router_balance_group(model, group)  # the tokens load balancing is computed over
-    step_router_loads(models, group, pp_group)       # after a step: bias updates, the expert_load metric
+    (after each step: xorl/parallel/step_reductions.py step_router_loads: bias updates, the expert_load metric)
 
 The xorl models build ``xorl.nn.MoE`` blocks holding all E experts (on the meta device at scale,
 so nothing is allocated); ``apply_expert_parallel`` makes each keep this rank's ``E / ep`` experts
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -105,31 +104,3 @@ def set_router_balance_group(model: nn.Module, group: dist.ProcessGroup | None) 
     return RouterBalanceRecord(group, len(blocks))
 
 
-@torch.no_grad()
-def step_router_loads(models, group: dist.ProcessGroup | None, pp_group: dist.ProcessGroup | None = None,
-                      device: torch.device | None = None) -> torch.Tensor | None:
-    """After an optimizer step, from the tokens each router sent to each expert in the step's
-    training forwards, summed over ``group`` (the data x context x tensor ranks: every token of the
-    step once) in one all-reduce for all routers:
-
-    * auxiliary-loss-free balancing: every router with an expert bias moves it by that load;
-    * returns the step's expert load metric, a device scalar: max over the MoE layers (and over the
-      pipeline stages, ``pp_group``) of the busiest expert's tokens / the mean expert's (1.0: even;
-      num_experts / top_k: every token on the same experts). None without MoE layers anywhere.
-    Every router's count starts again at zero. ``device``: where a stage without routers puts its 0."""
-    routers = [m.gate for model in models for m in model.modules() if isinstance(m, MoE)]
-    worst = torch.zeros((), dtype=torch.float64, device=device)
-    if routers:
-        loads = torch.stack([r.pending_load() for r in routers])
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(loads, group=group)
-        for router, load in zip(routers, loads):
-            router.apply_load(load)  # resets the count; moves the bias where there is one
-        loads = loads.double()
-        worst = (loads.amax(dim=1) / loads.mean(dim=1).clamp(min=1e-30)).amax()
-    if pp_group is not None and dist.get_world_size(pp_group) > 1:
-        # Stages without MoE layers (a dense first stage) report 0; the pipeline's worst layer wins.
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=pp_group)
-    elif not routers:
-        return None
-    return worst

@@ -1,6 +1,6 @@
-"""``ParallelPlan``: what the parallel plans did, as the training step needs it.
+"""``StepPlan``: what the parallel plans did, as the training step needs it.
 
-``xorl.parallel.parallelize.build_parallel_plan`` applies the plans (xorl/parallel/*) and keeps the record each
+``xorl.parallel.parallelize.build_step_plan`` applies the plans (xorl/parallel/*) and keeps the record each
 returns; this object answers the step's questions from them and from the ParallelState, so that
 ``Trainer.train_step`` names no parallelism:
 
@@ -24,11 +24,11 @@ import torch.distributed as dist
 from torch import nn
 
 
-class ParallelPlan:
+class StepPlan:
     def __init__(self, state, config, parts: list, pipeline=None):
         self.state = state
         self.config = config
-        self.parts = parts  # xorl.parallel.parallelize.PartPlan, one per model part
+        self.parts = parts  # xorl.parallel.parallelize.ModelPart, one per model part
         self.pipeline = pipeline  # xorl.parallel.pipeline_parallel.PipelineRecord, or None
         model = config.model
         self.has_router_loss = model.num_experts > 0
@@ -159,7 +159,7 @@ class ParallelPlan:
 
         sum_tp_partial_grads([part.tensor.partial_grads for part in self.parts if part.tensor is not None])
         if self.config.train.data_parallel_mode != "fsdp2" and state.dp_cp_size > 1:
-            from xorl.parallel.data_parallel import all_reduce_gradients
+            from xorl.parallel.step_reductions import all_reduce_gradients
 
             all_reduce_gradients([p for m in self.modules for p in m.parameters()], state.dp_cp_group)
         if self.pipeline is not None and self.pipeline.tied is not None:
@@ -191,7 +191,7 @@ class ParallelPlan:
         returned device scalar is the expert_load metric (None for a dense model)."""
         if not self.has_router_loss:
             return None
-        from xorl.parallel.expert_parallel import step_router_loads
+        from xorl.parallel.step_reductions import step_router_loads
 
         pp_group = self.state.pp_group if self.state.pp_size > 1 else None
         return step_router_loads(self.modules, self.state.dp_cp_tp_group, pp_group, device)

@@ -34,7 +34,7 @@ sequence, the row layers reduce-scatter along it. Replicated parameters used ins
 a shard of the data have partial gradients: the decoder and final norms under SP, per-head q/k
 norms always (each rank normalises only its own heads). They are listed in the returned record's
 ``partial_grads``, and the step sums them over TP once per optimizer step
-(``xorl.nn.tp_linear.sum_tp_partial_grads``: one all-reduce; xorl/parallel/parallelize.py's ParallelPlan).
+(``xorl.nn.tp_replicated.sum_tp_partial_grads``: one all-reduce; xorl/parallel/step_plan.py's StepPlan).
 
 MoE models: attention is tensor-parallel, and each MoE block runs on this TP rank's token shard,
 its experts split over the TP ranks by expert parallelism (EP folds over dp_shard x CP x TP, see
@@ -71,7 +71,7 @@ from xorl.nn.tp_vocab import ReplicatedEmbedding, ReplicatedLMHead, VocabParalle
 
 @dataclass
 class TensorParallelRecord:
-    """What ``apply_tensor_parallel`` did, for the step (xorl/parallel/parallelize.py's ParallelPlan)."""
+    """What ``apply_tensor_parallel`` did, for the step (xorl/parallel/step_plan.py's StepPlan)."""
 
     tp: TPGroup
     sequence_parallel: bool  # activations between layers (and pipeline stages) are sequence shards

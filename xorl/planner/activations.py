@@ -33,7 +33,7 @@ parallel, else 1; h hidden, hq / hkv query / KV width (heads x head_dim), I inte
   and the backward adds one layer's no-recompute activations while it recomputes; selective keeps
   the matmul and attention outputs and the block's input: (a (2hq + 2hkv) + 4 heads) / tp
   + 2 a h / s + (2 a I / tp + a h / s dense | (a E + a k h + 2 a k I_moe [+ 2 a I_shared + a h + a]) / tp MoE:
-  the grouped GEMMs' outputs; a saved-cache census equals it, tests/test_activation_checkpointing.py);
+  the grouped GEMMs' outputs; a saved-cache census equals it, tests/unit/parallel/test_activation_checkpointing.py);
   with selective_checkpoint: every_other_matmul less the outputs of the 2nd, 4th, ... dense matmul
   of the block (block_matmuls: k, o and up of a Llama layer, a (hkv + h + I); under TP, where q, k, v
   and gate, up are one op each, o alone, a h / s), which its recompute runs again. Under
@@ -105,8 +105,8 @@ def loss_bytes(spec, model_config, a: int, t: int, tp: int, loop: bool, m: int, 
     # (the model's output, through the backward). A pipeline stage returns only the loss sum, so its
     # logits are freed after the forward: 12, except where the forward itself holds more, the
     # vocabulary-parallel loss's on bf16 logits (their fp32 copy, the shifted logits and their
-    # exponentials beside them: a + 12). Held to the CPU allocator under PP (tests/test_pipeline_loss_memory.py:
-    # t V (a + 12) there was +31 %).
+    # exponentials beside them: a + 12). Held to the CPU allocator under PP
+    # (tests/multirank/test_pipeline_loss_memory.py: t V (a + 12) there was +31 %).
     logits = a * t * vocab if loop else 0
     if not loop:
         return t * vocab * (a + 12 if vocab_split(spec.vocab_size, tp) > 1 and a == 2 else 12), 0
@@ -205,7 +205,7 @@ def compiled_unread_bytes_per_token(spec, moe_layer: bool, a: int, tp: int, sp: 
     outputs its backward never reads. Eager SAC caches every output its policy names; a compiled
     block's partitioner saves only what the backward graph reads. In a dense block that is
     down_proj's output (its one consumer is the residual add, whose backward reads no input), a h /
-    s when the policy saves it. Measured on the allocator (tests/test_plan_activations.py, FSDP 2,
+    s when the policy saves it. Measured on the allocator (tests/multirank/test_planner_activations.py, FSDP 2,
     both policies): a compiled block keeps exactly [t, h] less each. Under TP down_proj is a row
     layer whose kept output is its reduced one (block_matmuls), read by nothing either: a h / s,
     measured the same way on TP 2 + SP (both policies: [t / 2, h] less a layer) and TP 2 without SP
@@ -252,7 +252,7 @@ def activation_bytes_per_token(spec, moe_layer: bool, a: int, tp: int, sp: bool)
     # next linear keeps each norm's output.
     norms = (4 * a * h + 8) / s
     # q, k after RoPE, v; the output and log-sum-exp. A sliding-window layer (gpt-oss, Mistral) keeps
-    # the same (the kernel recomputes its band in backward from them; tests/test_plan_activations.py):
+    # the same (the kernel recomputes its band in backward from them; tests/multirank/test_planner_activations.py):
     # the window shortens its FLOPs (step_time.py), not its activations.
     attn = a * (hq + 2 * hkv) + a * hq + 4 * heads
     if spec.qk_norm == "head":  # the q / k projections (the norms' inputs) and 1/rms per head

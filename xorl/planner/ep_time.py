@@ -1,6 +1,6 @@
 """Expert parallelism's dispatch as xorl moves it: the rows a token sends and the bytes its routed
 rows stream through HBM (xorl/nn/ep_dispatch.py, xorl/nn/moe.py); step_time.py prices them.
-tests/test_plan_published_moe.py holds both to counts and traces of the real dispatch."""
+tests/unit/planner/test_published_moe.py holds both to counts and traces of the real dispatch."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def routed_copy_bytes(k: int, pairs: float, a: int, ep: int) -> float:
     """Bytes per token and hidden unit that moving a token's routed rows streams through HBM,
     forward, as xorl/nn/moe.py and xorl/nn/ep_dispatch.py run it (the row moves are
     xorl_kernels.moe_permute's), each op reading its inputs once and writing its outputs once (the
-    traffic convention of tests/test_plan_fp8.py; test_plan_published_moe.py traces the dispatch).
+    traffic convention of tests/unit/planner/test_fp8_time.py; test_plan_published_moe.py traces the dispatch).
 
     ep 1: permute_tokens gathers k rows of x (reads x, writes k rows: a + a k); unpermute_tokens
     combines them with their weights in fp32 registers (reads k rows, writes one): 2 a k + 2 a.

@@ -20,7 +20,7 @@ xorl_kernels/fp8/triton_quantize.py: each loads its tiles through the operand's 
 operand, dgrad's w^T and wgrad's dy^T / x^T, costs what the operand itself does: no copy), masks partial
 blocks (no pad, no crop) and writes q and the scales. One quantisation of n = lead x R x C elements of a
 bytes in br x bc blocks (OPERANDS of xorl_kernels/fp8/linear.py), its bytes those the kernels load and
-store (tests/test_plan_fp8.py holds them to an interpreter trace of the real call):
+store (tests/unit/planner/test_fp8_time.py holds them to an interpreter trace of the real call):
   blockwise (1 x 128 activations and gradients, 128 x 128 weights): one pass, a n + n + 4 a block's
      scale; 1 launch;
   rowwise (1 x C): a n + n + 4 R when a row fits one 128-column chunk, else the row strip is read twice

@@ -42,7 +42,7 @@ on one GPU; t, a, s, h, hq, hkv as in xorl/planner/activations.py):
   previous layer's reduce-scatter) and the end of the step (gradients and the optimizer's
   temporaries), plus what is held throughout (workspace, communication buffers). Buckets:
   activations at the peak; other, the buffers at the peak or what the peak holds beyond activations
-  and gradients, whichever is larger. Held to the CPU allocator by tests/test_plan_activations.py;
+  and gradients, whichever is larger. Held to the CPU allocator by tests/multirank/test_planner_activations.py;
   the whole grid in bench/results/plan-cpu-activations.json.
   The CPU references of the element-wise ops allocate fp32 temporaries the Triton kernels do not
   (SwiGLU's backward two [t, I] more, where a layer's backward peaks), which this GPU model leaves out.
@@ -194,7 +194,7 @@ def estimate(config, p: ParallelConfig, shapes: ModelShapes, pp_rank: int, preci
         if p.pp > 1 and pipeline_grad_sync_per_step(train):
             # torch's PipelineStage: no reshard after backward, fp32 gradients accumulated unsharded
             # until the step's one reduce-scatter; GPipe's backward and 1F1B's cool-down hold every
-            # block so at once (tests/test_fsdp_memory.py counts FSDP2's buffers)
+            # block so at once (tests/multirank/test_fsdp_memory.py counts FSDP2's buffers)
             gathered, grad_buffers, head_grad_counted = rp.stage_unsharded * (a + 4), 0, True
         elif not fsdp_reshards_after_forward(train, p.pp):
             gathered = rp.stage_unsharded * a

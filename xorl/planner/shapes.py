@@ -1,7 +1,7 @@
 """The parameter shapes of the model xorl builds, and each rank's exact share of them.
 
 EXACT (equal, byte for byte, to what the trainer's sharded model holds on a rank; checked by
-tests/test_plan_memory.py, which builds the real parallel model of every example on the meta
+tests/unit/planner/test_memory.py, which builds the real parallel model of every example on the meta
 device under torch's fake process group). xorl/planner/memory.py turns these counts into bytes.
 
   params     the local shards of the fp32 master weights. The parameter shapes come from the model

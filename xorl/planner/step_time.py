@@ -1,6 +1,6 @@
 """Predicted time of one optimizer step: compute at achieved efficiency, exposed communication, bubble.
 
-A stated model, held to published runs (tests/test_plan_published.py) and refit on a GPU by
+A stated model, held to published runs (tests/unit/planner/test_published_dense.py) and refit on a GPU by
 scripts/plan_calibrate.py. Efficiencies are fractions of the device's peaks, read from
 xorl/planner/efficiency.json (each with its source: a published figure or a stated assumption).
 
@@ -21,7 +21,7 @@ Compute, per decoder layer and microbatch, t tokens on the rank (a = bytes per a
   element-wise  bandwidth-bound: the bytes xorl's ops stream per token (elementwise_forward below,
           counted from xorl/models/layers.py and attention.py as eager PyTorch runs them; under
           train.compile, which compiles every block of the layouts it accepts, checkpointed TP blocks
-          included (tests/test_compile_layouts.py), the fused regions read their inputs and write
+          included (tests/multirank/test_compile_layouts.py), the fused regions read their inputs and write
           their outputs once) at
           hbm_fraction of --hbm-gbps; backward twice the forward; each op costs at least the launch
           time (launch_us: eager dispatch of one kernel).
@@ -52,7 +52,7 @@ Which collectives overlap compute in xorl:
           group (embedding, norm, lm_head) and ddp's gradient all-reduce are exposed. Under
           pipeline_grad_sync: per_step (and the zero-bubble schedules) a stage reduce-scatters once
           per step after its last backward, exposed; with no reshard after forward it also gathers
-          once per step, exposed, else m + 1 times a step (FSDP2's count, tests/test_fsdp_memory.py).
+          once per step, exposed, else m + 1 times a step (FSDP2's count, tests/multirank/test_fsdp_memory.py).
   TP      each TP linear's collectives (xorl/planner/tp_time.py): the column op's all-gather and
           the row op's reduce-scatter of [t, h] (all-reduce without sequence parallel), forward,
           backward (where the column op gathers its input again) and recompute, exposed with their
@@ -320,7 +320,7 @@ def step_time(config, p: ParallelConfig, shapes: ModelShapes, hw: Hardware) -> S
     resharded = fsdp_reshards_after_forward(train, p.pp)
     # all-gathers per layer and microbatch: forward and backward when resharded; per step, a stage
     # that does not reshard after backward gathers for each forward and once more for the backward
-    # (m + 1: counted on FSDP2 by tests/test_fsdp_memory.py)
+    # (m + 1: counted on FSDP2 by tests/multirank/test_fsdp_memory.py)
     gathers = (2 if not once else (m + 1) / m) if resharded else 1
     per_kind = []  # (compute, exposed communication) of one layer of each kind, per microbatch
     for k, kind in enumerate(shapes.kinds):

@@ -1,4 +1,4 @@
-"""prepare_run: everything checked before any process group starts, and the plan the trainer follows.
+"""prepare_run: everything checked before any process group starts, and the set-up the trainer follows (RunSetup).
 
 Every rank (and the launcher script, for a one-message refusal) runs it; it only reads files, so
 all ranks reach the same verdict. Problems are collected and raised together as one ConfigError:
@@ -42,7 +42,7 @@ class ResumePoint:
 
 
 @dataclass
-class RunPlan:
+class RunSetup:
     resume: ResumePoint | None = None
     overwrite: bool = False  # rank 0 removes the earlier run's files before writing anything
     apply_config_hparams: bool = False  # the new lr / schedule / AdamW values go over the loaded state
@@ -54,9 +54,9 @@ class RunPlan:
     eval_dataset: Any = None  # the eval set (train.eval_steps), read before start-up too; xorl/trainer/evaluate.py
 
 
-def prepare_run(config: Any, world_size: int) -> RunPlan:
+def prepare_run(config: Any, world_size: int) -> RunSetup:
     """Check ``config`` on ``world_size`` ranks and its run folder; raise one ConfigError listing
-    every problem, else return the plan (``config`` may change: resume_hparams=checkpoint)."""
+    every problem, else return the set-up (``config`` may change: resume_hparams=checkpoint)."""
     # Another run in this folder: refuse, nothing else, and first: the rules below import the model
     # families (and torch, seconds to tens of seconds on a loaded node). Rank 0 looks (it is the one that
     # takes the lock, xorl/run/lock.py); another rank would take its own job's rank 0 of an earlier
@@ -69,31 +69,31 @@ def prepare_run(config: Any, world_size: int) -> RunPlan:
         validate_config(config, world_size)
     except ConfigError as e:
         problems += e.problems
-    plan = RunPlan()
+    setup = RunSetup()
     if (config.train.num_epochs is not None or not config.data.streaming) and not problems:
         # In-memory data is read here, before any process group: a bad row is one message up front (and
         # `--check` finds it), and num_epochs derives max_steps from its length; the trainer trains on it.
         try:
-            plan.dataset = load_counted_dataset(config)
+            setup.dataset = load_counted_dataset(config)
         except ConfigError as e:
             problems += e.problems
     if config.train.eval_steps and not problems:
         try:
-            plan.eval_dataset = load_counted_dataset(config, part="eval")
+            setup.eval_dataset = load_counted_dataset(config, part="eval")
         except ConfigError as e:
             problems += e.problems
     try:
-        problems += _plan_run_dir(config, world_size, plan)  # derives max_steps when it resumes
+        problems += _set_up_run_dir(config, world_size, setup)  # derives max_steps when it resumes
     except ConfigError as e:  # e.g. sizes that do not fit world_size, already listed above
         problems += [p for p in e.problems if p not in problems]
-    if config.train.num_epochs is not None and plan.dataset is not None and plan.resume is None and not problems:
-        problems += _resolve_epochs(config, world_size, plan)
+    if config.train.num_epochs is not None and setup.dataset is not None and setup.resume is None and not problems:
+        problems += _resolve_epochs(config, world_size, setup)
     if config.train.warmup_steps > config.train.max_steps:  # xorl/trainer/optim.py's lr_factor cuts it
-        plan.notes.append(f"train.warmup_steps={config.train.warmup_steps} is more than train.max_steps="
+        setup.notes.append(f"train.warmup_steps={config.train.warmup_steps} is more than train.max_steps="
                           f"{config.train.max_steps}: warming up over {config.train.max_steps} steps")
     beat = heartbeat_interval(config.train.heartbeat_s, config.train.collective_timeout_s)
     if beat != config.train.heartbeat_s:
-        plan.notes.append(f"train.heartbeat_s={config.train.heartbeat_s:g} is not below train.collective_timeout_s="
+        setup.notes.append(f"train.heartbeat_s={config.train.heartbeat_s:g} is not below train.collective_timeout_s="
                           f"{config.train.collective_timeout_s:g}: heartbeat lines every {beat:g} s instead, so a "
                           "stalled rank shows before the timeout ends the job")
     if config.train.memory_snapshot_step is not None and not problems:
@@ -106,10 +106,10 @@ def prepare_run(config: Any, world_size: int) -> RunPlan:
         problems += model_path_weight_problems(config)
     if problems:
         raise ConfigError(problems)
-    return plan
+    return setup
 
 
-def _plan_run_dir(config: Any, world_size: int, plan: RunPlan) -> list[str]:
+def _set_up_run_dir(config: Any, world_size: int, setup: RunSetup) -> list[str]:
     t = config.train
     out = t.output_dir
     found = run_dir.entries(out)
@@ -120,7 +120,7 @@ def _plan_run_dir(config: Any, world_size: int, plan: RunPlan) -> list[str]:
                 "Continue that run with --train.resume=true, replace it with --train.overwrite_output_dir=true, "
                 "or choose another train.output_dir"
             ]
-        return _plan_overwrite(out, found, plan)
+        return _set_up_overwrite(out, found, setup)
     checkpoint = t.resume if isinstance(t.resume, str) else run_dir.latest_checkpoint(out)
     inside = checkpoint is not None and run_dir.is_inside(checkpoint, out)
     if t.overwrite_output_dir and (t.resume is True or inside):
@@ -138,11 +138,11 @@ def _plan_run_dir(config: Any, world_size: int, plan: RunPlan) -> list[str]:
                 f"holds {_some(found)}; continue it into an empty output_dir, or add --train.overwrite_output_dir=true"
             ]
         if t.overwrite_output_dir:  # the checkpoint lies outside output_dir (refused above otherwise)
-            problems += _plan_overwrite(out, found, plan)
+            problems += _set_up_overwrite(out, found, setup)
         later = [n for n in run_dir.step_folders(out) if inside and n > os.path.basename(os.path.normpath(checkpoint))]
         if later and t.discard_later:
-            plan.discard_later = True
-            plan.notes.append(f"train.discard_later=true: moving the later {_some(later)} aside into "
+            setup.discard_later = True
+            setup.notes.append(f"train.discard_later=true: moving the later {_some(later)} aside into "
                               f"{os.path.join(run_dir.checkpoint_root(out), run_dir.DISCARDED_DIR)}/")
         elif later:
             return [
@@ -159,7 +159,7 @@ def _plan_run_dir(config: Any, world_size: int, plan: RunPlan) -> list[str]:
                 f"train.resume=true: {root} holds {_some(steps)} but no complete checkpoint named by "
                 f"'{run_dir.LATEST}'; pass one with --train.resume=PATH"
             ]
-        plan.notes.append(
+        setup.notes.append(
             f"train.resume=true: no checkpoint in {root}; starting from step 0"
             + (f" (replacing {out}/{run_dir.METRICS_NAME})" if run_dir.METRICS_NAME in found else "")
         )
@@ -175,26 +175,26 @@ def _plan_run_dir(config: Any, world_size: int, plan: RunPlan) -> list[str]:
         return e.problems
     except (KeyError, TypeError, ValueError) as e:
         return [f"checkpoint {checkpoint}: {run_dir.TRAINER_STATE_NAME} lacks or garbles {e}"]
-    if config.train.num_epochs is not None and plan.dataset is not None:  # the steps the epochs still need
-        problems += _resolve_epochs(config, world_size, plan, step, consumed)
+    if config.train.num_epochs is not None and setup.dataset is not None:  # the steps the epochs still need
+        problems += _resolve_epochs(config, world_size, setup, step, consumed)
         if problems:
             return problems
-    problems, notes, plan.apply_config_hparams = check_resume(config, stored, checkpoint, step)
+    problems, notes, setup.apply_config_hparams = check_resume(config, stored, checkpoint, step)
     problems += layout_problems(config.model, state, checkpoint)
-    plan.notes += notes
+    setup.notes += notes
     if problems:
         return problems
-    plan.resume = ResumePoint(checkpoint, step, consumed, elapsed, state.get("data_state"))
-    plan.notes.append(f"resuming {checkpoint} at step {step}, sequence {consumed} of the data")
+    setup.resume = ResumePoint(checkpoint, step, consumed, elapsed, state.get("data_state"))
+    setup.notes.append(f"resuming {checkpoint} at step {step}, sequence {consumed} of the data")
     new_batch = global_batch(config, world_size)
     if new_batch != old_batch:
-        plan.notes.append(
+        setup.notes.append(
             f"the global batch changed from {old_batch} to {new_batch} sequences a step; the data continues at "
             f"sequence {consumed}, so every sequence is still seen once"
         )
     if step >= t.max_steps:
-        plan.finished = True
-        plan.notes.append(
+        setup.finished = True
+        setup.notes.append(
             f"the run is finished: {checkpoint} is at step {step} and train.max_steps={t.max_steps}; nothing to "
             f"train. To train further, raise --train.{'max_steps' if t.num_epochs is None else 'num_epochs'} "
             "(with --train.resume_hparams=config, since it changes the schedule)"
@@ -202,15 +202,15 @@ def _plan_run_dir(config: Any, world_size: int, plan: RunPlan) -> list[str]:
     return []
 
 
-def _resolve_epochs(config: Any, world_size: int, plan: RunPlan, step: int = 0, consumed: int = 0) -> list[str]:
+def _resolve_epochs(config: Any, world_size: int, setup: RunSetup, step: int = 0, consumed: int = 0) -> list[str]:
     try:
-        plan.notes.append(resolve_num_epochs(config, plan.dataset, global_batch(config, world_size), step, consumed))
+        setup.notes.append(resolve_num_epochs(config, setup.dataset, global_batch(config, world_size), step, consumed))
     except ConfigError as e:
         return e.problems
     return []
 
 
-def _plan_overwrite(out: str, found: list[str], plan: RunPlan) -> list[str]:
+def _set_up_overwrite(out: str, found: list[str], setup: RunSetup) -> list[str]:
     if not found:
         return []
     foreign = [name for name in found if name not in run_dir.XORL_ENTRIES]
@@ -219,8 +219,8 @@ def _plan_overwrite(out: str, found: list[str], plan: RunPlan) -> list[str]:
             f"train.overwrite_output_dir=true but {out!r} also holds {_some(foreign)}, which xorl did not write; "
             "overwrite removes only xorl's files, so remove those yourself or choose another output_dir"
         ]
-    plan.overwrite = True
-    plan.notes.append(f"train.overwrite_output_dir=true: removing the earlier run's {_some(found)} from {out}")
+    setup.overwrite = True
+    setup.notes.append(f"train.overwrite_output_dir=true: removing the earlier run's {_some(found)} from {out}")
     return []
 
 

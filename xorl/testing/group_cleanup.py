@@ -72,7 +72,7 @@ def release_compiled_code() -> None:
       ShapeEnv's and FakeTensorMode's class-level caches. Dynamo breaks the same cycle by clearing
       ``tracked_fakes`` only after a failed trace (OutputGraph._cleanup_output_graph);
     * a traced autograd.Function (TP without SP with LoRA: copy_to_region on the adapters' path,
-      tests/test_compile.py "tp2 lora") forms a cycle gc cannot see: its forward / backward
+      tests/multirank/test_compile.py "tp2 lora") forms a cycle gc cannot see: its forward / backward
       GraphModules keep fake example values in node.meta, whose autograd graphs (C++ edges) reach
       the ApplyTemplateBackward node, whose class's forward closes over those GraphModules; the
       fakes include the LoRA parameters' fake DTensors. Dynamo's own cleanup of a failed trace

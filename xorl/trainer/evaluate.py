@@ -108,12 +108,12 @@ class Evaluator:
     @staticmethod
     def _pipelined(trainer, microbatches: list[dict]) -> torch.Tensor:
         """The schedule's forward-only pass over one batch; this rank's loss sum (0 off the last stage)."""
-        plan = trainer.parallel
-        plan.start_pipeline_step(microbatches, aux_scale=0.0, device=trainer.device)
+        step_plan = trainer.step_plan
+        step_plan.start_pipeline_step(microbatches, aux_scale=0.0, device=trainer.device)
         saved, trainer._step_tokens = trainer._step_tokens, 1  # the schedule's loss_fn then gives plain sums
         try:
-            args = (torch.cat([mb["input_ids"] for mb in microbatches]),) if plan.holds_first_stage else ()
-            target = torch.cat([mb["labels"] for mb in microbatches]) if plan.holds_last_stage else None
+            args = (torch.cat([mb["input_ids"] for mb in microbatches]),) if step_plan.holds_first_stage else ()
+            target = torch.cat([mb["labels"] for mb in microbatches]) if step_plan.holds_last_stage else None
             losses: list[torch.Tensor] = []
             trainer.schedule.eval(*args, target=target, losses=losses)
         finally:

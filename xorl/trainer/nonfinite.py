@@ -23,7 +23,7 @@ def explain_nonfinite(trainer, error: Exception, initialise) -> str:
     ``initialise(part, config)`` fills a part's shards with the initial weights (xorl/trainer/trainer.py's)."""
     config = trainer.config
     what = str(error)  # "step N: loss=... grad_norm=..."
-    if trainer.step == 0 and trainer.plan.resume is None:
+    if trainer.step == 0 and trainer.setup.resume is None:
         bad = first_nonfinite_parameters(trainer.parts, config, initialise)
         source = (f"model.model_path={config.model.model_path!r}" if config.model.model_path
                   else f"the seeded initialisation (train.seed={config.train.seed}, "

@@ -41,9 +41,10 @@ from xorl.observability.metrics import MetricsLogger, startup_summary
 from xorl.observability.mfu import mfu
 from xorl.observability.profiling import StepProfiler
 from xorl.observability.sinks import open_sinks
-from xorl.parallel.parallelize import build_parallel_plan, check_compiled
+from xorl.parallel.compile import check_compiled
+from xorl.parallel.parallelize import build_step_plan
 from xorl.run.preemption import PreemptionGuard
-from xorl.run.preflight import RunPlan, prepare_run
+from xorl.run.preflight import RunSetup, prepare_run
 from xorl.run.resume import apply_config_hparams
 from xorl.run.watchdog import Heartbeat
 from xorl.trainer.epochs import epoch_metrics
@@ -105,12 +106,12 @@ def materialise(parts: list[nn.Module], config: Config, device: torch.device) ->
 
 
 class Trainer:
-    def __init__(self, config: Config, plan: RunPlan | None = None):
+    def __init__(self, config: Config, setup: RunSetup | None = None):
         started = time.perf_counter()
         self.config = config
         world_size = world_size_from_env()
         # Every rule, the run folder and the checkpoint to resume, before any process group exists.
-        self.plan = plan if plan is not None else prepare_run(config, world_size)
+        self.setup = setup if setup is not None else prepare_run(config, world_size)
         self.device = init_distributed(config.train.collective_timeout_s)
         run_lock.hold(config.train.output_dir, self.device)  # one run per output_dir, before any write
         self.parallel_config = ParallelConfig.from_config(config, world_size)
@@ -126,11 +127,11 @@ class Trainer:
         self.num_parameters = sum(p.numel() for p in model.parameters())
         self.num_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         # What the plans did (xorl/parallel/step_plan.py): the step asks it what to shard and reduce.
-        self.parallel = build_parallel_plan(model, self.state, config)
-        self.parts = self.parallel.modules
+        self.step_plan = build_step_plan(model, self.state, config)
+        self.parts = self.step_plan.modules
         materialise(self.parts, config, self.device)
         self.schedule = None  # the pipeline schedule, when the model is cut into stages
-        if self.parallel.pipelined:
+        if self.step_plan.pipelined:
             self._schedules: dict[int, object] = {}
             self.schedule = self._build_schedule()
         # One optimizer (and schedule) per model part, so optimizer state keys map to parameter names.
@@ -143,7 +144,7 @@ class Trainer:
                                          config.train.gradient_accumulation_steps, self.state.dp_rank,
                                          self.state.dp_size, vocab_size=config.model.vocab_size)
         else:
-            dataset = self.plan.dataset  # packed by prepare_run, before start-up (xorl/run/preflight.py)
+            dataset = self.setup.dataset  # packed by prepare_run, before start-up (xorl/run/preflight.py)
             if dataset is None:
                 dataset = PackedDataset(config.data, vocab_size=config.model.vocab_size)
             self.tokenizer = dataset.tokenizer
@@ -152,7 +153,7 @@ class Trainer:
                 dp_rank=self.state.dp_rank, dp_size=self.state.dp_size,
             )
         # Validation (xorl/trainer/evaluate.py): the eval set, evaluated every train.eval_steps.
-        self.evaluator = Evaluator(config, self.state, self.tokenizer.pad_id, self.plan.eval_dataset) \
+        self.evaluator = Evaluator(config, self.state, self.tokenizer.pad_id, self.setup.eval_dataset) \
             if config.train.eval_steps else None
         self.step = 0
         self._compile_unchecked = bool(config.train.compile)  # until the first step has run
@@ -172,7 +173,7 @@ class Trainer:
 
     # -- checkpoints -----------------------------------------------------------------------
     def _maybe_resume(self) -> None:
-        point = self.plan.resume
+        point = self.setup.resume
         if point is None:
             return
         template = {"step": 0}  # DCP loads the keys it is given
@@ -182,7 +183,7 @@ class Trainer:
         # parameter group, and the groups differ between layouts (they follow the DTensor meshes).
         for scheduler in self.schedulers:
             set_schedule_step(scheduler, self.step)
-        if self.plan.apply_config_hparams:
+        if self.setup.apply_config_hparams:
             apply_config_hparams(self.optimizers, self.schedulers, self.config.train)
         if self.config.data.streaming:
             self.loader.resume_at(self.step, point.consumed_sequences, point.data_state)
@@ -196,9 +197,9 @@ class Trainer:
         dist.barrier()
         if self.rank == 0:
             out = self.config.train.output_dir
-            if self.plan.overwrite:
+            if self.setup.overwrite:
                 run_dir.clear_output_dir(out)
-            keep = self.plan.resume.path if self.plan.discard_later and self.plan.resume else None
+            keep = self.setup.resume.path if self.setup.discard_later and self.setup.resume else None
             for line in run_dir.tidy_checkpoints(out, discard_after=keep):  # discard_later, unfinished saves
                 print(f"xorl: {line}", flush=True)
             os.makedirs(out, exist_ok=True)
@@ -227,7 +228,7 @@ class Trainer:
                  MODEL_CONFIG: json.dumps(dataclasses.asdict(self.config.model), indent=2)}
         if self.config.model.lora:  # the adapter alone, in peft's format: output_dir/adapter (this step's)
             save_adapter(self.parts, self.config.model, os.path.join(self.config.train.output_dir, ADAPTER_DIR),
-                         self.parallel.stages_group)
+                         self.step_plan.stages_group)
         return self.checkpointer.save(self.step, self.parts, self.optimizers, extra, files, blocking=blocking)
 
     def export_hf(self, folder: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
@@ -257,7 +258,7 @@ class Trainer:
         """The pipeline schedule for microbatch rows of ``row_tokens`` tokens (default: seq_len).
 
         Stages are built with static shapes. Where the layout pads rows per document, each step is
-        padded to a bucket (``ParallelPlan.row_bucket``) and one schedule is kept per bucket
+        padded to a bucket (``StepPlan.row_bucket``) and one schedule is kept per bucket
         (``self._schedules``); the stage modules are shared.
         """
         row_tokens = self.config.data.seq_len if row_tokens is None else row_tokens
@@ -266,7 +267,7 @@ class Trainer:
         def loss_fn(loss_sum, labels):  # the last stage's output: its microbatch's token-loss sum
             return loss_sum / self._step_tokens
 
-        return self.parallel.build_schedule(row_tokens, loss_fn, self.device)
+        return self.step_plan.build_schedule(row_tokens, loss_fn, self.device)
 
     # -- one optimizer step ----------------------------------------------------------------
     def _to_device(self, mb: dict) -> dict:
@@ -279,9 +280,9 @@ class Trainer:
     def shard_microbatches(self, raw: list[dict]) -> list[dict]:
         """This rank's shares of a step's host microbatches; under pipelining with padded rows, the
         schedule of their row length becomes ``self.schedule``."""
-        plan = self.parallel
-        bucket = plan.row_bucket(raw)
-        host_mbs = [plan.shard_batch(mb, self.tokenizer.pad_id, bucket) for mb in raw]
+        step_plan = self.step_plan
+        bucket = step_plan.row_bucket(raw)
+        host_mbs = [step_plan.shard_batch(mb, self.tokenizer.pad_id, bucket) for mb in raw]
         if bucket is not None:  # padded rows under pipelining: the schedule of this step's row length
             if bucket not in self._schedules:
                 self._schedules[bucket] = self._build_schedule(bucket)
@@ -296,25 +297,25 @@ class Trainer:
         losses and gradient norm stay device tensors until the one read at the end, which also
         checks that the loss and norm are finite.
         """
-        plan = self.parallel
+        step_plan = self.step_plan
         host_mbs = self.shard_microbatches(self.loader.microbatches(self.step))
-        n_tok = count_label_tokens(host_mbs, plan.token_count_group, self.device)
+        n_tok = count_label_tokens(host_mbs, step_plan.token_count_group, self.device)
         microbatches = [self._to_device(mb) for mb in host_mbs]
         if self.schedule is not None:
             loss_sum, aux_sum = self._pipelined_forward_backward(microbatches, n_tok)
         else:
             loss_sum, aux_sum = self._forward_backward(microbatches, n_tok)
         # The step's sums over every rank, and the gradient reductions the layout needs.
-        sums = plan.after_backward(loss_sum, aux_sum)
+        sums = step_plan.after_backward(loss_sum, aux_sum)
         params = self.parameters()
-        grad_norm = clip_grad_norm_(params, self.config.train.max_grad_norm, plan.grad_norm_group,
-                                    counted=plan.grad_norm_parameters(params))
+        grad_norm = clip_grad_norm_(params, self.config.train.max_grad_norm, step_plan.grad_norm_group,
+                                    counted=step_plan.grad_norm_parameters(params))
         lr = self.schedulers[0].get_last_lr()[0]
         for optimizer, scheduler in zip(self.optimizers, self.schedulers):
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-        expert_load = plan.after_optimizer_step(self.device)
+        expert_load = step_plan.after_optimizer_step(self.device)
         ga = len(microbatches)
         read = [sums[0], sums[1], grad_norm.double(), n_tok.double()]
         loss_total, aux_total, norm, tokens, *load = torch.stack(
@@ -325,10 +326,10 @@ class Trainer:
             raise NonFiniteLossError(
                 f"step {self.step}: loss={loss_value} grad_norm={norm}")  # train() says what is at fault
         if self._compile_unchecked:  # train.compile: every compiled block ran its graph, none eager
-            check_compiled([part.compiled for part in plan.parts if part.compiled is not None])
+            check_compiled([part.compiled for part in step_plan.parts if part.compiled is not None])
             self._compile_unchecked = False
         result = StepResult(self.step, loss_value, norm, lr, int(tokens),
-                            aux_total / (ga * plan.balance_groups) if plan.has_router_loss else None,
+                            aux_total / (ga * step_plan.balance_groups) if step_plan.has_router_loss else None,
                             load[0] if load else None)
         self.step += 1
         return result
@@ -349,7 +350,7 @@ class Trainer:
             if out.router_loss is not None:
                 # Each rank's router loss is its share of its balance group's loss (xorl/nn/router.py);
                 # summed over the group and averaged over the step's groups x microbatches.
-                loss = loss + out.router_loss / (ga * self.parallel.balance_groups)
+                loss = loss + out.router_loss / (ga * self.step_plan.balance_groups)
                 aux_sum += out.router_loss.detach().double()
             loss.backward()
             loss_sum += local_sum.detach().double()
@@ -357,20 +358,20 @@ class Trainer:
 
     def _pipelined_forward_backward(self, microbatches: list[dict], n_tok: torch.Tensor):
         """One schedule step over the microbatches; returns this rank's (loss sum, router-loss sum)."""
-        plan = self.parallel
+        step_plan = self.step_plan
         ga = len(microbatches)
-        plan.start_pipeline_step(microbatches, aux_scale=1.0 / (ga * plan.balance_groups), device=self.device)
+        step_plan.start_pipeline_step(microbatches, aux_scale=1.0 / (ga * step_plan.balance_groups), device=self.device)
         self._step_tokens = n_tok.clamp(min=1).to(torch.float32)
         # Looped / V schedules: the first and the last stage may both be on this rank.
-        args = (torch.cat([mb["input_ids"] for mb in microbatches]),) if plan.holds_first_stage else ()
+        args = (torch.cat([mb["input_ids"] for mb in microbatches]),) if step_plan.holds_first_stage else ()
         # The last stage reads its labels as a side input; the schedule still splits a target for loss_fn.
-        target = torch.cat([mb["labels"] for mb in microbatches]) if plan.holds_last_stage else None
+        target = torch.cat([mb["labels"] for mb in microbatches]) if step_plan.holds_last_stage else None
         losses: list[torch.Tensor] = []
         self.schedule.step(*args, target=target, losses=losses)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for loss in losses:  # each is this microbatch's token-loss sum / n_tok
             loss_sum += loss.detach().double() * self._step_tokens.double()
-        return loss_sum, plan.stage_router_loss_sum
+        return loss_sum, step_plan.stage_router_loss_sum
 
     # -- the loop --------------------------------------------------------------------------
     def train(self, stop_at: int | None = None) -> list[StepResult]:
@@ -461,8 +462,8 @@ class Trainer:
         return epoch_metrics(self.loader.first_sequence(self.step), len(self.loader.dataset))
 
 
-def run_training(config: Config, plan: RunPlan | None = None) -> list[StepResult]:
-    trainer = Trainer(config, plan)
+def run_training(config: Config, setup: RunSetup | None = None) -> list[StepResult]:
+    trainer = Trainer(config, setup)
     results = trainer.train()
     if config.train.export_hf:
         run_lock.hold(config.train.output_dir, trainer.device)

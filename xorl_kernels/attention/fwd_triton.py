@@ -16,7 +16,7 @@ blocks with the online softmax (exp2 domain, fp32 accumulators). Masking:
 - sliding window W (causal): also k_pos > q_pos - W. Two more scans give a lower bound (keys
   before the first k_pos > min(q_pos) - W are never read) and shrink the mask-free range to keys
   with k_pos > max(q_pos) - W, so a windowed attention visits about S·W/(BLOCK_M·BLOCK_N) tiles
-  (attention/bounds.py; tests/test_attention_features.py audits the count).
+  (attention/bounds.py; tests/unit/kernels/test_attention_features.py audits the count).
 
 Head dims: q·k and v are tiled separately (common.qk_chunks): v one power-of-two chunk, q·k one
 chunk or two (192 = 128 + 64 for MLA, summed dots) so no q·k FLOPs go to padding.

@@ -59,7 +59,7 @@ window any positions are correct; positions ascending inside each document (zig-
 just the diagonal, so the P² steps of a zig-zag ring visit exactly the tiles of one monolithic
 causal attention (when chunk lengths are multiples of the block sizes). A window adds lower
 bounds from the positions the same way: tiles wholly before every row's window are never read,
-so a windowed attention costs about S·W, not S² (tests/test_attention_features.py audits the
+so a windowed attention costs about S·W, not S² (tests/unit/kernels/test_attention_features.py audits the
 tile counts: common.count_tiles).
 
 Gradients through lse

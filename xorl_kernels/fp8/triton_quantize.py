@@ -27,7 +27,7 @@ within a few ulps below 2^(k+1): log2 r = (k + 1) - u/ln2 + O(u^2) for r = 2^(k+
 rounds to k + 1 when u/ln2 is under half the float32 gap below k + 1, 2^(E-24) with E = floor(log2
 |w|), w = k for k + 1 > 0 and -(k + 1) otherwise. With u = j 2^-24 (j ulps of r below 2^(k+1)) that
 is j <= floor(2^E ln 2) (none of 2^E ln 2, E <= 7, lies near an integer, so no tie is in reach).
-``tests/test_fp8_cast_kernels.py`` holds this to torch's float32 log2 on every binade's window.
+``tests/unit/kernels/test_fp8_cast_kernels.py`` holds this to torch's float32 log2 on every binade's window.
 
 The saturating cast: clamp to +-fmax, then round to nearest even: the hardware conversion on a GPU
 (``cvt.rn.satfinite``); under the interpreter a bit-exact software rounding stored as bytes, because

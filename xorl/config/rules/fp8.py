@@ -13,7 +13,7 @@ def fp8_problems(t: Any, m: Any, local: bool = True) -> list[str]:
     high-precision weights as before (or, with fp8_all_gather, their tensorwise float8 cast), and
     EP / PP / CP do not touch the linears' maths. train.compile composes too: the FP8 GEMMs are torch
     custom ops (xorl::fp8_linear, xorl::fp8_grouped_gemm, their backward ops), one node each in a
-    compiled block's graph, the float8 all-gathered weight included (tests/test_compile_fp8.py)."""
+    compiled block's graph, the float8 all-gathered weight included (tests/multirank/test_compile_fp8.py)."""
     problems = _fp8_all_gather_problems(t) if t.fp8_all_gather else []
     if t.fp8 == "none":
         return problems

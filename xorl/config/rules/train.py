@@ -198,13 +198,13 @@ def training_loop_problems(t: Any, d: Any, local: bool = True) -> list[str]:
 
 def compile_problems(t: Any, m: Any) -> list[str]:
     """The layouts whose code torch.compile cannot trace as one graph per block, refused before they
-    fail mid-run (each decoder block is compiled with fullgraph=True: xorl/parallel/parallelize.py)."""
+    fail mid-run (each decoder block is compiled with fullgraph=True: xorl/parallel/compile.py)."""
     if not t.compile:
         return []
     # Tensor parallelism compiles: its linears and region collectives are torch.library custom ops
     # (xorl/nn/tp_linear_ops.py, tp_regions.py), one node each in a block's graph, with or without
     # activation checkpointing; the ring overlap's point-to-point runs inside them
-    # (tests/test_compile_layouts.py: one graph per block kind, no break, the losses of eager).
+    # (tests/multirank/test_compile_layouts.py: one graph per block kind, no break, the losses of eager).
     problems = []
     if m.num_experts and t.data_parallel_mode == "fsdp2" and \
             (t.expert_parallel_size > 1 or t.tensor_parallel_size > 1):
