@@ -1,6 +1,6 @@
 """The run config: its sections, reading it, and the rules it must satisfy before anything starts.
 
-- ``sections.py``: ``Config`` and its ``model:`` / ``data:`` / ``train:`` dataclasses (each field once);
+- ``sections.py``: ``Config`` and its ``model:`` / ``data:`` / ``train:`` dataclasses (each field once), ``set_field``;
   ``compute_dtype``.
 - ``load.py``: ``load_config(path, overrides)``: YAML plus ``--section.key=value`` overrides.
 - ``validate.py``: ``validate_config(config, world_size)``, which runs every rule in ``rules/`` (by

@@ -1,8 +1,9 @@
 """The run config's three sections, ``model:``, ``data:`` and ``train:``, as dataclasses: each field once,
 with its default and (in the comment beside it) its meaning, which ``xorl-train --help`` prints.
 
-``Config()`` is a tiny dense model valid for 1 process. Reading YAML and CLI overrides into a
-``Config`` is xorl/config/load.py; the rules that tie fields together and to the world size are
+``Config()`` is a tiny dense model valid for 1 process. Setting one field (``set_field``: its type
+checked, an old spelling named, the closest valid name suggested) is here; reading YAML and CLI
+overrides into a ``Config`` is xorl/config/load.py; the rules that tie fields together and to the world size are
 xorl/config/validate.py. With ``model.model_path`` the folder's config.json defines the model
 (xorl/config/model_path.py). ``Config.origins`` records where each explicitly set field came from.
 
@@ -19,7 +20,9 @@ from typing import Any, Literal
 
 import yaml
 
-from xorl.config.errors import ConfigError
+from xorl.config.errors import ConfigError, did_you_mean
+from xorl.config.field_types import accepts_str as _accepts_str
+from xorl.config.field_types import coerce
 from xorl.config.field_types import type_hints as _type_hints
 from xorl.config.field_types import type_name as _type_name
 from xorl.config.validate import validate_config
@@ -183,10 +186,8 @@ class Config:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None, source: str = "config") -> Config:
-        from xorl.config.load import _apply_dict
-
         config = cls()
-        problems = _apply_dict(config, data, source)
+        problems = apply_dict(config, data, source)
         if problems:
             raise ConfigError(problems)
         return config
@@ -244,3 +245,119 @@ def _plain(value: Any) -> Any:
     return value
 
 
+# -- setting a field: its type checked, old spellings named, the closest name suggested -----------------
+def apply_dict(config: Config, data: Any, source: str) -> list[str]:
+    """Set every field of a YAML mapping; return the problems (all of them, not just the first)."""
+    if data is None:
+        return []
+    if not isinstance(data, dict):
+        return [f"{source}: the top level must be a mapping of sections {list(SECTIONS)}"]
+    problems = []
+    for section, values in data.items():
+        if section not in SECTIONS:
+            problems += collect_problems(_check_section, section, source)
+        elif values is not None and not isinstance(values, dict):
+            problems.append(f"{source}: section {section!r} must be a mapping of key: value")
+        else:
+            for key, value in (values or {}).items():
+                problems += collect_problems(set_field, config, section, key, value, source)
+    return problems
+
+
+def collect_problems(fn, *args, **kwargs) -> list[str]:
+    """Run ``fn``; its ConfigError's problems as a list (empty when it passed)."""
+    try:
+        fn(*args, **kwargs)
+    except ConfigError as e:
+        return e.problems
+    return []
+
+
+def _check_section(section: Any, source: str) -> None:
+    if section not in SECTIONS:
+        raise ConfigError(
+            f"{source}: unknown config section {section!r}{did_you_mean(str(section), SECTIONS)}; "
+            f"the sections are {list(SECTIONS)}"
+        )
+
+
+def set_field(
+    config: Config, section: str, key: Any, value: Any, source: str, raw: str | None = None
+) -> None:
+    """Type-check ``value`` for ``section.key`` and set it; errors name the field."""
+    _check_section(section, source)
+    section_cls = SECTIONS[section]
+    hints = _type_hints(section_cls)
+    if key not in hints:
+        raise ConfigError(f"{source}: unknown key {section}.{key}{unknown_key_hint(section, str(key))}")
+    name = f"{section}.{key}"
+    try:
+        try:
+            coerced = coerce(value, hints[key], name)
+        except ConfigError:
+            # An override like --train.output_dir=123 reads as an int; a str field takes the text as written.
+            if raw is None or not _accepts_str(hints[key]):
+                raise
+            coerced = coerce(raw, hints[key], name)
+    except ConfigError as e:
+        if source.startswith("--") or source == "config":
+            raise
+        raise ConfigError(f"{source}: {e}") from None  # name the file the value came from
+    setattr(getattr(config, section), key, coerced)
+    config.origins[name] = source
+
+
+# Other trainers' names (transformers' TrainingArguments, torchtitan, Megatron, axolotl) for xorl's
+# fields. Only suggested in the error for an unknown key, never accepted: one name per setting.
+KEY_ALIASES = {
+    "learning_rate": "train.lr", "lr_warmup_steps": "train.warmup_steps", "warmup": "train.warmup_steps",
+    "num_warmup_steps": "train.warmup_steps", "train_steps": "train.max_steps", "total_steps": "train.max_steps",
+    "max_train_steps": "train.max_steps", "training_steps": "train.max_steps", "steps": "train.max_steps",
+    "min_lr": "train.min_lr_ratio", "adam_epsilon": "train.adam_eps", "adam_beta1": "train.adam_betas",
+    "adam_beta2": "train.adam_betas", "betas": "train.adam_betas", "max_norm": "train.max_grad_norm",
+    "grad_clip": "train.max_grad_norm", "clip_grad_norm": "train.max_grad_norm", "gradient_clipping":
+    "train.max_grad_norm", "torch_dtype": "train.dtype", "bf16": "train.dtype", "mixed_precision": "train.dtype",
+    "precision": "train.dtype", "output_path": "train.output_dir", "save_dir": "train.output_dir",
+    "out_dir": "train.output_dir", "checkpointing_steps": "train.save_steps", "save_interval":
+    "train.save_steps", "checkpoint_interval": "train.save_steps", "logging_steps": "train.log_steps",
+    "log_interval": "train.log_steps", "log_freq": "train.log_steps", "resume_from_checkpoint": "train.resume",
+    "gradient_checkpointing": "train.activation_checkpointing", "gradient_accumulation":
+    "train.gradient_accumulation_steps", "grad_accum_steps": "train.gradient_accumulation_steps",
+    "tp_size": "train.tensor_parallel_size", "tensor_parallel_degree": "train.tensor_parallel_size",
+    "pp_size": "train.pipeline_parallel_size", "pipeline_parallel_degree": "train.pipeline_parallel_size",
+    "ep_size": "train.expert_parallel_size", "sequence_parallel_size": "train.ulysses_parallel_size",
+    "context_parallel_size": "train.ringattn_parallel_size", "cp_size": "train.ringattn_parallel_size",
+    "per_device_train_batch_size": "data.micro_batch_size", "batch_size": "data.micro_batch_size",
+    "micro_batch": "data.micro_batch_size", "max_seq_length": "data.seq_len", "max_seq_len": "data.seq_len",
+    "seq_length": "data.seq_len", "sequence_len": "data.seq_len", "block_size": "data.seq_len",
+    "max_length": "data.seq_len", "dataset_path": "data.dataset", "data_path": "data.dataset",
+    "train_file": "data.dataset", "dataset_name": "data.dataset", "tokenizer_name": "data.tokenizer",
+    "tokenizer_path": "data.tokenizer", "sample_packing": "data.packing", "dataloader_num_workers":
+    "data.num_workers", "model_name_or_path": "model.model_path", "pretrained_model_name_or_path":
+    "model.model_path", "base_model": "model.model_path", "num_layers": "model.num_hidden_layers",
+    "n_layers": "model.num_hidden_layers", "n_heads": "model.num_attention_heads",
+}
+
+
+# Bare words whose meaning depends on the section they were written under (axolotl's datasets[].path,
+# a data or model "path"): suggested only there.
+SECTION_KEY_ALIASES = {
+    ("data", "path"): "data.dataset", ("data", "file"): "data.dataset", ("data", "files"): "data.dataset",
+    ("data", "data_files"): "data.dataset", ("data", "train_path"): "data.dataset",
+    ("data", "datasets"): "data.dataset", ("model", "path"): "model.model_path",
+    ("model", "name"): "model.model_path", ("model", "name_or_path"): "model.model_path",
+}
+
+
+def unknown_key_hint(section: str, key: str) -> str:
+    """What follows ``unknown key section.key``: the section that has it, the xorl name of another
+    trainer's key, or the close matches; then a pointer to ``--help`` (not every key of the section)."""
+    others = [s for s, cls in SECTIONS.items() if s != section and key in _type_hints(cls)]
+    if others:
+        return f"; {key!r} is in the {others[0]!r} section: use {others[0]}.{key}"
+    target = SECTION_KEY_ALIASES.get((section, key.lower())) or KEY_ALIASES.get(key.lower())
+    if target is not None:
+        target_section, target_key = target.split(".")
+        return f" (did you mean {repr(target_key) if target_section == section else target}?)"
+    guess = did_you_mean(key, _type_hints(SECTIONS[section]))
+    return f"{guess}; `xorl-train --help` lists every key with its default"

@@ -33,7 +33,7 @@ from typing import Any
 
 from xorl.config import Config, validate_config
 from xorl.config.errors import ConfigError
-from xorl.config.load import set_field
+from xorl.config.sections import set_field
 from xorl.distributed.parallel_config import ParallelConfig
 from xorl.planner.memory import Memory, even_split_memory, peak_memory
 from xorl.planner.shapes import ModelShapes, model_shapes

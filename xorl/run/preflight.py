@@ -23,10 +23,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from xorl import run_dir, run_lock
 from xorl.config.errors import ConfigError
 from xorl.config.validate import validate_config
 from xorl.distributed.parallel_config import ParallelConfig
+from xorl.run import folder as run_folder
+from xorl.run import lock as run_lock
 from xorl.run.resume import check_resume
 from xorl.run.watchdog import heartbeat_interval
 from xorl.trainer.epochs import load_counted_dataset, resolve_num_epochs
@@ -112,7 +113,7 @@ def prepare_run(config: Any, world_size: int) -> RunSetup:
 def _set_up_run_dir(config: Any, world_size: int, setup: RunSetup) -> list[str]:
     t = config.train
     out = t.output_dir
-    found = run_dir.entries(out)
+    found = run_folder.entries(out)
     if not t.resume:
         if found and not t.overwrite_output_dir:
             return [
@@ -121,8 +122,8 @@ def _set_up_run_dir(config: Any, world_size: int, setup: RunSetup) -> list[str]:
                 "or choose another train.output_dir"
             ]
         return _set_up_overwrite(out, found, setup)
-    checkpoint = t.resume if isinstance(t.resume, str) else run_dir.latest_checkpoint(out)
-    inside = checkpoint is not None and run_dir.is_inside(checkpoint, out)
+    checkpoint = t.resume if isinstance(t.resume, str) else run_folder.latest_checkpoint(out)
+    inside = checkpoint is not None and run_folder.is_inside(checkpoint, out)
     if t.overwrite_output_dir and (t.resume is True or inside):
         return [
             f"train.overwrite_output_dir=true with train.resume={t.resume!r}: overwriting {out!r} would delete "
@@ -139,42 +140,43 @@ def _set_up_run_dir(config: Any, world_size: int, setup: RunSetup) -> list[str]:
             ]
         if t.overwrite_output_dir:  # the checkpoint lies outside output_dir (refused above otherwise)
             problems += _set_up_overwrite(out, found, setup)
-        later = [n for n in run_dir.step_folders(out) if inside and n > os.path.basename(os.path.normpath(checkpoint))]
+        resumed = os.path.basename(os.path.normpath(checkpoint))
+        later = [n for n in run_folder.step_folders(out) if inside and n > resumed]
+        discarded = os.path.join(run_folder.checkpoint_root(out), run_folder.DISCARDED_DIR)
         if later and t.discard_later:
             setup.discard_later = True
-            setup.notes.append(f"train.discard_later=true: moving the later {_some(later)} aside into "
-                              f"{os.path.join(run_dir.checkpoint_root(out), run_dir.DISCARDED_DIR)}/")
+            setup.notes.append(f"train.discard_later=true: moving the later {_some(later)} aside into {discarded}/")
         elif later:
             return [
-                f"train.resume={checkpoint!r}: {run_dir.checkpoint_root(out)} also holds the later {_some(later)} "
+                f"train.resume={checkpoint!r}: {run_folder.checkpoint_root(out)} also holds the later {_some(later)} "
                 "of the run that went on; resuming here would mix the two. Add --train.discard_later=true to move "
-                f"them aside (into {os.path.join(run_dir.checkpoint_root(out), run_dir.DISCARDED_DIR)}/, deleting "
+                f"them aside (into {discarded}/, deleting "
                 "nothing), or continue into another train.output_dir"
             ]
     elif checkpoint is None:
-        root = run_dir.checkpoint_root(out)
-        steps = run_dir.step_folders(out)
+        root = run_folder.checkpoint_root(out)
+        steps = run_folder.step_folders(out)
         if steps:
             return [
                 f"train.resume=true: {root} holds {_some(steps)} but no complete checkpoint named by "
-                f"'{run_dir.LATEST}'; pass one with --train.resume=PATH"
+                f"'{run_folder.LATEST}'; pass one with --train.resume=PATH"
             ]
         setup.notes.append(
             f"train.resume=true: no checkpoint in {root}; starting from step 0"
-            + (f" (replacing {out}/{run_dir.METRICS_NAME})" if run_dir.METRICS_NAME in found else "")
+            + (f" (replacing {out}/{run_folder.METRICS_NAME})" if run_folder.METRICS_NAME in found else "")
         )
         return []
-    problems += run_dir.checkpoint_problems(checkpoint)
+    problems += run_folder.checkpoint_problems(checkpoint)
     if problems:
         return problems
     try:
-        stored, state = run_dir.read_checkpoint_files(checkpoint)
+        stored, state = run_folder.read_checkpoint_files(checkpoint)
         step, consumed = int(state["step"]), int(state["consumed_sequences"])
         elapsed, old_batch = float(state["elapsed_s"]), int(state["global_batch"])
     except ConfigError as e:
         return e.problems
     except (KeyError, TypeError, ValueError) as e:
-        return [f"checkpoint {checkpoint}: {run_dir.TRAINER_STATE_NAME} lacks or garbles {e}"]
+        return [f"checkpoint {checkpoint}: {run_folder.TRAINER_STATE_NAME} lacks or garbles {e}"]
     if config.train.num_epochs is not None and setup.dataset is not None:  # the steps the epochs still need
         problems += _resolve_epochs(config, world_size, setup, step, consumed)
         if problems:
@@ -213,7 +215,7 @@ def _resolve_epochs(config: Any, world_size: int, setup: RunSetup, step: int = 0
 def _set_up_overwrite(out: str, found: list[str], setup: RunSetup) -> list[str]:
     if not found:
         return []
-    foreign = [name for name in found if name not in run_dir.XORL_ENTRIES]
+    foreign = [name for name in found if name not in run_folder.XORL_ENTRIES]
     if foreign:
         return [
             f"train.overwrite_output_dir=true but {out!r} also holds {_some(foreign)}, which xorl did not write; "

@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from xorl import run_dir, run_lock
 from xorl.checkpoint.hf_export import DEFAULT_MAX_SHARD_BYTES, export_checkpoint
 from xorl.checkpoint.peft_adapter import ADAPTER_DIR, save_adapter
 from xorl.checkpoint.state import MODEL_CONFIG, Checkpointer, latest_checkpoint, load_checkpoint
@@ -43,6 +42,8 @@ from xorl.observability.profiling import StepProfiler
 from xorl.observability.sinks import open_sinks
 from xorl.parallel.compile import check_compiled
 from xorl.parallel.parallelize import build_step_plan
+from xorl.run import folder as run_folder
+from xorl.run import lock as run_lock
 from xorl.run.preemption import PreemptionGuard
 from xorl.run.preflight import RunSetup, prepare_run
 from xorl.run.resume import apply_config_hparams
@@ -198,12 +199,12 @@ class Trainer:
         if self.rank == 0:
             out = self.config.train.output_dir
             if self.setup.overwrite:
-                run_dir.clear_output_dir(out)
+                run_folder.clear_output_dir(out)
             keep = self.setup.resume.path if self.setup.discard_later and self.setup.resume else None
-            for line in run_dir.tidy_checkpoints(out, discard_after=keep):  # discard_later, unfinished saves
+            for line in run_folder.tidy_checkpoints(out, discard_after=keep):  # discard_later, unfinished saves
                 print(f"xorl: {line}", flush=True)
             os.makedirs(out, exist_ok=True)
-            run_dir.write_text_atomic(os.path.join(out, run_dir.CONFIG_NAME), self.config.to_yaml())
+            run_folder.write_text_atomic(os.path.join(out, run_folder.CONFIG_NAME), self.config.to_yaml())
         dist.barrier()
 
     def elapsed_s(self) -> float:
@@ -224,7 +225,7 @@ class Trainer:
             state["qkv_layout"] = QKV_LAYOUT
         if self.config.model.num_experts:
             state["experts_layout"] = EXPERTS_LAYOUT
-        files = {run_dir.RUN_CONFIG_NAME: self.config.to_yaml(), run_dir.TRAINER_STATE_NAME: json.dumps(state),
+        files = {run_folder.RUN_CONFIG_NAME: self.config.to_yaml(), run_folder.TRAINER_STATE_NAME: json.dumps(state),
                  MODEL_CONFIG: json.dumps(dataclasses.asdict(self.config.model), indent=2)}
         if self.config.model.lora:  # the adapter alone, in peft's format: output_dir/adapter (this step's)
             save_adapter(self.parts, self.config.model, os.path.join(self.config.train.output_dir, ADAPTER_DIR),

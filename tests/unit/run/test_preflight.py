@@ -10,8 +10,8 @@ import os
 
 import pytest
 
-from xorl import run_dir
 from xorl.config import Config, ConfigError
+from xorl.run import folder as run_folder
 from xorl.run.preflight import prepare_run
 
 
@@ -25,18 +25,18 @@ def _config(output_dir, **train) -> Config:
 
 def _fake_checkpoint(output_dir, step: int, config: Config, latest: bool = True) -> str:
     """A checkpoint folder with the plain files the trainer writes (the DCP shards are stand-ins)."""
-    path = os.path.join(run_dir.checkpoint_root(str(output_dir)), f"step_{step:08d}")
+    path = os.path.join(run_folder.checkpoint_root(str(output_dir)), f"step_{step:08d}")
     os.makedirs(path)
-    files = {"__0_0.distcp": "x" * 100, ".metadata": "m" * 10, run_dir.RUN_CONFIG_NAME: config.to_yaml(),
-             run_dir.TRAINER_STATE_NAME: json.dumps({"step": step, "consumed_sequences": 2 * step,
+    files = {"__0_0.distcp": "x" * 100, ".metadata": "m" * 10, run_folder.RUN_CONFIG_NAME: config.to_yaml(),
+             run_folder.TRAINER_STATE_NAME: json.dumps({"step": step, "consumed_sequences": 2 * step,
                                                      "elapsed_s": 1.5, "global_batch": 2})}
     for name, text in files.items():
         with open(os.path.join(path, name), "w") as f:
             f.write(text)
-    with open(os.path.join(path, run_dir.MANIFEST_NAME), "w") as f:
+    with open(os.path.join(path, run_folder.MANIFEST_NAME), "w") as f:
         json.dump({name: len(text) for name, text in files.items()}, f)
     if latest:
-        with open(os.path.join(run_dir.checkpoint_root(str(output_dir)), run_dir.LATEST), "w") as f:
+        with open(os.path.join(run_folder.checkpoint_root(str(output_dir)), run_folder.LATEST), "w") as f:
             f.write(os.path.basename(path) + "\n")
     return path
 
@@ -55,7 +55,7 @@ def test_overwrite_never_deletes_files_xorl_did_not_write(tmp_path):
     os.remove(tmp_path / "notes.txt")
     setup = prepare_run(_config(tmp_path, overwrite_output_dir=True), 1)
     assert setup.overwrite and "removing the earlier run's metrics.jsonl" in setup.notes[0]
-    run_dir.clear_output_dir(str(tmp_path))
+    run_folder.clear_output_dir(str(tmp_path))
     assert os.listdir(tmp_path) == []
 
 
@@ -127,14 +127,14 @@ def test_a_merged_qkv_checkpoint_in_the_older_row_order_is_refused(tmp_path):
     config.model.merge_qkv = True
     message = _refusal(config)
     assert "self_attn.qkv_proj is in the older [q; k; v] row order" in message and "xorl-export" in message
-    state_file = os.path.join(path, run_dir.TRAINER_STATE_NAME)
+    state_file = os.path.join(path, run_folder.TRAINER_STATE_NAME)
     state = json.load(open(state_file))
     with open(state_file, "w") as f:
         json.dump({**state, "qkv_layout": "kv_groups"}, f)
-    manifest = os.path.join(path, run_dir.MANIFEST_NAME)
+    manifest = os.path.join(path, run_folder.MANIFEST_NAME)
     sizes = json.load(open(manifest))
     with open(manifest, "w") as f:
-        json.dump({**sizes, run_dir.TRAINER_STATE_NAME: os.path.getsize(state_file)}, f)
+        json.dump({**sizes, run_folder.TRAINER_STATE_NAME: os.path.getsize(state_file)}, f)
     assert prepare_run(config, 1).resume is not None  # written by this xorl: resumes
 
 
