@@ -4,9 +4,9 @@
   name (it asks xorl/parallel/step_plan.py's StepPlan);
 * the plans (xorl/parallel/, xorl/parallel/parallelize.py) set no undeclared attribute on a module: an
   attribute they assign is one a module class in xorl/ declares in its ``__init__`` (a submodule
-  they replace), and they write no ``__dict__`` except where the README names it;
+  they replace), and they write no ``__dict__`` except where docs/architecture.md's list names it;
 * no ``.forward =`` anywhere in xorl/ except the compile step;
-* no forward hook in xorl/parallel/ except in the functions the README's "What is where" names;
+* no forward hook in xorl/parallel/ except in the functions docs/architecture.md's list names;
 * no function of ``xorl_kernels`` shares its name with a folder of it (it would hide the package);
 * the files split by concept stay readable at a sitting (a line cap).
 """
@@ -51,10 +51,17 @@ def _enclosing(tree: ast.Module) -> dict[int, str]:
     return owner
 
 
+MECHANISMS_HEADING = "### Where a plan reaches into a module from outside"
+
+
 def _readme_named(kind: str) -> set[tuple[str, str]]:
-    """("parallel/x.py", "function") pairs the README's "What is where" names for ``kind``."""
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("## What is where"):]
+    """("parallel/x.py", "function") pairs that docs/architecture.md's list of the mechanisms through
+    which a plan reaches into a module (the section under MECHANISMS_HEADING, up to the next heading)
+    names for ``kind``: items ``- `xorl/path.py:function`: why`` whose text has ``kind`` as a word
+    ("hook" matches "a forward hook", not "FSDP's hooks stay outside")."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    section = text[text.index(MECHANISMS_HEADING) + len(MECHANISMS_HEADING):]
+    section = section[:section.index("\n#")] if "\n#" in section else section
     items: list[str] = []  # the list items, continuation lines joined
     for line in section.splitlines():
         if line.startswith("- "):
@@ -65,7 +72,7 @@ def _readme_named(kind: str) -> set[tuple[str, str]]:
             items.append("")
     named = set()
     for item in items:
-        if kind in item:
+        if re.search(rf"(?<!\w){re.escape(kind)}(?!\w)", item):
             named.update(re.findall(r"^- `xorl/([\w/]+\.py):([\w.]+)`", item))
     return named
 
