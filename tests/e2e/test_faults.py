@@ -231,11 +231,11 @@ def test_a_second_run_into_the_same_folder_is_refused_and_a_dead_holder_does_not
 
 @pytest.mark.slow
 def test_the_lock_is_exclusive_across_processes_and_released_by_death(tmp_path):
-    from xorl import run_lock
+    from xorl.run import lock as run_lock
 
     out = str(tmp_path / "out")
     holder = subprocess.Popen(
-        [sys.executable, "-c", f"import time; from xorl import run_lock; assert run_lock.acquire({out!r}) is None; "
+        [sys.executable, "-c", f"import time; from xorl.run import lock; assert lock.acquire({out!r}) is None; "
          "print('held', flush=True); time.sleep(600)"], env=env(), stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
@@ -261,7 +261,7 @@ def test_a_second_run_is_refused_before_torch_is_imported(tmp_path):
     model families and torch (measured: the refusal took 25-35 s on a loaded 2-core node, all import)."""
     out = str(tmp_path / "out")
     holder = subprocess.Popen(
-        [sys.executable, "-c", f"import time; from xorl import run_lock; assert run_lock.acquire({out!r}) is None; "
+        [sys.executable, "-c", f"import time; from xorl.run import lock; assert lock.acquire({out!r}) is None; "
          "print('held', flush=True); time.sleep(600)"], env=env(), stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"

@@ -10,8 +10,8 @@ import os
 
 import pytest
 
-from xorl import run_dir
 from xorl.config import Config, ConfigError
+from xorl.run import folder as run_dir
 from xorl.run.preflight import prepare_run
 
 
