@@ -99,7 +99,8 @@ def _hf_llama(folder, nan_in: str | None = None, layers: int = 4) -> None:
 
 def train_until_it_stops(config: Config) -> str:
     """Run the trainer; return the message of the NonFiniteLossError it stops with (ranks' check)."""
-    from xorl.trainer.trainer import NonFiniteLossError, Trainer
+    from xorl.trainer.step import NonFiniteLossError
+    from xorl.trainer.trainer import Trainer
 
     trainer = Trainer(config)
     try:
