@@ -204,7 +204,7 @@ def _compiled_tp_training(output_dir: str, lora: dict | None, sequence_parallel:
     return _gloo_threads()
 
 
-# The two ways a compiled TP run held its groups (group_cleanup.release_compiled_code): guards and traced
+# The two ways a compiled TP run held its groups (_torch_compat.release_compiled_code): guards and traced
 # fakes over the TP DTensors (TP + SP), and a traced autograd.Function's cycle (LoRA's copy_to_region).
 _COMPILED_TP_RUNS = [(None, True), (dict(rank=4, alpha=8, dropout=0.0, target_modules=["q_proj", "o_proj"]), False)]
 
@@ -217,7 +217,7 @@ _COMPILED_TP_RUNS = [(None, True), (dict(rank=4, alpha=8, dropout=0.0, target_mo
 def test_a_compiled_tensor_parallel_run_leaves_no_groups_behind(gloo_world, tmp_path):
     """Compiled blocks over TP DTensor parameters (TP + SP; TP + LoRA without SP): dynamo's guards and
     traced fakes hold the TP meshes (so their groups) past torch._dynamo.reset();
-    group_cleanup.release_compiled_code drops them. Measured before it: 30 gloo threads (10 groups)
+    xorl/_torch_compat.py release_compiled_code drops them. Measured before it: 30 gloo threads (10 groups)
     left per rank after each run, the world restarted per call."""
     world = gloo_world(2)
     before = world.run(_gloo_threads)

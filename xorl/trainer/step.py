@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from xorl.observability.memory_report import peak_memory_bytes
 from xorl.parallel.compile import check_compiled
 from xorl.trainer.grad_clip import clip_grad_norm_
 from xorl.trainer.loss import count_label_tokens
@@ -33,6 +34,7 @@ class StepResult:
     tokens: int
     aux_loss: float | None = None
     expert_load: float | None = None  # MoE: the busiest expert's tokens / the mean's, worst layer
+    peak_memory_gib: float | None = None  # the busiest rank's peak memory since start, up to this backward
 
 
 class TrainStep:
@@ -88,8 +90,10 @@ class TrainStep:
             loss_sum, aux_sum = self._pipelined_forward_backward(microbatches, n_tok)
         else:
             loss_sum, aux_sum = self._forward_backward(microbatches, n_tok)
-        # The step's sums over every rank, and the gradient reductions the layout needs.
-        sums = step_plan.after_backward(loss_sum, aux_sum)
+        # The step's sums and the ranks' peak memory over every rank, and the gradient reductions the
+        # layout needs. The peak is read here, not after the optimizer step, to ride on the sums'
+        # collective: the optimizer step's own peak (step 1's Adam states) shows from the next step.
+        sums, peak_memory = step_plan.after_backward(loss_sum, aux_sum, float(peak_memory_bytes(self.device)))
         params = self.parameters()
         grad_norm = clip_grad_norm_(params, self.config.train.max_grad_norm, step_plan.grad_norm_group,
                                     counted=step_plan.grad_norm_parameters(params))
@@ -100,8 +104,8 @@ class TrainStep:
             optimizer.zero_grad(set_to_none=True)
         expert_load = step_plan.after_optimizer_step(self.device)
         ga = len(microbatches)
-        read = [sums[0], sums[1], grad_norm.double(), n_tok.double()]
-        loss_total, aux_total, norm, tokens, *load = torch.stack(
+        read = [sums[0], sums[1], grad_norm.double(), n_tok.double(), peak_memory]
+        loss_total, aux_total, norm, tokens, peak, *load = torch.stack(
             read if expert_load is None else [*read, expert_load]
         ).tolist()  # the step's one host read
         loss_value = loss_total / max(tokens, 1)
@@ -113,7 +117,7 @@ class TrainStep:
             self._compile_unchecked = False
         result = StepResult(self.step, loss_value, norm, lr, int(tokens),
                             aux_total / (ga * step_plan.balance_groups) if step_plan.has_router_loss else None,
-                            load[0] if load else None)
+                            load[0] if load else None, peak / 2**30)
         self.step += 1
         return result
 

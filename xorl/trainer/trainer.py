@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from xorl._torch_compat import live_process_groups
 from xorl.checkpoint.hf_export import DEFAULT_MAX_SHARD_BYTES, export_checkpoint
 from xorl.checkpoint.peft_adapter import ADAPTER_DIR, save_adapter
 from xorl.checkpoint.state import MODEL_CONFIG, Checkpointer, latest_checkpoint, load_checkpoint
@@ -28,13 +29,13 @@ from xorl.config import Config, compute_dtype
 from xorl.data.loader import MicrobatchLoader, PackedDataset, data_report
 from xorl.data.stream import StreamedLoader
 from xorl.data.tokenizer import build_tokenizer
-from xorl.distributed.init import init_distributed, world_size_from_env
+from xorl.distributed.init import destroy_process_groups, init_distributed, world_size_from_env
 from xorl.distributed.parallel_config import ParallelConfig
 from xorl.distributed.parallel_state import init_parallel_state
 from xorl.models.registry import build_model
 from xorl.models.spec import EXPERTS_LAYOUT, QKV_LAYOUT
 from xorl.nn.lora import cast_frozen_, frozen_dtype
-from xorl.observability.memory_report import current_host_bytes, peak_host_bytes, report_startup, reset_peak_host_bytes
+from xorl.observability.memory_report import current_host_bytes, report_startup, reset_peak_host_bytes
 from xorl.observability.metrics import MetricsLogger, startup_summary
 from xorl.observability.mfu import mfu
 from xorl.observability.profiling import StepProfiler
@@ -89,12 +90,18 @@ def materialise(parts: list[nn.Module], config: Config, device: torch.device) ->
 
 
 class Trainer(TrainStep):
+    """Builds the run from a config and trains it (``train``); ``close()`` (or leaving a ``with`` block)
+    gives back the process groups it made."""
+
     def __init__(self, config: Config, setup: RunSetup | None = None):
         started = time.perf_counter()
         self.config = config
+        self._closed = False
         world_size = world_size_from_env()
         # Every rule, the run folder and the checkpoint to resume, before any process group exists.
         self.setup = setup if setup is not None else prepare_run(config, world_size)
+        groups_before = live_process_groups()  # those this Trainer makes, close() destroys
+        self._started_default_group = not dist.is_initialized()
         self.device = init_distributed(config.train.collective_timeout_s)
         run_lock.hold(config.train.output_dir, self.device)  # one run per output_dir, before any write
         self.parallel_config = ParallelConfig.from_config(config, world_size)
@@ -151,8 +158,9 @@ class Trainer(TrainStep):
             print("\n".join(data_report(self.loader) + (self.evaluator.report() if self.evaluator else [])), flush=True)
         # startup.json: each rank's peak host (and device) memory with the weights in place, before step 1.
         self.startup = report_startup(config.train.output_dir, self.device, time.perf_counter() - started,
-                                      self.num_parameters,
+                                      self.num_parameters, self.num_trainable,
                                       config.model.model_path or f"seeded init (seed {config.train.seed})")
+        self._process_groups = live_process_groups() - groups_before
 
     # -- checkpoints -----------------------------------------------------------------------
     def _maybe_resume(self) -> None:
@@ -242,6 +250,8 @@ class Trainer(TrainStep):
     def train(self, stop_at: int | None = None) -> list[StepResult]:
         """Run to ``train.max_steps``, or stop early after step ``stop_at`` (as a preempted job would;
         the learning-rate schedule still follows max_steps). Saves every ``save_steps`` and at the end."""
+        if self._closed:
+            raise RuntimeError("this Trainer is closed (its process groups are destroyed); build another to train")
         train = self.config.train
         run_lock.hold(train.output_dir, self.device)  # again: an earlier train() of this Trainer gave it back
         last = train.max_steps if stop_at is None else min(stop_at, train.max_steps)
@@ -269,7 +279,8 @@ class Trainer(TrainStep):
                 show = self.step % max(train.log_steps, 1) == 0 or self.step == train.max_steps
                 # result.tokens counts label tokens of the global batch (the whole world's work).
                 metrics = {"loss": result.loss, "grad_norm": result.grad_norm, "lr": result.lr,
-                           **self._epoch_metrics(), **self._throughput_metrics(result.tokens / dt)}
+                           **self._epoch_metrics(), **self._throughput_metrics(result.tokens / dt),
+                           "peak_memory_gib": result.peak_memory_gib}
                 if result.aux_loss is not None:
                     metrics["router_loss"] = result.aux_loss
                 if result.expert_load is not None:
@@ -310,21 +321,47 @@ class Trainer(TrainStep):
         return results
 
     def _throughput_metrics(self, tokens_per_s: float) -> dict[str, float | None]:
-        """tokens/s (trained tokens of the global batch), MFU (None where the device's peak FLOP/s is not
-        known: CPU, unless XORL_PEAK_TFLOPS), and this rank's peak memory since start (rank 0 logs its own: no
-        collective for it): the CUDA caching allocator's on a GPU, the process's peak resident memory on CPU
-        (where the tensors live)."""
-        peak = (torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else peak_host_bytes())
+        """tokens/s (trained tokens of the global batch) and MFU (None where the device's peak FLOP/s is not
+        known: CPU, unless XORL_PEAK_TFLOPS). The step's peak_memory_gib is the busiest rank's (StepResult)."""
         return {"tokens_per_s": tokens_per_s,
                 "mfu": mfu(tokens_per_s, self.config.model, self.config.data.seq_len, dist.get_world_size(),
-                           self.device),
-                "peak_memory_gib": peak / 2**30}
+                           self.device)}
 
     def _epoch_metrics(self) -> dict[str, float]:
         """The pass over the data and how much of it was seen (a stream's length is unknown: its pass only)."""
         if self.config.data.streaming:
             return {"epoch": self.loader.state()["epoch"] + 1}
         return epoch_metrics(self.loader.first_sequence(self.step), len(self.loader.dataset))
+
+
+    # -- the end ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Collective (every rank calls it): wait for a save in flight, give back the run folder's lock,
+        and destroy the process groups this Trainer made (its ParallelState's meshes and their views,
+        the pipeline's pairs, the checkpointer's group), and the default group if it started it. Once
+        closed it cannot train; closing again does nothing.
+
+        Why it lets go of the model, optimizers, StepPlan and ParallelState: a gloo group's threads end
+        only with the last reference to it, and the DTensor parameters and meshes reference the groups.
+        A model kept from ``trainer.model`` keeps them alive, on groups that no longer run collectives.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.checkpointer.wait()  # the last save is complete (and ``latest``) before its group goes
+        finally:
+            run_lock.release(self.config.train.output_dir)
+            self.parts, self.optimizers, self.schedulers, self._schedules = [], [], [], {}
+            self.step_plan = self.state = self.schedule = self.evaluator = self.checkpointer = None
+            destroy_process_groups(self._process_groups, default=self._started_default_group,
+                                   compiled=bool(self.config.train.compile))
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def run_training(config: Config, setup: RunSetup | None = None) -> list[StepResult]:
