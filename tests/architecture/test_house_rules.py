@@ -1,4 +1,4 @@
-"""The house rules of issue 19, held at the source level (AST / text, no process groups):
+"""The house rules, held at the source level (AST / text, no process groups):
 
 * the training step names no parallelism: the Trainer's files mention no parallel size, group or mesh by
   name (it asks xorl/parallel/step_plan.py's StepPlan);
