@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -252,3 +253,25 @@ def test_workers_exit_when_the_launcher_is_killed(tmp_path):
                 os.kill(pid, signal.SIGKILL)
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.slow
+def test_one_process_on_a_busy_master_port_trains_saves_the_last_step_and_then_is_finished(tmp_path):
+    """A busy MASTER_PORT, save_steps 0, log_steps 2, a warmup longer than the run: it trains, says
+    so, saves the last step, and `resume: true` then finds the run finished."""
+    config = write_config(tmp_path, "out", max_steps=4, save_steps=0, log_steps=2, warmup_steps=10)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        os.environ["MASTER_PORT"] = str(busy.getsockname()[1])  # xorl_train passes os.environ on
+        try:
+            run = xorl_train(config, cwd=tmp_path)
+        finally:
+            del os.environ["MASTER_PORT"]
+    assert run.code == 0, run.text
+    assert "train.warmup_steps=10 is more than train.max_steps=4: warming up over 4 steps" in run.out
+    assert [ln.split()[1] for ln in run.out.splitlines() if ln.startswith("step ")] == ["2/4", "4/4"]
+    assert [r["step"] for r in read_metrics(tmp_path / "out" / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert "xorl: saved checkpoint out/checkpoints/step_00000004" in run.out
+    again = xorl_train(config, "--train.resume=true", cwd=tmp_path)
+    assert again.code == 0 and "the run is finished" in again.out, again.text

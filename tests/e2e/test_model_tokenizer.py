@@ -1,4 +1,4 @@
-"""The tokenizer comes with the model (issue 20): a model folder's own tokenizer is used when
+"""The tokenizer comes with the model: a model folder's own tokenizer is used when
 data.tokenizer is unset, its end-of-text token is the one the folder names, and exports carry the
 tokenizer files, the token ids and generation_config.json."""
 

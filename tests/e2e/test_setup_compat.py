@@ -1,4 +1,5 @@
-"""scripts/setup_env.sh's offline way inside an image whose python3 is itself a venv's.
+"""scripts/setup_env.sh: the first set-up says what it does, one line a phase; and its offline way
+inside an image whose python3 is itself a venv's.
 
 The GPU image's python3 is /opt/torch/.venv/bin/python3: torch, setuptools and pybind11 live in
 that venv. A venv made from it with --system-site-packages sees the base interpreter's packages
@@ -10,6 +11,7 @@ the image's venv) plays the image's python3.
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 import sys
 
@@ -46,3 +48,25 @@ def test_offline_setup_from_a_venv_python_sees_its_torch_and_runs_torchrun(tmp_p
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     assert f"worker 0 {prefix}" in run.stdout, run.stdout
+
+
+@pytest.mark.slow
+def test_the_first_setup_says_what_it_does(tmp_path):
+    """setup_env.sh against a stub venv whose python records the pip calls: one line per phase."""
+    venv, calls = tmp_path / "venv", tmp_path / "calls"
+    (venv / "bin").mkdir(parents=True)
+    stub = venv / "bin" / "python"
+    stub.write_text(f'#!/bin/sh\necho "$*" >> "{calls}"\ncase "$*" in *"import torch"*) exit 1;; esac\nexit 0\n')
+    stub.chmod(stub.stat().st_mode | stat.S_IEXEC)
+    (venv / "bin" / "activate").write_text(f'PATH="{venv / "bin"}:$PATH"\n')
+    env = {**os.environ, "XORL_VENV": str(venv), "PYTHON": str(stub)}
+    env.pop("XORL_OFFLINE", None)
+    script = os.path.join(ROOT, "scripts", "setup_env.sh")
+    first = subprocess.run(["bash", script], env=env, capture_output=True, text=True, timeout=60)
+    assert first.returncode == 0, first.stderr
+    phases = [ln for ln in first.stderr.splitlines() if ln.startswith("xorl setup: ")]
+    assert [p.split(": ", 1)[1].split(" (")[0].split(" ")[0:2] for p in phases] == [
+        ["updating", "pip"], ["downloading", "and"], ["installing", "xorl"], ["done", "in"]], phases
+    assert "-q" in calls.read_text()  # pip itself stays quiet
+    again = subprocess.run(["bash", script], env=env, capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0 and "xorl setup" not in again.stderr  # installed: nothing to say

@@ -1,4 +1,4 @@
-"""The training loop's schedule and length, its logs, profiling, cluster launch and --help (issue 23).
+"""The training loop's schedule and length, its logs, profiling, cluster launch and --help.
 
 - every lr_schedule against a float64 formula written here (and hand-computed numbers), at every
   step, through torch's LambdaLR as the trainer builds it;
@@ -367,7 +367,7 @@ def test_the_console_line_and_the_bar_show_throughput_mfu_and_memory(tmp_path, m
 
     row = {"step": 5, "time": 12.25, "loss": 2.5, "grad_norm": 0.75, "lr": 1e-3, "epoch": 2, "data_seen": 1.25,
            "tokens_per_s": 1234.4, "mfu": 0.4123, "peak_memory_gib": 61.2, "eval_loss": 2.0}
-    # An eval step's line carries its eval loss (issue 23: the progress line shows validation).
+    # An eval step's line carries its eval loss (the progress line shows validation).
     assert format_step_line(row, 10) == ("step 5/10 loss 2.5000 eval_loss 2.0000 grad_norm 0.750 lr 1.00e-03 "
                                             "epoch 2 data_seen 1.250 tokens/s 1234 mfu 41.2% peak_memory_gib 61.20 "
                                             "time 12.2s")

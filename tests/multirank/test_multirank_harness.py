@@ -1,5 +1,6 @@
 """The multi-rank harness itself: results come back per rank, errors and hangs fail with a message
-naming the call, a late answer never passes for the next call's, and checks leave no groups behind."""
+naming the call, a rank that dies in a Trainer's step fails the call rather than hanging it, a late
+answer never passes for the next call's, and checks leave no groups behind."""
 
 import os
 import signal
@@ -10,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.support.parity_runs import tiny_config, train_with_rank_dying
 from xorl.testing.multirank import GlooWorld, RankError, set_deadline
 
 pytest_plugins = ["pytester"]
@@ -204,7 +206,7 @@ def _compiled_tp_training(output_dir: str, lora: dict | None, sequence_parallel:
     return _gloo_threads()
 
 
-# The two ways a compiled TP run held its groups (group_cleanup.release_compiled_code): guards and traced
+# The two ways a compiled TP run held its groups (_torch_compat.release_compiled_code): guards and traced
 # fakes over the TP DTensors (TP + SP), and a traced autograd.Function's cycle (LoRA's copy_to_region).
 _COMPILED_TP_RUNS = [(None, True), (dict(rank=4, alpha=8, dropout=0.0, target_modules=["q_proj", "o_proj"]), False)]
 
@@ -217,7 +219,7 @@ _COMPILED_TP_RUNS = [(None, True), (dict(rank=4, alpha=8, dropout=0.0, target_mo
 def test_a_compiled_tensor_parallel_run_leaves_no_groups_behind(gloo_world, tmp_path):
     """Compiled blocks over TP DTensor parameters (TP + SP; TP + LoRA without SP): dynamo's guards and
     traced fakes hold the TP meshes (so their groups) past torch._dynamo.reset();
-    group_cleanup.release_compiled_code drops them. Measured before it: 30 gloo threads (10 groups)
+    xorl/_torch_compat.py release_compiled_code drops them. Measured before it: 30 gloo threads (10 groups)
     left per rank after each run, the world restarted per call."""
     world = gloo_world(2)
     before = world.run(_gloo_threads)
@@ -229,3 +231,16 @@ def test_a_compiled_tensor_parallel_run_leaves_no_groups_behind(gloo_world, tmp_
     for rank in range(2):
         assert all(sum(d[rank].values()) >= sum(before[rank].values()) + 20 for d in during), during
         assert after[rank] == before[rank], (rank, before[rank], after[rank])
+
+
+FSDP2 = dict(data_parallel_shard_size=2, gradient_accumulation_steps=2)
+
+
+@pytest.mark.slow
+def test_a_dying_rank_makes_the_others_fail_not_hang(tmp_path):
+    with GlooWorld(2, timeout_s=120) as world:
+        start = time.monotonic()
+        with pytest.raises(RankError) as info:
+            world.run(train_with_rank_dying, tiny_config(str(tmp_path), max_steps=5, **FSDP2), 1, 2)
+        assert time.monotonic() - start < 100
+        assert "rank 1" in str(info.value)

@@ -109,7 +109,7 @@ LAYOUTS = [
                                                                        expert_parallel_size=2)),
     ("lora moe experts tp2+sp, ep2 over tp", 2, "qwen3_moe-lora-experts",
      dict(data_parallel_shard_size=1, tensor_parallel_size=2, sequence_parallel=True, expert_parallel_size=2)),
-    # The families of issue 20, each on a layout that exercises what is new in it (tests/parity_runs.MODELS).
+    # The families beyond Llama, each on a layout that exercises what is new in it (tests/parity_runs.MODELS).
     ("llama3.1 rope-scaled ring2 x fsdp2, past original_max_position_embeddings", 4, "llama3.1-rope",
      dict(data_parallel_shard_size=2, ringattn_parallel_size=2)),
     ("llama3.1 rope-scaled ring2 x ulysses2", 4, "llama3.1-rope",
@@ -197,7 +197,7 @@ _SFT_TRAIN = {
     "pp2": ("llama", dict(data_parallel_shard_size=1, pipeline_parallel_size=2)),
     "moe ep2": ("qwen3_moe", dict(data_parallel_shard_size=2, expert_parallel_size=2)),
 }
-# Every supervised format (issue 23) on every layout the issue names, against one process.
+# Every supervised format (messages, prompt_completion, input_ids) on each kind of layout, against one process.
 SFT_LAYOUTS = [(f"{fmt} {layout}", 2, model_type, train, fmt)
                for fmt in ("messages", "prompt_completion", "input_ids")
                for layout, (model_type, train) in _SFT_TRAIN.items()]

@@ -1,4 +1,4 @@
-"""Tied embeddings under pipeline parallelism (issue 20; the parity rows are in test_parity_matrix.py).
+"""Tied embeddings under pipeline parallelism (the parity rows are in test_parity_matrix.py).
 
 A tied Llama (3.2 1B / 3B style) trained on 2 pipeline stages: its checkpoint resumes in one process
 and continues as one process's own run does, and its HF export, loaded by transformers'

@@ -153,9 +153,10 @@ def resume_and_report(config: Config) -> dict:
 
 def train_with_nan_at(config: Config, bad_step: int) -> str:
     """Make the loss NaN at ``bad_step``; return the error message the trainer stops with."""
-    import xorl.trainer.trainer as trainer_module
+    from xorl.trainer.step import NonFiniteLossError
+    from xorl.trainer.trainer import Trainer
 
-    trainer = trainer_module.Trainer(config)
+    trainer = Trainer(config)
 
     def poison_output(module, args, kwargs, out):  # the model computes its own loss_sum (fused or not)
         if trainer.step == bad_step and getattr(out, "loss_sum", None) is not None:
@@ -165,7 +166,7 @@ def train_with_nan_at(config: Config, bad_step: int) -> str:
     handle = trainer.model.register_forward_hook(poison_output, with_kwargs=True)
     try:
         trainer.train()
-    except trainer_module.NonFiniteLossError as err:
+    except NonFiniteLossError as err:
         return str(err)
     finally:
         handle.remove()

@@ -366,7 +366,7 @@ def _verify_checksums(path: str) -> None:
 
     Why split: a 70B checkpoint with its optimizer state is near a terabyte; each rank reads
     1/world of the files (in parallel, once), and every rank learns every mismatch. The small files
-    were checked before start-up (run_dir.checkpoint_problems).
+    were checked before start-up (xorl/run/folder.py checkpoint_problems).
     """
     with open(os.path.join(path, MANIFEST_NAME), encoding="utf-8") as f:
         manifest = json.load(f)

@@ -86,7 +86,7 @@ def _check_exportable(model_config) -> None:
     router): refused here, before any tensor is read, in one line (it used to end in a traceback
     from inside the export)."""
     from xorl.models.families import family
-    from xorl.models.schema import fields_to_hf
+    from xorl.models.hf_config import fields_to_hf
     from xorl.models.spec import ModelSpec
 
     spec = ModelSpec.from_config(model_config)

@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> None:
     from xorl.checkpoint.state import CheckpointError
     from xorl.run.fatal import collective_timeout, exit_fatal
     from xorl.run.preemption import Preempted
-    from xorl.trainer.trainer import NonFiniteLossError, run_training
+    from xorl.trainer.step import NonFiniteLossError
+    from xorl.trainer.trainer import run_training
 
     try:
         results = run_training(config, setup)

@@ -8,7 +8,7 @@ config's value. Two kinds of entries are not architecture and stay the user's to
 ``TRAINING_KNOBS`` (loss coefficients and the init scale, which a loaded model never uses) take the
 file's value unless the YAML or CLI sets them, which then wins.
 
-The file is read through its family's declaration (xorl/models/schema.py ``hf_to_fields``: the
+The file is read through its family's declaration (xorl/models/hf_config.py ``hf_to_fields``: the
 family's own key names, the values its transformers class hard-codes); features xorl.models cannot
 build exactly (another activation, dynamic RoPE, MLP biases, sliding windows, dropout, ...) are
 refused here, before anything is built, naming the file and the field.
@@ -28,7 +28,9 @@ import os
 from typing import Any
 
 from xorl.config.errors import ConfigError
-from xorl.models.schema import DERIVED_WHEN_NULL, FIELD, LOCAL_FIELDS, TRAINING_KNOBS, hf_to_fields, resolved_head_dim
+from xorl.models.hf_config import hf_to_fields
+from xorl.models.schema import FIELD, LOCAL_FIELDS, TRAINING_KNOBS
+from xorl.models.shape_rules import DERIVED_WHEN_NULL, resolved_head_dim
 
 HF_CONFIG_NAME = "config.json"
 __all__ = ["LOCAL_FIELDS", "TRAINING_KNOBS", "apply_model_path", "hf_model_fields", "model_path_conflicts"]

@@ -49,3 +49,41 @@ def init_distributed(timeout_s: float = 600.0) -> torch.device:
         return device
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     return device
+
+
+def destroy_process_groups(groups: set, *, default: bool, compiled: bool = False) -> None:
+    """Destroy ``groups`` (those one owner created: a Trainer's meshes, pipeline pairs, checkpoint
+    group; emptied here), then the default group too where ``default`` and no other group is left.
+
+    Why so much around ``destroy_process_group``: a gloo group's threads end only when its C++ object
+    is freed, and torch keeps references past the destroy: DTensor's caches hold the meshes, compiled
+    code (``compiled``) holds the meshes of the DTensors it traced, DeviceMesh views stay in the C++
+    name registry, and the owner's modules and meshes form cycles only a collection frees. So the
+    caches are cleared and garbage collected while the groups exist (collected after, FSDP states
+    over HSDP meshes leave groups registered in C++), the registry is refilled with the groups that
+    stay, and a last collection frees the rest. Groups another owner made (a second Trainer) stay,
+    and so does the default group while they do.
+    """
+    import gc
+
+    from xorl._torch_compat import (
+        clear_mesh_caches,
+        live_process_groups,
+        release_compiled_code,
+        reregister_process_groups,
+    )
+
+    clear_mesh_caches()
+    if compiled:
+        release_compiled_code()
+    gc.collect()
+    for group in groups & live_process_groups() - {dist.GroupMember.WORLD}:
+        dist.destroy_process_group(group)
+    groups.clear()
+    group = None  # the loop's last group must not outlive the collection below
+    remaining = live_process_groups()
+    reregister_process_groups(remaining)
+    if default and remaining <= {dist.GroupMember.WORLD} and dist.is_initialized():
+        dist.destroy_process_group()
+    remaining = None
+    gc.collect()

@@ -12,7 +12,8 @@ wide. The multi-token-prediction layers the released files hold after the last l
 """
 
 from xorl.models.decoder import DecoderForCausalLM
-from xorl.models.schema import Family, mla_head_dim
+from xorl.models.schema import Family
+from xorl.models.shape_rules import mla_head_dim
 
 
 def read_mla(raw: dict, values: dict, hf_defaults: dict) -> list[str]:

@@ -29,7 +29,7 @@ def build_model(model_config: Any, fp8: str = "none"):
 
 def to_hf_config_dict(model_config: Any, dtype: Any = None) -> dict[str, Any]:
     """A config.json dict that the family's transformers class loads."""
-    from xorl.models.schema import fields_to_hf
+    from xorl.models.hf_config import fields_to_hf
     from xorl.models.spec import ModelSpec
 
     spec = ModelSpec.from_config(model_config)

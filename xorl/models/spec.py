@@ -11,16 +11,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from xorl.models.schema import (
-    FIELDS,
-    MLA,
-    Family,
-    apply_family,
-    field_values,
-    hf_to_fields,
-    resolved_head_dim,
-    shape_problems,
-)
+from xorl.models.hf_config import hf_to_fields
+from xorl.models.schema import FIELDS, MLA, Family, apply_family, field_values
+from xorl.models.shape_rules import resolved_head_dim, shape_problems
 
 # merge_qkv's layout of ``self_attn.qkv_proj`` (rows grouped by KV head: xorl/models/attention.py),
 # recorded in checkpoints (trainer_state.json) so that one saved in another layout is never read as

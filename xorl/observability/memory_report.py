@@ -91,6 +91,12 @@ def device_peak_bytes(device: torch.device) -> int | None:
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
 
 
+def peak_memory_bytes(device: torch.device) -> int:
+    """This rank's peak memory since start, where its tensors live: the CUDA caching allocator's on a
+    GPU, the process's peak resident memory on CPU. Host counters: reading them waits for no kernel."""
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_host_bytes()
+
+
 def memory_summary(what: str, ranks: list[dict], model_bytes: int, seconds_key: str = "seconds") -> str:
     """One line for the log: time, each rank's host peak range against the model's bytes."""
     peaks = [r["peak_host_bytes"] for r in ranks]
@@ -104,13 +110,15 @@ def memory_summary(what: str, ranks: list[dict], model_bytes: int, seconds_key: 
 
 
 def report_startup(output_dir: str, device: torch.device, seconds: float, model_parameters: int,
-                   weights_from: str) -> dict:
+                   trainable_parameters: int, weights_from: str) -> dict:
     """startup.json in ``output_dir`` (written by rank 0; a collective): each rank's peak host memory,
-    device peak and seconds, with the model's fp32 bytes; one line in the log too."""
+    device peak and seconds, with the model's parameters, those the optimizer updates (fewer under
+    LoRA: the adapters) and the model's fp32 bytes; one line in the log too."""
     ranks = gather_rank_figures({"peak_host_bytes": peak_host_bytes(), "ru_maxrss_bytes": ru_maxrss_bytes(),
                                  "seconds": seconds, "device_peak_bytes": device_peak_bytes(device)}, device)
     model_bytes = 4 * model_parameters  # fp32 master weights
-    report = {"model_parameters": model_parameters, "model_bytes": model_bytes,
+    report = {"model_parameters": model_parameters, "trainable_parameters": trainable_parameters,
+              "model_bytes": model_bytes,
               "world_size": len(ranks), "device": device.type, "weights_from": weights_from, "ranks": ranks}
     if not dist.is_initialized() or dist.get_rank() == 0:
         path = os.path.join(output_dir, "startup.json")

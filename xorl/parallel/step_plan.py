@@ -10,9 +10,10 @@ returns; this object answers the step's questions from them and from the Paralle
 * the shapes the pipeline stages exchange (``stage_io_shape``) and the schedule (``build_schedule``);
 * the router balancing: how many balance groups share a step (``balance_groups``);
 * what to reduce once the backward passes are done (``after_backward``: the router-loss shares
-  over TP, the loss sums over the data, context and pipeline ranks, the TP partial gradients, the
-  DDP gradient sum), the group the gradient norm spans (``grad_norm_group``) and what follows the
-  optimizer step (``after_optimizer_step``: the routers' loads: bias updates, the expert_load metric).
+  over TP, the loss sums and the ranks' peak memory over the data, context and pipeline ranks, the
+  TP partial gradients, the DDP gradient sum), the group the gradient norm spans
+  (``grad_norm_group``) and what follows the optimizer step (``after_optimizer_step``: the routers'
+  loads: bias updates, the expert_load metric).
 
 The order and the arithmetic of each reduction are those the trainer had before this object.
 """
@@ -46,6 +47,8 @@ class StepPlan:
         # (which run on TP token shards on every stage, so the multiple is the model's, not a part's).
         splits_over_tp = tensor is not None and (tensor.sequence_parallel or model.num_experts > 0)
         self.cp_local_multiple = tensor.tp.size if splits_over_tp else 1
+        # This rank's slot among the data x context x pipeline ranks the step's sums span (after_backward).
+        self.peak_memory_slot = state.pp_rank * state.dp_cp_size + state.dp_cp_rank
 
     # -- the model parts --------------------------------------------------------------------
     @property
@@ -140,15 +143,26 @@ class StepPlan:
         return self.pipeline.inputs.router_loss_sum
 
     # -- after backward, after the optimizer step -------------------------------------------
-    def after_backward(self, loss_sum: torch.Tensor, aux_sum: torch.Tensor) -> torch.Tensor:
+    def after_backward(self, loss_sum: torch.Tensor, aux_sum: torch.Tensor,
+                       peak_memory_bytes: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Once per step, after the last backward: reduce the step's sums and the gradients.
 
-        Returns the [2] tensor (label-loss sum, router-loss sum) summed over every rank.
+        Returns the [2] tensor (label-loss sum, router-loss sum) summed over every rank, and the
+        largest of the ranks' ``peak_memory_bytes`` (a device scalar).
+
+        Why the peaks ride on the sums' collective: the logged peak is the busiest rank's, and a
+        collective of its own (a MAX) would cost a round trip a step. Each rank writes its peak into
+        its own slot of a vector of zeros, so the sum over the ranks lists every rank's peak. The
+        slots span the data, context and pipeline ranks the sums reduce over; the tensor-parallel
+        ranks, equal shards of the same work, are not among them (the max is over the ranks that
+        share this rank's TP coordinate).
         """
         state = self.state
         if state.tp_size > 1 and self.has_router_loss:  # router-loss shares differ over TP
             dist.all_reduce(aux_sum, group=state.tp_group)
-        sums = torch.stack([loss_sum, aux_sum])  # one collective for both
+        peaks = torch.zeros(state.dp_cp_size * state.pp_size, dtype=torch.float64, device=loss_sum.device)
+        peaks[self.peak_memory_slot] = peak_memory_bytes
+        sums = torch.cat([torch.stack([loss_sum, aux_sum]), peaks])  # one collective for all
         if state.dp_cp_size > 1:
             dist.all_reduce(sums, group=state.dp_cp_group)
         if state.pp_size > 1:  # only the last stage computed the loss; each stage its own router losses
@@ -165,7 +179,7 @@ class StepPlan:
         if self.pipeline is not None and self.pipeline.tied is not None:
             # Tied embeddings over pipeline stages: both copies take the sum of their gradients.
             self.pipeline.tied.sum_grads()
-        return sums
+        return sums[:2], sums[2:].max()
 
     @property
     def stages_group(self):

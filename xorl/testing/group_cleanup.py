@@ -4,14 +4,15 @@ Why: every gloo process group holds two ``pt_gloo_runloop`` threads and a ``gloo
 for as long as it lives, and a check that builds a ParallelState, a DeviceMesh or a Trainer creates
 a dozen groups. A rank reused for a whole suite piled up hundreds of such threads.
 
-Why torch's DTensor caches are cleared too: they are keyed by DeviceMesh equality, which compares
-rank layouts, not process groups. A later check with an equal mesh would be handed a DTensor spec
-holding the finished check's mesh, whose groups are destroyed ("Could not resolve the process
-group registered under the name ..."); and the cached meshes would keep those groups' threads alive.
+Why torch's DTensor caches are cleared too (xorl/_torch_compat.py ``clear_mesh_caches``): they are
+keyed by DeviceMesh equality, which compares rank layouts, not process groups. A later check with an
+equal mesh would be handed a DTensor spec holding the finished check's mesh, whose groups are destroyed
+("Could not resolve the process group registered under the name ..."); and the cached meshes would
+keep those groups' threads alive.
 
-Why compiled code is released too (``release_compiled_code``): dynamo's guards and traced fake
-DTensors of a compiled tensor-parallel block hold the TP meshes, so their groups, past
-``torch._dynamo.reset()``; without it every compiled TP check restarted its world.
+Why compiled code is released too (xorl/_torch_compat.py ``release_compiled_code``): dynamo's guards
+and traced fake DTensors of a compiled tensor-parallel block hold the TP meshes, so their groups,
+past ``torch._dynamo.reset()``; without it every compiled TP check restarted its world.
 
 ``gloo_thread_count`` is the ground truth the harness checks after the clean-up: if a check kept a
 group alive anyway (a module-level cache, or a torch cache not listed here), the harness restarts
@@ -22,119 +23,21 @@ from __future__ import annotations
 
 import gc
 import os
-import warnings
 
 
 def live_groups() -> set:
-    from torch.distributed.distributed_c10d import _world
+    from xorl._torch_compat import live_process_groups
 
-    return set(_world.pg_map)
-
-
-def clear_torch_mesh_caches() -> None:
-    """Drop every torch cache known to hold DeviceMesh objects (best effort: private torch APIs)."""
-    from torch.distributed.tensor import _collective_utils, _redistribute, _sharding_prop
-    from torch.distributed.tensor import debug as dtensor_debug
-
-    clears = [
-        getattr(dtensor_debug, "_clear_sharding_prop_cache", None),  # the Python and C++ fast-path caches
-        getattr(_redistribute, "clear_redistribute_planner_cache", None),
-        getattr(getattr(_redistribute, "_gen_transform_infos", None), "cache_clear", None),
-        getattr(getattr(_collective_utils.MeshTopoInfo, "build_from_mesh", None), "cache_clear", None),
-        getattr(getattr(_sharding_prop.ShardingPropagator, "_propagate_tensor_meta_cached", None),
-                "cache_clear", None),
-    ]
-    for clear in clears:
-        if clear is not None:
-            clear()
-
-
-def release_compiled_code() -> None:
-    """Reset dynamo, then drop what its reset leaves holding the finished check's compilations
-    (best effort: private torch APIs, checked on torch 2.13).
-
-    Why: a compiled block over tensor-parallel DTensor parameters guards on each parameter's
-    DTensorSpec and traces fake DTensors carrying the same specs; each spec's DeviceMesh holds the
-    TP process groups (C++ objects with three gloo threads each). ``torch._dynamo.reset()`` drops the
-    cache entries, but these holders survive it (found with gc.get_referrers chains after a TP 2 + SP
-    compiled run: 30 gloo threads, i.e. 10 groups, left per rank):
-
-    * every compiled frame's CheckFunctionManager (its guard closures hold the DTensorSpecs) stays
-      referenced by the ``weakref.finalize`` callbacks dynamo registers on each object an ID_MATCH
-      guard names: torch.ops.xorl, modules, classes, code objects, i.e. objects that never die
-      (torch's own comment at CheckFunctionManager.id_ref calls this a leak "by design");
-    * the compiled graphs stay installed in the compiled function's module globals
-      (``__compiled_fn_*`` in xorl.parallel.parallelize; their GraphModules keep fake DTensors in node meta):
-      dynamo deletes them when the output code object dies, and that code object stays referenced
-      from C++;
-    * each compilation's ShapeEnv keeps ``tracked_fakes`` (fake DTensors with the real specs) and is
-      itself kept by a cycle through C++ (fake tensors the C++ side still references) and by
-      ShapeEnv's and FakeTensorMode's class-level caches. Dynamo breaks the same cycle by clearing
-      ``tracked_fakes`` only after a failed trace (OutputGraph._cleanup_output_graph);
-    * a traced autograd.Function (TP without SP with LoRA: copy_to_region on the adapters' path,
-      tests/multirank/test_compile.py "tp2 lora") forms a cycle gc cannot see: its forward / backward
-      GraphModules keep fake example values in node.meta, whose autograd graphs (C++ edges) reach
-      the ApplyTemplateBackward node, whose class's forward closes over those GraphModules; the
-      fakes include the LoRA parameters' fake DTensors. Dynamo's own cleanup of a failed trace
-      clears node.meta for the same reason; here it is cleared on the graphs that survive.
-    """
-    import torch
-
-    torch._dynamo.reset()
-    try:
-        _release_what_reset_leaves(torch)
-    except (ImportError, AttributeError, TypeError) as error:
-        # Another torch moved these internals: the harness then sees the groups still alive (its
-        # gloo thread count) and restarts the world, as it did before this function existed.
-        warnings.warn(f"release_compiled_code: {error!r}; a compiled check may restart its world",
-                      RuntimeWarning, stacklevel=2)
-
-
-def _release_what_reset_leaves(torch) -> None:
-    """The holders ``release_compiled_code``'s docstring lists, dropped after the reset."""
-    import weakref
-
-    from torch._dynamo.guards import CheckFunctionManager
-    from torch._dynamo.utils import CleanupManager
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
-    for finalizer, info in list(weakref.finalize._registry.items()):
-        owner = getattr(getattr(info.func, "func", None), "__self__", None)
-        if isinstance(owner, CheckFunctionManager):
-            manager = getattr(owner, "guard_manager", None)
-            if getattr(manager, "cache_entry", None) is None:  # its cache entry is gone: nothing to invalidate
-                finalizer.detach()
-    owner = manager = info = finalizer = None
-    # After the reset no cache entry can run these output codes: their globals can go.
-    cleanups = CleanupManager.instance
-    for hooks in list(cleanups.values.values()):
-        for hook in hooks:
-            hook()
-    cleanups.clear()
-    for attr in vars(ShapeEnv).values():
-        clear = getattr(attr, "cache_clear", None)
-        if callable(clear):
-            clear()
-    FakeTensorMode.cache_clear()
-    # The ShapeEnvs and GraphModules still alive belong to the reset's compilations. gc.get_objects()
-    # lists only objects made since the last freeze_survivors(), so this scan costs what the check
-    # allocated.
-    for obj in gc.get_objects():
-        if issubclass(type(obj), ShapeEnv):  # type(), not isinstance: a dead weakproxy raises
-            obj.tracked_fakes = None
-        elif issubclass(type(obj), torch.fx.GraphModule):  # example values out; the code still runs
-            for node in obj.graph.nodes:
-                node.meta.clear()
+    return live_process_groups()
 
 
 def destroy_groups_not_in(keep: set) -> None:
     """Destroy every process group created since ``keep`` was taken (never the default group)."""
     import torch.distributed as dist
 
-    from xorl._torch_compat import reregister_process_groups
+    from xorl._torch_compat import clear_mesh_caches, release_compiled_code, reregister_process_groups
 
-    clear_torch_mesh_caches()
+    clear_mesh_caches()
     release_compiled_code()
     # Collect the check's garbage while its groups still exist: collected after they are destroyed,
     # some of it (FSDP states over HSDP meshes, seen in torch 2.13) leaves them registered in C++.

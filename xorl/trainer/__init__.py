@@ -1,7 +1,9 @@
 """The training loop and what each step needs besides the parallel layer.
 
-- ``trainer.py``: ``Trainer`` (config -> process group -> ParallelState -> parallel model -> steps) and
-  ``run_training``.
+- ``trainer.py``: ``Trainer`` (config -> process group -> ParallelState -> parallel model -> steps;
+  ``close()`` gives its process groups back) and ``run_training``.
+- ``step.py``: one optimizer step (``TrainStep``, which ``Trainer`` inherits), ``StepResult``,
+  ``NonFiniteLossError``.
 - ``loss.py``: the loss one process would compute, whatever the layout.
 - ``grad_clip.py``: the gradient norm over every mesh dimension, without a host sync.
 - ``optim.py``: AdamW and the learning-rate schedules.
@@ -14,7 +16,7 @@ from xorl._lazy import lazy_getattr
 
 _EXPORTS = {
     "Trainer": ".trainer",
-    "StepResult": ".trainer",
+    "StepResult": ".step",
     "run_training": ".trainer",
 }
 __all__ = sorted(_EXPORTS)

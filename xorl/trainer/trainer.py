@@ -1,4 +1,5 @@
-"""The training loop: config → process group → ParallelState → parallel model → steps.
+"""The training loop: config → process group → ParallelState → parallel model → steps (each step:
+xorl/trainer/step.py).
 
 Reads top to bottom. What makes every layout log the losses of one process:
 - every rank starts from the weights of one process: the plans shard the model on the meta
@@ -13,15 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from xorl._torch_compat import live_process_groups
 from xorl.checkpoint.hf_export import DEFAULT_MAX_SHARD_BYTES, export_checkpoint
 from xorl.checkpoint.peft_adapter import ADAPTER_DIR, save_adapter
 from xorl.checkpoint.state import MODEL_CONFIG, Checkpointer, latest_checkpoint, load_checkpoint
@@ -29,18 +29,17 @@ from xorl.config import Config, compute_dtype
 from xorl.data.loader import MicrobatchLoader, PackedDataset, data_report
 from xorl.data.stream import StreamedLoader
 from xorl.data.tokenizer import build_tokenizer
-from xorl.distributed.init import init_distributed, world_size_from_env
+from xorl.distributed.init import destroy_process_groups, init_distributed, world_size_from_env
 from xorl.distributed.parallel_config import ParallelConfig
 from xorl.distributed.parallel_state import init_parallel_state
 from xorl.models.registry import build_model
 from xorl.models.spec import EXPERTS_LAYOUT, QKV_LAYOUT
 from xorl.nn.lora import cast_frozen_, frozen_dtype
-from xorl.observability.memory_report import current_host_bytes, peak_host_bytes, report_startup, reset_peak_host_bytes
+from xorl.observability.memory_report import current_host_bytes, report_startup, reset_peak_host_bytes
 from xorl.observability.metrics import MetricsLogger, startup_summary
 from xorl.observability.mfu import mfu
 from xorl.observability.profiling import StepProfiler
 from xorl.observability.sinks import open_sinks
-from xorl.parallel.compile import check_compiled
 from xorl.parallel.parallelize import build_step_plan
 from xorl.run import folder as run_folder
 from xorl.run import lock as run_lock
@@ -50,25 +49,9 @@ from xorl.run.resume import apply_config_hparams
 from xorl.run.watchdog import Heartbeat
 from xorl.trainer.epochs import epoch_metrics
 from xorl.trainer.evaluate import Evaluator
-from xorl.trainer.grad_clip import clip_grad_norm_
-from xorl.trainer.loss import count_label_tokens
 from xorl.trainer.nonfinite import explain_nonfinite
 from xorl.trainer.optim import build_optimizer, set_schedule_step
-
-
-class NonFiniteLossError(RuntimeError):
-    """The loss or gradient norm became NaN/inf; the last good checkpoint is left as it was."""
-
-
-@dataclass
-class StepResult:
-    step: int
-    loss: float
-    grad_norm: float
-    lr: float
-    tokens: int
-    aux_loss: float | None = None
-    expert_load: float | None = None  # MoE: the busiest expert's tokens / the mean's, worst layer
+from xorl.trainer.step import NonFiniteLossError, StepResult, TrainStep
 
 
 def initialise_part(part: nn.Module, config: Config) -> None:
@@ -106,13 +89,19 @@ def materialise(parts: list[nn.Module], config: Config, device: torch.device) ->
         initialise_part(part, config)
 
 
-class Trainer:
+class Trainer(TrainStep):
+    """Builds the run from a config and trains it (``train``); ``close()`` (or leaving a ``with`` block)
+    gives back the process groups it made."""
+
     def __init__(self, config: Config, setup: RunSetup | None = None):
         started = time.perf_counter()
         self.config = config
+        self._closed = False
         world_size = world_size_from_env()
         # Every rule, the run folder and the checkpoint to resume, before any process group exists.
         self.setup = setup if setup is not None else prepare_run(config, world_size)
+        groups_before = live_process_groups()  # those this Trainer makes, close() destroys
+        self._started_default_group = not dist.is_initialized()
         self.device = init_distributed(config.train.collective_timeout_s)
         run_lock.hold(config.train.output_dir, self.device)  # one run per output_dir, before any write
         self.parallel_config = ParallelConfig.from_config(config, world_size)
@@ -169,8 +158,9 @@ class Trainer:
             print("\n".join(data_report(self.loader) + (self.evaluator.report() if self.evaluator else [])), flush=True)
         # startup.json: each rank's peak host (and device) memory with the weights in place, before step 1.
         self.startup = report_startup(config.train.output_dir, self.device, time.perf_counter() - started,
-                                      self.num_parameters,
+                                      self.num_parameters, self.num_trainable,
                                       config.model.model_path or f"seeded init (seed {config.train.seed})")
+        self._process_groups = live_process_groups() - groups_before
 
     # -- checkpoints -----------------------------------------------------------------------
     def _maybe_resume(self) -> None:
@@ -255,129 +245,13 @@ class Trainer:
     def parameters(self):
         return [p for part in self.parts for p in part.parameters()]
 
-    def _build_schedule(self, row_tokens: int | None = None):
-        """The pipeline schedule for microbatch rows of ``row_tokens`` tokens (default: seq_len).
-
-        Stages are built with static shapes. Where the layout pads rows per document, each step is
-        padded to a bucket (``StepPlan.row_bucket``) and one schedule is kept per bucket
-        (``self._schedules``); the stage modules are shared.
-        """
-        row_tokens = self.config.data.seq_len if row_tokens is None else row_tokens
-        self._step_tokens = 1
-
-        def loss_fn(loss_sum, labels):  # the last stage's output: its microbatch's token-loss sum
-            return loss_sum / self._step_tokens
-
-        return self.step_plan.build_schedule(row_tokens, loss_fn, self.device)
-
-    # -- one optimizer step ----------------------------------------------------------------
-    def _to_device(self, mb: dict) -> dict:
-        """Host batch -> compute device: pinned memory and non-blocking copies, so the host runs ahead."""
-        if self.device.type != "cuda":
-            return mb
-        return {k: v.pin_memory().to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
-                for k, v in mb.items()}
-
-    def shard_microbatches(self, raw: list[dict]) -> list[dict]:
-        """This rank's shares of a step's host microbatches; under pipelining with padded rows, the
-        schedule of their row length becomes ``self.schedule``."""
-        step_plan = self.step_plan
-        bucket = step_plan.row_bucket(raw)
-        host_mbs = [step_plan.shard_batch(mb, self.tokenizer.pad_id, bucket) for mb in raw]
-        if bucket is not None:  # padded rows under pipelining: the schedule of this step's row length
-            if bucket not in self._schedules:
-                self._schedules[bucket] = self._build_schedule(bucket)
-            self.schedule = self._schedules[bucket]
-        return host_mbs
-
-    def train_step(self) -> StepResult:
-        """One optimizer step. The host reads the device once, after the optimizer step is queued.
-
-        Why: every read (.item(), float(t), .cpu()) stalls the host until the GPU has caught up, and
-        the GPU then idles while the host queues the next kernels. The loss sums, token count, router
-        losses and gradient norm stay device tensors until the one read at the end, which also
-        checks that the loss and norm are finite.
-        """
-        step_plan = self.step_plan
-        host_mbs = self.shard_microbatches(self.loader.microbatches(self.step))
-        n_tok = count_label_tokens(host_mbs, step_plan.token_count_group, self.device)
-        microbatches = [self._to_device(mb) for mb in host_mbs]
-        if self.schedule is not None:
-            loss_sum, aux_sum = self._pipelined_forward_backward(microbatches, n_tok)
-        else:
-            loss_sum, aux_sum = self._forward_backward(microbatches, n_tok)
-        # The step's sums over every rank, and the gradient reductions the layout needs.
-        sums = step_plan.after_backward(loss_sum, aux_sum)
-        params = self.parameters()
-        grad_norm = clip_grad_norm_(params, self.config.train.max_grad_norm, step_plan.grad_norm_group,
-                                    counted=step_plan.grad_norm_parameters(params))
-        lr = self.schedulers[0].get_last_lr()[0]
-        for optimizer, scheduler in zip(self.optimizers, self.schedulers):
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-        expert_load = step_plan.after_optimizer_step(self.device)
-        ga = len(microbatches)
-        read = [sums[0], sums[1], grad_norm.double(), n_tok.double()]
-        loss_total, aux_total, norm, tokens, *load = torch.stack(
-            read if expert_load is None else [*read, expert_load]
-        ).tolist()  # the step's one host read
-        loss_value = loss_total / max(tokens, 1)
-        if not (math.isfinite(loss_value) and math.isfinite(norm)):
-            raise NonFiniteLossError(
-                f"step {self.step}: loss={loss_value} grad_norm={norm}")  # train() says what is at fault
-        if self._compile_unchecked:  # train.compile: every compiled block ran its graph, none eager
-            check_compiled([part.compiled for part in step_plan.parts if part.compiled is not None])
-            self._compile_unchecked = False
-        result = StepResult(self.step, loss_value, norm, lr, int(tokens),
-                            aux_total / (ga * step_plan.balance_groups) if step_plan.has_router_loss else None,
-                            load[0] if load else None)
-        self.step += 1
-        return result
-
-    def _forward_backward(self, microbatches: list[dict], n_tok: torch.Tensor):
-        """Forward and backward of each microbatch; returns (label-loss sum, router-loss sum) on device."""
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        aux_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        ga = len(microbatches)
-        denominator = n_tok.clamp(min=1).to(torch.float32)
-        for mb in microbatches:
-            out = self.model(
-                mb["input_ids"], position_ids=mb["position_ids"], cu_seqlens=mb["cu_seqlens"],
-                max_seqlen=mb["max_seqlen"], token_mask=mb.get("token_mask"), labels=mb["labels"],
-            )
-            local_sum = out.loss_sum  # fused from the hidden states unless model.fused_loss is off
-            loss = local_sum / denominator
-            if out.router_loss is not None:
-                # Each rank's router loss is its share of its balance group's loss (xorl/nn/router.py);
-                # summed over the group and averaged over the step's groups x microbatches.
-                loss = loss + out.router_loss / (ga * self.step_plan.balance_groups)
-                aux_sum += out.router_loss.detach().double()
-            loss.backward()
-            loss_sum += local_sum.detach().double()
-        return loss_sum, aux_sum
-
-    def _pipelined_forward_backward(self, microbatches: list[dict], n_tok: torch.Tensor):
-        """One schedule step over the microbatches; returns this rank's (loss sum, router-loss sum)."""
-        step_plan = self.step_plan
-        ga = len(microbatches)
-        step_plan.start_pipeline_step(microbatches, aux_scale=1.0 / (ga * step_plan.balance_groups), device=self.device)
-        self._step_tokens = n_tok.clamp(min=1).to(torch.float32)
-        # Looped / V schedules: the first and the last stage may both be on this rank.
-        args = (torch.cat([mb["input_ids"] for mb in microbatches]),) if step_plan.holds_first_stage else ()
-        # The last stage reads its labels as a side input; the schedule still splits a target for loss_fn.
-        target = torch.cat([mb["labels"] for mb in microbatches]) if step_plan.holds_last_stage else None
-        losses: list[torch.Tensor] = []
-        self.schedule.step(*args, target=target, losses=losses)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        for loss in losses:  # each is this microbatch's token-loss sum / n_tok
-            loss_sum += loss.detach().double() * self._step_tokens.double()
-        return loss_sum, step_plan.stage_router_loss_sum
 
     # -- the loop --------------------------------------------------------------------------
     def train(self, stop_at: int | None = None) -> list[StepResult]:
         """Run to ``train.max_steps``, or stop early after step ``stop_at`` (as a preempted job would;
         the learning-rate schedule still follows max_steps). Saves every ``save_steps`` and at the end."""
+        if self._closed:
+            raise RuntimeError("this Trainer is closed (its process groups are destroyed); build another to train")
         train = self.config.train
         run_lock.hold(train.output_dir, self.device)  # again: an earlier train() of this Trainer gave it back
         last = train.max_steps if stop_at is None else min(stop_at, train.max_steps)
@@ -405,7 +279,8 @@ class Trainer:
                 show = self.step % max(train.log_steps, 1) == 0 or self.step == train.max_steps
                 # result.tokens counts label tokens of the global batch (the whole world's work).
                 metrics = {"loss": result.loss, "grad_norm": result.grad_norm, "lr": result.lr,
-                           **self._epoch_metrics(), **self._throughput_metrics(result.tokens / dt)}
+                           **self._epoch_metrics(), **self._throughput_metrics(result.tokens / dt),
+                           "peak_memory_gib": result.peak_memory_gib}
                 if result.aux_loss is not None:
                     metrics["router_loss"] = result.aux_loss
                 if result.expert_load is not None:
@@ -446,21 +321,47 @@ class Trainer:
         return results
 
     def _throughput_metrics(self, tokens_per_s: float) -> dict[str, float | None]:
-        """tokens/s (trained tokens of the global batch), MFU (None where the device's peak FLOP/s is not
-        known: CPU, unless XORL_PEAK_TFLOPS), and this rank's peak memory since start (rank 0 logs its own: no
-        collective for it): the CUDA caching allocator's on a GPU, the process's peak resident memory on CPU
-        (where the tensors live)."""
-        peak = (torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else peak_host_bytes())
+        """tokens/s (trained tokens of the global batch) and MFU (None where the device's peak FLOP/s is not
+        known: CPU, unless XORL_PEAK_TFLOPS). The step's peak_memory_gib is the busiest rank's (StepResult)."""
         return {"tokens_per_s": tokens_per_s,
                 "mfu": mfu(tokens_per_s, self.config.model, self.config.data.seq_len, dist.get_world_size(),
-                           self.device),
-                "peak_memory_gib": peak / 2**30}
+                           self.device)}
 
     def _epoch_metrics(self) -> dict[str, float]:
         """The pass over the data and how much of it was seen (a stream's length is unknown: its pass only)."""
         if self.config.data.streaming:
             return {"epoch": self.loader.state()["epoch"] + 1}
         return epoch_metrics(self.loader.first_sequence(self.step), len(self.loader.dataset))
+
+
+    # -- the end ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Collective (every rank calls it): wait for a save in flight, give back the run folder's lock,
+        and destroy the process groups this Trainer made (its ParallelState's meshes and their views,
+        the pipeline's pairs, the checkpointer's group), and the default group if it started it. Once
+        closed it cannot train; closing again does nothing.
+
+        Why it lets go of the model, optimizers, StepPlan and ParallelState: a gloo group's threads end
+        only with the last reference to it, and the DTensor parameters and meshes reference the groups.
+        A model kept from ``trainer.model`` keeps them alive, on groups that no longer run collectives.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.checkpointer.wait()  # the last save is complete (and ``latest``) before its group goes
+        finally:
+            run_lock.release(self.config.train.output_dir)
+            self.parts, self.optimizers, self.schedulers, self._schedules = [], [], [], {}
+            self.step_plan = self.state = self.schedule = self.evaluator = self.checkpointer = None
+            destroy_process_groups(self._process_groups, default=self._started_default_group,
+                                   compiled=bool(self.config.train.compile))
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def run_training(config: Config, setup: RunSetup | None = None) -> list[StepResult]:

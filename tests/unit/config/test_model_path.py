@@ -1,10 +1,15 @@
-"""model.model_path: the folder's config.json defines the model; the YAML / CLI may only repeat it."""
+"""model.model_path: the folder's config.json defines the model (the YAML / CLI may only repeat it), and its
+weight files are checked before start-up."""
 
 import json
+import os
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from xorl.config import Config, ConfigError, load_config, validate_config
+from xorl.config.model_path import weight_file_problems
 
 
 def _transformers_llama_folder(tmp_path, **overrides):
@@ -113,3 +118,47 @@ def test_head_dim_null_is_unset_not_a_conflict_with_the_folder(tmp_path, folder_
     # Another value still conflicts, naming the folder's.
     with pytest.raises(ConfigError, match=f"conflicts with head_dim={expected} in"):
         load_config(None, [f"--model.model_path={folder}", "--model.head_dim=24"])
+
+
+def _weights(folder, shards: int = 1) -> dict[str, torch.Tensor]:
+    """A folder of random tensors as safetensors (one file, or ``shards`` files and an index)."""
+    gen = torch.Generator().manual_seed(7)
+    tensors = {f"model.layers.{i}.w": torch.randn(4, 8, generator=gen) for i in range(4)}
+    os.makedirs(folder, exist_ok=True)
+    if shards == 1:
+        save_file(tensors, os.path.join(folder, "model.safetensors"))
+        return tensors
+    names = sorted(tensors)
+    weight_map = {}
+    for s in range(shards):
+        file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[s::shards]}
+        save_file(part, os.path.join(folder, file))
+        weight_map.update(dict.fromkeys(part, file))
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    return tensors
+
+
+def test_damaged_or_missing_weight_files_are_named(tmp_path):
+    one, sharded = str(tmp_path / "one"), str(tmp_path / "sharded")
+    _weights(one)
+    _weights(sharded, shards=2)
+    assert weight_file_problems(one) == [] and weight_file_problems(sharded) == []
+
+    single = os.path.join(one, "model.safetensors")
+    size = os.path.getsize(single)
+    os.truncate(single, size - 10)  # a copy cut short in the data
+    [problem] = weight_file_problems(one)
+    assert f"{single} has {size - 10} bytes, its header describes {size}" in problem
+    os.truncate(single, 20)  # cut short inside the header
+    [problem] = weight_file_problems(one)
+    assert single in problem and "its header alone needs" in problem
+
+    second = os.path.join(sharded, "model-00002-of-00002.safetensors")
+    os.remove(second)
+    [problem] = weight_file_problems(sharded)
+    assert f"{second} is missing (model.safetensors.index.json lists it)" in problem
+    save_file({"other": torch.randn(2)}, second)  # a file of another model under the right name
+    [problem] = weight_file_problems(sharded)
+    assert "places 2 tensors in model-00002-of-00002.safetensors that it does not hold" in problem

@@ -1,4 +1,4 @@
-"""Every family against transformers' own class (issue 20).
+"""Every family against transformers' own class.
 
 For each family: a tiny random checkpoint that transformers' class writes (save_pretrained) loads
 through ``xorl.models.from_pretrained`` and gives transformers' logits (fp32, eager attention,

@@ -446,6 +446,35 @@ def test_the_start_up_line_says_how_many_parameters_train():
     assert f"{total / 1e6:.2f}M parameters ({trainable} trainable: LoRA rank {rank} on q_proj, down_proj)," in line
 
 
+@pytest.mark.slow  # a Trainer, ~4 s: the full suite's
+def test_startup_json_holds_the_trainable_parameters(tmp_path, monkeypatch):
+    """startup.json states what the optimizer updates under LoRA (the adapters: rank x (in + out) per
+    targeted projection and layer, from the shapes) beside the model's total, both counted here."""
+    import json
+
+    from tests.support.world_of_one import world_of_one
+    from xorl.models.registry import build_model
+    from xorl.trainer.trainer import Trainer
+
+    config = tiny_config(str(tmp_path / "run"), "llama", max_steps=1)
+    config.model.lora = dict(LORA, target_modules=["k_proj", "up_proj"])
+    m = config.model
+    with torch.device("meta"):
+        model = build_model(m)
+    head_dim = m.hidden_size // m.num_attention_heads
+    per_layer = (m.hidden_size + m.num_key_value_heads * head_dim) + (m.hidden_size + m.intermediate_size)
+    world_of_one(monkeypatch)
+    try:
+        with Trainer(config):
+            pass
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    startup = json.loads((tmp_path / "run" / "startup.json").read_text())
+    assert startup["trainable_parameters"] == m.num_hidden_layers * LORA["rank"] * per_layer
+    assert startup["model_parameters"] == sum(p.numel() for p in model.parameters())
+    assert startup["trainable_parameters"] == sum(p.numel() for p in model.parameters() if p.requires_grad)
+
 def test_overwrite_output_dir_replaces_an_earlier_lora_run_and_its_adapter(tmp_path):
     """A LoRA run writes output_dir/adapter; `--train.overwrite_output_dir=true` on that folder must treat
     it as xorl's (it refused it as a foreign file before) and leave no adapter of the earlier run behind."""

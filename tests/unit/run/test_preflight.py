@@ -10,9 +10,10 @@ import os
 
 import pytest
 
-from xorl.config import Config, ConfigError
+from xorl.config import Config, ConfigError, load_config
 from xorl.run import folder as run_folder
 from xorl.run.preflight import prepare_run
+from xorl.trainer.optim import lr_factor
 
 
 def _config(output_dir, **train) -> Config:
@@ -147,3 +148,12 @@ def test_an_moe_checkpoint_with_separate_expert_gate_and_up_is_refused(tmp_path)
     config.model.model_type, config.model.num_experts = "qwen3_moe", 4
     message = _refusal(config)
     assert "its MoE experts hold gate_proj and up_proj apart" in message and "xorl-export" in message
+
+
+def test_a_warmup_longer_than_the_run_is_cut_with_a_line(tmp_path):
+    config = load_config(None, ["--train.warmup_steps=10", "--train.max_steps=4",
+                                f"--train.output_dir={tmp_path / 'out'}"])
+    setup = prepare_run(config, 1)
+    assert "train.warmup_steps=10 is more than train.max_steps=4: warming up over 4 steps" in setup.notes
+    assert [lr_factor(s, 10, 4, 0.1) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_factor(2, 3, 10, 0.1) == 1.0  # a warmup within the run is unchanged

@@ -9,9 +9,10 @@ from typing import Any
 
 
 def model_problems(m: Any) -> list[str]:
-    """The schema's shape rules (xorl/models/schema.py: the same ones ModelSpec raises)."""
+    """The schema's shape rules (xorl/models/shape_rules.py: the same ones ModelSpec raises)."""
     from xorl.models.families import family
-    from xorl.models.schema import apply_family, field_values, shape_problems
+    from xorl.models.schema import apply_family, field_values
+    from xorl.models.shape_rules import shape_problems
 
     values = field_values(m)
     values["head_dim"], values["rope_scaling"] = m.head_dim, m.rope_scaling
