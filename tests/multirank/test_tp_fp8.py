@@ -130,7 +130,7 @@ def _expected_bytes(recipe: str, shape, ring: bool, itemsize: int) -> dict:
 
 def check_column_and_row_ops(recipe: str) -> dict:
     """New column / row ops against tests/support/tp_fp8_reference.py (the old math): bits and bytes."""
-    from tests import tp_fp8_reference as old
+    from tests.support import tp_fp8_reference as old
     from xorl.nn.tp_matmul import TPMatmulConfig, column_backward, column_forward, row_backward, row_forward
 
     _, tp = _mesh_and_group()

@@ -7,8 +7,8 @@ _EXPORTS = {
     "UlyssesAttention": ".ulysses_attention",
     "ContextParallelAttention": ".ulysses_attention",
     "MoE": ".moe",
-    "ColumnParallelLinear": ".tensor_parallel",
-    "RowParallelLinear": ".tensor_parallel",
+    "ColumnParallelLinear": ".tp_linear",
+    "RowParallelLinear": ".tp_linear",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__ = lazy_getattr(__name__, _EXPORTS)

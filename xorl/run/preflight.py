@@ -23,10 +23,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from xorl import run_dir, run_lock
 from xorl.config.errors import ConfigError
 from xorl.config.validate import validate_config
 from xorl.distributed.parallel_config import ParallelConfig
+from xorl.run import folder as run_dir
+from xorl.run import lock as run_lock
 from xorl.run.resume import check_resume
 from xorl.run.watchdog import heartbeat_interval
 from xorl.trainer.epochs import load_counted_dataset, resolve_num_epochs

@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from xorl import run_dir, run_lock
 from xorl.checkpoint.hf_export import DEFAULT_MAX_SHARD_BYTES, export_checkpoint
 from xorl.checkpoint.peft_adapter import ADAPTER_DIR, save_adapter
 from xorl.checkpoint.state import MODEL_CONFIG, Checkpointer, latest_checkpoint, load_checkpoint
@@ -43,6 +42,8 @@ from xorl.observability.profiling import StepProfiler
 from xorl.observability.sinks import open_sinks
 from xorl.parallel.compile import check_compiled
 from xorl.parallel.parallelize import build_step_plan
+from xorl.run import folder as run_dir
+from xorl.run import lock as run_lock
 from xorl.run.preemption import PreemptionGuard
 from xorl.run.preflight import RunSetup, prepare_run
 from xorl.run.resume import apply_config_hparams
