@@ -113,7 +113,7 @@ def make_adapters(spec: LoRASpec, a_shape, b_shape, device, dtype, wrap=None
     parameter's data, e.g. a DTensor of the TP mesh) and its input dropout, for its constructor."""
     a = torch.empty(a_shape, device=device, dtype=dtype)
     b = torch.empty(b_shape, device=device, dtype=dtype)
-    # The dropout a module (not a functional call) so model.train() / eval() switch it as peft's does.
+    # The dropout is a module (not a functional call) so model.train() / eval() switch it as peft's does.
     return (nn.Parameter(wrap("lora_A", a) if wrap else a), nn.Parameter(wrap("lora_B", b) if wrap else b),
             nn.Dropout(spec.dropout) if spec.dropout > 0 else nn.Identity())
 
