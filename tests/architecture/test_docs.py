@@ -109,7 +109,9 @@ WALK_ITEM = re.compile(r"^- `(\w+)`(?: \(([^)]*)\))?: (.*?), (\d+) files\b", re.
 # so the docs and this set are updated together.
 OVER_THE_CAP = {
     ("tensor_parallel_size", "the column / row linears"):
-        "8 files: tp_linear -> tp_linear_ops -> tp_matmul -> tp_comm, until the TP layer is shortened",
+        "9 files: the layout's style (tp_styles) -> tp_linear -> tp_linear_ops -> tp_matmul -> tp_comm, each one job",
+    ("tensor_parallel_size", "the vocabulary-split embedding"):
+        "7 files: the layout's style (tp_styles) -> tp_vocab -> tp_regions",
 }
 HAND_OFF = REPO / "xorl/trainer/trainer.py"  # hands the ParallelState to parallelize.py
 

@@ -5,6 +5,9 @@
 * the plans (xorl/parallel/, xorl/parallel/parallelize.py) set no undeclared attribute on a module: an
   attribute they assign is one a module class in xorl/ declares in its ``__init__`` (a submodule
   they replace), and they write no ``__dict__`` except where docs/architecture.md's list names it;
+* neither the plans nor the xorl/nn code they reach (tests/support/nn_reach.py) change a module from
+  outside (another module's attribute, parameter slot, submodule or class) except in the functions
+  docs/architecture.md's list names;
 * no ``.forward =`` anywhere in xorl/ except the compile step;
 * no forward hook in xorl/parallel/ except in the functions docs/architecture.md's list names;
 * no function of ``xorl_kernels`` shares its name with a folder of it (it would hide the package);
@@ -17,6 +20,7 @@ import ast
 import re
 from pathlib import Path
 
+from tests.support import nn_reach
 from tests.support.paths import REPO
 
 ROOT = REPO
@@ -72,7 +76,10 @@ def _readme_named(kind: str) -> set[tuple[str, str]]:
             items.append("")
     named = set()
     for item in items:
-        if re.search(rf"(?<!\w){re.escape(kind)}(?!\w)", item):
+        # a word, not part of one ("hook", not "hooks"); ".forward" may follow a name ("layer.forward")
+        before = r"(?<!\w)" if kind[:1].isalnum() else ""
+        after = r"(?!\w)" if kind[-1:].isalnum() else ""
+        if re.search(before + re.escape(kind) + after, item):
             named.update(re.findall(r"^- `xorl/([\w/]+\.py):([\w.]+)`", item))
     return named
 
@@ -103,19 +110,7 @@ def test_the_trainer_check_can_fail():
 
 
 # -- plans set no undeclared attribute --------------------------------------------------------------
-# Dynamic ``setattr`` names the resolver below cannot list, each with why it only replaces what exists.
-DYNAMIC_SETATTR_ALLOWED = {
-    # MoE.from_block replaces a foreign sparse block at the path named_modules() found it at.
-    ("parallel/expert_parallel.py", "apply_expert_parallel"),
-}
-
-
-def _targets(node) -> list:
-    if isinstance(node, ast.Assign):
-        return node.targets
-    if isinstance(node, (ast.AnnAssign, ast.AugAssign)):
-        return [node.target]
-    return []
+_targets = nn_reach.flat_targets  # tuples unpacked: ``a.x, b.y = ...`` writes two attributes
 
 
 def _declared_module_attributes() -> set[str]:
@@ -187,10 +182,9 @@ def test_plans_set_only_declared_attributes():
     bad = []
     for path in PLAN_FILES:
         rel = str(path.relative_to(XORL))
-        for line, attrs, text, where in _attribute_writes(path):
+        for line, attrs, text, _ in _attribute_writes(path):
             if attrs is None:
-                if (rel, where) not in DYNAMIC_SETATTR_ALLOWED:
-                    bad.append(f"{rel}:{line}: {text} (a name the check cannot resolve)")
+                bad.append(f"{rel}:{line}: {text} (a name the check cannot resolve)")
             elif attrs - declared - {"forward"}:  # forward: test_no_forward_assignment_outside_the_compile_step
                 bad.append(f"{rel}:{line}: {text} ({sorted(attrs - declared)} declared by no xorl class)")
     assert bad == [], "plans set attributes no module declares:\n" + "\n".join(bad)
@@ -210,6 +204,79 @@ def test_the_attribute_check_can_fail(tmp_path):
               for _, a, _, _ in _attribute_writes(sample)]
     assert sorted(writes, key=str) == sorted([(["tp_partial_grads"], False), (["lm_head"], True),
                                               (["o_proj", "tp_partial_grads"], False), (None, False)], key=str)
+
+
+# -- no module changed from outside, by the plans or the nn code they reach ------------------------
+NN_FILES = sorted((XORL / "nn").glob("*.py"))
+
+
+def _reach_ins(plan_files: list[Path], nn_files: list[Path], declared: set[str]) -> list[tuple[str, str, int, str]]:
+    """(file under xorl/, owner, line, text) of each change to a module from outside, in the plans and in
+    the xorl/nn code they reach."""
+    found = []
+    for path in plan_files:
+        for node in _tree(path).body:
+            for owner, line, text in nn_reach.reach_ins_by_owner(node, declared):
+                found.append((str(path.relative_to(XORL)), owner, line, text))
+    files = {nn_reach.module_name(ROOT, p): p for p in nn_files}
+    for (module, _), node in nn_reach.reached_from(plan_files, nn_files, ROOT).items():
+        for owner, line, text in nn_reach.reach_ins_by_owner(node, declared):
+            found.append((str(files[module].relative_to(XORL)), owner, line, text))
+    return found
+
+
+def test_plans_and_the_nn_code_they_reach_change_modules_only_where_the_readme_names_it():
+    named = _readme_named("")
+    declared = nn_reach.module_declared_attributes(sorted(XORL.rglob("*.py")))
+    found = _reach_ins(PLAN_FILES, NN_FILES, declared)
+    bad = [f"{rel}:{line} in {owner}: {text}" for rel, owner, line, text in found if (rel, owner) not in named]
+    assert bad == [], ("changes to a module from outside that docs/architecture.md's list does not name "
+                       "(make it a constructor argument or an explicit method of the module):\n" + "\n".join(bad))
+    other_mechanisms = _readme_named("hook") | _readme_named("__dict__") | _readme_named(".forward")
+    gone = named - other_mechanisms - {(rel, owner) for rel, owner, _, _ in found}
+    assert gone == set(), f"docs/architecture.md names changes from outside that are gone: {sorted(gone)}"
+
+
+def test_the_reach_in_check_can_fail(tmp_path):
+    """A plan calling an nn helper that swaps a weight, which calls one that sets a submodule's slot; the
+    helper's own method on ``self`` and a helper no plan reaches pass."""
+    xorl_dir = tmp_path / "xorl"
+    (xorl_dir / "parallel").mkdir(parents=True)
+    (xorl_dir / "nn").mkdir()
+    (xorl_dir / "parallel" / "plan.py").write_text(
+        "from xorl.nn.helpers import swap_weight\n"
+        "def apply(model):\n"
+        "    model.lm_head.weight = model.model.embed_tokens.weight\n"
+        "    model.set_submodule('lm_head', None)\n"
+        "    swap_weight(model.lm_head)\n")
+    (xorl_dir / "nn" / "helpers.py").write_text(
+        "from .slots import put\n"
+        "class Norm:\n"
+        "    def own(self, w):\n"
+        "        self.weight = w\n"
+        "        setattr(self, 'weight', w)\n"
+        "def swap_weight(linear):\n"
+        "    linear.weight, linear.bias = None, None\n"
+        "    put(linear, Norm())\n"
+        "def unreached(linear):\n"
+        "    linear.weight = None\n")
+    (xorl_dir / "nn" / "slots.py").write_text(
+        "def put(module, value):\n"
+        "    module._parameters['weight'] = value\n"
+        "    setattr(module, 'bias', value)\n"
+        "    module.__class__ = type(value)\n")
+    plans, nn_files = [xorl_dir / "parallel" / "plan.py"], sorted((xorl_dir / "nn").glob("*.py"))
+    reached = nn_reach.reached_from(plans, nn_files, tmp_path)
+    assert sorted(reached) == [("xorl.nn.helpers", "Norm"), ("xorl.nn.helpers", "swap_weight"),
+                               ("xorl.nn.slots", "put")]
+    found = sorted((owner, text) for node in [*_tree(plans[0]).body, *reached.values()]
+                   for owner, _, text in nn_reach.reach_ins_by_owner(node, {"weight", "bias"}))
+    assert found == sorted([
+        ("apply", "model.lm_head.weight"), ("apply", "model.set_submodule('lm_head', None)"),
+        ("swap_weight", "linear.weight"), ("swap_weight", "linear.bias"),
+        ("put", "module._parameters['weight']"), ("put", "setattr(module, 'bias', value)"),
+        ("put", "module.__class__"),
+    ]), found
 
 
 def test_plans_write_no_module_dict_except_where_named():

@@ -1,6 +1,7 @@
-"""OLMoE's width q/k RMSNorm (xorl/models/layers.py ``WidthRMSNorm``) on a tensor-parallel shard of
-the heads: each of 2 gloo ranks holds a contiguous block of the width and its block of the weight;
-outputs and the gradients of input and weight must be the unsharded norm's blocks.
+"""OLMoE's width q/k RMSNorm on a tensor-parallel shard of the heads (xorl/nn/tp_norms.py
+``WidthRMSNormOverTP``, built from the model's ``RMSNorm`` over the whole width): each of 2 gloo
+ranks holds a contiguous block of the width and its block of the weight; outputs and the gradients
+of input and weight must be the unsharded norm's blocks.
 
 Reference: the norm written out in float64 plain torch on the whole width (y = w x / sqrt(mean(x^2)
 + eps)), differentiated by autograd; fresh random x, weight and upstream gradient.
@@ -20,8 +21,9 @@ def sharded_width_norm_check(width: int, dtype_name: str, seed: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    from xorl.models.layers import WidthRMSNorm
+    from xorl.nn.rms_norm import RMSNorm
     from xorl.nn.tp_comm import TPGroup
+    from xorl.nn.tp_norms import WidthRMSNormOverTP
 
     dtype = getattr(torch, dtype_name)
     gen = torch.Generator().manual_seed(seed)  # the same numbers on every rank
@@ -37,10 +39,10 @@ def sharded_width_norm_check(width: int, dtype_name: str, seed: int) -> dict:
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
     tp = TPGroup.from_mesh(mesh)
-    norm = WidthRMSNorm(width, eps=eps).to(dtype)
+    whole_norm = RMSNorm(width, eps=eps).to(dtype)
     with torch.no_grad():
-        norm.weight.copy_(weight.to(dtype))
-    norm.shard_over_tp(tp, mesh, name="q_norm")
+        whole_norm.weight.copy_(weight.to(dtype))
+    norm = WidthRMSNormOverTP.from_norm(whole_norm, mesh, name="q_norm")
     assert isinstance(norm.weight, DTensor) and norm.weight.placements == (Shard(0),)
     assert tuple(norm.weight.shape) == (width,)
     block = slice(tp.rank * width // tp.size, (tp.rank + 1) * width // tp.size)
@@ -59,7 +61,7 @@ def sharded_width_norm_check(width: int, dtype_name: str, seed: int) -> dict:
     }
     # fp32: the sharded path against the unsharded module (the fused rms_norm op) on the same numbers.
     if dtype == torch.float32:
-        whole = WidthRMSNorm(width, eps=eps)
+        whole = RMSNorm(width, eps=eps)
         with torch.no_grad():
             whole.weight.copy_(weight.float())
         out["vs_unsharded_fp32"] = _rel(y_local, whole(x.float())[..., block].detach())

@@ -13,13 +13,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from xorl.models.layers import RMSNorm, WidthRMSNorm, apply_rotary
+from xorl.models.layers import apply_rotary
 from xorl.models.spec import ModelSpec
 from xorl.nn.attention_backends import attention_backend
 from xorl.nn.linear import Linear
 from xorl.nn.lora import lora_spec
+from xorl.nn.rms_norm import RMSNorm
 
 
 def check_cu_seqlens(cu_seqlens: torch.Tensor, batch: int, seq_len: int) -> None:
@@ -198,6 +198,7 @@ class Attention(nn.Module):
     def __init__(self, spec: ModelSpec, layer_idx: int = 0):
         super().__init__()
         self.head_dim = spec.head_dim
+        self.num_heads, self.num_key_value_heads = spec.num_attention_heads, spec.num_key_value_heads
         self.merge_qkv = spec.merge_qkv
         q_size = spec.num_attention_heads * spec.head_dim
         kv_size = spec.num_key_value_heads * spec.head_dim
@@ -214,12 +215,12 @@ class Attention(nn.Module):
         self.o_proj = Linear(q_size, spec.hidden_size, bias=spec.o_proj_bias, fp8=spec.fp8,
                              lora=lora_spec(spec.lora, "o_proj"))
         # "head": RMSNorm over head_dim of each head (Qwen3); "width": over the whole q / k
-        # projection, all heads at once (OLMoE), so it needs every head of the token.
+        # projection, all heads at once (OLMoE), so it needs every head of the token (the TP layout
+        # gives it the whole width's statistics: xorl/models/tp_layout.py, width_norm).
         self.qk_norm = spec.qk_norm
-        # Under tensor parallelism the width norm sums its squares over the TP ranks (WidthRMSNorm).
         if spec.qk_norm == "width":
-            self.q_norm = WidthRMSNorm(q_size, eps=spec.rms_norm_eps)
-            self.k_norm = WidthRMSNorm(kv_size, eps=spec.rms_norm_eps)
+            self.q_norm = RMSNorm(q_size, eps=spec.rms_norm_eps)
+            self.k_norm = RMSNorm(kv_size, eps=spec.rms_norm_eps)
         elif spec.qk_norm == "head":
             self.q_norm = RMSNorm(spec.head_dim, eps=spec.rms_norm_eps)
             self.k_norm = RMSNorm(spec.head_dim, eps=spec.rms_norm_eps)
@@ -232,8 +233,10 @@ class Attention(nn.Module):
         self.core_attention: nn.Module = LocalAttention(softmax_scale=spec.head_dim**-0.5, backend=backend)
         # ``sinks`` (a learned logit per query head, gpt-oss; HF name ``sinks``) and this layer's
         # sliding ``window`` go to the core attention in every call; a family that has them sets
-        # them here. Under context parallelism each rank's sinks gradient covers its own query
-        # rows and the FSDP / DDP reduction over dp_cp sums them, like any replicated parameter.
+        # them here. Under tensor parallelism the sinks split with the heads (the layout's ``heads``
+        # style), and forward sees this rank's block. Under context parallelism each rank's sinks
+        # gradient covers its own query rows and the FSDP / DDP reduction over dp_cp sums them, like
+        # any replicated parameter.
         # gpt-oss (family trait attention_sinks; its layer_types say which layers slide).
         self.sinks: nn.Parameter | None = (nn.Parameter(torch.empty(spec.num_attention_heads))
                                            if spec.family.attention_sinks else None)
@@ -266,8 +269,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         extra = {}
-        if self.sinks is not None:  # under tensor parallelism a DTensor over the heads: this rank's heads
-            extra["sinks"] = self.sinks.to_local() if isinstance(self.sinks, DTensor) else self.sinks
+        if self.sinks is not None:  # one per query head this module computes
+            extra["sinks"] = self.sinks
         if self.window is not None:
             extra["window"] = self.window
         out = self.core_attention(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, **extra)

@@ -31,12 +31,13 @@ import torch
 from torch import nn
 
 from xorl.models.attention import Attention
-from xorl.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
+from xorl.models.layers import RotaryEmbedding, SwiGLUMLP
 from xorl.models.mla import LatentAttention
 from xorl.models.spec import ModelSpec
 from xorl.nn.cross_entropy import cross_entropy_sum, linear_cross_entropy_sum
 from xorl.nn.lora import check_targets_built, freeze_base, lora_spec
 from xorl.nn.moe import MoE, MoEAux
+from xorl.nn.rms_norm import RMSNorm
 
 IGNORE_INDEX = -100
 

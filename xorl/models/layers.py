@@ -1,9 +1,8 @@
-"""Building blocks shared by the models: RMSNorm, rotary position embedding, SwiGLU MLP.
+"""Building blocks shared by the models: rotary position embedding, SwiGLU MLP (RMSNorm: xorl/nn/rms_norm.py).
 
 The arithmetic follows transformers' Llama / Qwen3-MoE code step by step (same dtypes, same order
 of operations) so fp32 logits agree to ~1e-6 relative. Each runs as one fused op of xorl_kernels
-(rms_norm with its residual add, apply_rotary, swiglu): Triton kernels on the GPU, the same
-arithmetic in plain torch on the CPU.
+(apply_rotary, swiglu): Triton kernels on the GPU, the same arithmetic in plain torch on the CPU.
 """
 
 from __future__ import annotations
@@ -12,109 +11,11 @@ import math
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
 
 from xorl.nn.linear import Linear
 from xorl.nn.lora import lora_spec
-from xorl.nn.tp_comm import LayerCommStats, TPGroup, all_reduce_async, wait_all
 from xorl_kernels.activation.op import swiglu
-from xorl_kernels.rmsnorm.op import rms_norm
 from xorl_kernels.rope.op import apply_rotary as _rope
-
-
-class RMSNorm(nn.Module):
-    """y = weight * (x / sqrt(mean(x^2) + eps)); the normalisation runs in fp32, as in HF."""
-
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def init_weights(self, std: float) -> None:
-        nn.init.ones_(self.weight)
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """RMSNorm(x); with ``residual``: (RMSNorm(x + residual), x + residual) in one fused pass."""
-        return rms_norm(x, self.weight, self.eps, residual)
-
-    def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.eps}"
-
-
-class _WidthRMSNormOverTP(torch.autograd.Function):
-    """RMSNorm of this rank's columns with the whole width's statistics. Forward: the [rows, 1] sums
-    of squares (fp32, on x's device) all-reduced over TP. Backward (x_hat = x * rstd, g = dy * weight):
-    dx = rstd * (g - x_hat * sum(g * x_hat) / width), whose sum spans the whole width, so the [rows, 1]
-    cross term is all-reduced too; dweight = sum over rows of dy * x_hat, this rank's block, exact.
-    Saves x and rstd only, as the fused rms_norm op does (the planner counts the same bytes)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, eps: float, width: int, tp: TPGroup, stats: LayerCommStats):
-        x32 = x.to(torch.promote_types(x.dtype, torch.float32))  # fp32 statistics (float64 stays)
-        sum_sq = x32.pow(2).sum(-1, keepdim=True)
-        wait_all([all_reduce_async(sum_sq, tp, stats)], stats, x.is_cuda)
-        rstd = torch.rsqrt(sum_sq / width + eps)
-        ctx.save_for_backward(x, weight, rstd)
-        ctx.width, ctx.tp, ctx.stats = width, tp, stats
-        return weight * (x32 * rstd).to(x.dtype)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight, rstd = ctx.saved_tensors
-        x_hat = x.to(rstd.dtype) * rstd
-        dy32 = dy.to(rstd.dtype)
-        g = dy32 * weight.to(rstd.dtype)
-        cross = (g * x_hat).sum(-1, keepdim=True)
-        wait_all([all_reduce_async(cross, ctx.tp, ctx.stats)], ctx.stats, dy.is_cuda)
-        dx = (rstd * (g - x_hat * (cross / ctx.width))).to(x.dtype)
-        dw = (dy32 * x_hat).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        return dx, dw, None, None, None, None
-
-
-class WidthRMSNorm(RMSNorm):
-    """RMSNorm over a whole q or k projection, every head of the token at once (OLMoE's q_norm /
-    k_norm), that can run on a tensor-parallel shard of the heads.
-
-    Under tensor parallelism (``shard_over_tp``) a rank holds a contiguous block of the heads, so
-    of the projection's width; its weight becomes the matching ``Shard(0)`` block (like the
-    projection rows it scales, and like gpt-oss's per-head sinks). Each rank normalises its columns
-    with the whole width's mean square: one all-reduce of a [tokens, 1] fp32 buffer forward, one
-    backward (``_WidthRMSNormOverTP``, through tp_comm's all-reduce, recorded in its comm report).
-    Without TP it is the fused rms_norm op.
-    """
-
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__(dim, eps)
-        self.width = dim
-        self.tp: TPGroup | None = None
-        self.comm_stats: LayerCommStats | None = None
-
-    def shard_over_tp(self, tp: TPGroup, tp_mesh, name: str = "width_rms_norm") -> None:
-        """Keep this rank's block of the weight (a ``Shard(0)`` DTensor on ``tp_mesh``): the tensor-parallel
-        plan has split the projection this norm follows into ``tp.size`` contiguous blocks of heads.
-        ``name``: this norm's entry in the TP communication record (tp_comm.overlap_report)."""
-        if self.width % tp.size:
-            raise ValueError(f"WidthRMSNorm: width {self.width} is not divisible by tensor_parallel_size={tp.size}")
-        weight = self.weight
-        local = weight.detach().chunk(tp.size)[tp.rank].clone()
-        self.weight = nn.Parameter(DTensor.from_local(local, tp_mesh, [Shard(0)], run_check=False),
-                                   requires_grad=weight.requires_grad)
-        self.tp, self.comm_stats = tp, tp.layer_stats(name)
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if self.tp is None:
-            return super().forward(x, residual)
-        if residual is not None:
-            raise ValueError("WidthRMSNorm under tensor parallelism takes no residual (it normalises q / k)")
-        if x.shape[-1] * self.tp.size != self.width:
-            raise ValueError(f"WidthRMSNorm: this rank's input has {x.shape[-1]} columns, expected "
-                             f"{self.width} / tensor_parallel_size={self.tp.size}")
-        weight = self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
-        return _WidthRMSNormOverTP.apply(x, weight, self.eps, self.width, self.tp, self.comm_stats)
-
-    def extra_repr(self) -> str:
-        tp = f", tp={self.tp.size}" if self.tp is not None else ""
-        return f"{self.width}, eps={self.eps}{tp}"
 
 
 class RotaryEmbedding(nn.Module):

@@ -16,11 +16,12 @@ and odd slices and writes them as halves, which equals de-interleaving (evens, t
 usual rotate-half RoPE, so that is what runs here; q and k are permuted alike, so q.k is unchanged.
 The softmax scale is qk_head_dim^-0.5, times yarn_get_mscale(factor, mscale_all_dim)^2 under YaRN.
 
-Tensor parallel (``shard_heads_over_tp``, called by xorl/parallel/tensor_parallel.py): q_proj / q_b_proj
-and kv_b_proj are column-parallel (whole heads), o_proj row-parallel; the down-projections and their
-norms stay replicated (a small latent per token). The shared RoPE key is used by every rank's heads,
-so it enters the head-parallel region through ``to_head_parallel`` (its gradient summed over TP;
-under sequence parallel it is all-gathered along the sequence, as the column layers gather theirs).
+Tensor parallel (the decoder's TP layout, xorl/models/tp_layout.py): q_proj / q_b_proj and kv_b_proj
+are column-parallel (whole heads), o_proj row-parallel; the down-projections and their norms stay
+replicated (a small latent per token). The shared RoPE key is used by every rank's heads, so it
+passes ``rope_key_to_heads``, an ``nn.Identity`` here, where the layout puts the head-parallel
+region's entry (xorl/nn/tp_regions.py ``ToHeadParallel``: its gradient summed over TP; under sequence
+parallel it is all-gathered along the sequence, as the column layers gather theirs).
 """
 
 from __future__ import annotations
@@ -29,12 +30,11 @@ import torch
 from torch import nn
 
 from xorl.models.attention import LocalAttention
-from xorl.models.layers import RMSNorm, apply_rotary, yarn_softmax_mscale
+from xorl.models.layers import apply_rotary, yarn_softmax_mscale
 from xorl.models.spec import ModelSpec
 from xorl.nn.attention_backends import attention_backend
 from xorl.nn.linear import Linear
-from xorl.nn.tp_comm import TPGroup
-from xorl.nn.tp_regions import to_head_parallel
+from xorl.nn.rms_norm import RMSNorm
 
 # transformers builds q_a_layernorm / kv_a_layernorm with DeepseekV3RMSNorm's default eps, not rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
@@ -54,6 +54,7 @@ class LatentAttention(nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
         heads = spec.num_attention_heads
+        self.num_heads = self.num_key_value_heads = heads  # k and v per head, from the shared latent
         self.qk_nope_head_dim, self.qk_rope_head_dim = spec.qk_nope_head_dim, spec.qk_rope_head_dim
         self.v_head_dim, self.kv_lora_rank = spec.v_head_dim, spec.kv_lora_rank
         self.head_dim = spec.head_dim  # the q.k head dim: qk_nope + qk_rope
@@ -79,13 +80,9 @@ class LatentAttention(nn.Module):
         # Ulysses that the context-parallel plan puts here instead).
         backend = attention_backend(spec.attn_implementation).local
         self.core_attention: nn.Module = LocalAttention(softmax_scale=scale, backend=backend)
-        self.tp: TPGroup | None = None  # shard_heads_over_tp
-        self.sequence_parallel = False
-
-    def shard_heads_over_tp(self, tp: TPGroup, sequence_parallel: bool) -> None:
-        """The tensor-parallel plan has made the up-projections column- and o_proj row-parallel: this
-        rank computes its heads, and the shared RoPE key enters their region here."""
-        self.tp, self.sequence_parallel = tp, bool(sequence_parallel)
+        # Where the one RoPE key every head shares meets the per-head tensors: nothing to do in one
+        # process; the TP layout's entry into the head-parallel region (module docstring).
+        self.rope_key_to_heads: nn.Module = nn.Identity()
 
     def forward(
         self,
@@ -107,9 +104,7 @@ class LatentAttention(nn.Module):
         latent, k_rot = self.kv_a_proj_with_mqa(hidden).split((self.kv_lora_rank, self.qk_rope_head_dim), dim=-1)
         kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(batch, seq, -1, self.qk_nope_head_dim + self.v_head_dim)
         k_nope, v = kv.split((self.qk_nope_head_dim, self.v_head_dim), dim=-1)
-        if self.tp is not None:
-            k_rot = to_head_parallel(k_rot, self.tp, -2 if self.sequence_parallel else None)
-        k_rot = k_rot.reshape(batch, seq, 1, self.qk_rope_head_dim)
+        k_rot = self.rope_key_to_heads(k_rot).reshape(batch, seq, 1, self.qk_rope_head_dim)
         if self.rope_interleave:
             q_rot, k_rot = deinterleave(q_rot), deinterleave(k_rot)
         q_rot, k_rot = apply_rotary(q_rot, cos, sin), apply_rotary(k_rot, cos, sin)

@@ -23,9 +23,9 @@ import torch
 from torch import nn
 
 from xorl.distributed.shard_box import ShardBox, local_tensor, parameter_box
-from xorl.models.layers import RMSNorm
 from xorl.models.param_names import clean_name
 from xorl.nn.lora import ADAPTER_NAMES, adapter_bounds
+from xorl.nn.rms_norm import RMSNorm
 
 # 1 Mi elements (4 MiB in fp32) per block: small next to any shard of a large model, large enough
 # that seeding a generator per block costs nothing measurable.

@@ -3,9 +3,10 @@
     cast_weights_for_float8_all_gather(model)   # before fully_shard (xorl/parallel/data_parallel.py)
 
 Each weight of an ``xorl.nn.linear.Linear`` built with ``fp8="tensorwise"`` becomes a
-``Float8AllGatherWeight``: a tensor subclass wrapping the unchanged fp32 (or bf16) master weight,
-which FSDP2 shards like any parameter (a DTensor whose local tensor is the subclass) and whose
-all-gather runs through FSDP2's extension hooks:
+``Float8AllGatherWeight`` (through the linear's own ``gather_weight_as``): a tensor subclass
+wrapping the unchanged fp32 (or bf16) master weight, which FSDP2 shards like any parameter (a
+DTensor whose local tensor is the subclass) and whose all-gather runs through FSDP2's extension
+hooks:
 
 - ``fsdp_pre_all_gather``: the local shard's amax, all-reduced (MAX) over the FSDP shard group on
   the compute device (a functional collective, no host sync), gives the scale of the WHOLE weight;
@@ -138,6 +139,5 @@ def cast_weights_for_float8_all_gather(model: nn.Module) -> int:
     if linears:
         register_float8_weight_kernels()
     for linear in linears:
-        weight = linear.weight
-        linear.weight = nn.Parameter(Float8AllGatherWeight(weight.data), requires_grad=weight.requires_grad)
+        linear.gather_weight_as(Float8AllGatherWeight)
     return len(linears)

@@ -35,8 +35,8 @@ class Linear(nn.Linear):
         self.fp8 = check_fp8(fp8)
         self.lora = lora  # xorl.nn.lora.LoRASpec or None
         if lora is not None:
-            make_adapters(self, lora, (lora.rank, in_features), (out_features, lora.rank), self.weight.device,
-                          self.weight.dtype)
+            self.lora_A, self.lora_B, self.lora_dropout = make_adapters(
+                lora, (lora.rank, in_features), (out_features, lora.rank), self.weight.device, self.weight.dtype)
             self.reset_lora_parameters()
             for param in (self.weight, self.bias):
                 if param is not None:
@@ -50,6 +50,14 @@ class Linear(nn.Linear):
         for name, bound in adapter_bounds(self.lora, self.in_features).items():
             param = getattr(self, name)
             param.zero_() if bound is None else param.uniform_(-bound, bound)
+
+    def gather_weight_as(self, subclass: type[torch.Tensor]) -> None:
+        """Hold the weight as ``subclass(weight.data)``: a tensor subclass whose FSDP2 all-gather
+        extension casts the shard before sending it (train.fp8_all_gather: ``Float8AllGatherWeight``,
+        xorl/nn/fp8_all_gather.py). Call before fully_shard; the parameter keeps its name, shape,
+        dtype, values and requires_grad."""
+        weight = self.weight
+        self.weight = nn.Parameter(subclass(weight.data), requires_grad=weight.requires_grad)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8 == "none":

@@ -107,15 +107,15 @@ def adapter_bounds(spec: LoRASpec, in_features: int) -> dict[str, float | None]:
             "lora_B": None if spec.init_lora_weights else 1.0 / math.sqrt(spec.rank)}
 
 
-def make_adapters(module: nn.Module, spec: LoRASpec, a_shape, b_shape, device, dtype, wrap=None) -> None:
-    """Give ``module`` its ``lora_A`` / ``lora_B`` (``wrap`` turns a local tensor into the parameter's
-    data, e.g. a DTensor of the TP mesh) and its input dropout; initialise them when not on meta."""
+def make_adapters(spec: LoRASpec, a_shape, b_shape, device, dtype, wrap=None
+                  ) -> tuple[nn.Parameter, nn.Parameter, nn.Module]:
+    """A layer's ``lora_A``, ``lora_B`` (uninitialised; ``wrap`` turns a local tensor into the
+    parameter's data, e.g. a DTensor of the TP mesh) and its input dropout, for its constructor."""
     a = torch.empty(a_shape, device=device, dtype=dtype)
     b = torch.empty(b_shape, device=device, dtype=dtype)
-    module.lora_A = nn.Parameter(wrap("lora_A", a) if wrap else a)
-    module.lora_B = nn.Parameter(wrap("lora_B", b) if wrap else b)
-    # A module (not a functional call) so model.train() / eval() switch it as peft's does.
-    module.lora_dropout = nn.Dropout(spec.dropout) if spec.dropout > 0 else nn.Identity()
+    # The dropout is a module (not a functional call) so model.train() / eval() switch it as peft's does.
+    return (nn.Parameter(wrap("lora_A", a) if wrap else a), nn.Parameter(wrap("lora_B", b) if wrap else b),
+            nn.Dropout(spec.dropout) if spec.dropout > 0 else nn.Identity())
 
 
 def freeze_base(model: nn.Module) -> None:
@@ -203,6 +203,11 @@ class ExpertsLoRA(nn.Module):
         for name, bound in adapter_bounds(self.lora, self.in_features).items():
             param = getattr(self, name)
             param.zero_() if bound is None else param.uniform_(-bound, bound)
+
+    def keep_experts(self, shard) -> None:
+        """Expert parallelism (``GroupedExperts.distribute_over``): keep ``shard(lora_A)`` and
+        ``shard(lora_B)``, this rank's experts of both, as the base weights keep theirs."""
+        self.lora_A, self.lora_B = shard(self.lora_A), shard(self.lora_B)
 
     def forward(self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor, local) -> torch.Tensor:
         """``local``: the parameter -> this rank's experts (GroupedExperts' ``_local``)."""

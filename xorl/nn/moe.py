@@ -1,4 +1,4 @@
-"""``xorl.nn.MoE``: a drop-in mixture-of-experts block (router + dispatch + grouped experts + combine).
+"""``xorl.nn.MoE``: a mixture-of-experts block (router + dispatch + grouped experts + combine).
 
 State-dict names follow the HF Qwen3-MoE block (transformers 5's fused experts, in the grouped
 GEMM's [groups, in, out] layout); ``load_state_dict`` also takes the split ``experts.gate_proj`` /
@@ -89,8 +89,6 @@ class MoE(nn.Module):
         router_bias: a learned bias on the router logits (gpt-oss).
         expert_biases, swiglu_alpha, swiglu_limit: gpt-oss experts (per-expert biases, clamped
             SwiGLU when swiglu_limit is set; ``GroupedExperts``).
-        returns_aux: False for a drop-in replacement of a ``transformers`` block, whose caller
-            expects the output alone (``from_block``); the auxiliary losses are then not returned.
     """
 
     def __init__(
@@ -114,7 +112,6 @@ class MoE(nn.Module):
         z_loss_coef: float = 0.0,
         ep_group: dist.ProcessGroup | None = None,
         balance_group: dist.ProcessGroup | None = None,
-        returns_aux: bool = True,
         device=None,
         dtype=None,
         fp8: str = "none",
@@ -134,7 +131,6 @@ class MoE(nn.Module):
                 f"num_experts={num_experts} is not divisible by the expert-parallel size {self.ep_size}: "
                 "set expert_parallel_size to a divisor of num_experts"
             )
-        self.returns_aux = returns_aux
         self.hidden_size = hidden_size
         self.num_experts = num_experts
         self.num_local_experts = num_experts // self.ep_size
@@ -229,7 +225,7 @@ class MoE(nn.Module):
         out, aux = self._routed_forward(hidden_states, token_mask)
         if tp is not None and tp.size > 1 and not self.tokens_arrive_sharded:
             out = gather_from_shards(out, tp, _SEQ_DIM)
-        return (out, aux) if self.returns_aux else out
+        return out, aux
 
     def _routed_forward(self, hidden_states: torch.Tensor, token_mask: torch.Tensor | None):
         if hidden_states.shape[-1] != self.hidden_size:
@@ -310,29 +306,6 @@ class MoE(nn.Module):
                     f"[{self.num_experts}, ...] tensor), got {tuple(full.shape)}"
                 )
             param.copy_(src)
-
-    @classmethod
-    def from_block(cls, block: nn.Module, *, ep_group=None, **overrides) -> MoE:
-        """Build an MoE from an xorl or ``transformers`` Qwen3-MoE / Qwen2-MoE sparse block, copying
-        its weights (only this rank's experts under EP). Router settings (top_k, norm_topk_prob)
-        are read from the block; pass them as keyword overrides if the block does not carry them."""
-        from xorl.nn.moe_convert import describe_block
-
-        spec = describe_block(block)
-        spec.update(overrides)
-        weights = spec.pop("_weights")
-        ref = weights["gate_proj"]
-        spec.setdefault("returns_aux", False)  # the block's callers expect its output alone
-        moe = cls(ep_group=ep_group, device=ref.device, dtype=ref.dtype, **spec)
-        with torch.no_grad():
-            moe.gate.weight.copy_(weights["gate"])
-            moe.load_experts(weights["gate_proj"], weights["up_proj"], weights["down_proj"])
-            if moe.shared_expert is not None:
-                moe.shared_expert.load_state_dict(weights["shared_expert"])
-                moe.shared_expert_gate.weight.copy_(weights["shared_expert_gate"])
-            if moe.gate.e_score_correction_bias is not None and "e_score_correction_bias" in weights:
-                moe.gate.e_score_correction_bias.copy_(weights["e_score_correction_bias"])
-        return moe
 
     def extra_repr(self) -> str:
         return (

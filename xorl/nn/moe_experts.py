@@ -139,21 +139,23 @@ class GroupedExperts(nn.Module):
             raise ValueError(f"{self.num_experts} experts do not split over an EP size of {size}")
         local_n = self.num_experts // size
         first = rank * local_n
-        # The stacked [E, ...] tensors and, under LoRA, the adapters ([E, ...] all): each rank keeps its experts.
-        slots = [(self, name) for name in self.param_names]
-        slots += [(m, n) for m in (self.lora_gate_up_proj, self.lora_down_proj) if m is not None
-                  for n in ("lora_A", "lora_B")]
-        shards = {}
-        for owner, name in slots:
-            full = getattr(owner, name)
-            if isinstance(full, DTensor):
-                raise RuntimeError(f"experts.{name} is already a DTensor; distribute_over runs once")
+
+        def shard(full: torch.Tensor) -> nn.Parameter:
             # A copy of this rank's rows, so the full tensor is freed.
             local = full.detach()[first:first + local_n].clone()
-            shards[(owner, name)] = nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False),
-                                                 requires_grad=full.requires_grad)
-        for (owner, name), shard in shards.items():
-            setattr(owner, name, shard)
+            return nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False),
+                                requires_grad=full.requires_grad)
+
+        # The stacked [E, ...] tensors and, under LoRA, the adapters ([E, ...] all): each rank keeps its experts.
+        adapters = [m for m in (self.lora_gate_up_proj, self.lora_down_proj) if m is not None]
+        for name, full in [(n, getattr(self, n)) for n in self.param_names] + \
+                [(n, getattr(m, n)) for m in adapters for n in ("lora_A", "lora_B")]:
+            if isinstance(full, DTensor):
+                raise RuntimeError(f"experts.{name} is already a DTensor; distribute_over runs once")
+        for name in self.param_names:
+            setattr(self, name, shard(getattr(self, name)))
+        for adapter in adapters:
+            adapter.keep_experts(shard)
         self.num_experts = local_n
 
     def forward(self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:

@@ -127,8 +127,9 @@ class _TPLinearBase(nn.Module):
         if lora is not None:
             shapes = self._lora_local_shapes(lora.rank)
             # adapter_dtype: the adapters keep fp32 master weights when the frozen base is stored in bf16.
-            make_adapters(self, lora, shapes["lora_A"], shapes["lora_B"], device, adapter_dtype or dtype,
-                          wrap=lambda n, t: DTensor.from_local(t, tp_mesh, [self.lora_placements[n]], run_check=False))
+            self.lora_A, self.lora_B, self.lora_dropout = make_adapters(
+                lora, shapes["lora_A"], shapes["lora_B"], device, adapter_dtype or dtype,
+                wrap=lambda n, t: DTensor.from_local(t, tp_mesh, [self.lora_placements[n]], run_check=False))
             for param in (self.weight, self.bias):  # the base is frozen under LoRA
                 if param is not None:
                     param.requires_grad_(False)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from xorl._torch_compat import resolve_process_group
 from xorl.nn.tp_comm import TPGroup, all_gather_single, reduce_scatter_single
@@ -140,6 +141,24 @@ def to_head_parallel(x: torch.Tensor, tp: TPGroup, sequence_dim: int | None = No
         return x
     # the same autograd pair LoRA's adapters use (copy_to_region / gather_summing_grads below)
     return copy_to_region(x, tp) if sequence_dim is None else gather_summing_grads(x, tp, sequence_dim)
+
+
+class ToHeadParallel(nn.Module):
+    """``to_head_parallel`` as a module, for the place in a model where one activation meets every
+    rank's heads (MLA's ``rope_key_to_heads``: an ``nn.Identity`` there until the TP layout puts this
+    in its slot). ``sequence_parallel``: the activation arrives as this rank's sequence shard
+    (sequence dim -2) and is all-gathered."""
+
+    def __init__(self, tp: TPGroup, sequence_parallel: bool):
+        super().__init__()
+        self.tp = tp
+        self.sequence_parallel = bool(sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return to_head_parallel(x, self.tp, -2 if self.sequence_parallel else None)
+
+    def extra_repr(self) -> str:
+        return f"tp={self.tp.size}, sequence_parallel={self.sequence_parallel}"
 
 
 def split_to_shard(x: torch.Tensor, tp: TPGroup, dim: int) -> torch.Tensor:

@@ -1,13 +1,17 @@
-"""Replicated parameters (``replicate_on_tp``): the parameters TP does not shard (norms, embeddings,
-lm_head, q/k norms) become ``Replicate()`` DTensors on the TP mesh, because FSDP2 then shards
-every parameter on the dp mesh into one 2-D (dp, tp) layout and clip-grad / foreach optimizers
-need them on one mesh. Inside forward the owning module computes with the local tensor
-(``param.to_local()``, differentiable back to the DTensor), swapped into its parameter slot for
-the duration of the call (the ``TPReplicated`` class the module is given, as FSDP2 gives its own).
-Where a rank's use sees only part of the data (RMSNorm on a sequence
-shard, q/k norms on this rank's heads) each rank's gradient is a partial sum: those parameters
-are listed in a ``TPPartialGrads`` and ``sum_tp_partial_grads`` adds them up over TP once per
-optimizer step, in one flattened all-reduce (instead of one per parameter per microbatch).
+"""Parameters a module keeps on every TP rank, or splits with its heads, while its forward stays its own.
+
+``replicate_on_tp``: the parameters TP does not shard (norms, the MLA latents' projections, a
+vocabulary that does not divide) become ``Replicate()`` DTensors on the TP mesh, because FSDP2 then
+shards every parameter on the dp mesh into one 2-D (dp, tp) layout and clip-grad / foreach
+optimizers need them on one mesh. ``split_with_heads``: a module's own per-head parameters
+(gpt-oss's attention sinks, one logit per query head) become ``Shard(0)`` DTensors, this rank's
+contiguous block of heads, as the column layers split the projections. Either way the module
+computes with the local tensors (``param.to_local()``, differentiable back to the DTensor), swapped
+into its parameter slots for the duration of the call (the class ``TPLocalTensors<its class>`` that
+``put_params_on_tp`` gives it, as FSDP2 gives its own). Where a rank's use sees only part of the data
+(RMSNorm on a sequence shard, q/k norms on this rank's heads) each rank's gradient is a partial sum:
+those parameters are listed in a ``TPPartialGrads`` and ``sum_tp_partial_grads`` adds them up over TP
+once per optimizer step, in one flattened all-reduce (instead of one per parameter per microbatch).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import functools
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from xorl.nn.tp_comm import TPGroup
 
@@ -77,11 +81,11 @@ def sum_tp_partial_grads(partials: list[TPPartialGrads]) -> int:
     return len(buckets)
 
 
-class TPReplicated:
-    """Mixin of a module whose own parameters are ``Replicate()`` DTensors on the TP mesh: its forward
-    computes with their local tensors.
+class TPLocalTensors:
+    """Mixin of a module whose own parameters are DTensors on the TP mesh (replicated, or split with
+    its heads): its forward computes with their local tensors.
 
-    ``replicate_on_tp`` gives the module the class ``TPReplicated<its class>`` (built once per class),
+    ``put_params_on_tp`` gives the module the class ``TPLocalTensors<its class>`` (built once per class),
     as FSDP2's ``fully_shard`` gives a module the class ``FSDP<its class>``: the module's own
     ``forward`` and parameter names stay as they are, and nothing is set on the instance. Each
     DTensor slot holds its local tensor (differentiable back to the DTensor) for the duration of
@@ -100,8 +104,38 @@ class TPReplicated:
 
 
 @functools.cache
-def _replicated_class(cls: type) -> type:
-    return type(f"TPReplicated{cls.__name__}", (TPReplicated, cls), {"__module__": cls.__module__})
+def _local_tensors_class(cls: type) -> type:
+    return type(f"TPLocalTensors{cls.__name__}", (TPLocalTensors, cls), {"__module__": cls.__module__})
+
+
+def put_params_on_tp(module: nn.Module, params: dict[str, nn.Parameter]) -> None:
+    """The one place TP changes a module's own parameters from outside: ``params`` (DTensors on the TP
+    mesh) take the module's parameter slots of the same names, and the module gets the class
+    ``TPLocalTensors<its class>`` (its forward computes with the local tensors). Names and values
+    stay; only the placement is new."""
+    _check_not_placed(module)
+    unknown = sorted(set(params) - set(_own_params(module)))
+    if unknown:
+        raise ValueError(f"{type(module).__name__} has no parameters {unknown} to put on the TP mesh")
+    for name, param in params.items():
+        module._parameters[name] = param
+    if params:
+        module.__class__ = _local_tensors_class(type(module))
+
+
+def _own_params(module: nn.Module) -> dict[str, nn.Parameter]:
+    return {name: param for name, param in module._parameters.items() if param is not None}
+
+
+def _check_not_placed(module: nn.Module) -> None:
+    if isinstance(module, TPLocalTensors):
+        raise ValueError(f"{type(module).__name__} is already prepared for tensor parallel")
+    for name, param in _own_params(module).items():
+        if isinstance(param, DTensor):
+            raise ValueError(
+                f"{type(module).__name__}.{name} is already a DTensor ({param.placements}); "
+                "apply_tensor_parallel must run before other plans that shard parameters"
+            )
 
 
 def replicate_on_tp(module: nn.Module, tp_mesh, memo: dict[int, nn.Parameter],
@@ -111,23 +145,29 @@ def replicate_on_tp(module: nn.Module, tp_mesh, memo: dict[int, nn.Parameter],
     ``memo`` maps id(old parameter) -> new DTensor parameter, so a parameter shared by two modules
     (tied embedding / lm_head) stays one parameter. ``partial_grads``: list the parameters there
     (their per-rank gradient is a partial sum; see the module docstring). The module then computes
-    with the local tensors (``TPReplicated``).
+    with the local tensors (``put_params_on_tp``).
     """
-    if isinstance(module, TPReplicated):
-        raise ValueError(f"{type(module).__name__} is already prepared for tensor parallel")
-    names = []
-    for name, param in list(module._parameters.items()):
-        if param is None:
-            continue
-        if isinstance(param, DTensor):
-            raise ValueError(
-                f"{type(module).__name__}.{name} is already a DTensor ({param.placements}); "
-                "apply_tensor_parallel must run before other plans that shard parameters"
-            )
-        module._parameters[name] = replicated_param(param, tp_mesh, memo)
-        names.append(name)
-        if partial_grads is not None:
-            partial_grads.slots.append((module, name))
-    if names:
-        module.__class__ = _replicated_class(type(module))
-    return names
+    _check_not_placed(module)
+    own = _own_params(module)
+    put_params_on_tp(module, {name: replicated_param(param, tp_mesh, memo) for name, param in own.items()})
+    if partial_grads is not None:
+        partial_grads.slots += [(module, name) for name in own]
+    return list(own)
+
+
+def split_with_heads(module: nn.Module, tp_mesh) -> list[str]:
+    """Split ``module``'s own parameters [heads, ...] (gpt-oss's sinks) into contiguous blocks of heads,
+    ``Shard(0)`` DTensors on ``tp_mesh`` holding this rank's block (the heads its column-parallel
+    projections compute); returns their names. Every rank must hold the same full values."""
+    tp_size, rank = tp_mesh.size(), tp_mesh.get_local_rank()
+    _check_not_placed(module)
+    own = _own_params(module)
+    for name, param in own.items():
+        if param.shape[0] % tp_size:
+            raise ValueError(f"{type(module).__name__}.{name}: {param.shape[0]} heads are not divisible by "
+                             f"tensor_parallel_size={tp_size}")
+    put_params_on_tp(module, {
+        name: nn.Parameter(DTensor.from_local(param.detach().chunk(tp_size)[rank].clone(), tp_mesh, [Shard(0)],
+                                              run_check=False), requires_grad=param.requires_grad)
+        for name, param in own.items()})
+    return list(own)

@@ -24,7 +24,23 @@ class VocabParallelLMHead(ColumnParallelLinear):
     inside: ``xorl.nn.cross_entropy.cross_entropy_sum`` computes the loss from the shards without
     gathering them (loss parallel). Under sequence parallel its input is this rank's sequence
     shard, gathered as for any column layer.
+
+    ``weight``: the ``VocabParallelEmbedding``'s weight when the lm_head is tied to it
+    (tie_word_embeddings): both are [vocab, hidden] split by rows (``Shard(0)``), so the one parameter
+    serves both, with one gradient and one optimizer state, as in one process.
     """
+
+    def __init__(self, *args, weight: nn.Parameter | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if weight is not None:
+            placed = isinstance(weight, DTensor) and tuple(weight.placements) == (Shard(0),)
+            if not placed or tuple(weight.shape) != (self.out_features, self.in_features):
+                raise ValueError(
+                    f"VocabParallelLMHead: a tied weight must be the vocabulary-parallel embedding's "
+                    f"[{self.out_features}, {self.in_features}] Shard(0) DTensor, got "
+                    f"{type(weight).__name__} {tuple(weight.shape)}"
+                )
+            self.weight = weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return DTensor.from_local(super().forward(x), self.tp_mesh, [Shard(-1)], run_check=False)

@@ -44,9 +44,9 @@ def apply_compile(model: nn.Module, backend: str = "inductor", capture_scalar_ou
         torch._dynamo.config.capture_scalar_outputs = True
     # Inside an activation-checkpoint region dynamo refuses Python side effects, because eager
     # checkpointing replays them in the recompute and a compiled recompute cannot. A block's are
-    # undone within its own forward: TPReplicated swaps a module's local tensors into its parameter
+    # undone within its own forward: TPLocalTensors swaps a module's local tensors into its parameter
     # slots and back (xorl/nn/tp_replicated.py); SharedInputColumnGroup keeps its members' outputs
-    # until each has asked (xorl/nn/tensor_parallel.py). So they need no replay: the recompute is the
+    # until each has asked (xorl/nn/tp_linear.py). So they need no replay: the recompute is the
     # traced graph. (Tensor state, the routers' load count, is traced as a graph mutation anyway.)
     # torchtitan's apply_compile sets the same.
     if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):

@@ -8,10 +8,10 @@ The xorl models build ``xorl.nn.MoE`` blocks holding all E experts (on the meta 
 so nothing is allocated); ``apply_expert_parallel`` makes each keep this rank's ``E / ep`` experts
 as DTensors of global shape [E, ...] sharded over the "ep" dim (``MoE.distribute_experts``), so
 checkpoints (DCP) and gradient-norm clipping see every expert exactly once, and the tokens are
-dispatched over the EP group. A ``transformers`` Qwen3-MoE / Qwen2-MoE sparse block is converted
-to ``xorl.nn.MoE`` first (``MoE.from_block``, copying its weights), so an HF model gets the same
-module. FSDP2 then shards the local experts over "ep_fsdp" (xorl/parallel/data_parallel.py), with
-gradients summed like every other parameter.
+dispatched over the EP group. FSDP2 then shards the local experts over "ep_fsdp"
+(xorl/parallel/data_parallel.py), with gradients summed like every other parameter. Only xorl's own
+MoE blocks are distributed (a foreign transformers block is no xorl.nn.MoE: tests/support/hf_moe_blocks.py
+converts one for the tests that compare against transformers).
 """
 
 from __future__ import annotations
@@ -41,17 +41,6 @@ def _ep_dim_mesh(ep_mesh):
     return ep_mesh
 
 
-def is_sparse_moe_block(module: nn.Module) -> bool:
-    """A foreign block with a router ``gate`` and an ``experts`` container (transformers layouts)."""
-    if isinstance(module, MoE):
-        return False
-    experts = getattr(module, "experts", None)
-    gate = getattr(module, "gate", None)
-    if experts is None or gate is None or not isinstance(getattr(gate, "weight", None), nn.Parameter):
-        return False
-    return hasattr(experts, "gate_proj") or hasattr(experts, "gate_up_proj") or isinstance(experts, nn.ModuleList)
-
-
 @dataclass
 class ExpertParallelRecord:
     """What ``apply_expert_parallel`` did."""
@@ -71,24 +60,18 @@ class RouterBalanceRecord:
 def apply_expert_parallel(model: nn.Module, ep_mesh) -> ExpertParallelRecord:
     """Make every MoE block of ``model`` expert-parallel over ``ep_mesh``; returns what was done.
 
-    ``ep_mesh`` None (or an "ep" dim of size 1): no expert parallelism; foreign blocks are still
-    converted to ``xorl.nn.MoE``. Every rank of an EP group must call it on the same full weights.
+    ``ep_mesh`` None (or an "ep" dim of size 1): no expert parallelism. Every rank of an EP group must
+    call it on the same full weights.
     """
     ep = _ep_dim_mesh(ep_mesh)
-    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, MoE) or is_sparse_moe_block(m)]
+    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
     if not targets:
         raise ValueError(
-            f"{type(model).__name__} has no MoE block: expert parallelism needs an MoE model; "
-            "set expert_parallel_size: 1 for a dense model"
+            f"{type(model).__name__} has no xorl.nn.MoE block: expert parallelism needs an MoE model built "
+            "by xorl.models; set expert_parallel_size: 1 for a dense model"
         )
-    for name, block in targets:
-        moe = block
-        if not isinstance(block, MoE):
-            moe = MoE.from_block(block)
-            moe.train(block.training)
-            parent_name, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent_name) if parent_name else model, child, moe)
-        if ep is not None and ep.size() > 1:
+    if ep is not None and ep.size() > 1:
+        for name, moe in targets:
             try:
                 moe.distribute_experts(ep)
             except ValueError as e:

@@ -200,6 +200,7 @@ def test_model_matches_eager_ops(model_type, monkeypatch):
     import xorl.models.layers as layers
     import xorl.nn.moe as moe
     import xorl.nn.moe_experts as moe_experts
+    import xorl.nn.rms_norm as rms_norm_module
     from xorl.config import ModelConfig
     from xorl.models import build_model
 
@@ -221,7 +222,7 @@ def test_model_matches_eager_ops(model_type, monkeypatch):
 
     fused_logits, fused_grads = step(model)
     with monkeypatch.context() as patch:
-        patch.setattr(layers.RMSNorm, "forward", _eager_rms_forward)
+        patch.setattr(rms_norm_module.RMSNorm, "forward", _eager_rms_forward)
         patch.setattr(attention, "apply_rotary", _eager_rotary)
         eager_swiglu = lambda g, u: F.silu(g) * u  # noqa: E731
         for module in (layers, moe, moe_experts):

@@ -1,11 +1,13 @@
 """xorl.nn.MoE (one process): against transformers' Qwen3-MoE / Qwen2-MoE blocks on the same weights
-and against an independent float64 per-token loop, output and every gradient."""
+(copied by tests/support/hf_moe_blocks.py) and against an independent float64 per-token loop, output
+and every gradient."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from tests.support.hf_moe_blocks import OutputOnlyMoE, moe_from_block, replace_sparse_moe_blocks
 from tests.support.moe_reference import tiny_qwen3_moe_config
 from xorl.nn.moe import MoE
 
@@ -79,11 +81,11 @@ def _hf_qwen3_block(seed=0):
 
 def test_matches_transformers_qwen3_moe_block():
     block = _hf_qwen3_block()
-    moe = MoE.from_block(block)
+    moe = moe_from_block(block)
     assert (moe.num_experts, moe.top_k, moe.moe_intermediate_size) == (8, 2, 16)
     x = torch.randn(2, 9, 32)
     x_hf, x_ours = x.clone().requires_grad_(), x.clone().requires_grad_()
-    out_hf, out = block(x_hf), moe(x_ours)
+    out_hf, (out, _) = block(x_hf), moe(x_ours)
     assert out.shape == out_hf.shape
     assert rel_err(out, out_hf) < 1e-5
     grad = torch.randn_like(out)
@@ -115,11 +117,11 @@ def test_shared_expert_matches_transformers_qwen2_moe_block():
     with torch.no_grad():
         for p in block.parameters():
             p.normal_(std=0.3)
-    moe = MoE.from_block(block)
+    moe = moe_from_block(block)
     assert moe.shared_expert is not None and not moe.gate.norm_topk_prob
     x = torch.randn(2, 5, 32)
     x_hf, x_ours = x.clone().requires_grad_(), x.clone().requires_grad_()
-    out_hf, out = block(x_hf), moe(x_ours)
+    out_hf, (out, _) = block(x_hf), moe(x_ours)
     assert rel_err(out, out_hf) < 1e-5
     grad = torch.randn_like(out)
     out_hf.backward(grad)
@@ -129,7 +131,9 @@ def test_shared_expert_matches_transformers_qwen2_moe_block():
     assert rel_err(moe.shared_expert.up_proj.weight.grad, block.shared_expert.up_proj.weight.grad) < 1e-5
 
 
-def test_plan_swaps_transformers_model_blocks():
+def test_xorl_blocks_in_a_transformers_model_keep_its_logits():
+    """The converted blocks in place of a transformers model's own: the same logits; the EP plan (size 1)
+    then finds them as xorl MoE blocks, and refuses the model before the conversion."""
     import transformers
 
     from xorl.parallel.expert_parallel import apply_expert_parallel
@@ -139,8 +143,11 @@ def test_plan_swaps_transformers_model_blocks():
     hf = transformers.Qwen3MoeForCausalLM(config).eval()
     ids = torch.randint(0, 61, (2, 7))
     ref = hf(ids).logits
+    with pytest.raises(ValueError, match="has no xorl.nn.MoE block"):
+        apply_expert_parallel(hf, None)
+    assert replace_sparse_moe_blocks(hf) == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    assert isinstance(hf.model.layers[1].mlp, OutputOnlyMoE) and not hf.model.layers[1].mlp.training
     assert apply_expert_parallel(hf, None).blocks == ["model.layers.0.mlp", "model.layers.1.mlp"]
-    assert isinstance(hf.model.layers[1].mlp, MoE)
     assert rel_err(hf(ids).logits, ref) < 1e-5
 
 

@@ -1,11 +1,20 @@
-"""Read the shapes, router settings and weights of an existing sparse-MoE block, whatever its layout.
+"""Test helper: an ``xorl.nn.MoE`` from a sparse-MoE block of ``transformers`` (or the tests' own
+reference block), copying its weights; and the replacement of such blocks inside a transformers model.
 
-Supported layouts (the expert weights are returned as [E, in, out], the xorl layout):
+It lived in the library (xorl/nn/moe_convert.py, ``MoE.from_block``, and a conversion step inside
+``apply_expert_parallel``), but only tests reached it: xorl trains its own models (xorl/models), which
+read transformers checkpoints through xorl/models/hf_reader.py. Tests keep it to check xorl's MoE
+block against transformers' Qwen3-MoE / Qwen2-MoE blocks computed by transformers' own code.
+
+    moe = moe_from_block(block)                      # same weights; forward returns (out, aux)
+    names = replace_sparse_moe_blocks(hf_model)      # every foreign block -> OutputOnlyMoE, in place
+
+Supported layouts (the expert weights are read as [E, in, out], the xorl layout):
 
 * xorl layout (xorl.nn.MoE's GroupedExperts): ``experts.gate_up_proj`` [E, hidden, 2I] (gate columns,
-  then up) and ``experts.down_proj`` [E, I, hidden]; the reference block in tests/ holds
-  ``experts.gate_proj`` / ``up_proj`` [E, hidden, I] and the same ``down_proj``; ``gate`` a Linear or
-  router with ``weight`` [E, hidden].
+  then up) and ``experts.down_proj`` [E, I, hidden]; the reference block in tests/support/moe_reference.py
+  holds ``experts.gate_proj`` / ``up_proj`` [E, hidden, I] and the same ``down_proj``; ``gate`` a Linear
+  or router with ``weight`` [E, hidden].
 * ``transformers`` >= 5 (Qwen3MoeSparseMoeBlock, Qwen2MoeSparseMoeBlock): ``experts.gate_up_proj``
   [E, 2I, hidden] (gate rows first, then up; [out, in]) and ``experts.down_proj`` [E, hidden, I].
 * ``transformers`` 4.x: ``experts`` a ModuleList of MLPs with Linear ``gate_proj`` / ``up_proj`` /
@@ -20,6 +29,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+from xorl.nn.moe import MoE
+from xorl.nn.moe_experts import GroupedExperts
 
 _MISSING = object()
 
@@ -39,8 +51,6 @@ def _expert_weights(experts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if isinstance(experts, nn.ModuleList):  # transformers 4.x: one MLP per expert, Linear [out, in]
         stack = lambda name: torch.stack([getattr(e, name).weight.detach().t() for e in experts])
         return stack("gate_proj"), stack("up_proj"), stack("down_proj")
-    from xorl.nn.moe_experts import GroupedExperts
-
     if isinstance(experts, GroupedExperts):  # xorl: fused [E, hidden, 2I] and [E, I, hidden]
         gate, up = experts.gate_up_proj.detach().chunk(2, dim=2)
         return gate, up, experts.down_proj.detach()
@@ -96,5 +106,53 @@ def describe_block(block: nn.Module) -> dict:
         weights["shared_expert_gate"] = block.shared_expert_gate.weight.detach()
     spec["_weights"] = weights
     if "top_k" not in spec:
-        raise ValueError(f"could not find top_k on {type(block).__name__}; pass MoE.from_block(block, top_k=...)")
+        raise ValueError(f"could not find top_k on {type(block).__name__}; pass moe_from_block(block, top_k=...)")
     return spec
+
+
+class OutputOnlyMoE(MoE):
+    """An xorl MoE block in a transformers model, whose decoder layer expects the block's output alone
+    (the auxiliary losses are dropped)."""
+
+    def forward(self, hidden_states: torch.Tensor, token_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return super().forward(hidden_states, token_mask)[0]
+
+
+def moe_from_block(block: nn.Module, *, cls: type[MoE] = MoE, **overrides) -> MoE:
+    """An xorl MoE (``cls``) from ``block``, copying its weights. Router settings (top_k,
+    norm_topk_prob) are read from the block; pass them as keyword overrides if it does not carry them."""
+    spec = describe_block(block)
+    spec.update(overrides)
+    weights = spec.pop("_weights")
+    ref = weights["gate_proj"]
+    moe = cls(device=ref.device, dtype=ref.dtype, **spec)
+    with torch.no_grad():
+        moe.gate.weight.copy_(weights["gate"])
+        moe.load_experts(weights["gate_proj"], weights["up_proj"], weights["down_proj"])
+        if moe.shared_expert is not None:
+            moe.shared_expert.load_state_dict(weights["shared_expert"])
+            moe.shared_expert_gate.weight.copy_(weights["shared_expert_gate"])
+        if moe.gate.e_score_correction_bias is not None and "e_score_correction_bias" in weights:
+            moe.gate.e_score_correction_bias.copy_(weights["e_score_correction_bias"])
+    moe.train(block.training)
+    return moe
+
+
+def is_sparse_moe_block(module: nn.Module) -> bool:
+    """A foreign block with a router ``gate`` and an ``experts`` container (transformers layouts)."""
+    if isinstance(module, MoE):
+        return False
+    experts = getattr(module, "experts", None)
+    gate = getattr(module, "gate", None)
+    if experts is None or gate is None or not isinstance(getattr(gate, "weight", None), nn.Parameter):
+        return False
+    return hasattr(experts, "gate_proj") or hasattr(experts, "gate_up_proj") or isinstance(experts, nn.ModuleList)
+
+
+def replace_sparse_moe_blocks(model: nn.Module) -> list[str]:
+    """Put an ``OutputOnlyMoE`` with the same weights where ``model`` has a foreign sparse-MoE block;
+    returns their paths."""
+    paths = [name for name, module in model.named_modules() if is_sparse_moe_block(module)]
+    for path in paths:
+        model.set_submodule(path, moe_from_block(model.get_submodule(path), cls=OutputOnlyMoE), strict=True)
+    return paths
