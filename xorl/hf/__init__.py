@@ -24,6 +24,7 @@ from transformers.integrations.moe import ExpertsInterface
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
 from xorl.hf.attention import XorlAttentionError, xorl_attention_forward
+from xorl.hf.context_parallel import ContextParallel, count_label_tokens
 from xorl.hf.experts import xorl_experts_forward
 
 NAME = "xorl"
@@ -32,4 +33,5 @@ AttentionInterface.register(NAME, xorl_attention_forward)
 AttentionMaskInterface.register(NAME, flash_attention_mask)
 ExpertsInterface.register(NAME, xorl_experts_forward)
 
-__all__ = ["NAME", "XorlAttentionError", "xorl_attention_forward", "xorl_experts_forward"]
+__all__ = ["NAME", "ContextParallel", "XorlAttentionError", "count_label_tokens", "xorl_attention_forward",
+           "xorl_experts_forward"]

@@ -38,6 +38,18 @@ def _refuse(module, what: str, fix: str) -> None:
     raise XorlAttentionError(f'attn_implementation="xorl" ({name}): {what}; {fix}')
 
 
+def check_attention_call(module, dropout: float, softcap: float | None, kwargs: dict) -> None:
+    """Refuse what no xorl attention computes (here and under context parallelism)."""
+    if dropout and module.training:
+        _refuse(module, f"attention dropout {dropout} is not implemented by xorl's kernels",
+                "set the config's attention_dropout to 0.0 (the usual fine-tuning value), or use sdpa")
+    if softcap is not None:
+        _refuse(module, f"a logit soft-cap ({softcap}) is not implemented", "use eager or sdpa for this model")
+    if kwargs.get("output_attentions"):
+        _refuse(module, "output_attentions=True needs the attention weights, which flash attention never forms",
+                "use attn_implementation='eager' to read them")
+
+
 def xorl_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -52,14 +64,7 @@ def xorl_attention_forward(
     s_aux: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    if dropout and module.training:
-        _refuse(module, f"attention dropout {dropout} is not implemented by xorl's kernels",
-                "set the config's attention_dropout to 0.0 (the usual fine-tuning value), or use sdpa")
-    if softcap is not None:
-        _refuse(module, f"a logit soft-cap ({softcap}) is not implemented", "use eager or sdpa for this model")
-    if kwargs.get("output_attentions"):
-        _refuse(module, "output_attentions=True needs the attention weights, which flash attention never forms",
-                "use attn_implementation='eager' to read them")
+    check_attention_call(module, dropout, softcap, kwargs)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     batch, _, q_len, _ = query.shape
     k_len = key.shape[2]
