@@ -21,12 +21,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, DataCollatorWithFlattening, Trainer, TrainingArguments
 
 import xorl.hf
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from examples_hf_common import tiny_model_folder  # noqa: E402  (examples/hf/, beside this file)
 
 
 def parse_args(argv=None):
@@ -47,19 +51,6 @@ def parse_args(argv=None):
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--history", default=None, help="write the log history here (JSON, rank 0)")
     return p.parse_args(argv)
-
-
-def tiny_model_folder(folder: str) -> str:
-    """A small random Llama-style model with a 259-token vocabulary (xorl's byte tokenizer), written once."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    if not os.path.exists(os.path.join(folder, "config.json")):
-        torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                             bos_token_id=256, eos_token_id=257, pad_token_id=258)
-        LlamaForCausalLM(config).save_pretrained(folder)
-    return folder
 
 
 def read_rows(path: str | None, model_folder: str, seq_len: int) -> list[dict]:

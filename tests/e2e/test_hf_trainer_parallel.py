@@ -4,7 +4,8 @@ the same data: the losses and gradient norms of every step within 1e-5 relative,
 and a Qwen3-MoE model, ring 2, ring 4, Ulysses 2 and ring 2 x Ulysses 2 on gloo, packed documents of
 lengths that divide by nothing. The Trainer features claimed in the docs are held the same way:
 gradient accumulation (and its num_items_in_batch), the evaluation loss, a checkpoint saved and
-resumed (the resumed steps equal the uninterrupted run's)."""
+resumed (the resumed steps equal the uninterrupted run's); and TRL's SFTTrainer with packing, ring 2
+(its loss, grad norm and token accuracy)."""
 
 from __future__ import annotations
 
@@ -96,6 +97,12 @@ def runs(tmp_path_factory):
     jobs[2].append({"script": "train_trainer", "history": paths[("llama", "ring2", "saved")] + ".resumed.json",
                     "argv": [*llama, *resumed, "--output", paths[("llama", "ring2", "saved")][:-5],
                              "--resume", os.path.join(paths[("llama", "ring2", "saved")][:-5], "run", "checkpoint-2")]})
+    # TRL's SFTTrainer with packing on the default tiny model and corpus, one layout.
+    trl = ["--max-steps", "3", "--seq-len", "96"]
+    for world, key, argv in ((1, ("trl", "one process", "sft"), [*trl, "--batch", "4"]),
+                             (2, ("trl", "ring2", "sft"), [*trl, "--batch", "2", "--ring", "2"])):
+        job(world, key, argv)
+        jobs[world][-1]["script"] = "train_trl_sft"
     for world, todo in jobs.items():
         _launch(todo, world, tmp, f"world{world}")
     return paths
@@ -113,6 +120,13 @@ def test_gradient_accumulation_and_evaluation_loss_equal_one_process(runs):
     one, cp = runs[("llama", "one process", "features")], runs[("llama", "ring2", "features")]
     for key in ("loss", "grad_norm", "eval_loss"):
         assert _close(_history(cp, key), _history(one, key)), key
+
+
+def test_trl_sft_with_packing_under_ring_attention_equals_one_process(runs):
+    pytest.importorskip("trl")
+    one, cp = runs[("trl", "one process", "sft")], runs[("trl", "ring2", "sft")]
+    for key in ("loss", "grad_norm", "mean_token_accuracy"):
+        assert _close(_history(cp, key), _history(one, key)), (key, _history(cp, key), _history(one, key))
 
 
 def test_a_resumed_context_parallel_run_continues_the_uninterrupted_one(runs):
