@@ -1,0 +1,37 @@
+"""xorl's kernels inside stock transformers models, through transformers' own extension points.
+
+    import xorl.hf  # registers "xorl"; replaces nothing
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="xorl", experts_implementation="xorl")
+
+Importing this package registers, and does nothing else:
+
+- ``"xorl"`` with transformers' ``AttentionInterface`` (xorl/hf/attention.py: flash attention with
+  GQA, MLA head dims, sinks, sliding windows, packed documents, padding masks) and with its
+  ``AttentionMaskInterface`` (transformers' flash-attention mask function: the 2-D padding mask or
+  None, which the attention reads; without a mask function of its own transformers would hand a
+  registered attention no mask at all, and padding would be silently ignored);
+- ``"xorl"`` with its ``ExpertsInterface`` (xorl/hf/experts.py: permute, grouped GEMM, SwiGLU,
+  unpermute).
+
+No transformers class or function is replaced: a model uses xorl's kernels only where it is loaded
+with those names.
+"""
+
+from __future__ import annotations
+
+from transformers import AttentionInterface
+from transformers.integrations.moe import ExpertsInterface
+from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+from xorl.hf.attention import XorlAttentionError, xorl_attention_forward
+from xorl.hf.context_parallel import ContextParallel, count_label_tokens
+from xorl.hf.experts import xorl_experts_forward
+
+NAME = "xorl"
+
+AttentionInterface.register(NAME, xorl_attention_forward)
+AttentionMaskInterface.register(NAME, flash_attention_mask)
+ExpertsInterface.register(NAME, xorl_experts_forward)
+
+__all__ = ["NAME", "ContextParallel", "XorlAttentionError", "count_label_tokens", "xorl_attention_forward",
+           "xorl_experts_forward"]
