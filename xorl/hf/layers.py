@@ -1,0 +1,185 @@
+"""xorl's RMSNorm and RoPE through transformers' kernel mapping (the ``kernels`` package's ``kernelize``).
+
+transformers marks the modules a kernel may stand in for: ``@use_kernel_forward_from_hub("RMSNorm")``
+on the RMSNorm classes, and ``@use_kernel_forward_from_hub("rotary_pos_emb")`` on the module-level
+``apply_rotary_pos_emb``, which ``@use_kernelized_func`` hands each attention instance as a private
+wrapper (``attention._kernel_funcs["rotary_pos_emb"]``). ``kernels.kernelize`` with a mapping from
+those names to a layer class sets the layer's ``forward`` on the instance it is given and records
+the repository in the instance's ``_kernel_repo``; nothing global changes (the mapping is scoped by
+``use_kernel_mapping``). xorl's layers come from ``_InProcessRepository`` (kernels' repository
+protocol: ``load()`` returns the layer class; no Hub, no download).
+
+Each marked module is kernelized on its own, with the layer for its form (xorl/hf/forms.py), because
+one name covers different formulas: "rotary_pos_emb" is transformers' rotate-half in Llama and
+gpt-oss's split halves (half-width cos / sin) in gpt-oss. A marked module whose code is no form xorl
+knows is refused (``XorlApplyError``): the mark promises a kernel may stand in, but xorl's would
+change its numbers. Layers follow kernels' rules: no ``__init__``, no members beyond ``forward`` and
+the ``can_torch_compile`` / ``has_backward`` flags, the marked forward's signature.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+
+from xorl.hf import forms
+from xorl_kernels.rmsnorm.op import rms_norm
+from xorl_kernels.rope.op import apply_rotary
+
+NORM_MARK, ROPE_MARK = "RMSNorm", "rotary_pos_emb"
+
+
+class XorlApplyError(ValueError):
+    """xorl.hf.apply was asked for something it cannot do exactly on this model."""
+
+
+class XorlRMSNorm(nn.Module):
+    """transformers' Llama-form RMSNorm (``weight * normed.to(input dtype)``) on ``xorl_kernels.rms_norm``."""
+
+    can_torch_compile = True
+    has_backward = True
+
+    def forward(self, hidden_states):
+        return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int) -> torch.Tensor:
+    """transformers' q / k [batch, heads, seq, dim] (unsqueeze_dim 1) or [batch, seq, heads, dim] (2)
+    on the kernel's [batch, seq, heads, dim]; cos / sin [batch or 1, seq, head_dim]."""
+    if unsqueeze_dim not in (1, 2) or cos.dim() != 3:
+        raise XorlApplyError(f"xorl's RoPE: unsqueeze_dim={unsqueeze_dim} with cos {tuple(cos.shape)}; it takes "
+                             "cos / sin [batch, seq, dim] and q / k with heads at dim 1 or 2")
+    if cos.shape[-1] != x.shape[-1]:  # the stock formula would not broadcast either
+        raise XorlApplyError(f"xorl's RoPE: cos / sin width {cos.shape[-1]} != head_dim {x.shape[-1]}")
+    if unsqueeze_dim == 1:
+        return apply_rotary(x.transpose(1, 2), cos, sin).transpose(1, 2)
+    return apply_rotary(x, cos, sin)
+
+
+class XorlRotaryRotateHalf(nn.Module):
+    """transformers' ``apply_rotary_pos_emb`` (rotate-half, whole head) on ``xorl_kernels.apply_rotary``."""
+
+    can_torch_compile = True
+    has_backward = True
+
+    def forward(self, q, k, cos, sin, unsqueeze_dim=1):
+        return _rotate(q, cos, sin, unsqueeze_dim), _rotate(k, cos, sin, unsqueeze_dim)
+
+
+class XorlRotaryGptOss(nn.Module):
+    """gpt-oss's ``apply_rotary_pos_emb``: halves [x1, x2] -> [x1 c - x2 s, x2 c + x1 s] with cos / sin
+    [..., head_dim / 2], which is rotate-half with the tables repeated: the same products and sums."""
+
+    can_torch_compile = True
+    has_backward = True
+
+    def forward(self, q, k, cos, sin, unsqueeze_dim=1):
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+        return _rotate(q, cos, sin, unsqueeze_dim), _rotate(k, cos, sin, unsqueeze_dim)
+
+
+class _InProcessRepository:
+    """kernels' repository protocol for a layer class defined here: ``load()`` returns it."""
+
+    def __init__(self, layer: type[nn.Module]):
+        self.layer, self.layer_name = layer, layer.__name__
+
+    def load(self) -> type[nn.Module]:
+        return self.layer
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _InProcessRepository) and other.layer is self.layer
+
+    def __hash__(self) -> int:
+        return hash(self.layer)
+
+    def __str__(self) -> str:
+        return f"xorl ({self.layer_name})"
+
+
+def norm_layer_for(cls: type) -> type[nn.Module] | None:
+    return XorlRMSNorm if forms.method_form(cls) == forms.NORM_LLAMA else None
+
+
+def rope_layer_for(kernel_func: nn.Module) -> tuple[type[nn.Module] | None, str]:
+    """The layer for a "rotary_pos_emb" wrapper, and the function it wraps (``module.name``).
+
+    kernels makes one wrapper class per decorated function and names it after the function's
+    module; the function is the module global whose value is an instance of that class."""
+    module_name = type(kernel_func).__module__
+    module = sys.modules.get(module_name)
+    names = [k for k, v in vars(module).items() if type(v) is type(kernel_func)] if module else []
+    if len(names) != 1:
+        return None, f"{module_name}.<unknown>"
+    name = names[0]
+    form = forms.function_form(module_name, name)
+    if form == forms.ROPE_ROTATE_HALF and forms.function_form(module_name, "rotate_half") == forms.ROTATE_HALF:
+        return XorlRotaryRotateHalf, f"{module_name}.{name}"
+    if form == forms.ROPE_GPT_OSS and (forms.function_form(module_name, "_apply_rotary_emb")
+                                       == forms.APPLY_ROTARY_EMB_GPT_OSS):
+        return XorlRotaryGptOss, f"{module_name}.{name}"
+    return None, f"{module_name}.{name}"
+
+
+def _device_type(model: nn.Module) -> str:
+    param = next(model.parameters(), None)
+    if param is None or param.device.type in ("cpu", "meta"):
+        return "cpu"
+    if param.device.type == "cuda":
+        return "rocm" if torch.version.hip else "cuda"
+    return param.device.type
+
+
+def _kernelize_one(module: nn.Module, mark: str, layer: type[nn.Module], device: str) -> None:
+    from kernels import Mode, kernelize, use_kernel_mapping
+
+    mapping = {mark: {device: _InProcessRepository(layer)}}
+    with use_kernel_mapping(mapping, inherit_mapping=False):
+        kernelize(module, mode=Mode.TRAINING | Mode.TORCH_COMPILE, device=device, use_fallback=False)
+
+
+def _undo_kernelize(module: nn.Module) -> None:
+    module.__dict__.pop("forward", None)
+    module.__dict__.pop("_kernel_repo", None)
+
+
+def marked_norms(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(n, m) for n, m in model.named_modules() if getattr(type(m), "kernel_layer_name", None) == NORM_MARK]
+
+
+def marked_rotaries(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(attention module name, its private "rotary_pos_emb" wrapper) for every attention that has one."""
+    return [(n, m.__dict__["_kernel_funcs"][ROPE_MARK]) for n, m in model.named_modules()
+            if ROPE_MARK in m.__dict__.get("_kernel_funcs", {})]
+
+
+def kernelize_norms(model: nn.Module, undo: list) -> list[str]:
+    """xorl's RMSNorm on every module transformers marks "RMSNorm"; refuses an unknown form first,
+    so a refusal leaves the model as it was."""
+    found = marked_norms(model)
+    for name, module in found:
+        if norm_layer_for(type(module)) is None:
+            raise XorlApplyError(f"{name} ({type(module).__name__}) carries transformers' RMSNorm kernel mark but "
+                                 "computes a formula xorl's rms_norm does not; pass norm=False")
+    device = _device_type(model)
+    for _, module in found:
+        _kernelize_one(module, NORM_MARK, norm_layer_for(type(module)), device)
+        undo.append(lambda m=module: _undo_kernelize(m))
+    return [name for name, _ in found]
+
+
+def kernelize_rotaries(model: nn.Module, undo: list) -> list[str]:
+    """xorl's RoPE in every attention's "rotary_pos_emb" wrapper; refuses an unknown function first."""
+    found = marked_rotaries(model)
+    for name, func in found:
+        layer, where = rope_layer_for(func)
+        if layer is None:
+            raise XorlApplyError(f"{name}: its rotary_pos_emb kernel mark wraps {where}, a formula xorl's RoPE "
+                                 "does not compute; pass rope=False")
+    device = _device_type(model)
+    for _, func in found:
+        _kernelize_one(func, ROPE_MARK, rope_layer_for(func)[0], device)
+        undo.append(lambda f=func: _undo_kernelize(f))
+    return [name for name, _ in found]
