@@ -39,7 +39,7 @@ import weakref
 from torch import nn
 
 from xorl.hf.instance import patch_decoder_layers, patch_loss, patch_mlps, patch_unmarked_norms, swap_fp8_linears
-from xorl.hf.layers import XorlApplyError, kernelize_norms, kernelize_rotaries, marked_rotaries
+from xorl.hf.layers import XorlApplyError, kernelize_marked, marked_rotaries
 
 _APPLIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # transformers model -> its XorlPatches
 
@@ -78,19 +78,15 @@ def apply(model: nn.Module, *, norm: bool = True, rope: bool = True, mlp: bool =
     target = _transformers_model(model)
     if target in _APPLIED:
         raise XorlApplyError("xorl.hf.apply already ran on this model; xorl.hf.remove(model) first")
-    kernelized = [n for n, m in target.named_modules() if "_kernel_repo" in m.__dict__]
-    if kernelized:
-        raise XorlApplyError(f"{kernelized[0]} is already kernelized (kernels / use_kernels=True); xorl.hf.apply "
-                             "acts on stock modules only")
     patches = XorlPatches(target)
     undo, skipped = patches._undo, patches.skipped
     try:
         if fp8 is not None:
             patches.applied["fp8"] = swap_fp8_linears(target, fp8, fp8_filter, undo)
+        marked_norms, patches.applied["rope"] = kernelize_marked(target, norm, rope, undo)
         if norm:
-            patches.applied["norm"] = kernelize_norms(target, undo) + patch_unmarked_norms(target, undo)
+            patches.applied["norm"] = marked_norms + patch_unmarked_norms(target, undo)
         if rope:
-            patches.applied["rope"] = kernelize_rotaries(target, undo)
             hooked = {name for name, _ in marked_rotaries(target)}
             for name, module in target.named_modules():
                 if type(module).__name__.endswith("Attention") and name not in hooked:

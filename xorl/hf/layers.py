@@ -9,12 +9,12 @@ the repository in the instance's ``_kernel_repo``; nothing global changes (the m
 ``use_kernel_mapping``). xorl's layers come from ``_InProcessRepository`` (kernels' repository
 protocol: ``load()`` returns the layer class; no Hub, no download).
 
-Each marked module is kernelized on its own, with the layer for its form (xorl/hf/forms.py), because
-one name covers different formulas: "rotary_pos_emb" is transformers' rotate-half in Llama and
-gpt-oss's split halves (half-width cos / sin) in gpt-oss. A marked module whose code is no form xorl
-knows is refused (``XorlApplyError``): the mark promises a kernel may stand in, but xorl's would
-change its numbers. Layers follow kernels' rules: no ``__init__``, no members beyond ``forward`` and
-the ``can_torch_compile`` / ``has_backward`` flags, the marked forward's signature.
+One name may cover different formulas ("rotary_pos_emb" is transformers' rotate-half in Llama and
+gpt-oss's split halves, with half-width cos / sin, in gpt-oss), so each marked module's code is read
+(xorl/hf/forms.py) and the mapping names the layer for that form; a marked module whose code is no
+form xorl knows is refused (``XorlApplyError``): the mark promises a kernel may stand in, but xorl's
+would change its numbers. Layers follow kernels' rules: no ``__init__``, no members beyond
+``forward`` and the ``can_torch_compile`` / ``has_backward`` flags, the marked forward's signature.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from xorl_kernels.rmsnorm.op import rms_norm
 from xorl_kernels.rope.op import apply_rotary
 
 NORM_MARK, ROPE_MARK = "RMSNorm", "rotary_pos_emb"
+DEVICES = ("cpu", "cuda", "rocm")  # where xorl_kernels dispatch runs (the reference on CPU, Triton on GPUs)
 
 
 class XorlApplyError(ValueError):
@@ -132,19 +133,6 @@ def _device_type(model: nn.Module) -> str:
     return param.device.type
 
 
-def _kernelize_one(module: nn.Module, mark: str, layer: type[nn.Module], device: str) -> None:
-    from kernels import Mode, kernelize, use_kernel_mapping
-
-    mapping = {mark: {device: _InProcessRepository(layer)}}
-    with use_kernel_mapping(mapping, inherit_mapping=False):
-        kernelize(module, mode=Mode.TRAINING | Mode.TORCH_COMPILE, device=device, use_fallback=False)
-
-
-def _undo_kernelize(module: nn.Module) -> None:
-    module.__dict__.pop("forward", None)
-    module.__dict__.pop("_kernel_repo", None)
-
-
 def marked_norms(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(n, m) for n, m in model.named_modules() if getattr(type(m), "kernel_layer_name", None) == NORM_MARK]
 
@@ -155,31 +143,66 @@ def marked_rotaries(model: nn.Module) -> list[tuple[str, nn.Module]]:
             if ROPE_MARK in m.__dict__.get("_kernel_funcs", {})]
 
 
-def kernelize_norms(model: nn.Module, undo: list) -> list[str]:
-    """xorl's RMSNorm on every module transformers marks "RMSNorm"; refuses an unknown form first,
-    so a refusal leaves the model as it was."""
-    found = marked_norms(model)
-    for name, module in found:
+def _kernelized_state(model: nn.Module) -> dict:
+    """What kernelize (ours or transformers') may set: each marked module's and wrapper's instance
+    ``forward`` / ``_kernel_repo``, and the model's kernel attributes; absent entries stay absent."""
+    keys = ("forward", "_kernel_repo")
+    objects = [m for _, m in model.named_modules() if hasattr(type(m), "kernel_layer_name")]
+    objects += [f for _, m in model.named_modules() for f in m.__dict__.get("_kernel_funcs", {}).values()]
+    state = {id(o): (o, {k: o.__dict__[k] for k in keys if k in o.__dict__}) for o in objects}
+    state["model"] = (model, {k: model.__dict__[k] for k in _MODEL_KEYS if k in model.__dict__})
+    return state
+
+
+_MODEL_KEYS = ("kernel_config", "_use_kernels", "_kernels_mode")
+
+
+def _restore(state: dict) -> None:
+    for key, (obj, entries) in state.items():
+        for name in _MODEL_KEYS if key == "model" else ("forward", "_kernel_repo"):
+            obj.__dict__.pop(name, None)
+        obj.__dict__.update(entries)
+
+
+def kernelize_marked(model: nn.Module, norm: bool, rope: bool, undo: list) -> tuple[list[str], list[str]]:
+    """xorl's RMSNorm / RoPE on every module transformers marks "RMSNorm" / "rotary_pos_emb" (the
+    module docstring), through one kernel mapping set as the model's ``kernel_config``: transformers
+    kernelizes a from_pretrained model again on ``train()`` / ``eval()`` (``use_kernels``) from that
+    config, so xorl's layers stay. The mapping holds xorl's layers only (no Hub entries, no download):
+    other marked layers run transformers' own code. An unknown form is refused before anything changes."""
+    from kernels import KernelizeFallback, Mode, kernelize, use_kernel_mapping
+    from transformers import KernelConfig
+    from transformers.utils.generic import suppress_kernels_logging
+
+    norms = marked_norms(model) if norm else []
+    rotaries = marked_rotaries(model) if rope else []
+    for name, module in norms:
         if norm_layer_for(type(module)) is None:
             raise XorlApplyError(f"{name} ({type(module).__name__}) carries transformers' RMSNorm kernel mark but "
                                  "computes a formula xorl's rms_norm does not; pass norm=False")
-    device = _device_type(model)
-    for _, module in found:
-        _kernelize_one(module, NORM_MARK, norm_layer_for(type(module)), device)
-        undo.append(lambda m=module: _undo_kernelize(m))
-    return [name for name, _ in found]
-
-
-def kernelize_rotaries(model: nn.Module, undo: list) -> list[str]:
-    """xorl's RoPE in every attention's "rotary_pos_emb" wrapper; refuses an unknown function first."""
-    found = marked_rotaries(model)
-    for name, func in found:
+    rope_layers = {}
+    for name, func in rotaries:
         layer, where = rope_layer_for(func)
         if layer is None:
             raise XorlApplyError(f"{name}: its rotary_pos_emb kernel mark wraps {where}, a formula xorl's RoPE "
                                  "does not compute; pass rope=False")
-    device = _device_type(model)
-    for _, func in found:
-        _kernelize_one(func, ROPE_MARK, rope_layer_for(func)[0], device)
-        undo.append(lambda f=func: _undo_kernelize(f))
-    return [name for name, _ in found]
+        rope_layers[layer] = where
+    if len(rope_layers) > 1:  # one name, one layer per mapping
+        raise XorlApplyError(f"the model's rotary_pos_emb marks wrap {sorted(rope_layers.values())}, of different "
+                             "forms; xorl's kernel mapping takes one per model: pass rope=False")
+    mapping = {}
+    if norms:
+        mapping[NORM_MARK] = {d: _InProcessRepository(XorlRMSNorm) for d in DEVICES}
+    if rotaries:
+        mapping[ROPE_MARK] = {d: _InProcessRepository(next(iter(rope_layers))) for d in DEVICES}
+    if not mapping:
+        return [], []
+    state = _kernelized_state(model)
+    undo.append(lambda: _restore(state))
+    model.kernel_config = KernelConfig(kernel_mapping=mapping, inherit_mapping=False)
+    mode = (Mode.TRAINING if model.training else Mode.INFERENCE) | Mode.TORCH_COMPILE
+    with use_kernel_mapping(mapping, inherit_mapping=False):
+        # Quiet: kernels warns of every other marked layer (SiLU, ...) that it keeps transformers' code.
+        suppress_kernels_logging(kernelize)(model, mode=mode, device=_device_type(model),
+                                            use_fallback=KernelizeFallback.ALL)
+    return [name for name, _ in norms], [name for name, _ in rotaries]
