@@ -19,6 +19,7 @@ would change its numbers. Layers follow kernels' rules: no ``__init__``, no memb
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import torch
@@ -170,10 +171,6 @@ def kernelize_marked(model: nn.Module, norm: bool, rope: bool, undo: list) -> tu
     kernelizes a from_pretrained model again on ``train()`` / ``eval()`` (``use_kernels``) from that
     config, so xorl's layers stay. The mapping holds xorl's layers only (no Hub entries, no download):
     other marked layers run transformers' own code. An unknown form is refused before anything changes."""
-    from kernels import KernelizeFallback, Mode, kernelize, use_kernel_mapping
-    from transformers import KernelConfig
-    from transformers.utils.generic import suppress_kernels_logging
-
     norms = marked_norms(model) if norm else []
     rotaries = marked_rotaries(model) if rope else []
     for name, module in norms:
@@ -195,14 +192,28 @@ def kernelize_marked(model: nn.Module, norm: bool, rope: bool, undo: list) -> tu
         mapping[NORM_MARK] = {d: _InProcessRepository(XorlRMSNorm) for d in DEVICES}
     if rotaries:
         mapping[ROPE_MARK] = {d: _InProcessRepository(next(iter(rope_layers))) for d in DEVICES}
-    if not mapping:
+    if not mapping:  # also where kernels is not installed: transformers then marks nothing
         return [], []
+    from kernels import KernelizeFallback, Mode, kernelize, use_kernel_mapping
+    from transformers import KernelConfig
+
     state = _kernelized_state(model)
     undo.append(lambda: _restore(state))
     model.kernel_config = KernelConfig(kernel_mapping=mapping, inherit_mapping=False)
     mode = (Mode.TRAINING if model.training else Mode.INFERENCE) | Mode.TORCH_COMPILE
-    with use_kernel_mapping(mapping, inherit_mapping=False):
-        # Quiet: kernels warns of every other marked layer (SiLU, ...) that it keeps transformers' code.
-        suppress_kernels_logging(kernelize)(model, mode=mode, device=_device_type(model),
-                                            use_fallback=KernelizeFallback.ALL)
+    # Quiet: kernels warns of every other marked layer (SiLU, ...) that it keeps transformers' code.
+    kernels_log = logging.getLogger("kernels._internals.layer.layer")
+    level = kernels_log.level
+    kernels_log.setLevel(logging.ERROR)
+    try:
+        with use_kernel_mapping(mapping, inherit_mapping=False):
+            kernelize(model, mode=mode, device=_device_type(model), use_fallback=KernelizeFallback.ALL)
+    finally:
+        kernels_log.setLevel(level)
+    layers = {id(m): XorlRMSNorm for _, m in norms} | {id(f): next(iter(rope_layers)) for _, f in rotaries}
+    for name, module in norms + rotaries:  # kernels falls back silently where a mapping does not fit
+        bound = module.__dict__.get("forward")
+        if getattr(bound, "__func__", None) is not layers[id(module)].forward:
+            raise XorlApplyError(f"kernels did not put xorl's layer into {name} (device {_device_type(model)}); "
+                                 "pass norm=False / rope=False")
     return [name for name, _ in norms], [name for name, _ in rotaries]
