@@ -21,7 +21,7 @@ import xorl.hf.loss as hf_loss  # noqa: E402
 from tests.unit.hf.test_stock_models import _Counted  # noqa: E402
 from tests.unit.models.test_families import SMALL, randomize_, rel_err  # noqa: E402
 
-LOSS_TOL, GRAD_TOL = 1e-6, 1e-5
+LOSS_TOL, GRAD_TOL = 1e-6, 1e-6
 LOSS_ONLY = dict(norm=False, rope=False, mlp=False, loss=True)
 
 
