@@ -304,7 +304,10 @@ def test_no_forward_assignment_outside_the_compile_step():
             for t in targets:
                 if isinstance(t, ast.Attribute) and t.attr == "forward":
                     found.append((str(path.relative_to(XORL)), owner.get(id(node), "<module>")))
-    assert found == [("parallel/compile.py", "apply_compile")], found
+    # xorl's own modules are built once with their final forward; the compile step and xorl.hf's
+    # instance patches on a loaded stock transformers model (where transformers has no kernel hook,
+    # one file, undone by remove(): xorl/hf/instance.py) are the only places a forward is bound.
+    assert sorted(found) == [("hf/instance.py", "_bind"), ("parallel/compile.py", "apply_compile")], found
 
 
 # -- forward hooks only where the README names them -------------------------------------------------

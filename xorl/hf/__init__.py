@@ -15,6 +15,11 @@ Importing this package registers, and does nothing else:
 
 No transformers class or function is replaced: a model uses xorl's kernels only where it is loaded
 with those names.
+
+``xorl.hf.apply(model, norm=True, rope=True, mlp=True, loss=True, fp8=None)`` then puts xorl's fused
+RMSNorm (with the residual add), RoPE, SwiGLU, fused linear cross-entropy and FP8 linears into that one
+loaded model, through transformers' kernel mapping where it marks the module and on the instance
+otherwise; ``xorl.hf.remove(model)`` undoes it (xorl/hf/apply.py).
 """
 
 from __future__ import annotations
@@ -23,9 +28,11 @@ from transformers import AttentionInterface
 from transformers.integrations.moe import ExpertsInterface
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
+from xorl.hf.apply import XorlPatches, apply, remove
 from xorl.hf.attention import XorlAttentionError, xorl_attention_forward
 from xorl.hf.context_parallel import ContextParallel, count_label_tokens
 from xorl.hf.experts import xorl_experts_forward
+from xorl.hf.layers import XorlApplyError
 
 NAME = "xorl"
 
@@ -33,5 +40,6 @@ AttentionInterface.register(NAME, xorl_attention_forward)
 AttentionMaskInterface.register(NAME, flash_attention_mask)
 ExpertsInterface.register(NAME, xorl_experts_forward)
 
-__all__ = ["NAME", "ContextParallel", "XorlAttentionError", "count_label_tokens", "xorl_attention_forward",
+__all__ = ["NAME", "ContextParallel", "XorlApplyError", "XorlAttentionError", "XorlPatches", "apply",
+           "count_label_tokens", "remove", "xorl_attention_forward",
            "xorl_experts_forward"]
