@@ -88,7 +88,10 @@ def xorl_attention_forward(
         return _packed(q, k, v, cu_q, cu_k, kwargs.get("max_length_q"), kwargs.get("max_length_k"), common), None
 
     position_ids = kwargs.get("position_ids")
-    if position_ids is not None and q_len == k_len and q_len > 1:
+    # Packed rows known only from their positions need a host read (do they restart?), which
+    # torch.compile cannot trace; compiled, packed documents come as cu_seq_lens_q / _k (transformers'
+    # own flash-attention path reads positions the same way and breaks its graph there too).
+    if position_ids is not None and q_len == k_len and q_len > 1 and not torch.compiler.is_compiling():
         cu = _documents_from_positions(position_ids, batch, q_len)
         if cu is not None:
             return _packed(q, k, v, cu, cu, None, None, common), None

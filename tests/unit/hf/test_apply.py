@@ -192,10 +192,10 @@ def test_what_xorl_cannot_compute_exactly_is_refused_and_the_model_is_left_as_it
 
 @pytest.mark.parametrize("name", ["llama3.1-rope-llama3", "qwen3_moe"])
 def test_a_patched_decoder_layer_compiles_without_a_graph_break(name, tmp_path):
-    """sdpa attention here: attn_implementation="xorl" reads position_ids on the host to find packed
-    documents (xorl/hf/attention.py), which breaks the graph whatever apply does."""
+    """With xorl's attention and experts too: compiled, the attention reads packed documents from the
+    cu_seq_lens kwargs only (no host read of the positions), so the layer is one graph."""
     hf_checkpoint(name, tmp_path, seed=5)
-    model = _load(name, tmp_path, attn_implementation="sdpa", experts_implementation="xorl")
+    model = _load(name, tmp_path, attn_implementation="xorl", experts_implementation="xorl")
     xorl.hf.apply(model)
     layer = model.model.layers[0]
     gen = torch.Generator().manual_seed(6)
@@ -207,7 +207,7 @@ def test_a_patched_decoder_layer_compiles_without_a_graph_break(name, tmp_path):
     explained = torch._dynamo.explain(layer)(hidden, **kwargs)
     ops = {str(n.target) for g in explained.graphs for n in g.graph.nodes}
     assert explained.graph_break_count == 0, explained.break_reasons
-    assert {"xorl.add_rms_norm", "xorl.rms_norm", "xorl.rope"} <= ops
+    assert {"xorl.add_rms_norm", "xorl.rms_norm", "xorl.rope", "xorl.flash_attn"} <= ops
     assert ("xorl.swiglu" in ops) == (name not in MOE)
 
     compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
