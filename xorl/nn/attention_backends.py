@@ -20,7 +20,7 @@ Each name picks two kernels, and the package it needs:
 name                           local                                        ring step
 =============================  ===========================================  =========================
 ``xorl`` (the default)         ``xorl``: xorl_kernels.flash_attn (Triton    ``xorl``
-                               on GPU, its torch reference on CPU)
+                               on GPU, torch's CPU flash kernel on CPU)
 ``sdpa``, ``eager``, ``torch`` ``sdpa``: torch SDPA                         ``xorl``: SDPA returns no
                                                                             log-sum-exp
 ``flash_attn``,                ``flash_attn``: the flash-attn package       ``flash_attn``
