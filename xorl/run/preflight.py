@@ -23,7 +23,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from xorl import run_dir, run_lock
+import xorl.run.folder as run_dir
+import xorl.run.lock as run_lock
 from xorl.config.errors import ConfigError
 from xorl.config.validate import validate_config
 from xorl.distributed.parallel_config import ParallelConfig

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from xorl import run_dir, run_lock
+import xorl.run.folder as run_dir
+import xorl.run.lock as run_lock
 from xorl.checkpoint.hf_export import DEFAULT_MAX_SHARD_BYTES, export_checkpoint
 from xorl.checkpoint.peft_adapter import ADAPTER_DIR, save_adapter
 from xorl.checkpoint.state import MODEL_CONFIG, Checkpointer, latest_checkpoint, load_checkpoint
