@@ -125,6 +125,7 @@ def run_sides(tokens: int, repeats: int, sides=SIDES) -> dict:
     import torch
     import transformers
 
+    load_at_start = os.getloadavg()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     env.pop("XORL_FORCE_REFERENCE", None)
     results = {}
@@ -151,7 +152,7 @@ def run_sides(tokens: int, repeats: int, sides=SIDES) -> dict:
     return {"what": "one training step (forward, loss, backward) on CPU, one thread, fp32", "model": MODEL,
             "tokens": tokens, "repeats": repeats, "git_commit": _git_commit(), "torch": torch.__version__,
             "transformers": transformers.__version__, "cpu_count": os.cpu_count(),
-            "load_average_at_end": os.getloadavg(), "results": results, "ratio_to_transformers_sdpa": ratios}
+            "load_average_at_start": load_at_start, "load_average_at_end": os.getloadavg(), "results": results, "ratio_to_transformers_sdpa": ratios}
 
 
 def main(argv=None) -> None:
