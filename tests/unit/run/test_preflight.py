@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from xorl import run_dir
+import xorl.run.folder as run_dir
 from xorl.config import Config, ConfigError
 from xorl.run.preflight import prepare_run
 
