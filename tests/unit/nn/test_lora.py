@@ -446,6 +446,7 @@ def test_the_start_up_line_says_how_many_parameters_train():
     assert f"{total / 1e6:.2f}M parameters ({trainable} trainable: LoRA rank {rank} on q_proj, down_proj)," in line
 
 
+@pytest.mark.slow  # starts processes (runs xorl-train): the full suite's, not the quick tier's
 def test_overwrite_output_dir_replaces_an_earlier_lora_run_and_its_adapter(tmp_path):
     """A LoRA run writes output_dir/adapter; `--train.overwrite_output_dir=true` on that folder must treat
     it as xorl's (it refused it as a foreign file before) and leave no adapter of the earlier run behind."""
