@@ -56,7 +56,7 @@ class _Call:
 
 def _positions(positions: torch.Tensor | None, start: int, end: int) -> torch.Tensor:
     if positions is None:
-        return torch.arange(end - start)
+        return torch.arange(end - start, device="cpu")
     return positions[start:end].to(torch.int64)
 
 
@@ -77,7 +77,7 @@ def _mask_of(p: Packed, call: _Call, dtype: torch.dtype) -> _Call:
     if torch.equal(allowed, torch.ones_like(allowed).tril()):
         call.is_causal = True  # ascending positions on both sides: plain causal, the kernel skips tiles
         return call
-    call.mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+    call.mask = torch.zeros(allowed.shape, dtype=dtype, device="cpu").masked_fill_(~allowed, float("-inf"))
     empty = ~allowed.any(-1)
     call.empty_rows = empty if bool(empty.any()) else None
     return call
@@ -131,8 +131,8 @@ def cpu_flash_forward(p: Packed) -> tuple[torch.Tensor, torch.Tensor]:
     calls = _calls(p, q.dtype)
     whole = len(calls) == 1 and calls[0].count * calls[0].len_q == total_q
     if not whole:
-        out = torch.zeros(total_q, heads_q, d_v, dtype=p.q.dtype)
-        lse = torch.full((heads_q, total_q), float("-inf"), dtype=lse_dtype)
+        out = torch.zeros(total_q, heads_q, d_v, dtype=p.q.dtype, device="cpu")
+        lse = torch.full((heads_q, total_q), float("-inf"), dtype=lse_dtype, device="cpu")
     for call in calls:
         rows = slice(call.qs, call.qs + call.count * call.len_q)
         o, l = _FORWARD(
@@ -178,7 +178,7 @@ def cpu_flash_backward(
     else:  # delta in a spare value column (see the module docstring), in fp32
         dtype = torch.float64 if p.q.dtype == torch.float64 else torch.float32
         width = max(d_qk, d_v + 1)
-        out_k = torch.zeros(*do.shape[:-1], width, dtype=dtype)
+        out_k = torch.zeros(*do.shape[:-1], width, dtype=dtype, device="cpu")
         out_k[..., d_v] = delta.transpose(0, 1)
         do_k = _pad(do, width, dtype)
         do_k[..., d_v] = 1.0
@@ -186,9 +186,9 @@ def cpu_flash_backward(
     grad_dtype = torch.float64 if p.q.dtype == torch.float64 else torch.float32
     # Rows that see no key anywhere have lse = -inf; 0 there keeps exp(-inf - lse) = 0, never NaN.
     lse = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse).to(grad_dtype)
-    dq = torch.zeros(p.q.shape, dtype=grad_dtype)
-    dk = torch.zeros(p.k.shape, dtype=grad_dtype)
-    dv = torch.zeros(p.v.shape, dtype=grad_dtype)
+    dq = torch.zeros(p.q.shape, dtype=grad_dtype, device="cpu")
+    dk = torch.zeros(p.k.shape, dtype=grad_dtype, device="cpu")
+    dv = torch.zeros(p.v.shape, dtype=grad_dtype, device="cpu")
     for call in _calls(p, dtype):
         q_rows = slice(call.qs, call.qs + call.count * call.len_q)
         k_rows = slice(call.ks, call.ks + call.count * call.len_k)
