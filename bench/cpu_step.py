@@ -152,7 +152,8 @@ def run_sides(tokens: int, repeats: int, sides=SIDES) -> dict:
     return {"what": "one training step (forward, loss, backward) on CPU, one thread, fp32", "model": MODEL,
             "tokens": tokens, "repeats": repeats, "git_commit": _git_commit(), "torch": torch.__version__,
             "transformers": transformers.__version__, "cpu_count": os.cpu_count(),
-            "load_average_at_start": load_at_start, "load_average_at_end": os.getloadavg(), "results": results, "ratio_to_transformers_sdpa": ratios}
+            "load_average_at_start": load_at_start, "load_average_at_end": os.getloadavg(), "results": results,
+            "ratio_to_transformers_sdpa": ratios}
 
 
 def main(argv=None) -> None:
