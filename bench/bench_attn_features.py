@@ -13,7 +13,7 @@ FLOPs count the visible (query, key) pairs exactly: 2·pairs·(d_qk + d_v) per h
 that forward+backward (the convention of bench_flash_attn.py); the ratio is ours / anchor at equal
 FLOPs, i.e. the anchor's time over ours.
 
-On CPU (ctx.quick or no GPU) sizes are tiny, flash_attn runs its plain-torch reference and flex
+On CPU (ctx.quick or no GPU) sizes are tiny, flash_attn runs torch's CPU flash kernel and flex
 runs eagerly: a smoke test of the harness, not a performance figure.
 """
 

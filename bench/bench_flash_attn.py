@@ -17,7 +17,7 @@
    tiles the kernel visits (128×64 blocks, fully masked blocks skipped) summed over all steps,
    over the monolithic count. Computed from positions only, so it is reported on CPU too.
 
-On CPU (ctx.quick or no GPU) sizes are tiny and flash_attn runs its plain-torch reference: a smoke
+On CPU (ctx.quick or no GPU) sizes are tiny and flash_attn runs torch's CPU flash kernel: a smoke
 test of the harness, not a performance figure; the tile counts are exact everywhere.
 """
 

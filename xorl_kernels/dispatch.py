@@ -4,10 +4,15 @@ Every op in xorl_kernels picks its backend through :func:`pick_backend`, in one 
 
     csrc       the CUDA extension xorl_kernels._C (CUDA tensors, extension built and able to run)
     triton     the op's Triton kernels (CUDA tensors)
-    reference  the op's plain-torch reference (CPU tensors; any tensors when forced)
+    torch_cpu  torch's own fused CPU kernel for the op, where torch has one (CPU tensors; flash
+               attention: aten's CPU flash attention, which never holds a score matrix)
+    reference  the op's plain-torch reference (CPU tensors of an op without a torch_cpu kernel;
+               any tensors when forced); it stays the tests' float64-capable oracle
 
 An op lists the backends it has (flash attention has no csrc kernel; the Ulysses transposes have
 no Triton one) and callers may request one by name (``backend="triton"``); ``None`` means "pick".
+An op may send a call its torch_cpu kernel cannot compute on to its reference (flash attention
+does so for fp64, the oracle's dtype).
 
 ``XORL_FORCE_REFERENCE`` sends every automatic pick to the reference (debugging). Environment
 flags are parsed one way everywhere (:func:`env_flag`): 1/true/yes/on are on, 0/false/no/off and
@@ -21,8 +26,8 @@ import os
 
 from xorl_kernels import cuda_ext
 
-CSRC, TRITON, REFERENCE = "csrc", "triton", "reference"
-BACKENDS = (CSRC, TRITON, REFERENCE)
+CSRC, TRITON, TORCH_CPU, REFERENCE = "csrc", "triton", "torch_cpu", "reference"
+BACKENDS = (CSRC, TRITON, TORCH_CPU, REFERENCE)
 FORCE_REFERENCE_ENV = "XORL_FORCE_REFERENCE"
 
 _ON = ("1", "true", "yes", "on")
@@ -58,16 +63,19 @@ def pick_backend(
 
     ``available``: the op's backends in dispatch order (a subset of BACKENDS, ending with
     "reference"). ``requested``: a backend name to use as is (checked against ``available``), or
-    None to pick: the reference when forced or when any tensor is off CUDA, else the first of csrc
-    (when the extension can run on these tensors) and triton that the op has.
+    None to pick: the reference when forced; when any tensor is off CUDA, torch_cpu if the op has
+    it, else the reference; else the first of csrc (when the extension can run on these tensors)
+    and triton that the op has.
     """
     if requested is not None:
         if requested not in available:
             raise ValueError(f"{op}: backend must be one of {available} (or None to pick), got {requested!r}")
         return requested
     tensors = [t for t in tensors if t is not None]
-    if force_reference() or not tensors or any(not t.is_cuda for t in tensors):
+    if force_reference() or not tensors:
         return REFERENCE
+    if any(not t.is_cuda for t in tensors):
+        return TORCH_CPU if TORCH_CPU in available else REFERENCE
     if CSRC in available and cuda_ext.ext_runs_on(*tensors):
         return CSRC
     return TRITON if TRITON in available else REFERENCE

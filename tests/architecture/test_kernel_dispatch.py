@@ -48,7 +48,8 @@ def test_unknown_switch_value_is_an_error_naming_the_variable(monkeypatch):
 def test_pick_backend_order_and_requests(monkeypatch):
     cpu = torch.zeros(2)
     every = dispatch.BACKENDS
-    assert dispatch.pick_backend("op", [cpu], every) == "reference"
+    assert dispatch.pick_backend("op", [cpu], every) == "torch_cpu"  # the op has torch's own CPU kernel
+    assert dispatch.pick_backend("op", [cpu], ("triton", "reference")) == "reference"  # it has none
     assert dispatch.pick_backend("op", [cpu, None], every, "triton") == "triton"  # a request is taken as is
     with pytest.raises(ValueError, match="op: backend must be one of"):
         dispatch.pick_backend("op", [cpu], ("triton", "reference"), "csrc")

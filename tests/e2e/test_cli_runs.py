@@ -214,9 +214,10 @@ def test_a_stalled_rank_gets_a_heartbeat_and_ends_at_the_timeout(tmp_path):
         stopped = ranks[1]
         os.kill(stopped, signal.SIGSTOP)
         start = time.monotonic()
+        # Generous on a loaded machine; that the collective timeout (not anything else) ended it is
+        # what the output says below, never a reading of the clock.
         while alive(ranks[0]) and time.monotonic() - start < timeout_s + 60:
             time.sleep(0.2)
-        waited = time.monotonic() - start
         assert not alive(ranks[0]), "rank 0 still waits after the collective timeout"
     finally:
         for pid in workers:  # torchrun would wait 30 s for the stopped rank to take its SIGTERM
@@ -227,7 +228,6 @@ def test_a_stalled_rank_gets_a_heartbeat_and_ends_at_the_timeout(tmp_path):
     text = "".join(lines)
     assert proc.returncode != 0
     assert "still running after" in text and f"train.collective_timeout_s={timeout_s} s" in text, text
-    assert waited < timeout_s + 45, waited
 
 
 def test_workers_exit_when_the_launcher_is_killed(tmp_path):

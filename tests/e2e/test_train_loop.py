@@ -313,6 +313,7 @@ def test_help_has_every_key_of_every_section_with_its_default_and_meaning(capsys
 SBATCH = os.path.join(ROOT, "examples", "slurm", "train.sbatch")
 
 
+@pytest.mark.slow  # starts processes (bash runs the sbatch script): the full suite's, not the quick tier's
 def test_the_sbatch_script_parses_and_runs_torchrun_with_the_job_rendezvous(tmp_path):
     assert subprocess.run(["bash", "-n", SBATCH]).returncode == 0
     bin_dir = tmp_path / "bin"

@@ -126,7 +126,7 @@ class LocalAttention(nn.Module):
 
     backend (the names of xorl/nn/attention_backends.py): "auto": xorl_kernels.flash_attn on CUDA
     tensors, plain torch (SDPA) on CPU; "sdpa": always plain torch; "xorl": always
-    xorl_kernels.flash_attn (which itself runs its plain-torch reference on CPU); "flash_attn":
+    xorl_kernels.flash_attn (which itself runs torch's CPU flash kernel on CPU); "flash_attn":
     the flash-attn pip package.
 
     Per call, as for the context-parallel attentions that replace it: ``sinks`` [heads] (the

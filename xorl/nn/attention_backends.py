@@ -1,7 +1,7 @@
 """``attn_implementation`` -> the kernels that compute attention: the one place that maps the name.
 
 One vocabulary for the attention kernels, here and in the modules that take them:
-``"xorl"`` is xorl_kernels.flash_attn (which picks its own op backend, csrc / triton / reference,
+``"xorl"`` is xorl_kernels.flash_attn (which picks its own op backend, triton / torch_cpu / reference,
 in xorl_kernels/dispatch.py: the only other backend names, one level down), ``"sdpa"`` is torch's
 scaled_dot_product_attention, ``"flash_attn"`` is the flash-attn pip package, and ``"auto"``
 (LocalAttention only) is xorl on CUDA tensors, SDPA on CPU.
@@ -20,7 +20,7 @@ Each name picks two kernels, and the package it needs:
 name                           local                                        ring step
 =============================  ===========================================  =========================
 ``xorl`` (the default)         ``xorl``: xorl_kernels.flash_attn (Triton    ``xorl``
-                               on GPU, its torch reference on CPU)
+                               on GPU, torch's CPU flash kernel on CPU)
 ``sdpa``, ``eager``, ``torch`` ``sdpa``: torch SDPA                         ``xorl``: SDPA returns no
                                                                             log-sum-exp
 ``flash_attn``,                ``flash_attn``: the flash-attn package       ``flash_attn``

@@ -283,7 +283,7 @@ class RingAttention(nn.Module):
     """Zig-zag ring attention over ``ring_group`` (None or a 1-rank group = plain local attention).
 
     ``attn_backend`` (the names of xorl/nn/attention_backends.py): "xorl" (xorl_kernels.flash_attn,
-    which picks Triton on GPU, its reference on CPU) or "flash_attn" (the flash-attn pip package,
+    which picks Triton on GPU, torch's CPU flash kernel on CPU) or "flash_attn" (the flash-attn pip package,
     when it imports). ``causal=False`` gives full attention within each document.
 
     Per call (they differ per layer, so they are forward arguments, not module state): ``sinks``

@@ -78,16 +78,20 @@ the dtype of q / k / v. Ring attention keeps one fp32 dq buffer across steps and
 
 Dispatch
 --------
-Through xorl_kernels.dispatch: ``backend=None``: CUDA tensors -> Triton, CPU tensors -> the
-plain-torch reference (attention/reference.py); ``XORL_FORCE_REFERENCE=1`` forces the reference.
-``backend="triton"`` forces Triton (on CPU this needs ``TRITON_INTERPRET=1`` set before triton is
-imported), ``backend="reference"`` the reference. Input normalisation: attention/layout.py.
+Through xorl_kernels.dispatch: ``backend=None``: CUDA tensors -> Triton, CPU tensors -> torch's
+CPU flash kernel (attention/cpu_flash.py: every case above, never a whole score matrix), except
+fp64, which stays on the plain-torch reference (attention/reference.py, the tests' oracle);
+``XORL_FORCE_REFERENCE=1`` forces the reference. ``backend="triton"`` forces Triton (on CPU this
+needs ``TRITON_INTERPRET=1`` set before triton is imported), ``backend="torch_cpu"`` torch's CPU
+kernel (CPU tensors, any dtype), ``backend="reference"`` the reference. Input normalisation:
+attention/layout.py.
 """
 
 from __future__ import annotations
 
 import torch
 
+from xorl_kernels.attention.cpu_flash import cpu_flash_backward, cpu_flash_forward
 from xorl_kernels.attention.layout import (
     Packed,
     grad_to_packed,
@@ -99,7 +103,7 @@ from xorl_kernels.attention.layout import (
 )
 from xorl_kernels.attention.reference import reference_backward, reference_bwd_preprocess, reference_forward
 from xorl_kernels.attention.sinks import apply_sinks, sink_grad
-from xorl_kernels.dispatch import REFERENCE, TRITON, pick_backend
+from xorl_kernels.dispatch import REFERENCE, TORCH_CPU, TRITON, pick_backend
 from xorl_kernels.selective_checkpoint_saves import SELECTIVE_CHECKPOINT_SAVES
 
 __all__ = [
@@ -112,17 +116,24 @@ __all__ = [
     "sink_grad",
 ]
 
-_AVAILABLE = (TRITON, REFERENCE)
+_AVAILABLE = (TRITON, TORCH_CPU, REFERENCE)
 
 
 # -- dispatch -------------------------------------------------------------------------------------
 
 
-def _use_triton(backend: str | None, x: torch.Tensor) -> bool:
-    use = pick_backend("flash_attn", [x], _AVAILABLE, backend) == TRITON
-    if use and x.dtype == torch.float64:
+def _backend(backend: str | None, x: torch.Tensor) -> str:
+    """The backend of one call. The automatic pick keeps fp64 on the reference (the tests' oracle;
+    torch's CPU kernel would take it too)."""
+    chosen = pick_backend("flash_attn", [x], _AVAILABLE, backend)
+    if chosen == TRITON and x.dtype == torch.float64:
         raise TypeError("the Triton backend supports float16/bfloat16/float32; use backend='reference' for float64")
-    return use
+    if chosen == TORCH_CPU:
+        if x.is_cuda:
+            raise ValueError("backend='torch_cpu' is torch's CPU flash kernel: it takes CPU tensors")
+        if backend is None and x.dtype == torch.float64:
+            return REFERENCE
+    return chosen
 
 
 def _max_seqlen(given: int | None, cu: torch.Tensor) -> int:
@@ -132,7 +143,8 @@ def _max_seqlen(given: int | None, cu: torch.Tensor) -> int:
 
 
 def _forward_packed(p: Packed, backend: str | None) -> tuple[torch.Tensor, torch.Tensor]:
-    if _use_triton(backend, p.q):
+    chosen = _backend(backend, p.q)
+    if chosen == TRITON:
         from xorl_kernels.attention.fwd_triton import triton_forward
 
         return triton_forward(
@@ -140,6 +152,8 @@ def _forward_packed(p: Packed, backend: str | None) -> tuple[torch.Tensor, torch
             _max_seqlen(p.max_seqlen_q, p.cu_seqlens_q), _max_seqlen(p.max_seqlen_k, p.cu_seqlens_k),
             p.causal, p.softmax_scale, p.q_positions, p.k_positions, sinks=p.sinks, window=p.window,
         )
+    if chosen == TORCH_CPU:
+        return cpu_flash_forward(p)
     out, lse = reference_forward(
         p.q, p.k, p.v, p.cu_seqlens_q, p.cu_seqlens_k, p.causal, p.softmax_scale,
         p.q_positions, p.k_positions, sinks=p.sinks, window=p.window,
@@ -147,9 +161,11 @@ def _forward_packed(p: Packed, backend: str | None) -> tuple[torch.Tensor, torch
     return out, lse if p.q.dtype == torch.float64 else lse.float()
 
 
-def _backward_packed(p: Packed, do, lse, delta, dq_acc, dk_acc, dv_acc, backend):
-    """Gradients into the given packed fp32 accumulators (added) or fresh tensors (q/k/v dtype)."""
-    if _use_triton(backend, p.q):
+def _backward_packed(p: Packed, do, lse, delta, dq_acc, dk_acc, dv_acc, backend, out=None):
+    """Gradients into the given packed fp32 accumulators (added) or fresh tensors (q/k/v dtype).
+    ``out`` (packed, optional): torch's CPU kernel uses it when delta is rowsum(dO·out)."""
+    chosen = _backend(backend, p.q)
+    if chosen == TRITON:
         from xorl_kernels.attention.bwd_triton import triton_backward
 
         return triton_backward(
@@ -157,10 +173,13 @@ def _backward_packed(p: Packed, do, lse, delta, dq_acc, dk_acc, dv_acc, backend)
             _max_seqlen(p.max_seqlen_q, p.cu_seqlens_q), _max_seqlen(p.max_seqlen_k, p.cu_seqlens_k),
             p.causal, p.softmax_scale, p.q_positions, p.k_positions, dq_acc, dk_acc, dv_acc, window=p.window,
         )
-    grads = reference_backward(
-        do, p.q, p.k, p.v, lse, delta, p.cu_seqlens_q, p.cu_seqlens_k, p.causal, p.softmax_scale,
-        p.q_positions, p.k_positions, window=p.window,
-    )
+    if chosen == TORCH_CPU:
+        grads = cpu_flash_backward(p, do, lse, delta, out)
+    else:
+        grads = reference_backward(
+            do, p.q, p.k, p.v, lse, delta, p.cu_seqlens_q, p.cu_seqlens_k, p.causal, p.softmax_scale,
+            p.q_positions, p.k_positions, window=p.window,
+        )
     result = []
     for grad, acc, like in zip(grads, (dq_acc, dk_acc, dv_acc), (p.q, p.k, p.v)):
         result.append(acc.add_(grad) if acc is not None else grad.to(like.dtype))
@@ -193,7 +212,7 @@ def flash_attn_bwd_preprocess(out: torch.Tensor, do: torch.Tensor, backend: str 
         raise ValueError(f"out and do must have the same shape, got {tuple(out.shape)} and {tuple(do.shape)}")
     if out.dim() not in (3, 4):
         raise ValueError(f"out must be [batch, seq, heads, head_dim] or [total, heads, head_dim], got {out.dim()}-D")
-    if out.dtype != torch.float64 and do.dtype != torch.float64 and _use_triton(backend, out):
+    if out.dtype != torch.float64 and do.dtype != torch.float64 and _backend(backend, out) == TRITON:
         from xorl_kernels.attention.preprocess_triton import triton_bwd_preprocess
 
         return triton_bwd_preprocess(out, do)
@@ -221,13 +240,14 @@ def flash_attn_backward(
     lse_p = lse_to_packed("lse", lse, p)
     delta_p = lse_to_packed("delta", delta, p)
     do_p = out_to_packed(do, p)
+    out_p = None if out is None else out_to_packed(out, p)
     accs = (
         grad_to_packed("dq_accum", dq_accum, q, p.q),
         grad_to_packed("dk_accum", dk_accum, k, p.k),
         grad_to_packed("dv_accum", dv_accum, v, p.v),
     )
     with torch.no_grad():
-        dq, dk, dv = _backward_packed(p, do_p, lse_p, delta_p, *accs, backend)
+        dq, dk, dv = _backward_packed(p, do_p, lse_p, delta_p, *accs, backend, out=out_p)
         grads = tuple(
             acc if acc is not None else g.view(like.shape)
             for g, acc, like in zip((dq, dk, dv), (dq_accum, dk_accum, dv_accum), (q, k, v))

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from xorl_kernels.dispatch import BACKENDS, CSRC, REFERENCE, pick_backend
+from xorl_kernels.dispatch import CSRC, REFERENCE, TRITON, pick_backend
 from xorl_kernels.moe_permute.csrc import ext_permute_rows, ext_unpermute_combine
 from xorl_kernels.moe_permute.reference import (
     permute_rows_reference,
@@ -44,7 +44,7 @@ def new_empty(shape, dtype, device) -> torch.Tensor:
 
 
 def _backend(t: torch.Tensor, requested: str | None) -> str:
-    return pick_backend("permute_tokens", [t], BACKENDS, requested)
+    return pick_backend("permute_tokens", [t], (CSRC, TRITON, REFERENCE), requested)
 
 
 def _invert_permutation(perm: torch.Tensor) -> torch.Tensor:

@@ -73,6 +73,7 @@ def test_alpaca_and_sharegpt_rows_are_named_with_the_shape_xorl_reads(tmp_path, 
         _dataset(share, chat_tokenizer, format="messages")
 
 
+@pytest.mark.slow  # starts processes (runs xorl-train and torchrun): the full suite's, not the quick tier's
 def test_the_command_line_refuses_a_bad_row_in_one_line_before_any_process_group(tmp_path, chat_tokenizer):
     """What a user sees: one line naming file:line and the fix, no traceback, no run folder written; the
     in-memory data is read before start-up (it was read inside the trainer, after the process group

@@ -39,7 +39,7 @@ from xorl_kernels.attention.op import (
     sink_grad,
 )
 
-BACKENDS = ["reference", "triton"]
+BACKENDS = ["reference", "torch_cpu", "triton"]  # torch_cpu: torch's CPU flash kernel (attention/cpu_flash.py)
 
 
 @pytest.fixture

@@ -108,7 +108,8 @@ def test_dispatch_and_errors(monkeypatch):
         flash_attn(q[0], q[0], q[0], cu_seqlens=torch.tensor([0, 5]))
     with pytest.raises(ValueError, match="backend"):
         flash_attn(q, q, q, backend="cuda")
-    # CPU tensors default to the reference; XORL_FORCE_REFERENCE wins over nothing else needed here.
+    # CPU tensors default to torch's CPU flash kernel (tests/unit/kernels/test_attention_cpu_flash.py checks
+    # the pick); XORL_FORCE_REFERENCE sends them to the reference.
     monkeypatch.setenv("XORL_FORCE_REFERENCE", "1")
     out = flash_attn(q, q, q, causal=True)
     assert out.shape == q.shape and torch.isfinite(out).all()
@@ -177,7 +178,7 @@ def test_triton_bf16(poisoned):
     check_packed("triton", torch.bfloat16, q[0], k[0], v[0], cu, cu, True, tol=1e-2)
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("backend", ["reference", "torch_cpu", "triton"])
 def test_zigzag_ring_decomposition(poisoned, backend):
     """All ring steps of every rank, merged with merge_attn_states, equal monolithic causal
     attention; the per-step backward with the global lse/delta (lse in the loss too) accumulated

@@ -475,6 +475,7 @@ def test_startup_json_holds_the_trainable_parameters(tmp_path, monkeypatch):
     assert startup["model_parameters"] == sum(p.numel() for p in model.parameters())
     assert startup["trainable_parameters"] == sum(p.numel() for p in model.parameters() if p.requires_grad)
 
+@pytest.mark.slow  # starts processes (runs xorl-train): the full suite's, not the quick tier's
 def test_overwrite_output_dir_replaces_an_earlier_lora_run_and_its_adapter(tmp_path):
     """A LoRA run writes output_dir/adapter; `--train.overwrite_output_dir=true` on that folder must treat
     it as xorl's (it refused it as a foreign file before) and leave no adapter of the earlier run behind."""

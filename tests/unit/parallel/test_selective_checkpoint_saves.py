@@ -51,6 +51,7 @@ def test_the_checkpointing_plan_saves_the_registered_ops():
     assert SELECTIVE_CHECKPOINT_SAVES.ops() <= _save_ops()
 
 
+@pytest.mark.slow  # starts processes (fresh interpreters): the full suite's, not the quick tier's
 def test_the_save_list_does_not_depend_on_what_was_imported_first():
     # A fresh interpreter that imports only the checkpointing plan: every op module is brought in
     # by _save_ops itself (else a TP or EP op imported later would be silently recomputed).

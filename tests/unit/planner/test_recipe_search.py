@@ -64,6 +64,7 @@ def test_per_step_is_recommended_on_a_pipeline_where_it_fits_and_is_faster(gpt_o
     assert first["step_time_s"] < fastest_default
 
 
+@pytest.mark.slow  # starts processes (runs xorl-train --check): the full suite's, not the quick tier's
 def test_written_pipeline_config_keeps_the_recipe_and_passes_the_trainers_checks(gpt_oss):
     out, path = gpt_oss
     written = load_config(path, [])
