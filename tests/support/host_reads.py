@@ -36,7 +36,9 @@ CPU_ONLY = {
     # switch XORL_CHECK_GROUP_SIZES): device group sizes are never read on the host.
     ("expert_gemm/checks.py", "check_group_sizes_values"),
 }
-CPU_ONLY_FILES = ("attention/reference.py", "expert_gemm/reference.py")
+# torch's CPU flash kernel (the torch_cpu backend, picked for CPU tensors only) reads the document
+# boundaries to call it per document.
+CPU_ONLY_FILES = ("attention/reference.py", "expert_gemm/reference.py", "attention/cpu_flash.py")
 # The one read the algorithm needs: the split sizes of the uneven expert-parallel all_to_all.
 EP_SPLIT_SIZES = ("ep_dispatch.py", "_deduplicated_dispatch")  # the one read of the split sizes
 

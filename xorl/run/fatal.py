@@ -131,8 +131,13 @@ def write_error_file(pointer: str) -> None:
         return
     record = {"message": {"message": pointer, "extraInfo": {"py_callstack": pointer,
                                                             "timestamp": str(int(time.time()))}}}
+    # Written whole or not at all: torchrun may stop this rank (its peer failed) mid-write, and an empty
+    # or cut file makes torchrun's own summary fail on the JSON (a JSONDecodeError instead of the exit
+    # codes), seen under load.
+    partial = f"{error_file}.{os.getpid()}.partial"
     try:
-        with open(error_file, "w") as f:
+        with open(partial, "w") as f:
             json.dump(record, f)
+        os.replace(partial, error_file)
     except OSError:
         pass
