@@ -51,19 +51,14 @@ def _gate(self, gate_up: torch.Tensor) -> torch.Tensor:
     return self._apply_gate(gate_up)
 
 
-def xorl_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                         top_k_weights: torch.Tensor) -> torch.Tensor:
+def grouped_experts(self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    """The experts module ``self`` on rows already grouped by (local) expert: gate / up GEMM, the gate,
+    down GEMM (and the post-expert norm where the class has one), one output row per input row. Also
+    the local compute of xorl's expert-parallel dispatch (xorl/hf/expert_parallel.py)."""
     transposed = getattr(self, "is_transposed", False)
     has_gate = getattr(self, "has_gate", True)
     has_bias = getattr(self, "has_bias", False)
     first = self.gate_up_proj if has_gate else self.up_proj
-    num_experts = first.shape[0]
-    ids, weights = top_k_index, top_k_weights
-    if getattr(self, "_is_expert_parallel", False):
-        foreign = ids >= num_experts
-        ids = torch.where(foreign, torch.zeros_like(ids), ids)
-        weights = torch.where(foreign, torch.zeros_like(weights), weights)
-    x_sorted, row_map, tokens_per_expert = permute_tokens(hidden_states, ids, num_experts)
     bias = (self.gate_up_proj_bias if has_gate else self.up_proj_bias) if has_bias else None
     h = grouped_gemm(x_sorted, _in_out(first, transposed), tokens_per_expert, bias)
     h = _gate(self, h) if has_gate else self.act_fn(h)
@@ -71,4 +66,18 @@ def xorl_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.T
                      self.down_proj_bias if has_bias else None)
     if getattr(self, "has_post_expert_norm", False):
         y = self.post_expert_norm(y)
+    return y
+
+
+def xorl_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                         top_k_weights: torch.Tensor) -> torch.Tensor:
+    first = self.gate_up_proj if getattr(self, "has_gate", True) else self.up_proj
+    num_experts = first.shape[0]
+    ids, weights = top_k_index, top_k_weights
+    if getattr(self, "_is_expert_parallel", False):
+        foreign = ids >= num_experts
+        ids = torch.where(foreign, torch.zeros_like(ids), ids)
+        weights = torch.where(foreign, torch.zeros_like(weights), weights)
+    x_sorted, row_map, tokens_per_expert = permute_tokens(hidden_states, ids, num_experts)
+    y = grouped_experts(self, x_sorted, tokens_per_expert)
     return unpermute_tokens(y, row_map, weights.to(torch.float32)).to(hidden_states.dtype)
