@@ -4,7 +4,7 @@
     torchrun --nproc_per_node 8 examples/hf/train_trainer.py --model /data/Llama-3.1-8B \\
         --data train.jsonl --ring 4 --ulysses 2 --bf16                                 # 8 GPUs, unchanged
     torchrun --nproc_per_node 4 examples/hf/train_trainer.py --model QWEN3_MOE --ep 2   # EP 2 x FSDP2 over 4
-    torchrun --nproc_per_node 2 examples/hf/train_trainer.py --tp 2                     # TP 2 via tp_plan
+    torchrun --nproc_per_node 2 examples/hf/train_trainer.py --fsdp                     # FSDP2 alone
 
 What xorl adds to a plain Trainer script is three lines: ``import xorl.hf``, the model loaded with
 ``attn_implementation="xorl", experts_implementation="xorl"``, and ``ContextParallel.apply(model)``;
@@ -45,7 +45,8 @@ def parse_args(argv=None):
     p.add_argument("--output", default="outputs/hf_trainer")
     p.add_argument("--ring", type=int, default=1, help="ring attention ranks (zig-zag)")
     p.add_argument("--ulysses", type=int, default=1, help="Ulysses all-to-all ranks")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (xorl's TP linears through tp_plan)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (xorl's TP linears through tp_plan; "
+                   "GPUs: on CPU HF Trainer refuses a TP model, docs/hf.md)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (xorl's dispatch; FSDP2 over the rest)")
     p.add_argument("--fsdp", action="store_true", help="FSDP2 over every rank (implied by --tp / --ep: the "
                    "data-parallel ranks)")

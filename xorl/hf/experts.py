@@ -15,9 +15,11 @@ transposed here as a view), ``is_concatenated`` ([gate; up]) or interleaved ([g0
 function other than SiLU-GLU or gpt-oss's is computed by the class's own ``_apply_gate`` (correct,
 not fused).
 
-Expert parallelism (transformers' own, ``_is_expert_parallel``): ids >= the local expert count are
-another rank's experts; their slots get weight 0 (computed on expert 0 and dropped, so no host read
-of how many there are).
+Expert parallelism: under ``ep_implementation="xorl"`` (xorl/hf/expert_parallel.py) the tokens travel
+by xorl's deduplicated dispatch and ``grouped_experts`` below runs the local experts on the rows that
+arrive; under transformers' other EP implementations (``_is_expert_parallel``) ids >= the local expert
+count are another rank's experts, and their slots get weight 0 (computed on expert 0 and dropped, so no
+host read of how many there are).
 """
 
 from __future__ import annotations
