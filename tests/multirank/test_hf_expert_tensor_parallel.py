@@ -15,7 +15,9 @@ and its total update within 5e-5 (UPDATE_TOL: why):
   ops counted, the q/k/v and MLP weights held as DTensor shards.
 
 xorl's EP implementation refuses experts it does not run (another ``experts_implementation``) and a
-TP group over the EP ranks, by name. The refusals of ``distributed_config`` (sizes checked before
+TP group over the EP ranks, by name; xorl's TP styles, named by a hand-written tp_plan, refuse a module
+that is not a linear and a width that does not split (a DTensor input is refused too, untested here:
+no stock style hands one on). The refusals of ``distributed_config`` (sizes checked before
 anything is built): tests/unit/hf/test_distributed_config.py."""
 
 from __future__ import annotations
@@ -189,3 +191,29 @@ def test_xorl_expert_parallelism_refuses_what_it_does_not_run(gloo_world, tmp_pa
         assert "experts_implementation is 'grouped_mm'; load it with experts_implementation=\"xorl\"" in \
             messages["experts"]
         assert "tp_size=2" in messages["tp"] and "use tp_size=1 with expert parallelism" in messages["tp"]
+
+
+def _tp_refusals(folder):
+    """xorl's TP styles, named by a hand-written tp_plan (no distributed_config to check it first)."""
+    from transformers.distributed import DistributedConfig
+
+    import xorl.hf
+
+    messages = {}
+    for what, plan in (("not a linear", {"model.embed_tokens": "xorl_colwise"}),
+                       ("width", xorl.hf.xorl_tp_plan(folder))):
+        try:
+            transformers.LlamaForCausalLM.from_pretrained(
+                folder, dtype=torch.float32, distributed_config=DistributedConfig(tp_size=2, tp_plan=plan))
+        except xorl.hf.XorlTPError as e:
+            messages[what] = str(e)
+    return messages
+
+
+def test_xorl_tp_styles_refuse_what_they_cannot_split_exactly(gloo_world, tmp_path):
+    folder = str(tmp_path / "llama")
+    hf_checkpoint("llama3.1-rope-llama3", folder, seed=1, intermediate_size=41)
+    for messages in gloo_world(2).run(_tp_refusals, folder):
+        assert "shard nn.Linear layers; Embedding is not one" in messages["not a linear"]
+        assert "Linear with out_features=41 does not split over 2 TP ranks; choose a tp_size dividing it" in \
+            messages["width"]

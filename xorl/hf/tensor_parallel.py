@@ -66,9 +66,14 @@ def _check_linear(module: nn.Module, mesh, split: str, fix: str) -> None:
         raise XorlTPError(f"{type(module).__name__} with {split}={width} does not split over {size} TP ranks; {fix}")
 
 
-def _local_input(x: torch.Tensor) -> torch.Tensor:
-    """The replicated (or, for a row layer, column-split) activation as the plain tensor xorl's ops take."""
-    return x.to_local() if isinstance(x, DTensor) else x
+def _local_input(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The activation as the plain tensor xorl's ops take: the replicated one (column), this rank's
+    columns (row). transformers' styles hand plain tensors on (``use_local_output=True``); a DTensor's
+    layout is not guessed."""
+    if isinstance(x, DTensor):
+        raise XorlTPError(f"{type(module).__name__} under xorl's TP style got a DTensor input ({x.placements}); "
+                          "xorl's styles take the plain local tensors transformers' styles pass on (use_local_output)")
+    return x
 
 
 def _matmul_config(module: nn.Module, mesh, overlap: bool, overlap_min_numel: int) -> TPMatmulConfig:
@@ -86,13 +91,13 @@ def _bind(module: nn.Module, forward) -> None:
 
 def _column_forward(module: nn.Linear, config: TPMatmulConfig, x: torch.Tensor) -> torch.Tensor:
     bias = None if module.bias is None else module.bias.to_local()
-    (y,) = column_parallel_linear(config, _local_input(x), [module.weight.to_local()], [bias])
+    (y,) = column_parallel_linear(config, _local_input(module, x), [module.weight.to_local()], [bias])
     return y
 
 
 def _row_forward(module: nn.Linear, config: TPMatmulConfig, x: torch.Tensor) -> torch.Tensor:
     bias = None if module.bias is None else module.bias.to_local()
-    return row_parallel_linear(config, _local_input(x), module.weight.to_local(), bias)
+    return row_parallel_linear(config, _local_input(module, x), module.weight.to_local(), bias)
 
 
 class XorlColwiseParallel(ColwiseParallel):
