@@ -3,9 +3,13 @@
     torchrun --nproc_per_node 2 examples/hf/train_trainer.py --ring 2                 # CPU: gloo, a tiny model
     torchrun --nproc_per_node 8 examples/hf/train_trainer.py --model /data/Llama-3.1-8B \\
         --data train.jsonl --ring 4 --ulysses 2 --bf16                                 # 8 GPUs, unchanged
+    torchrun --nproc_per_node 4 examples/hf/train_trainer.py --model QWEN3_MOE --ep 2   # EP 2 x FSDP2 over 4
+    torchrun --nproc_per_node 2 examples/hf/train_trainer.py --fsdp                     # FSDP2 alone
 
 What xorl adds to a plain Trainer script is three lines: ``import xorl.hf``, the model loaded with
-``attn_implementation="xorl", experts_implementation="xorl"``, and ``ContextParallel.apply(model)``.
+``attn_implementation="xorl", experts_implementation="xorl"``, and ``ContextParallel.apply(model)``;
+for expert / tensor parallelism and FSDP2 instead, ``distributed_config=xorl.hf.distributed_config(
+folder, tp=..., ep=...)`` in ``from_pretrained`` (transformers shards the model as it loads it).
 Everything else is the Trainer's: its data loader (each rank its own batches; the ranks of one
 context-parallel group train on the union of theirs as one packed sequence), gradient accumulation,
 ``num_items_in_batch``, checkpoints and resume, evaluation loss.
@@ -41,6 +45,11 @@ def parse_args(argv=None):
     p.add_argument("--output", default="outputs/hf_trainer")
     p.add_argument("--ring", type=int, default=1, help="ring attention ranks (zig-zag)")
     p.add_argument("--ulysses", type=int, default=1, help="Ulysses all-to-all ranks")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (xorl's TP linears through tp_plan; "
+                   "GPUs: on CPU HF Trainer refuses a TP model, docs/hf.md)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (xorl's dispatch; FSDP2 over the rest)")
+    p.add_argument("--fsdp", action="store_true", help="FSDP2 over every rank (implied by --tp / --ep: the "
+                   "data-parallel ranks)")
     p.add_argument("--batch", type=int, default=4, help="sequences per rank per step (per_device_train_batch_size)")
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--max-steps", type=int, default=20)
@@ -98,9 +107,14 @@ def main(argv=None) -> list[dict]:
             tiny_model_folder(folder)
         if dist.is_initialized():
             dist.barrier()
+    # Expert / tensor parallelism and FSDP2: transformers shards the model as it loads it, on xorl's styles.
+    sharded = a.tp * a.ep > 1 or a.fsdp
+    if sharded and a.ring * a.ulysses > 1:
+        raise SystemExit("--tp / --ep / --fsdp and --ring / --ulysses are not combined in this example")
+    layout = xorl.hf.distributed_config(folder, tp=a.tp, ep=a.ep) if sharded else None
     model = AutoModelForCausalLM.from_pretrained(
         folder, attn_implementation="xorl", experts_implementation="xorl",
-        dtype=torch.bfloat16 if a.bf16 else torch.float32)
+        dtype=torch.bfloat16 if a.bf16 else torch.float32, distributed_config=layout)
     if a.ring * a.ulysses > 1:
         pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
         xorl.hf.ContextParallel.from_sizes(ring=a.ring, ulysses=a.ulysses, pad_token_id=pad).apply(model)

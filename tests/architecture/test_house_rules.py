@@ -8,7 +8,8 @@
 * neither the plans nor the xorl/nn code they reach (tests/support/nn_reach.py) change a module from
   outside (another module's attribute, parameter slot, submodule or class) except in the functions
   docs/architecture.md's list names;
-* no ``.forward =`` anywhere in xorl/ except the compile step;
+* no ``.forward =`` anywhere in xorl/ except the compile step and xorl.hf's tensor-parallel styles (a
+  ``tp_plan`` style's contract in transformers is to replace the module's forward: xorl/hf/tensor_parallel.py);
 * no forward hook in xorl/parallel/ except in the functions docs/architecture.md's list names;
 * no function of ``xorl_kernels`` shares its name with a folder of it (it would hide the package);
 * every module of xorl/, xorl_kernels/, bench/ and scripts/ stays readable at a sitting (a line cap).
@@ -304,10 +305,12 @@ def test_no_forward_assignment_outside_the_compile_step():
             for t in targets:
                 if isinstance(t, ast.Attribute) and t.attr == "forward":
                     found.append((str(path.relative_to(XORL)), owner.get(id(node), "<module>")))
-    # xorl's own modules are built once with their final forward; the compile step and xorl.hf's
-    # instance patches on a loaded stock transformers model (where transformers has no kernel hook,
-    # one file, undone by remove(): xorl/hf/instance.py) are the only places a forward is bound.
-    assert sorted(found) == [("hf/instance.py", "_bind"), ("parallel/compile.py", "apply_compile")], found
+    # xorl's own modules are built once with their final forward; the compile step and, on a loaded
+    # stock transformers model, xorl.hf's instance patches (where transformers has no kernel hook, one
+    # file, undone by remove(): xorl/hf/instance.py) and its tp_plan styles (transformers' TP styles
+    # bind a linear's forward: xorl/hf/tensor_parallel.py) are the only places a forward is bound.
+    assert sorted(found) == [("hf/instance.py", "_bind"), ("hf/tensor_parallel.py", "_bind"),
+                             ("parallel/compile.py", "apply_compile")], found
 
 
 # -- forward hooks only where the README names them -------------------------------------------------

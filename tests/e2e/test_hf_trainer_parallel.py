@@ -5,7 +5,12 @@ and a Qwen3-MoE model, ring 2, ring 4, Ulysses 2 and ring 2 x Ulysses 2 on gloo,
 lengths that divide by nothing. The Trainer features claimed in the docs are held the same way:
 gradient accumulation (and its num_items_in_batch), the evaluation loss, a checkpoint saved and
 resumed (the resumed steps equal the uninterrupted run's); and TRL's SFTTrainer with packing, ring 2
-(its loss, grad norm and token accuracy)."""
+(its loss, grad norm and token accuracy).
+
+The same for a model sharded by transformers at load time from ``xorl.hf.distributed_config``
+(``sharded_runs``): EP 2 x FSDP2 over 4 ranks (xorl's expert dispatch) for Qwen3-MoE and Mixtral, with
+gradient accumulation and the evaluation loss for Qwen3-MoE, and FSDP2 alone over 2 ranks for the
+Llama-3.1-style model. (TP through a tp_plan is not driven by HF Trainer on CPU: docs/hf.md says why.)"""
 
 from __future__ import annotations
 
@@ -127,6 +132,53 @@ def test_trl_sft_with_packing_under_ring_attention_equals_one_process(runs):
     one, cp = runs[("trl", "one process", "sft")], runs[("trl", "ring2", "sft")]
     for key in ("loss", "grad_norm", "mean_token_accuracy"):
         assert _close(_history(cp, key), _history(one, key)), (key, _history(cp, key), _history(one, key))
+
+
+@pytest.fixture(scope="module")
+def sharded_runs(tmp_path_factory):
+    """The runs of models sharded at load time, launched once per world size: {(model, layout, variant): path}."""
+    tmp = str(tmp_path_factory.mktemp("hf_trainer_sharded"))
+    data, evaluation = os.path.join(tmp, "train.jsonl"), os.path.join(tmp, "eval.jsonl")
+    _write_data(data, 0)
+    _write_data(evaluation, 1)
+    models = {name: os.path.join(tmp, name) for name in ("llama3.1-rope-llama3", "qwen3_moe", "mixtral")}
+    for name, folder in models.items():
+        hf_checkpoint(name, folder, seed=1, **({"num_local_experts": 4} if name == "mixtral" else {}))
+    jobs, paths = {1: [], 2: [], 4: []}, {}
+
+    def job(world, key, argv):
+        history = os.path.join(tmp, "-".join(k.replace(" ", "") for k in key) + ".json")
+        jobs[world].append({"script": "train_trainer", "argv": [*argv, "--output", history[:-5]], "history": history})
+        paths[key] = history
+
+    for name, layout, world, flags in (("qwen3_moe", "ep2 x fsdp", 4, ["--ep", "2"]),
+                                       ("mixtral", "ep2 x fsdp", 4, ["--ep", "2"]),
+                                       ("llama3.1-rope-llama3", "fsdp2", 2, ["--fsdp"])):
+        base = ["--model", models[name], "--data", data, "--max-steps", str(STEPS), "--lr", "1e-2"]
+        job(1, (name, "one process", "plain"), [*base, "--batch", str(GLOBAL_BATCH)])
+        job(world, (name, layout, "plain"), [*base, *flags, "--batch", str(GLOBAL_BATCH // world)])
+    features = ["--model", models["qwen3_moe"], "--data", data, "--lr", "1e-2", "--max-steps", "4", "--grad-accum", "2",
+                "--eval-data", evaluation]
+    job(1, ("qwen3_moe", "one process", "features"), [*features, "--batch", "4"])
+    job(4, ("qwen3_moe", "ep2 x fsdp", "features"), [*features, "--batch", "1", "--ep", "2"])
+    for world, todo in jobs.items():
+        _launch(todo, world, tmp, f"sharded-world{world}")
+    return paths
+
+
+@pytest.mark.parametrize("name,layout", [("qwen3_moe", "ep2 x fsdp"), ("mixtral", "ep2 x fsdp"),
+                                         ("llama3.1-rope-llama3", "fsdp2")])
+def test_a_model_sharded_at_load_by_xorl_distributed_config_trains_as_one_process(sharded_runs, name, layout):
+    one, sharded = sharded_runs[(name, "one process", "plain")], sharded_runs[(name, layout, "plain")]
+    for key in ("loss", "grad_norm"):
+        assert _close(_history(sharded, key), _history(one, key)), (key, _history(sharded, key), _history(one, key))
+
+
+def test_expert_parallel_gradient_accumulation_and_evaluation_loss_equal_one_process(sharded_runs):
+    one = sharded_runs[("qwen3_moe", "one process", "features")]
+    ep = sharded_runs[("qwen3_moe", "ep2 x fsdp", "features")]
+    for key in ("loss", "grad_norm", "eval_loss"):
+        assert _close(_history(ep, key), _history(one, key)), key
 
 
 def test_a_resumed_context_parallel_run_continues_the_uninterrupted_one(runs):

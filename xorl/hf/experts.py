@@ -15,9 +15,11 @@ transposed here as a view), ``is_concatenated`` ([gate; up]) or interleaved ([g0
 function other than SiLU-GLU or gpt-oss's is computed by the class's own ``_apply_gate`` (correct,
 not fused).
 
-Expert parallelism (transformers' own, ``_is_expert_parallel``): ids >= the local expert count are
-another rank's experts; their slots get weight 0 (computed on expert 0 and dropped, so no host read
-of how many there are).
+Expert parallelism: under ``ep_implementation="xorl"`` (xorl/hf/expert_parallel.py) the tokens travel
+by xorl's deduplicated dispatch and ``grouped_experts`` below runs the local experts on the rows that
+arrive; under transformers' other EP implementations (``_is_expert_parallel``) ids >= the local expert
+count are another rank's experts, and their slots get weight 0 (computed on expert 0 and dropped, so no
+host read of how many there are).
 """
 
 from __future__ import annotations
@@ -51,19 +53,14 @@ def _gate(self, gate_up: torch.Tensor) -> torch.Tensor:
     return self._apply_gate(gate_up)
 
 
-def xorl_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                         top_k_weights: torch.Tensor) -> torch.Tensor:
+def grouped_experts(self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    """The experts module ``self`` on rows already grouped by (local) expert: gate / up GEMM, the gate,
+    down GEMM (and the post-expert norm where the class has one), one output row per input row. Also
+    the local compute of xorl's expert-parallel dispatch (xorl/hf/expert_parallel.py)."""
     transposed = getattr(self, "is_transposed", False)
     has_gate = getattr(self, "has_gate", True)
     has_bias = getattr(self, "has_bias", False)
     first = self.gate_up_proj if has_gate else self.up_proj
-    num_experts = first.shape[0]
-    ids, weights = top_k_index, top_k_weights
-    if getattr(self, "_is_expert_parallel", False):
-        foreign = ids >= num_experts
-        ids = torch.where(foreign, torch.zeros_like(ids), ids)
-        weights = torch.where(foreign, torch.zeros_like(weights), weights)
-    x_sorted, row_map, tokens_per_expert = permute_tokens(hidden_states, ids, num_experts)
     bias = (self.gate_up_proj_bias if has_gate else self.up_proj_bias) if has_bias else None
     h = grouped_gemm(x_sorted, _in_out(first, transposed), tokens_per_expert, bias)
     h = _gate(self, h) if has_gate else self.act_fn(h)
@@ -71,4 +68,18 @@ def xorl_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.T
                      self.down_proj_bias if has_bias else None)
     if getattr(self, "has_post_expert_norm", False):
         y = self.post_expert_norm(y)
+    return y
+
+
+def xorl_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                         top_k_weights: torch.Tensor) -> torch.Tensor:
+    first = self.gate_up_proj if getattr(self, "has_gate", True) else self.up_proj
+    num_experts = first.shape[0]
+    ids, weights = top_k_index, top_k_weights
+    if getattr(self, "_is_expert_parallel", False):
+        foreign = ids >= num_experts
+        ids = torch.where(foreign, torch.zeros_like(ids), ids)
+        weights = torch.where(foreign, torch.zeros_like(weights), weights)
+    x_sorted, row_map, tokens_per_expert = permute_tokens(hidden_states, ids, num_experts)
+    y = grouped_experts(self, x_sorted, tokens_per_expert)
     return unpermute_tokens(y, row_map, weights.to(torch.float32)).to(hidden_states.dtype)

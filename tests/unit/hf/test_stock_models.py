@@ -4,7 +4,9 @@ loaded by transformers' own class from a checkpoint that class saved, with
 logits and every parameter's gradient within 1e-5 (fp32), and xorl's kernels counted as the ones
 that ran. Packed rows (transformers' DataCollatorWithFlattening, both of its forms) give each
 document the logits it has alone; padded batches (left and right) the logits of the unpadded
-rows; generation with a KV cache the eager model's tokens. Importing xorl.hf replaces nothing."""
+rows; generation with a KV cache the eager model's tokens. Importing xorl.hf replaces nothing: it adds
+"xorl" to the attention, mask, experts and EP-implementation registries and "xorl_colwise" /
+"xorl_rowwise" to the parallel styles, and changes no other entry, class or function."""
 
 from __future__ import annotations
 
@@ -153,14 +155,19 @@ import json, transformers
 from transformers import AttentionInterface
 from transformers.integrations.moe import ExpertsInterface
 from transformers.masking_utils import AttentionMaskInterface
+from transformers.distributed import expert_parallel as ep, tensor_parallel as tp
+from transformers.distributed.expert_parallel import EPImplementationInterface
+from transformers.distributed.parallel_utils import ParallelInterface
 from transformers.models.llama import modeling_llama as ml
 from transformers.models.qwen3_moe import modeling_qwen3_moe as mq
 def snap():
     maps = {n: {k: id(v) for k, v in c._global_mapping.items()}
-            for n, c in (("attn", AttentionInterface), ("experts", ExpertsInterface), ("mask", AttentionMaskInterface))}
-    classes = {f"{m.__name__}.{k}": {a: id(v) for a, v in vars(c).items()} for m in (ml, mq)
+            for n, c in (("attn", AttentionInterface), ("experts", ExpertsInterface), ("mask", AttentionMaskInterface),
+                         ("ep", EPImplementationInterface), ("styles", ParallelInterface))}
+    mods = (ml, mq, ep, tp)
+    classes = {f"{m.__name__}.{k}": {a: id(v) for a, v in vars(c).items()} for m in mods
                for k, c in vars(m).items() if isinstance(c, type) and c.__module__ == m.__name__}
-    funcs = {f"{m.__name__}.{k}": id(v) for m in (ml, mq) for k, v in vars(m).items() if callable(v)}
+    funcs = {f"{m.__name__}.{k}": id(v) for m in mods for k, v in vars(m).items() if callable(v)}
     return maps, classes, funcs
 before = snap()
 import xorl.hf
@@ -170,6 +177,8 @@ print(json.dumps([before, after]))
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO_ROOT, check=True)
     (maps0, classes0, funcs0), (maps1, classes1, funcs1) = json.loads(out.stdout.strip().splitlines()[-1])
     assert classes1 == classes0 and funcs1 == funcs0
-    for kind in ("attn", "experts", "mask"):
-        assert set(maps1[kind]) - set(maps0[kind]) == {"xorl"}
-        assert {k: v for k, v in maps1[kind].items() if k != "xorl"} == maps0[kind]
+    added = {"attn": {"xorl"}, "experts": {"xorl"}, "mask": {"xorl"}, "ep": {"xorl"},
+             "styles": {"xorl_colwise", "xorl_rowwise"}}
+    for kind, names in added.items():
+        assert set(maps1[kind]) - set(maps0[kind]) == names
+        assert {k: v for k, v in maps1[kind].items() if k not in names} == maps0[kind]
