@@ -18,8 +18,8 @@ algorithm the Triton kernels run; the backward below is its hand derivation, the
 Triton backward runs, so the kernels can be checked piece by piece. The chunk's incoming-state
 gradient dS = exp(γ_C) dS' + (Q̂ ⊙ Γ)^T dO - W^T dΔ runs the scan backwards; the rest of each chunk's
 gradients is local. GQA: value head h reads key head h // (heads_v // heads_k) (repeat_interleave,
-as transformers); q̂ / k̂ gradients are summed over the heads sharing them by autograd of that
-expansion, together with the l2norm backward.
+as transformers); q̂ / k̂ gradients are summed over the value heads that share a key head and
+taken through the l2norm backward (_qk_backward).
 
 Layouts (packed): q, k [T, heads_k, d_k], v [T, heads_v, d_v], g, beta [T, heads_v],
 initial_state [docs, heads_v, d_k, d_v]; documents from cu_seqlens (int64, host). Arithmetic in
@@ -148,14 +148,26 @@ def _chunk_backward(c, q, k, v, beta, state, delta, d_out, d_next):
     return dq, dk, dv, dg, dbeta, d_state
 
 
+def _qk_backward(x, d_expanded, use_qk_l2norm, dtype):
+    """dx from the gradient of l2norm(x) repeated to the value heads: summed over the value heads
+    sharing a key head, then through x̂ = x r, r = 1 / sqrt(|x|^2 + eps): dx = r (dx̂ - x̂ (x̂·dx̂)).
+    (Explicit, not autograd: a custom op's backward runs below autograd.)"""
+    tokens, heads_k, dim = x.shape
+    dxn = d_expanded.view(tokens, heads_k, -1, dim).sum(2)
+    if not use_qk_l2norm:
+        return dxn
+    x = x.to(dtype)
+    r = torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+    xn = x * r
+    return r * (dxn - xn * (xn * dxn).sum(-1, keepdim=True))
+
+
 def gated_delta_backward_reference(d_out, d_final, q, k, v, g, beta, scale, initial_state, cu, use_qk_l2norm,
                                    chunk_size):
     """(dq, dk, dv, dg, dbeta, d_initial_state or None) in the inputs' dtypes; d_final may be None."""
     dtype = compute_dtype(q, k, v, initial_state)
     heads_v, dk_dim, dv_dim = v.shape[1], q.shape[-1], v.shape[-1]
-    q_leaf, k_leaf = q.detach().requires_grad_(), k.detach().requires_grad_()
-    with torch.enable_grad():
-        qh, kh = prepare_qk(q_leaf, k_leaf, heads_v, scale, use_qk_l2norm, dtype)
+    qh, kh = prepare_qk(q, k, heads_v, scale, use_qk_l2norm, dtype)
     grads = {name: torch.zeros(x.shape, dtype=dtype, device=v.device)
              for name, x in (("q", qh), ("k", kh), ("v", v), ("g", g), ("beta", beta))}
     d_init = []
@@ -165,7 +177,7 @@ def gated_delta_backward_reference(d_out, d_final, q, k, v, g, beta, scale, init
         saved = []
         for s in range(bos, eos, chunk_size):  # forward again, keeping each chunk's entering state
             e = min(s + chunk_size, eos)
-            qc, kc, vc = (_heads_first(x.detach(), s, e, dtype) for x in (qh, kh, v))
+            qc, kc, vc = (_heads_first(x, s, e, dtype) for x in (qh, kh, v))
             bc = _heads_first(beta, s, e, dtype)
             c = _chunk_terms(qc, kc, vc, _heads_first(g, s, e, dtype), bc)
             _, delta, nxt = _chunk_forward(c, qc, kc, state)
@@ -180,9 +192,8 @@ def gated_delta_backward_reference(d_out, d_final, q, k, v, g, beta, scale, init
                 grads[name][s:e] = part.transpose(0, 1)
             d_state = parts[5]
         d_init.append(d_state)
-    dq, dk = torch.autograd.grad((qh, kh), (q_leaf, k_leaf), (grads["q"], grads["k"]), allow_unused=True)
-    dq = torch.zeros_like(q) if dq is None else dq
-    dk = torch.zeros_like(k) if dk is None else dk
+    dq = _qk_backward(q, grads["q"] * scale, use_qk_l2norm, dtype)
+    dk = _qk_backward(k, grads["k"], use_qk_l2norm, dtype)
     d_initial = None
     if initial_state is not None:
         d_initial = (torch.stack(d_init) if d_init else torch.zeros_like(initial_state)).to(initial_state.dtype)
