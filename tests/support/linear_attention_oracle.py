@@ -15,18 +15,21 @@ import torch.nn.functional as F
 
 from tests.support.attention_oracle import rel_err  # noqa: F401 (re-exported for the tests)
 from xorl_kernels.gated_delta import triton_common as gated_delta_common
+from xorl_kernels.rmsnorm import gated_triton as gated_norm_triton
+from xorl_kernels.short_conv import triton_kernels as short_conv_triton
 
 F64 = torch.float64
 
 
-def poison_gated_delta_outputs(monkeypatch) -> None:
-    """Every buffer the gated delta kernels allocate starts as NaN: a row, state or gradient a kernel
-    forgets to write fails the test."""
+def poison_outputs(monkeypatch) -> None:
+    """Every buffer the gated delta, short conv and gated norm kernels allocate starts as NaN: a row,
+    state or gradient a kernel forgets to write fails the test."""
 
     def alloc(shape, dtype, device):
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
-    monkeypatch.setattr(gated_delta_common, "alloc_output", alloc)
+    for module in (gated_delta_common, short_conv_triton, gated_norm_triton):
+        monkeypatch.setattr(module, "alloc_output", alloc)
 
 
 def gated_delta_inputs(batch, seq, heads_k, heads_v, dk, dv, seed, docs=None, with_state=True):

@@ -18,7 +18,7 @@ import torch
 from tests.support.linear_attention_oracle import (
     F64,
     gated_delta_inputs,
-    poison_gated_delta_outputs,
+    poison_outputs,
     recurrent_gated_delta,
     rel_err,
 )
@@ -30,7 +30,7 @@ NAMES = ("q", "k", "v", "g", "beta", "initial_state")
 
 @pytest.fixture
 def poisoned(monkeypatch):
-    poison_gated_delta_outputs(monkeypatch)
+    poison_outputs(monkeypatch)
 
 
 def _loss_weights(out_shape, final_shape, seed=7):
