@@ -72,16 +72,16 @@ def _state_grad_kernel(Q, K, GC, W, DO, DVN, DH, DFINAL, DINIT, CH_START, CH_END
     stride_qk = (heads_v // group) * DK
     doc_head = (n * heads_v + h).to(tl.int64) * DK * DV
     if HAS_DFINAL:
-        ptrs, mask = state_tile(DFINAL + doc_head, offs_k, offs_v, DK, DV)
-        ds = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        final_ptrs, final_mask = state_tile(DFINAL + doc_head, offs_k, offs_v, DK, DV)
+        ds = tl.load(final_ptrs, mask=final_mask, other=0.0).to(tl.float32)
     else:
         ds = tl.zeros([BK, BV], dtype=tl.float32)
     first = tl.load(DOC_OFF + n)
     last = tl.load(DOC_OFF + n + 1)
     for i in range(0, last - first):
         c = last - 1 - i
-        ptrs, mask = state_tile(DH + (c * heads_v + h).to(tl.int64) * DK * DV, offs_k, offs_v, DK, DV)
-        tl.store(ptrs, ds.to(DH.dtype.element_ty), mask=mask)
+        dh_ptrs, dh_mask = state_tile(DH + (c * heads_v + h).to(tl.int64) * DK * DV, offs_k, offs_v, DK, DV)
+        tl.store(dh_ptrs, ds.to(DH.dtype.element_ty), mask=dh_mask)
         start, end, rows, valid = chunk_bounds(CH_START, CH_END, c, BC)
         k, _ = l2norm_rows(load_rows(K + hk * DK, rows, valid, stride_qk, offs_k, DK), L2NORM)
         gc = load_vec(GC + h, rows, valid, heads_v)
@@ -124,12 +124,12 @@ def _qk_grad_kernel(Q, K, GC, H, DH, VN, DVN, DO, DQ, DK_PART, DG_PART, DW, CH_S
     dp = tl.zeros([BC, BC], dtype=tl.float32)  # dO Δ^T
     state_dot = tl.zeros([BK], dtype=tl.float32)  # sum(S ⊙ dS'), reduced to a scalar below
     state_base = (c * heads_v + h).to(tl.int64) * DK * DV
-    for iv in range(0, tl.cdiv(DV, BV)):
+    for iv in range(0, (DV + BV - 1) // BV):
         offs_v = iv * BV + tl.arange(0, BV)
-        ptrs, mask = state_tile(H + state_base, offs_k, offs_v, DK, DV)
-        s = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-        ptrs, mask = state_tile(DH + state_base, offs_k, offs_v, DK, DV)
-        ds = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        s_ptrs, s_mask = state_tile(H + state_base, offs_k, offs_v, DK, DV)
+        s = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)
+        ds_ptrs, ds_mask = state_tile(DH + state_base, offs_k, offs_v, DK, DV)
+        ds = tl.load(ds_ptrs, mask=ds_mask, other=0.0).to(tl.float32)
         delta = load_rows(VN + h * DV, rows, valid, heads_v * DV, offs_v, DV)
         d_delta = load_rows(DVN + h * DV, rows, valid, heads_v * DV, offs_v, DV)
         do = load_rows(DO + h * DV, rows, valid, heads_v * DV, offs_v, DV)
@@ -173,7 +173,7 @@ def _wy_grad_kernel(K, V, BETA, GC, TM, DVN, DW, DK_PART, DG_PART, DK_OUT, DV_OU
     d_bk = tl.dot(tl.trans(t), dw, input_precision=DOT_PREC)  # through W = T (βΓ ⊙ K̂)
     d_t = tl.dot(dw, tl.trans(k * (b * e)[:, None]), input_precision=DOT_PREC)
     dbeta = tl.zeros([BC], dtype=tl.float32)
-    for iv in range(0, tl.cdiv(DV, BV)):  # through U = T (β ⊙ V); dU = dΔ
+    for iv in range(0, (DV + BV - 1) // BV):  # through U = T (β ⊙ V); dU = dΔ
         offs_v = iv * BV + tl.arange(0, BV)
         v = load_rows(V + h * DV, rows, valid, heads_v * DV, offs_v, DV)
         du = load_rows(DVN + h * DV, rows, valid, heads_v * DV, offs_v, DV)

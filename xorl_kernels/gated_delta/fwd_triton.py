@@ -56,7 +56,7 @@ def _wy_kernel(K, V, G, BETA, GC, U, W, TM, CH_START, CH_END, heads_v, group,
     t = unit_lower_inverse(a, offs_c, BC)
     w = tl.dot(t, k * (b * tl.exp(gc))[:, None], input_precision=DOT_PREC)
     store_rows(W + h * DK, w, rows, valid, heads_v * DK, offs_k, DK)
-    for iv in range(0, tl.cdiv(DV, BV)):
+    for iv in range(0, (DV + BV - 1) // BV):
         offs_v = iv * BV + tl.arange(0, BV)
         v = load_rows(V + h * DV, rows, valid, heads_v * DV, offs_v, DV)
         u = tl.dot(t, v * b[:, None], input_precision=DOT_PREC)
@@ -76,13 +76,14 @@ def _state_kernel(K, W, U, GC, H, VN, INIT, FINAL, CH_START, CH_END, DOC_OFF, he
     offs_v = tl.program_id(2) * BV + tl.arange(0, BV)
     doc_head = (n * heads_v + h).to(tl.int64) * DK * DV
     if HAS_INIT:
-        ptrs, mask = state_tile(INIT + doc_head, offs_k, offs_v, DK, DV)
-        s = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        init_ptrs, init_mask = state_tile(INIT + doc_head, offs_k, offs_v, DK, DV)
+        s = tl.load(init_ptrs, mask=init_mask, other=0.0).to(tl.float32)
     else:
         s = tl.zeros([BK, BV], dtype=tl.float32)
+    # (names inside the loop are its own: a loop-carried name must keep its type in compiled Triton)
     for c in range(tl.load(DOC_OFF + n), tl.load(DOC_OFF + n + 1)):
-        ptrs, mask = state_tile(H + (c * heads_v + h).to(tl.int64) * DK * DV, offs_k, offs_v, DK, DV)
-        tl.store(ptrs, s.to(H.dtype.element_ty), mask=mask)
+        h_ptrs, h_mask = state_tile(H + (c * heads_v + h).to(tl.int64) * DK * DV, offs_k, offs_v, DK, DV)
+        tl.store(h_ptrs, s.to(H.dtype.element_ty), mask=h_mask)
         start, end, rows, valid = chunk_bounds(CH_START, CH_END, c, BC)
         w = load_rows(W + h * DK, rows, valid, heads_v * DK, offs_k, DK)
         u = load_rows(U + h * DV, rows, valid, heads_v * DV, offs_v, DV)

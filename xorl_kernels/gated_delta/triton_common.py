@@ -84,9 +84,10 @@ def l2norm_rows(x, L2NORM: tl.constexpr):
 @triton.jit
 def l2norm_rows_backward(xn, rinv, dxn, L2NORM: tl.constexpr):
     """d x from d x̂ for x̂ = x * rinv(x): rinv * (dx̂ - x̂ (x̂·dx̂)) (identity when L2NORM is off)."""
+    dx = dxn
     if L2NORM:
-        return rinv[:, None] * (dxn - xn * tl.sum(xn * dxn, 1)[:, None])
-    return dxn
+        dx = rinv[:, None] * (dxn - xn * tl.sum(xn * dxn, 1)[:, None])
+    return dx  # one return: compiled Triton wants no return inside a branch
 
 
 @triton.jit
