@@ -223,7 +223,7 @@ def gated_delta_backward_triton(d_out, d_final, q, k, v, g, beta, scale: float, 
     dv_out = tc.alloc_output(v.shape, v.dtype, dev)
     tables = (chunks.chunk_start, chunks.chunk_end)
     v_blocks = triton.cdiv(dv, sizes["BV"])
-    opts = dict(L2NORM=use_qk_l2norm, DOT_PREC=prec, **sizes)
+    opts = dict(L2NORM=use_qk_l2norm, DOT_PREC=prec, **sizes, **tc.LAUNCH)
     if chunks.num_chunks:
         _delta_grad_local_kernel[(chunks.num_chunks, heads_v, v_blocks)](
             q, k, fwd["gc"], d_out, d_delta, *tables, heads_v, group, float(scale), **opts)

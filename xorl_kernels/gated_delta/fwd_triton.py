@@ -148,13 +148,13 @@ def wy_and_states(q, k, v, g, beta, initial_state, chunks: DocChunks, use_qk_l2n
     if chunks.num_chunks:
         _wy_kernel[(chunks.num_chunks, heads_v)](
             k, v, g, beta, gc, u, w, t if store_t else gc, chunks.chunk_start, chunks.chunk_end, heads_v, group,
-            L2NORM=use_qk_l2norm, STORE_T=store_t, DOT_PREC=prec, **sizes)
+            L2NORM=use_qk_l2norm, STORE_T=store_t, DOT_PREC=prec, **sizes, **tc.LAUNCH)
     if chunks.num_docs:
         grid = (chunks.num_docs, heads_v, triton.cdiv(dv, sizes["BV"]))
         _state_kernel[grid](
             k, w, u, gc, states, deltas, initial_state if initial_state is not None else final, final,
             chunks.chunk_start, chunks.chunk_end, chunks.doc_chunk_offsets, heads_v, group,
-            L2NORM=use_qk_l2norm, HAS_INIT=initial_state is not None, DOT_PREC=prec, **sizes)
+            L2NORM=use_qk_l2norm, HAS_INIT=initial_state is not None, DOT_PREC=prec, **sizes, **tc.LAUNCH)
     return dict(gc=gc, u=u, w=w, t=t, states=states, deltas=deltas, final=final)
 
 
@@ -170,5 +170,5 @@ def gated_delta_forward_triton(q, k, v, g, beta, scale: float, initial_state, ch
         _output_kernel[(chunks.num_chunks, heads_v, triton.cdiv(dv, sizes["BV"]))](
             q, k, parts["gc"], parts["states"], parts["deltas"], out, chunks.chunk_start, chunks.chunk_end,
             heads_v, heads_v // k.shape[1], float(scale), L2NORM=use_qk_l2norm, DOT_PREC=tc.dot_precision(q.dtype),
-            **sizes)
+            **sizes, **tc.LAUNCH)
     return out, parts["final"]

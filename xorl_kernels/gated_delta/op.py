@@ -2,7 +2,7 @@
 
     out, final_state = gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
                                         output_final_state=False, cu_seqlens=None,
-                                        use_qk_l2norm_in_kernel=False, chunk_size=64)
+                                        use_qk_l2norm_in_kernel=False, chunk_size=None)
 
 Per value head, with a [d_k, d_v] state S reset to ``initial_state`` (or zero) at every document start:
 
@@ -29,9 +29,12 @@ Layouts
   in fp32), float64 on the reference only.
 
 The custom op ``xorl::gated_delta_rule`` always computes the final state (it is free); the public
-function drops it unless asked. ``chunk_size`` is the tokens per chunk of the chunked algorithm
-(16, 32 or 64 for Triton, which needs a power of two >= 16 for its dots; any size >= 1 for the
-reference). It changes rounding only, never the result.
+function drops it unless asked. ``chunk_size`` is the tokens per chunk of the chunked algorithm; it
+changes rounding only, never the result. None picks the backend's: 32 for Triton (16 or 32 may be
+given: its dots need >= 16, and at 64 tokens the backward's kernels ask for up to 232 KiB of shared
+memory at d_k = d_v = 128, over an H100's 227 KiB, where 32 needs at most 64 KiB in bf16 and 88 KiB
+in fp32 (160 KiB at 256): compiled for sm_90 and read from the kernels' metadata), 64 for the
+reference, as transformers (any size >= 1).
 
 Dispatch (xorl_kernels.dispatch): Triton on CUDA tensors (gated_delta/fwd_triton.py,
 bwd_triton.py), the plain-torch reference on CPU (gated_delta/reference.py), XORL_FORCE_REFERENCE
@@ -49,21 +52,26 @@ from xorl_kernels.selective_checkpoint_saves import SELECTIVE_CHECKPOINT_SAVES
 
 _OP = "gated_delta_rule"
 _AVAILABLE = (TRITON, REFERENCE)
-TRITON_CHUNK_SIZES = (16, 32, 64)
+TRITON_CHUNK_SIZES = (16, 32)
+TRITON_CHUNK_SIZE, REFERENCE_CHUNK_SIZE = 32, 64  # the defaults (chunk_size=None); see the module docstring
 MAX_TRITON_HEAD_DIM = 256  # a program holds whole [chunk, d_k] tiles and [d_k, 64] states in registers
 
 
-def _resolve(backend: str | None, q: torch.Tensor, chunk_size: int) -> str:
+def _resolve(backend: str | None, q: torch.Tensor, chunk_size: int | None) -> tuple[str, int]:
+    """(backend, chunk size) for this call."""
     chosen = pick_backend(_OP, [q], _AVAILABLE, backend)
     if chosen == TRITON and q.dtype == torch.float64:
         if backend is None:
-            return REFERENCE
+            return REFERENCE, chunk_size or REFERENCE_CHUNK_SIZE
         raise TypeError(f"{_OP}: the Triton backend takes fp16/bf16/fp32; use backend='reference' for float64")
     if chosen == TRITON and not q.is_cuda and not triton_interpreting():
         raise RuntimeError(f"{_OP}: backend='triton' on CPU tensors needs TRITON_INTERPRET=1 (or backend='reference')")
-    if chosen == TRITON and chunk_size not in TRITON_CHUNK_SIZES:
-        raise ValueError(f"{_OP}: chunk_size must be one of {TRITON_CHUNK_SIZES} on the Triton backend, got {chunk_size}")
-    return chosen
+    if chosen == REFERENCE:
+        return chosen, chunk_size or REFERENCE_CHUNK_SIZE
+    if chunk_size is not None and chunk_size not in TRITON_CHUNK_SIZES:
+        raise ValueError(f"{_OP}: chunk_size must be one of {TRITON_CHUNK_SIZES} (or None) on the Triton backend, "
+                         f"got {chunk_size}")
+    return chosen, chunk_size or TRITON_CHUNK_SIZE
 
 
 def _packed(q, k, v, g, beta):
@@ -87,11 +95,13 @@ SELECTIVE_CHECKPOINT_SAVES.join("xorl::gated_delta_rule")  # a whole sequence sc
 @torch.library.custom_op("xorl::gated_delta_rule", mutates_args=())
 def _gated_delta_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, scale: float,
-                    use_qk_l2norm: bool, chunk_size: int, backend: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+                    use_qk_l2norm: bool, chunk_size: int | None, backend: str | None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     batch, seq = q.shape[:2]
     qp, kp, vp, gp, bp = _packed(q, k, v, g, beta)
     init = initial_state.contiguous() if initial_state is not None else None
-    if _resolve(backend, q, chunk_size) == REFERENCE:
+    chosen, chunk_size = _resolve(backend, q, chunk_size)
+    if chosen == REFERENCE:
         out, final = gated_delta_forward_reference(qp, kp, vp, gp, bp, scale, init, _host_cu(cu_seqlens, batch, seq),
                                                    use_qk_l2norm, chunk_size)
     else:
@@ -113,7 +123,7 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, use_qk_l2norm, chunk_s
 def _gated_delta_backward_op(
     d_out: torch.Tensor, d_final: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     g: torch.Tensor, beta: torch.Tensor, initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
-    scale: float, use_qk_l2norm: bool, chunk_size: int, backend: str | None,
+    scale: float, use_qk_l2norm: bool, chunk_size: int | None, backend: str | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dg, dbeta, d_initial_state); the last is empty without an initial state (a custom
     op cannot return None)."""
@@ -122,7 +132,8 @@ def _gated_delta_backward_op(
     dop = d_out.reshape(vp.shape).contiguous()
     init = initial_state.contiguous() if initial_state is not None else None
     dfin = d_final.contiguous() if d_final is not None else None
-    if _resolve(backend, q, chunk_size) == REFERENCE:
+    chosen, chunk_size = _resolve(backend, q, chunk_size)
+    if chosen == REFERENCE:
         grads = gated_delta_backward_reference(dop, dfin, qp, kp, vp, gp, bp, scale, init,
                                                _host_cu(cu_seqlens, batch, seq), use_qk_l2norm, chunk_size)
     else:
@@ -186,18 +197,18 @@ def _check(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size) -> None:
         if tuple(initial_state.shape) != want:
             raise ValueError(f"{_OP}: initial_state must be [docs, heads_v, d_k, d_v] = {want}, got "
                              f"{tuple(initial_state.shape)}")
-    if chunk_size < 1:
-        raise ValueError(f"{_OP}: chunk_size must be >= 1, got {chunk_size}")
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"{_OP}: chunk_size must be >= 1 (or None), got {chunk_size}")
     if q.is_cuda and max(q.shape[3], v.shape[3]) > MAX_TRITON_HEAD_DIM:
         raise ValueError(f"{_OP}: head dims above {MAX_TRITON_HEAD_DIM} are not supported by the Triton kernels, "
                          f"got d_k={q.shape[3]}, d_v={v.shape[3]}")
 
 
 def gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-                     use_qk_l2norm_in_kernel=False, chunk_size=64, *, backend=None):
+                     use_qk_l2norm_in_kernel=False, chunk_size=None, *, backend=None):
     """(out, final_state or None), differentiable w.r.t. q, k, v, g, beta and initial_state (through
     out and final_state). See the module docstring."""
-    chunk_size = int(chunk_size)
+    chunk_size = None if chunk_size is None else int(chunk_size)
     _check(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size)
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
     out, final = torch.ops.xorl.gated_delta_rule(q, k, v, g, beta, initial_state, cu_seqlens, scale,
