@@ -36,6 +36,13 @@ memory at d_k = d_v = 128, over an H100's 227 KiB, where 32 needs at most 64 KiB
 in fp32 (160 KiB at 256): compiled for sm_90 and read from the kernels' metadata), 64 for the
 reference, as transformers (any size >= 1).
 
+Context parallelism (a later branch builds on this): out and final_state are affine in
+initial_state, and with v = 0 the op is linear in it. So a rank can run its shard from a zero state
+(out_0, final_0), and once the incoming state S arrives, add the op's output on (q, k, v = 0, g,
+beta, initial_state = S), which is exactly S's contribution to out and to the final state; run on
+the identity (d_v = d_k) it gives the shard's state transition. The gradients flow back the same way,
+through initial_state.
+
 Dispatch (xorl_kernels.dispatch): Triton on CUDA tensors (gated_delta/fwd_triton.py,
 bwd_triton.py), the plain-torch reference on CPU (gated_delta/reference.py), XORL_FORCE_REFERENCE
 forces the reference, ``backend=`` picks one by name.
