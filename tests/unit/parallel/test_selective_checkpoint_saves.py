@@ -21,7 +21,7 @@ def test_the_attention_expert_and_collective_ops_are_saved():
                                              "ulysses_head_to_seq", "ep_all_to_all", "ep_exchange_counts",
                                              "tp_all_gather", "tp_reduce_scatter", "tp_all_reduce",
                                              "tp_column_linear", "tp_row_linear", "fp8_linear",
-                                             "fp8_grouped_gemm")}
+                                             "fp8_grouped_gemm", "gated_delta_rule")}
     ops = SELECTIVE_CHECKPOINT_SAVES.ops()
     assert torch.ops.xorl.ring_attention.default in ops and torch.ops.xorl.grouped_gemm.default in ops
     assert len(ops) == len(names)
