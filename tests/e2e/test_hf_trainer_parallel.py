@@ -108,6 +108,7 @@ def runs(tmp_path_factory):
                              (2, ("trl", "ring2", "sft"), [*trl, "--batch", "2", "--ring", "2"])):
         job(world, key, argv)
         jobs[world][-1]["script"] = "train_trl_sft"
+    _add_sharded_jobs(job, tmp, data, evaluation, models)
     for world, todo in jobs.items():
         _launch(todo, world, tmp, f"world{world}")
     return paths
@@ -134,36 +135,28 @@ def test_trl_sft_with_packing_under_ring_attention_equals_one_process(runs):
         assert _close(_history(cp, key), _history(one, key)), (key, _history(cp, key), _history(one, key))
 
 
-@pytest.fixture(scope="module")
-def sharded_runs(tmp_path_factory):
-    """The runs of models sharded at load time, launched once per world size: {(model, layout, variant): path}."""
-    tmp = str(tmp_path_factory.mktemp("hf_trainer_sharded"))
-    data, evaluation = os.path.join(tmp, "train.jsonl"), os.path.join(tmp, "eval.jsonl")
-    _write_data(data, 0)
-    _write_data(evaluation, 1)
-    models = {name: os.path.join(tmp, name) for name in ("llama3.1-rope-llama3", "qwen3_moe", "mixtral")}
-    for name, folder in models.items():
-        hf_checkpoint(name, folder, seed=1, **({"num_local_experts": 4} if name == "mixtral" else {}))
-    jobs, paths = {1: [], 2: [], 4: []}, {}
-
-    def job(world, key, argv):
-        history = os.path.join(tmp, "-".join(k.replace(" ", "") for k in key) + ".json")
-        jobs[world].append({"script": "train_trainer", "argv": [*argv, "--output", history[:-5]], "history": history})
-        paths[key] = history
-
+def _add_sharded_jobs(job, tmp, data, evaluation, models):
+    """The runs of models sharded at load time (xorl.hf.distributed_config), in the same launches as the
+    context-parallel runs (one torchrun per world size for the whole file); the one-process runs of the
+    Llama and Qwen3-MoE checkpoints are shared with them."""
+    models["mixtral"] = os.path.join(tmp, "mixtral")
+    hf_checkpoint("mixtral", models["mixtral"], seed=1, num_local_experts=4)
     for name, layout, world, flags in (("qwen3_moe", "ep2 x fsdp", 4, ["--ep", "2"]),
                                        ("mixtral", "ep2 x fsdp", 4, ["--ep", "2"]),
                                        ("llama3.1-rope-llama3", "fsdp2", 2, ["--fsdp"])):
         base = ["--model", models[name], "--data", data, "--max-steps", str(STEPS), "--lr", "1e-2"]
-        job(1, (name, "one process", "plain"), [*base, "--batch", str(GLOBAL_BATCH)])
+        if name == "mixtral":
+            job(1, (name, "one process", "plain"), [*base, "--batch", str(GLOBAL_BATCH)])
         job(world, (name, layout, "plain"), [*base, *flags, "--batch", str(GLOBAL_BATCH // world)])
     features = ["--model", models["qwen3_moe"], "--data", data, "--lr", "1e-2", "--max-steps", "4", "--grad-accum", "2",
                 "--eval-data", evaluation]
     job(1, ("qwen3_moe", "one process", "features"), [*features, "--batch", "4"])
     job(4, ("qwen3_moe", "ep2 x fsdp", "features"), [*features, "--batch", "1", "--ep", "2"])
-    for world, todo in jobs.items():
-        _launch(todo, world, tmp, f"sharded-world{world}")
-    return paths
+
+
+@pytest.fixture(scope="module")
+def sharded_runs(runs):
+    return runs
 
 
 @pytest.mark.parametrize("name,layout", [("qwen3_moe", "ep2 x fsdp"), ("mixtral", "ep2 x fsdp"),
